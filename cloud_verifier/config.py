@@ -1,0 +1,81 @@
+"""Settings of the cloud verifier, read from the environment (prefix ``SPECDEC_``, e.g. ``SPECDEC_PORT``).
+
+Every field can also be given as a keyword (``VerifierSettings(port=0)``); the environment fills the rest.
+See ``deploy/verifier.env.example`` for an annotated example.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_verifier_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class VerifierSettings(BaseSettings):
+    """Configuration of one verifier replica (``specdec serve``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore", validate_default=True)
+
+    host: str = "0.0.0.0"
+    """Interface the gRPC server binds to."""
+
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0 = pick a free port)."""
+
+    redis_url: str | None = None
+    """Redis URL of the session store (e.g. ``redis://redis:6379/0``); None = in-process store (one replica)."""
+
+    redis_prefix: str = "specdec:v1:"
+    """Namespace prepended to every Redis key of this deployment."""
+
+    target: str | None = None
+    """Directory of the target model (HF format); None = the default prepared model (`specdec models prepare`)."""
+
+    model_id: str | None = None
+    """Model id reported to clients and stored per session; None = the target directory's name."""
+
+    verifier_id: str = Field(default_factory=_default_verifier_id)
+    """Id of this replica (stored with each session it holds); default ``<hostname>-<pid>``."""
+
+    session_ttl_s: int = Field(600, ge=1)
+    """Session time-to-live without activity, seconds (Redis key TTL and KV-cache reaping)."""
+
+    reap_interval_s: float = Field(5.0, gt=0)
+    """Period of the reaper that frees the KV caches of expired sessions, seconds."""
+
+    max_block_tokens: int = Field(16, ge=1)
+    """Largest draft block accepted, tokens (γ_max)."""
+
+    max_sessions: int = Field(256, ge=1)
+    """Most sessions held at once by this replica (RESOURCE_EXHAUSTED past it)."""
+
+    max_batch_size: int = Field(32, ge=1)
+    """Most draft blocks verified in one target forward pass, blocks."""
+
+    max_batch_wait_ms: float = Field(2.0, ge=0)
+    """How long the batcher waits for more blocks once one is queued, milliseconds."""
+
+    kv_cache_budget_tokens: int = Field(262144, ge=1)
+    """Total target KV-cache budget over all sessions, tokens (RESOURCE_EXHAUSTED past it)."""
+
+    prefill_chunk_tokens: int = Field(256, ge=1)
+    """Prompt tokens per prefill forward pass (chunked prefill), tokens."""
+
+    metrics_port: int | None = Field(9090, ge=0, le=65535)
+    """Port of the Prometheus /metrics HTTP endpoint; 0 or None = off."""
+
+    grace_period_s: float = Field(10.0, ge=0)
+    """Shutdown grace period: time given to in-flight blocks after SIGTERM/SIGINT, seconds."""
+
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (``torch.set_num_threads``); None = torch's default."""
+
+    @property
+    def metrics_enabled(self) -> bool:
+        return bool(self.metrics_port)

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the verifier (prometheus-client; served on an HTTP /metrics port).
+
+Names follow vLLM's speculative decoding counters (``vllm:spec_decode_num_drafts`` ...), prefixed
+``specdec_``. Mean accepted length = 1 + num_accepted_tokens / num_drafts; acceptance rate =
+num_accepted_tokens / num_draft_tokens (derive them in PromQL from the counters, as vLLM does).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts", "Verify steps (draft blocks verified)")
+NUM_DRAFT_TOKENS = Counter("specdec_spec_decode_num_draft_tokens", "Draft tokens received for verification")
+NUM_ACCEPTED_TOKENS = Counter("specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+NUM_ACCEPTED_TOKENS_PER_POS = Counter(
+    "specdec_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by block position", ["position"]
+)
+NUM_EMITTED_TOKENS = Counter("specdec_generation_tokens", "Tokens committed (accepted + recovered/bonus)")
+FORWARD_PASSES = Counter("specdec_target_forward_passes", "Target forward passes")
+BATCH_SIZE = Histogram(
+    "specdec_batch_size", "Draft blocks verified per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
+)
+BATCH_TOKENS = Histogram(
+    "specdec_batch_tokens", "Tokens per target forward pass (blocks + prefill chunks)",
+    buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048),
+)
+QUEUE_WAIT = Histogram(
+    "specdec_queue_wait_seconds", "Time a draft block waited in the batch queue, s",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
+FORWARD_TIME = Histogram(
+    "specdec_target_forward_seconds", "Wall time of one target forward pass, s",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
+SESSIONS_OPEN = Gauge("specdec_sessions_open", "Sessions held by this verifier")
+SESSIONS_OPENED = Counter("specdec_sessions_opened", "Sessions opened")
+SESSIONS_CLOSED = Counter("specdec_sessions_closed", "Sessions closed by their client")
+SESSIONS_EXPIRED = Counter("specdec_sessions_expired", "Sessions freed after their TTL")
+SESSIONS_RESUMED = Counter("specdec_sessions_resumed", "Sessions resumed from the store on this replica")
+KV_CACHE_USED_BYTES = Gauge("specdec_kv_cache_used_bytes", "KV cache reserved by open sessions, bytes")
+KV_CACHE_CAPACITY_BYTES = Gauge("specdec_kv_cache_capacity_bytes", "KV cache budget, bytes")
+
+
+def observe_forward(seconds: float, num_blocks: int, num_tokens: int) -> None:
+    FORWARD_PASSES.inc()
+    FORWARD_TIME.observe(seconds)
+    BATCH_TOKENS.observe(num_tokens)
+    if num_blocks:
+        BATCH_SIZE.observe(num_blocks)
+
+
+def observe_verdict(num_draft_tokens: int, num_accepted: int, queue_wait_s: float) -> None:
+    NUM_DRAFTS.inc()
+    NUM_DRAFT_TOKENS.inc(num_draft_tokens)
+    NUM_ACCEPTED_TOKENS.inc(num_accepted)
+    NUM_EMITTED_TOKENS.inc(num_accepted + 1)
+    for pos in range(num_accepted):
+        NUM_ACCEPTED_TOKENS_PER_POS.labels(position=str(pos)).inc()
+    QUEUE_WAIT.observe(queue_wait_s)
+
+
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
+    """Start the HTTP /metrics endpoint (a daemon thread) on ``port``."""
+    start_http_server(port, addr=addr)

@@ -1,0 +1,88 @@
+"""The rejection rule of speculative decoding (lossless verification of one draft block).
+
+Follows Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding",
+Algorithm 1 (also Chen et al. 2023, Algorithm 2). Names map to the paper as follows:
+
+- ``draft_token_ids[i]``  x_i, the i-th guess of M_q (i = 0..γ-1; the paper counts from 1)
+- ``draft_probs``         q_i(x), the distribution the draft sampled x_i from (sparse: greedy/top-k drafting)
+- ``target_probs[i]``     p_i(x), the target's processed distribution at the same position; row γ is
+                          p_{γ+1}, used for the bonus token
+- ``num_accepted``        n in Algorithm 1
+- recovered token         sample of norm(max(0, p_{n+1} − q_{n+1})) after the first rejection
+- bonus token             sample of p_{γ+1} when all γ guesses are accepted
+
+Departure from the paper: uniform draws come from a counter-based stream (common.sampling.uniform) keyed by
+the session seed and the absolute token position, instead of a global RNG, so a session's output does not
+depend on batching or on which replica verifies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.sampling import Stream, dense_draft_probs, sample_from, uniform
+from common.types import SparseDraftProbs
+
+
+@dataclass(frozen=True)
+class RejectionResult:
+    num_accepted: int  # n: accepted prefix length, 0..γ
+    next_token_id: int  # recovered token (n < γ) or bonus token (n == γ)
+
+    @property
+    def committed(self) -> int:
+        return self.num_accepted + 1
+
+
+def verify_greedy(
+    draft_token_ids: list[int],  # [γ]
+    target_logits: np.ndarray,  # [γ + 1, vocab_size]
+    valid_vocab_size: int | None = None,
+) -> RejectionResult:
+    """Greedy (temperature 0) verification: accept while the draft token is the target argmax.
+
+    The next token is the target argmax at the first mismatch (recovered) or after the block (bonus), so the
+    output is token-identical to target-only greedy decoding. Columns at or past ``valid_vocab_size`` (padded
+    embedding rows) are never chosen.
+    """
+    target_logits = np.asarray(target_logits)
+    if valid_vocab_size is not None and valid_vocab_size < target_logits.shape[-1]:
+        target_logits = target_logits[..., :valid_vocab_size]
+    target_argmax = target_logits.argmax(axis=-1)
+    gamma = len(draft_token_ids)
+    for i in range(gamma):
+        if int(draft_token_ids[i]) != int(target_argmax[i]):
+            return RejectionResult(i, int(target_argmax[i]))
+    return RejectionResult(gamma, int(target_argmax[gamma]))
+
+
+def verify_sampled(
+    draft_token_ids: list[int],  # [γ]
+    draft_probs: SparseDraftProbs | None,  # None: greedy drafting (q one-hot); else sparse [γ, k]
+    target_probs: np.ndarray,  # [γ + 1, vocab_size] float64, processed (common.sampling.logits_to_probs)
+    seed: int,
+    start_position: int,  # absolute position of draft_token_ids[0] (= committed length)
+) -> RejectionResult:
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1): lossless w.r.t. target_probs.
+
+    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample the recovered token
+    from norm(max(0, p_i − q_i)); after a full block sample the bonus token from p_γ.
+    """
+    gamma = len(draft_token_ids)
+    vocab = target_probs.shape[-1]
+    for i in range(gamma):
+        x = int(draft_token_ids[i])
+        position = start_position + i
+        q = dense_draft_probs(draft_token_ids, draft_probs, i, vocab)
+        p_x, q_x = float(target_probs[i, x]), float(q[x])
+        # accept iff u < p/q  <=>  u * q < p   (q_x > 0 is checked by block validation)
+        if uniform(seed, position, Stream.ACCEPT) * q_x < p_x:
+            continue
+        residual = np.maximum(target_probs[i] - q, 0.0)
+        if not residual.sum() > 0:  # p == q up to rounding: rejection had ~0 probability; p is exact then
+            residual = target_probs[i]
+        return RejectionResult(i, sample_from(residual, uniform(seed, position, Stream.TARGET_SAMPLE)))
+    bonus = sample_from(target_probs[gamma], uniform(seed, start_position + gamma, Stream.TARGET_SAMPLE))
+    return RejectionResult(gamma, bonus)

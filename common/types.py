@@ -1,0 +1,141 @@
+"""Plain data types shared by the edge client and the cloud verifier.
+
+Shapes use γ = num_speculative_tokens (draft tokens in one block) and k = top-k of top-k drafting.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    """Why a session stopped (same values as specdec.v1.FinishReason, lower-case)."""
+
+    EOS = "eos"  # an EOS or stop token id was committed
+    STOP_STRING = "stop_string"  # a stop string appeared in the generated text
+    LENGTH = "length"  # max_new_tokens reached
+    CONTEXT = "context"  # the target's context length reached
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Logits processing applied identically to draft_probs and target_probs.
+
+    temperature: 0 = greedy (argmax); > 0 = softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
+    seed: key of the counter-based random stream (common.sampling.uniform); None = unseeded.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError on parameters that define no distribution."""
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    """When generation stops; applied to committed tokens only (earliest stop in a block wins)."""
+
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class SparseDraftProbs:
+    """Sparse draft distribution q of top-k drafting: the exact distribution the draft sampled from.
+
+    token_ids: int64 [γ, k]; probs: float32 [γ, k], each row sums to 1 (common.sampling.normalize_sparse
+    is applied on both sides before use, so float32 rounding on the wire changes nothing).
+    """
+
+    token_ids: np.ndarray  # [γ, k] int64
+    probs: np.ndarray  # [γ, k] float32
+
+
+@dataclass
+class DraftBlock:
+    """γ proposed token ids plus the draft probabilities needed to verify them.
+
+    draft_probs None means greedy drafting: q is one-hot on each draft token.
+    """
+
+    draft_token_ids: list[int]  # [γ]
+    draft_probs: SparseDraftProbs | None = None
+    draft_ms: float = 0.0  # edge time spent drafting, ms
+
+    def __len__(self) -> int:
+        return len(self.draft_token_ids)
+
+
+@dataclass
+class Verdict:
+    """The verifier's answer to one draft block.
+
+    num_accepted: accepted prefix length of the block (0..γ).
+    next_token_id: recovered token (after a rejection) or bonus token (after a full block); -1 when a stop
+        inside the accepted prefix ended the session before it.
+    committed_token_ids: tokens this verdict commits (accepted prefix + next token, cut at the earliest stop).
+    committed_length: prompt + output tokens committed after this verdict.
+    """
+
+    num_accepted: int
+    next_token_id: int
+    is_bonus: bool
+    committed_token_ids: list[int]
+    committed_length: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    queue_ms: float = 0.0
+    forward_ms: float = 0.0
+    batch_size: int = 1
+    seq: int = 0
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generation (field names = the --json output of `specdec generate`)."""
+
+    num_generated_tokens: int = 0
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    elapsed_s: float = 0.0
+    draft_s: float = 0.0  # edge time spent in the draft model, s
+    target_forward_s: float = 0.0  # verifier time spent in target forward passes, s
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ_max] accepted counts by position
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens committed per verify step, recovered/bonus included = 1 + accepted / steps."""
+        return 1.0 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0

@@ -1,0 +1,281 @@
+"""Conversions between the wire messages (specdec.v1, protos/specdec/v1/verifier.proto) and common.types.
+
+Used by both sides: the verifier's gRPC servicer (cloud_verifier.server) and the edge's gRPC backend
+(edge_client.grpc_backend). Structural problems of incoming messages (ragged top-k rows, counts that do not
+match, ids outside int32) raise :class:`~common.errors.InvalidRequestError`; semantic checks (vocabulary,
+block length, probabilities that are not a distribution) are the verifier's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from common.types import DraftBlock, FinishReason, SamplingParams, SparseDraftProbs, StoppingCriteria, Verdict
+from specdec.v1 import verifier_pb2 as pb
+
+if TYPE_CHECKING:
+    from cloud_verifier.store import SessionRecord
+    from edge_client.backend import SessionOpened
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+# Largest gRPC message either side sends or accepts, bytes. The largest legitimate one is a top-k draft block:
+# γ ≤ 16 rows × k ≤ vocab (49152 for SmolLM2) × ~10 bytes ≈ 8 MiB; prompts and session info are far smaller.
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+# ---------------------------------------------------------------------------------------------- enums
+
+FINISH_REASON_TO_PROTO: dict[FinishReason | None, int] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CONTEXT: pb.FINISH_REASON_CONTEXT,
+}
+FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return FINISH_REASON_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None for FINISH_REASON_UNSPECIFIED (and for values this side does not know)."""
+    return FINISH_REASON_FROM_PROTO.get(value)
+
+
+# ---------------------------------------------------------------------------------------------- params
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed if params.seed is not None else 0,
+        has_seed=params.seed is not None,
+    )
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """top_p 0 (proto3 default) means off = 1.0; has_seed false gives seed None."""
+    top_p = float(msg.top_p)
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=1.0 if top_p == 0.0 else top_p,
+        seed=int(msg.seed) if msg.has_seed else None,
+    )
+
+
+def stopping_to_proto(stopping: StoppingCriteria) -> pb.StoppingCriteria:
+    return pb.StoppingCriteria(
+        max_new_tokens=stopping.max_new_tokens,
+        stop_token_ids=list(stopping.stop_token_ids),
+        stop_strings=list(stopping.stop_strings),
+        ignore_eos=stopping.ignore_eos,
+    )
+
+
+def stopping_from_proto(msg: pb.StoppingCriteria) -> StoppingCriteria:
+    return StoppingCriteria(
+        max_new_tokens=int(msg.max_new_tokens),
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        stop_strings=tuple(msg.stop_strings),
+        ignore_eos=bool(msg.ignore_eos),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+def open_request_to_proto(
+    prompt_token_ids: list[int],
+    sampling: SamplingParams,
+    stopping: StoppingCriteria,
+    tokenizer_fingerprint: str = "",
+    client_id: str = "",
+) -> pb.OpenSessionRequest:
+    _check_int32(prompt_token_ids, "prompt token id")
+    return pb.OpenSessionRequest(
+        prompt_token_ids=[int(t) for t in prompt_token_ids],
+        sampling=sampling_to_proto(sampling),
+        stopping=stopping_to_proto(stopping),
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        client_id=client_id,
+    )
+
+
+def open_request_from_proto(msg: pb.OpenSessionRequest) -> tuple[list[int], SamplingParams, StoppingCriteria, str]:
+    """(prompt_token_ids, sampling, stopping, tokenizer_fingerprint); missing messages give the defaults."""
+    sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else StoppingCriteria()
+    return list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint
+
+
+def session_opened_to_proto(opened: "SessionOpened") -> pb.OpenSessionResponse:
+    return pb.OpenSessionResponse(
+        session_id=opened.session_id,
+        model_id=opened.model_id,
+        tokenizer_fingerprint=opened.tokenizer_fingerprint,
+        max_context_tokens=int(opened.max_context_tokens),
+        max_block_tokens=int(opened.max_block_tokens),
+        committed_length=int(opened.committed_length),
+        seed=int(opened.seed),
+        vocab_size=int(opened.vocab_size),
+        verifier_id=opened.verifier_id,
+        ttl_s=int(opened.ttl_s),
+    )
+
+
+def session_opened_from_proto(msg: pb.OpenSessionResponse) -> "SessionOpened":
+    from edge_client.backend import SessionOpened
+
+    return SessionOpened(
+        session_id=msg.session_id,
+        model_id=msg.model_id,
+        tokenizer_fingerprint=msg.tokenizer_fingerprint,
+        max_context_tokens=msg.max_context_tokens,
+        max_block_tokens=msg.max_block_tokens,
+        committed_length=msg.committed_length,
+        seed=msg.seed,
+        vocab_size=msg.vocab_size,
+        verifier_id=msg.verifier_id,
+        ttl_s=msg.ttl_s,
+    )
+
+
+def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=record.session_id,
+        model_id=record.model_id,
+        verifier_id=record.verifier_id,
+        committed_length=record.committed_length,
+        prompt_length=record.prompt_length,
+        committed_token_ids=[int(t) for t in record.committed_token_ids],
+        finished=record.finished,
+        finish_reason=finish_reason_to_proto(record.finish_reason if record.finished else None),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+
+
+def _check_int32(values, what: str) -> None:
+    for v in values:
+        if not (_INT32_MIN <= int(v) <= _INT32_MAX):
+            raise InvalidRequestError(f"{what} {v} does not fit in int32")
+
+
+def block_to_proto(session_id: str, seq: int, committed_length: int, block: DraftBlock) -> pb.DraftBlock:
+    """The wire form of a draft block (draft_probs None = greedy drafting: no probabilities travel)."""
+    msg = pb.DraftBlock(
+        session_id=session_id,
+        seq=int(seq),
+        committed_length=int(committed_length),
+        draft_token_ids=[int(t) for t in block.draft_token_ids],
+        draft_ms=float(block.draft_ms),
+    )
+    if block.draft_probs is not None:
+        ids = np.asarray(block.draft_probs.token_ids)
+        probs = np.asarray(block.draft_probs.probs, dtype=np.float32)
+        if ids.shape != probs.shape or ids.ndim != 2 or ids.shape[0] != len(block.draft_token_ids):
+            raise InvalidRequestError(
+                f"draft_probs must be [γ={len(block.draft_token_ids)}, k] ids and probs, got {ids.shape} and "
+                f"{probs.shape}"
+            )
+        msg.draft_probs.extend(
+            pb.SparseDistribution(token_ids=row_ids.tolist(), probs=row_probs.tolist())
+            for row_ids, row_probs in zip(ids, probs)
+        )
+    return msg
+
+
+def block_from_proto(msg: pb.DraftBlock) -> tuple[str, int, int, DraftBlock]:
+    """(session_id, seq, committed_length, block) of a wire draft block.
+
+    Raises:
+        InvalidRequestError: draft_probs not one entry per draft token, token_ids/probs lengths that differ,
+            rows of different k (top-k rows must share k), or an empty row.
+    """
+    draft_ids = list(msg.draft_token_ids)
+    draft_probs = None
+    if len(msg.draft_probs):
+        gamma = len(draft_ids)
+        if len(msg.draft_probs) != gamma:
+            raise InvalidRequestError(
+                f"draft_probs has {len(msg.draft_probs)} entries for {gamma} draft tokens (need one per token, "
+                "or none for greedy drafting)"
+            )
+        k = len(msg.draft_probs[0].token_ids)
+        for i, row in enumerate(msg.draft_probs):
+            if len(row.token_ids) != len(row.probs):
+                raise InvalidRequestError(
+                    f"draft_probs[{i}] has {len(row.token_ids)} token ids and {len(row.probs)} probs"
+                )
+            if len(row.token_ids) != k or k == 0:
+                raise InvalidRequestError(f"draft_probs rows must share one k >= 1 (row 0 has {k}, row {i} "
+                                          f"has {len(row.token_ids)})")
+        ids = np.array([row.token_ids for row in msg.draft_probs], dtype=np.int64).reshape(gamma, k)
+        probs = np.array([row.probs for row in msg.draft_probs], dtype=np.float32).reshape(gamma, k)
+        draft_probs = SparseDraftProbs(token_ids=ids, probs=probs)
+    block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms))
+    return msg.session_id, int(msg.seq), int(msg.committed_length), block
+
+
+# ---------------------------------------------------------------------------------------------- verdicts
+
+
+def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
+    """``seq``: the block's seq (defaults to ``verdict.seq``)."""
+    return pb.Verdict(
+        seq=int(verdict.seq if seq is None else seq),
+        num_accepted=int(verdict.num_accepted),
+        next_token_id=int(verdict.next_token_id),
+        is_bonus=bool(verdict.is_bonus),
+        committed_length=int(verdict.committed_length),
+        finished=bool(verdict.finished),
+        finish_reason=finish_reason_to_proto(verdict.finish_reason if verdict.finished else None),
+        queue_ms=float(verdict.queue_ms),
+        forward_ms=float(verdict.forward_ms),
+        batch_size=int(verdict.batch_size),
+    )
+
+
+def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_length: int) -> Verdict:
+    """Rebuild the verdict of a block sent with ``draft_token_ids`` at ``committed_length`` (tokens).
+
+    committed_token_ids = accepted prefix + next token (when not -1), cut to the committed growth reported
+    by the verifier (``msg.committed_length - committed_length``: the earliest stop wins).
+
+    Raises:
+        InvalidRequestError: a verdict inconsistent with its block (protocol error).
+    """
+    n = int(msg.num_accepted)
+    if not (0 <= n <= len(draft_token_ids)):
+        raise InvalidRequestError(f"verdict accepts {n} tokens of a {len(draft_token_ids)}-token block")
+    tokens = [int(t) for t in draft_token_ids[:n]]
+    if msg.next_token_id >= 0:
+        tokens.append(int(msg.next_token_id))
+    grown = int(msg.committed_length) - int(committed_length)
+    if not (0 <= grown <= len(tokens)):
+        raise InvalidRequestError(
+            f"verdict committed length {msg.committed_length} inconsistent with block at {committed_length} "
+            f"({len(tokens)} tokens accepted + next)"
+        )
+    return Verdict(
+        num_accepted=n,
+        next_token_id=int(msg.next_token_id),
+        is_bonus=bool(msg.is_bonus),
+        committed_token_ids=tokens[:grown],
+        committed_length=int(msg.committed_length),
+        finished=bool(msg.finished),
+        finish_reason=finish_reason_from_proto(msg.finish_reason) if msg.finished else None,
+        queue_ms=float(msg.queue_ms),
+        forward_ms=float(msg.forward_ms),
+        batch_size=int(msg.batch_size),
+        seq=int(msg.seq),
+    )

