@@ -331,8 +331,19 @@ class Verifier:
         log.info("resuming session %s from the store (was on %s)", session_id, record.verifier_id)
         record.verifier_id = self.info.verifier_id
         session = await self._load_session(record, new=False)
+        if not self.store.claim(session_id, self.info.verifier_id, time.time()):
+            self._drop_local(session_id)
+            raise SessionNotFoundError(f"session {session_id!r} expired while being resumed")
         metrics.SESSIONS_RESUMED.inc()
         return session
+
+    def _drop_local(self, session_id: str) -> None:
+        """Forget this replica's copy of a session (its KV cache); the store record is untouched."""
+        with self._sessions_lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self.target.free(session.kv)
+        self._update_gauges()
 
     def get_session(self, session_id: str) -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
@@ -369,7 +380,7 @@ class Verifier:
                     gone = self._sessions.pop(sid, None)
                 if gone is not None:
                     self.target.free(gone.kv)
-                    self.store.delete(sid)
+                    self.store.delete(sid, verifier_id=self.info.verifier_id)
                     metrics.SESSIONS_EXPIRED.inc()
                     reaped += 1
         if reaped:
@@ -546,9 +557,15 @@ class Verifier:
         num_committed, reason = session.stop.append(candidates)
         committed = candidates[:num_committed]
         finished = reason is not None
-        new_length = self.store.append_committed(
-            record.session_id, committed_length, committed, work.seq, finished, reason, time.time()
-        )
+        try:
+            new_length = self.store.append_committed(
+                record.session_id, committed_length, committed, work.seq, finished, reason, time.time()
+            )
+        except (InvalidRequestError, SessionNotFoundError, PreconditionError):
+            # the store moved on without us (another replica committed, or the session expired/finished):
+            # our copy is stale; drop it so the next block resumes from the store
+            self._drop_local(record.session_id)
+            raise
         record.committed_token_ids.extend(committed)
         record.last_seq = work.seq
         record.finished, record.finish_reason = finished, reason

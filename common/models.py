@@ -71,7 +71,12 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OPSET = 17
 FP32_TOLERANCE = 1e-3  # max abs logit difference ONNX fp32 vs PyTorch accepted at export
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 # A natural text for the export checks (tokenized with the model's own tokenizer).

@@ -221,6 +221,8 @@ class EdgeClient:
             except Exception:
                 pass
         generated = committed[len(prompt_ids):]
+        wire = getattr(self.backend, "wire_stats", None)
+        wire = wire(opened.session_id) if wire else None
         stats.num_generated_tokens = len(generated)
         stats.elapsed_s = time.perf_counter() - t0
         self.last_result = GenerationResult(
@@ -230,6 +232,8 @@ class EdgeClient:
             stats=stats,
             session_id=opened.session_id,
             prompt_token_ids=list(prompt_ids),
+            bytes_sent=wire.bytes_sent if wire else 0,
+            bytes_received=wire.bytes_received if wire else 0,
         )
 
     def close(self) -> None:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -102,7 +101,9 @@ class OnnxDraftModel:
         outputs = [o.name for o in self.session.get_outputs()]
         for name in ("input_ids", "attention_mask", "position_ids"):
             if name not in inputs:
-                raise ValueError(f"{self.model_dir / ONNX_FILE} has no input {name!r} (not a text-generation-with-past export)")
+                raise ValueError(
+                    f"{self.model_dir / ONNX_FILE} has no input {name!r} (not a text-generation-with-past export)"
+                )
         if "logits" not in outputs:
             raise ValueError(f"{self.model_dir / ONNX_FILE} has no output 'logits'")
         past = {}

@@ -123,6 +123,7 @@ class _Sample:
 class _PromptResult:
     prompt: BenchPrompt
     prompt_len: int
+    prompt_ids: list[int] = field(default_factory=list)
     samples: dict[str, _Sample] = field(default_factory=dict)
 
 
@@ -202,8 +203,46 @@ def draft_pytorch_source(draft_dir: Path, target_dir: Path) -> tuple[Path | None
     return None, False, "nothing recorded"
 
 
-def _load_hf_models(target_dir: Path, draft_dir: Path, gamma: int, notes: list[str]) -> tuple[Any, Any, str]:
-    """(HF target with SDPA attention, PyTorch draft or None, description of the draft)."""
+HF_DRAFT_MODES = ("dynamic_int8", "weight_int8", "fp32")
+
+
+def _fake_quantize_blockwise_(model, block_size: int = 32, bits: int = 8) -> int:
+    """Round every Linear weight to symmetric ``bits``-bit integers per block of ``block_size`` input columns,
+    kept in float32 (weight-only emulation of ONNX Runtime's MatMulNBits). Unties a tied lm_head first so the
+    input embeddings stay exact (the ONNX graph also quantizes only the lm_head MatMul). Returns Linears done."""
+    import torch
+    import torch.nn.functional as F
+
+    qmax = 2 ** (bits - 1) - 1
+    out_emb = model.get_output_embeddings()
+    in_emb = model.get_input_embeddings()
+    if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+        out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False
+    n = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight
+                rows, cols = w.shape
+                pad = (-cols) % block_size
+                wb = F.pad(w, (0, pad)).view(rows, -1, block_size)
+                scale = (wb.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-12)
+                wq = (torch.clamp(torch.round(wb / scale), -qmax - 1, qmax) * scale).view(rows, -1)[:, :cols]
+                w.copy_(wq)
+                n += 1
+    return n
+
+
+def _load_hf_models(
+    target_dir: Path, draft_dir: Path, gamma: int, notes: list[str], hf_draft: str = "dynamic_int8"
+) -> tuple[Any, Any, str]:
+    """(HF target with SDPA attention, PyTorch draft or None, description of the draft).
+
+    ``hf_draft`` (used when the ONNX draft is int8): "dynamic_int8" = torch.ao dynamic int8 quantization of
+    every Linear (real int8 kernels); "weight_int8" = float32 weights rounded to int8 per block like the ONNX
+    draft's MatMulNBits (same weights as the ONNX draft, float32 speed); "fp32" = the unquantized source.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -221,7 +260,8 @@ def _load_hf_models(target_dir: Path, draft_dir: Path, gamma: int, notes: list[s
         return hf_target, None, "none"
     draft_pt = load(src)
     desc = f"{src} (fp32, from {found})"
-    if int8:
+    onnx_q = _onnx_int8_scheme(draft_dir)
+    if int8 and hf_draft == "dynamic_int8":
         try:
             from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -230,20 +270,32 @@ def _load_hf_models(target_dir: Path, draft_dir: Path, gamma: int, notes: list[s
                 draft_pt = quantize_dynamic(
                     draft_pt, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
                 )
-            desc = (
-                f"{src} + torch.ao.quantization.quantize_dynamic(Linear, qint8, per-channel weights; from {found})"
-            )
-            onnx_q = _onnx_int8_scheme(draft_dir)
+            desc = f"{src} + torch.ao.quantization.quantize_dynamic(Linear, qint8 per-channel; from {found})"
             notes.append(
                 "hf_assisted draft = the HF source of the ONNX draft with torch dynamic int8 quantization of every "
-                "Linear (qint8 per-channel weights, dynamic uint8 activations; torch.ao.quantization is deprecated in "
-                f"torch {torch.__version__} but works). The ONNX draft's int8 scheme is {onnx_q}: same bits, different "
-                "grouping/rounding, so the two drafts' numerics (and acceptance) differ slightly."
+                "Linear (qint8 per-channel weights, per-tensor dynamic uint8 activations; torch.ao.quantization is "
+                f"deprecated in torch {torch.__version__} but works). The ONNX draft is quantized differently "
+                f"({onnx_q}); see overall.draft_top1_agreement for how close each draft is to the target"
             )
         except Exception as e:  # noqa: BLE001 - API removed in a future torch
             notes.append(f"torch dynamic int8 quantization failed ({type(e).__name__}: {e}); hf_assisted uses the fp32 "
                          "PyTorch draft instead")
             desc = f"{src} (fp32: int8 quantization unavailable)"
+    elif int8 and hf_draft == "weight_int8":
+        block = 32
+        try:
+            block = int(json.loads((draft_dir / "specdec_export.json").read_text())["int8"]["block_size"])
+        except Exception:  # noqa: BLE001
+            pass
+        n = _fake_quantize_blockwise_(draft_pt, block_size=block)
+        desc = f"{src} + int8 weight rounding per block of {block} in float32 ({n} Linears; from {found})"
+        notes.append(
+            f"hf_assisted draft = float32 emulation of the ONNX draft's int8 weights (symmetric, block {block}); "
+            f"the ONNX draft ({onnx_q}) also quantizes activations, this one computes in float32 — about the same "
+            "acceptance, float32 speed (slower than the ONNX int8 draft)"
+        )
+    elif int8:
+        notes.append("hf_assisted draft = the fp32 HF source of the int8 ONNX draft (hf_draft='fp32')")
     gc = draft_pt.generation_config
     # transformers reads these from the ASSISTANT's generation_config (kwargs of target.generate() do not reach
     # the candidate generator); confidence threshold 0 = always draft γ tokens, as specdec does.
@@ -265,6 +317,33 @@ def _onnx_int8_scheme(draft_dir: Path) -> str:
     if isinstance(q, dict) and q:
         return ", ".join(f"{k}={v}" for k, v in q.items())
     return "ONNX Runtime dynamic int8 (per-channel MatMul weights)" if info.get("quantized_int8") else "none (fp32)"
+
+
+def _draft_top1_agreement(results: list[_PromptResult], draft_model, valid_vocab: int, draft_pt) -> dict:
+    """Teacher-forced top-1 agreement with the target along the target-only greedy outputs (whose tokens ARE the
+    target's argmaxes): fraction of output positions where each draft's argmax is the target's token."""
+    import numpy as np
+    import torch
+
+    hits = {"onnx_draft": 0, "hf_assisted_draft": 0}
+    total = 0
+    for r in results:
+        out = r.samples["target_only"].token_ids
+        if not out:
+            continue
+        seq = r.prompt_ids + out
+        p = len(r.prompt_ids)
+        ref = np.asarray(out)
+        draft_model.reset()
+        logits = draft_model.forward(seq[:-1])[p - 1 :, :valid_vocab]  # rows predicting seq[p:]
+        hits["onnx_draft"] += int((logits.argmax(-1) == ref).sum())
+        draft_model.reset()
+        if draft_pt is not None:
+            with torch.inference_mode():
+                lg = draft_pt(input_ids=torch.tensor([seq[:-1]])).logits[0, p - 1 :, :valid_vocab]
+            hits["hf_assisted_draft"] += int((lg.argmax(-1).numpy() == ref).sum())
+        total += len(out)
+    return {k: (v / total if total and (k == "onnx_draft" or draft_pt is not None) else None) for k, v in hits.items()}
 
 
 class _CallCounter:
@@ -311,13 +390,18 @@ def run_bench(
     draft: Path | None = None,
     hf_assisted: bool = True,
     progress: bool = False,
+    hf_draft: str = "dynamic_int8",
+    measure_draft_agreement: bool = True,
 ) -> dict:
     """Spec-Bench-style run: target-only vs specdec vs HF assisted generation, greedy, interleaved per prompt.
 
     Returns ``{"overall": M, "categories": {name: M}, "config": {...}, "greedy_agreement": {...}, "notes": [...]}``
     with M = acceptance_rate, mean_accepted_length, tokens_per_s / speedup_vs_target_only per variant,
-    target_ms_per_token, num_prompts, num_tokens (overall adds draft_ms_per_token, draft_cost_ratio and
-    target_forward_ms). Unavailable numbers are None.
+    target_ms_per_token, num_prompts, num_tokens (overall adds draft_ms_per_token, draft_cost_ratio,
+    target_forward_ms and, with ``measure_draft_agreement``, draft_top1_agreement: how often each draft's argmax
+    equals the target's greedy token along the target-only outputs). Unavailable numbers are None.
+
+    ``hf_draft``: the PyTorch form of an int8 ONNX draft for HF assisted generation, see :func:`_load_hf_models`.
 
     Raises:
         FileNotFoundError, InvalidRequestError (prompts), ModelNotFoundError (models), VocabMismatchError.
@@ -328,6 +412,8 @@ def run_bench(
         raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if num_speculative_tokens < 1:
         raise InvalidRequestError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if hf_draft not in HF_DRAFT_MODES:
+        raise InvalidRequestError(f"hf_draft must be one of {HF_DRAFT_MODES}, got {hf_draft!r}")
     questions = load_prompts(prompts, limit)
     target_dir, draft_dir = _resolve_dirs(target, draft)
 
@@ -368,7 +454,9 @@ def run_bench(
     draft_pt_desc = None
     try:
         if hf_assisted:
-            hf_target, draft_pt, draft_pt_desc = _load_hf_models(target_dir, draft_dir, num_speculative_tokens, notes)
+            hf_target, draft_pt, draft_pt_desc = _load_hf_models(
+                target_dir, draft_dir, num_speculative_tokens, notes, hf_draft
+            )
             if draft_pt is not None:
                 variants.append("hf_assisted")
         setup_s = time.perf_counter() - t_setup
@@ -422,7 +510,7 @@ def run_bench(
         t_run = time.perf_counter()
         try:
             for i, (q, ids) in enumerate(zip(questions, encoded)):
-                r = _PromptResult(q, len(ids))
+                r = _PromptResult(q, len(ids), list(ids))
                 k = i % len(variants)
                 for v in variants[k:] + variants[:k]:
                     r.samples[v] = run_variant(v, ids, max_new_tokens)
@@ -444,6 +532,9 @@ def run_bench(
         # Cost of the draft relative to the target, and the target's forward times (single row, 100 past tokens).
         fwd1 = time_forward(runner, 1, past_tokens=100, repeats=9)
         fwd_block = time_forward(runner, gamma_eff + 1, past_tokens=100, repeats=9)
+        agreement_top1 = None
+        if measure_draft_agreement:
+            agreement_top1 = _draft_top1_agreement(results, draft_model, valid_vocab, draft_pt)
     finally:
         with contextlib.suppress(Exception):
             backend.close()  # shared by both clients: closed once
@@ -458,6 +549,8 @@ def run_bench(
     overall["draft_ms_per_token"] = draft_ms_per_token
     overall["draft_cost_ratio"] = draft_ms_per_token / fwd1 if draft_ms_per_token is not None and fwd1 > 0 else None
     overall["target_forward_ms"] = {"1_token": fwd1, f"{gamma_eff + 1}_tokens": fwd_block}
+    if agreement_top1 is not None:
+        overall["draft_top1_agreement"] = agreement_top1
     categories = {}
     for name in dict.fromkeys(r.prompt.category for r in results):
         categories[name] = _summarize([r for r in results if r.prompt.category == name], variants)
@@ -502,6 +595,7 @@ def run_bench(
         "draft": str(draft_dir),
         "hf_assisted": hf_assisted and "hf_assisted" in variants,
         "hf_assisted_draft": draft_pt_desc,
+        "hf_draft_mode": hf_draft if "hf_assisted" in variants else None,
         "hf_assisted_settings": (
             {"num_assistant_tokens": num_speculative_tokens, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": 0.0, "attn_implementation": "sdpa"}

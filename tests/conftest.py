@@ -91,7 +91,7 @@ def smollm2_tokenizer_dir() -> _Path:
     """
     import tempfile
 
-    if (SMOLLM2_TOKENIZER_DIR / "tokenizer.json").is_file() and (SMOLLM2_TOKENIZER_DIR / "tokenizer_config.json").is_file():
+    if all((SMOLLM2_TOKENIZER_DIR / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return SMOLLM2_TOKENIZER_DIR
     _os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
