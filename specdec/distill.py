@@ -121,6 +121,8 @@ def generate_target_data(
     max_shards: int | None = None,
     threads: int | None = None,
     seed: int = 0,
+    worker: int = 0,
+    num_workers: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Generate the target's greedy answers (+ top-k logits per answer position) into shards (resumable).
@@ -166,7 +168,9 @@ def generate_target_data(
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     t0 = time.perf_counter()
-    todo = [i for i in range(len(plan["shards"])) if not _shard_path(data_dir, i).is_file()]
+    todo = [
+        i for i in range(len(plan["shards"])) if i % num_workers == worker and not _shard_path(data_dir, i).is_file()
+    ]
     if max_shards is not None:
         todo = todo[: max(0, max_shards - (len(plan["shards"]) - len(todo)))]
     bar = None
@@ -226,7 +230,7 @@ def generate_target_data(
                     }
                 )
                 n_tokens += n
-        tmp = _shard_path(data_dir, si).with_suffix(".tmp")
+        tmp = _shard_path(data_dir, si).with_suffix(f".tmp{os.getpid()}")
         torch.save({"heldout": shard["heldout"], "records": records}, tmp)
         os.replace(tmp, _shard_path(data_dir, si))
         done += 1
