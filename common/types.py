@@ -129,6 +129,7 @@ class GenerationStats:
     draft_s: float = 0.0  # edge time spent in the draft model, s
     target_forward_s: float = 0.0  # verifier time spent in target forward passes, s
     accepted_per_position: list[int] = field(default_factory=list)  # [γ_max] accepted counts by position
+    num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and used as they were
 
     @property
     def acceptance_rate(self) -> float:

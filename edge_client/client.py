@@ -15,6 +15,7 @@ ever streams committed tokens, cut at the earliest stop.
 from __future__ import annotations
 
 import time
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -22,8 +23,11 @@ from typing import Iterator, Protocol
 from common.detok import IncrementalDetokenizer
 from common.errors import DeadlineError, InvalidRequestError
 from common.stopping import generated_text_for_output
-from common.types import DraftBlock, FinishReason, GenerationStats, SamplingParams, StoppingCriteria
+from common.types import (
+    DraftBlock, FinishReason, GenerationStats, SamplingParams, SparseDraftProbs, StoppingCriteria, Verdict,
+)
 from common.vocab import tokenizer_fingerprint
+from edge_client.adaptive import AdaptiveGamma
 from edge_client.backend import SessionOpened, VerifierBackend
 
 
@@ -31,8 +35,25 @@ class Drafter(Protocol):
     """Anything that proposes draft blocks (ONNX draft model, n-gram)."""
 
     def propose(
-        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int
+        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
+        min_confidence: float = 0.0,
     ) -> DraftBlock: ...
+
+
+def _truncate(block: DraftBlock, gamma: int) -> DraftBlock:
+    """The first ``gamma`` draft tokens of ``block`` (with their draft_probs rows)."""
+    if len(block) <= gamma:
+        return block
+    dp = block.draft_probs
+    probs = None if dp is None else SparseDraftProbs(dp.token_ids[:gamma], dp.probs[:gamma])
+    return DraftBlock(list(block.draft_token_ids[:gamma]), probs, block.draft_ms)
+
+
+def _drop_first(block: DraftBlock) -> DraftBlock:
+    """``block`` without its first token (the bonus guess of proactive drafting)."""
+    dp = block.draft_probs
+    probs = None if dp is None else SparseDraftProbs(dp.token_ids[1:], dp.probs[1:])
+    return DraftBlock(list(block.draft_token_ids[1:]), probs, block.draft_ms)
 
 
 @dataclass
@@ -86,14 +107,21 @@ class EdgeClient:
     """Speculative decoding client: a drafter on the device, a verifier behind ``backend``.
 
     Args:
-        backend: how to reach the verifier (GrpcBackend, LocalBackend).
-        drafter: proposes draft blocks; None = target-only decoding (empty blocks: one target token per step).
+        backend: how to reach the verifier (GrpcBackend, LocalBackend, DelayedBackend).
+        drafter: proposes draft blocks (ModelDrafter, NgramDrafter); None = target-only decoding (empty blocks:
+            one target token per step, the cloud-only baseline).
         tokenizer: the draft's tokenizer (must match the target's: checked by fingerprint at session open).
-        num_speculative_tokens: γ, draft tokens per block (>= 1).
+        num_speculative_tokens: γ (the largest γ when ``adaptive``), draft tokens per block, >= 1.
+        adaptive: choose γ per step from measured acceptance, draft cost, verify time and round trip
+            (edge_client.adaptive.AdaptiveGamma).
+        min_confidence: confidence truncation: stop a block early when the draft's top probability falls below
+            it (llama.cpp's draft-p-min); 0 disables.
+        proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
+            the draft predicts; used at once when the verdict matches, dropped otherwise.
         timeout_s: deadline of each verify step, s.
 
     Raises:
-        InvalidRequestError: num_speculative_tokens < 1.
+        InvalidRequestError: num_speculative_tokens < 1, or min_confidence outside [0, 1).
     """
 
     def __init__(
@@ -103,14 +131,22 @@ class EdgeClient:
         tokenizer,
         *,
         num_speculative_tokens: int = 4,
+        adaptive: bool = False,
+        min_confidence: float = 0.0,
+        proactive: bool = False,
         timeout_s: float = 60.0,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise InvalidRequestError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.backend = backend
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.num_speculative_tokens = num_speculative_tokens
+        self.adaptive = adaptive
+        self.min_confidence = min_confidence
+        self.proactive = proactive
         self.timeout_s = timeout_s
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.last_result: GenerationResult | None = None
@@ -120,7 +156,11 @@ class EdgeClient:
         cls, address: str, draft_dir: str | Path | None = None, *, draft_top_k: int = 8, connect_timeout_s: float = 10.0,
         **kwargs,
     ) -> "EdgeClient":
-        """Client for a verifier at ``address`` ("host:port") with the ONNX draft at ``draft_dir`` (default draft)."""
+        """Client for a verifier at ``address`` ("host:port") with the ONNX draft at ``draft_dir`` (default draft).
+
+        Raises:
+            ModelNotFoundError: no draft at ``draft_dir``. VerifierUnavailableError: the verifier is unreachable.
+        """
         from common.models import default_model_paths, resolve_draft_dir
         from edge_client.drafter import ModelDrafter
         from edge_client.grpc_backend import GrpcBackend
@@ -170,34 +210,68 @@ class EdgeClient:
         assert self.last_result is not None
         return self.last_result
 
+    def _draft(self, committed: list[int], gamma: int, sampling: SamplingParams, seed: int) -> DraftBlock:
+        if self.drafter is None or gamma <= 0:
+            return DraftBlock([])
+        return self.drafter.propose(committed, gamma, sampling, seed, min_confidence=self.min_confidence)
+
+    def _wait(self, future, t_sent: float) -> tuple[Verdict, float]:
+        """The verdict and its round trip, ms (sent → answer available, not → when we looked)."""
+        done_at: list[float] = []
+        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        try:
+            verdict = future.result(timeout=self.timeout_s)
+        except FutureTimeoutError:
+            raise DeadlineError(f"verify step took longer than {self.timeout_s} s") from None
+        return verdict, ((done_at[0] if done_at else time.perf_counter()) - t_sent) * 1000
+
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Iterator[str]:
         t0 = time.perf_counter()
         stats = GenerationStats()
         opened: SessionOpened = self.backend.open_session(
             prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.timeout_s
         )
-        sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, opened.seed)
+        seed = opened.seed
+        sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
         committed = list(prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
         capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
+        max_gamma = min(self.num_speculative_tokens, opened.max_block_tokens)
+        controller = AdaptiveGamma(max_gamma) if self.adaptive else None
+        prepared: tuple[list[int], DraftBlock] | None = None  # (committed state it extends, block)
         finish_reason = None
         seq = 0
         try:
             while True:
-                gamma = min(self.num_speculative_tokens, opened.max_block_tokens, capacity - len(committed) - 1)
-                if self.drafter is not None and gamma > 0:
-                    td = time.perf_counter()
-                    block = self.drafter.propose(committed, gamma, sampling, opened.seed)
-                    stats.draft_s += time.perf_counter() - td
+                room = capacity - len(committed) - 1  # the verdict always adds one token of its own
+                gamma = max(0, min(controller.next_gamma() if controller else max_gamma, room))
+                td = time.perf_counter()
+                if prepared is not None and prepared[0] == committed:
+                    block = _truncate(prepared[1], gamma)
+                    stats.num_proactive_hits += 1
                 else:
-                    block = DraftBlock([])
+                    block = self._draft(committed, gamma, sampling, seed)
+                    stats.draft_s += time.perf_counter() - td
+                prepared = None
                 seq += 1
+                t_sent = time.perf_counter()
                 future = self.backend.submit(opened.session_id, seq, len(committed), block)
-                try:
-                    verdict = future.result(timeout=self.timeout_s)
-                except TimeoutError:
-                    raise DeadlineError(f"verify step took longer than {self.timeout_s} s") from None
+                if self.proactive and self.drafter is not None and len(block) and not future.done():
+                    # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
+                    bet = committed + list(block.draft_token_ids)
+                    next_room = capacity - len(bet) - 2
+                    if next_room > 0:
+                        tp = time.perf_counter()
+                        ahead = self._draft(bet, 1 + min(max_gamma, next_room), sampling, seed)
+                        stats.draft_s += time.perf_counter() - tp
+                        if len(ahead) >= 2:
+                            guess = ahead.draft_token_ids[0]
+                            prepared = (bet + [guess], _drop_first(ahead))
+                verdict, round_trip_ms = self._wait(future, t_sent)
                 committed.extend(verdict.committed_token_ids)
+                if controller is not None:
+                    controller.observe(len(block), verdict.num_accepted, block.draft_ms, round_trip_ms,
+                                       verdict.forward_ms)
                 stats.num_verify_steps += 1
                 stats.num_draft_tokens += len(block)
                 stats.num_accepted_tokens += verdict.num_accepted

@@ -80,8 +80,13 @@ class ModelDrafter:
         num_speculative_tokens: int,
         sampling: SamplingParams,
         seed: int,
+        min_confidence: float = 0.0,
     ) -> DraftBlock:
         """Draft ``num_speculative_tokens`` (γ) tokens after the committed prefix.
+
+        Confidence truncation (llama.cpp's ``--draft-p-min``; dSpark's confidence head): the block stops early,
+        after at least one token, when the draft's most likely next token has probability (softmax of its raw
+        logits) below ``min_confidence``; 0 disables it. The block may then hold fewer than γ tokens.
 
         Args:
             committed_token_ids: prompt + committed output ids (non-empty).
@@ -113,6 +118,8 @@ class ModelDrafter:
         rows_ids: list[np.ndarray] = []
         rows_q: list[np.ndarray] = []
         for i in range(gamma):
+            if i > 0 and min_confidence > 0.0 and _top_prob(logits[: self.valid_vocab_size]) < min_confidence:
+                break
             if greedy:
                 token = int(np.argmax(logits[: self.valid_vocab_size]))
             else:
@@ -128,6 +135,12 @@ class ModelDrafter:
                 self._cached_ids.append(token)
         draft_probs = None if greedy else _stack_rows(rows_ids, rows_q)
         return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _top_prob(logits: np.ndarray) -> float:
+    """Probability of the most likely token under softmax(logits) (logits [vocab_size])."""
+    m = float(np.max(logits))
+    return 1.0 / float(np.sum(np.exp(logits.astype(np.float64) - m)))
 
 
 def _stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:

@@ -35,7 +35,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
             for v in ("specdec", "hf_assisted")
         },
         "target_ms_per_token": {
-            v: (None if not ntok(v) else 1000.0 * tot(v, "target_forward_s") / ntok(v)) for v in ("target_only", "specdec")
+            v: (1000.0 * tot(v, "target_forward_s") / ntok(v) if ntok(v) else None)
+            for v in ("target_only", "specdec")
         },
         "num_prompts": len(results),
         "num_tokens": ntok("specdec"),
@@ -446,7 +447,10 @@ def run_bench(
     clients = {
         "target_only": EdgeClient(backend, None, tokenizer, num_speculative_tokens=num_speculative_tokens),
         "specdec": EdgeClient(
-            backend, ModelDrafter(draft_model, draft_top_k=8, valid_vocab_size=valid_vocab), tokenizer, num_speculative_tokens=num_speculative_tokens
+            backend,
+            ModelDrafter(draft_model, draft_top_k=8, valid_vocab_size=valid_vocab),
+            tokenizer,
+            num_speculative_tokens=num_speculative_tokens,
         ),
     }
     variants = ["target_only", "specdec"]
@@ -926,7 +930,7 @@ def print_report(report: dict, console=None) -> None:
                if o.get("hf_assisted_mean_accepted_length") is not None else "")
         )
         for key, a in report.get("greedy_agreement", {}).items():
-            console.print(f"greedy {key.replace('_', ' ')}: {a['identical']}/{a['of']} identical"
-                          + (f" (first diffs: {[m['first_diff'] for m in a['mismatches']]})" if a["mismatches"] else ""))
+            diffs = f" (first diffs: {[m['first_diff'] for m in a['mismatches']]})" if a["mismatches"] else ""
+            console.print(f"greedy {key.replace('_', ' ')}: {a['identical']}/{a['of']} identical{diffs}")
     for note in report.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")

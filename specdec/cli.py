@@ -24,6 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+DEFAULT_MIN_CONFIDENCE = 0.3  # confidence truncation threshold of `generate` (see bench: γ sweep)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models")
 app.add_typer(models_app, name="models")
@@ -77,7 +79,9 @@ def models_show(cache_dir: Optional[Path] = typer.Option(None)):
 
 
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
-                   target_only: bool, draft_top_k: int, num_speculative_tokens: int, ngram: bool = False):
+                   target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
+                   adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
+                   network_delay_ms: float = 0.0):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors()."""
     _quiet_transformers()
     from common.models import default_model_paths, resolve_draft_dir, resolve_target_dir
@@ -90,9 +94,16 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
         from common.errors import InvalidRequestError
 
         raise InvalidRequestError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if drafter not in ("model", "ngram"):
+        from common.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--drafter must be 'model' or 'ngram', got {drafter!r}")
     defaults = default_model_paths()
-    draft_dir = resolve_draft_dir(draft or defaults.draft_dir)
-    draft_model = OnnxDraftModel(draft_dir)
+    draft_model = None
+    tokenizer = None
+    if drafter == "model" or draft is not None:
+        draft_model = OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir))
+        tokenizer = draft_model.tokenizer
     cleanup = []
     valid = None
     if server:
@@ -105,9 +116,12 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
         target_dir = resolve_target_dir(target or defaults.target_dir)
         runner = TargetRunner(target_dir)
-        valid = check_vocab_compatible(
-            draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
-        )
+        if draft_model is not None:
+            valid = check_vocab_compatible(
+                draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
+            )
+        else:
+            tokenizer = runner.tokenizer
         verifier = Verifier(runner)
         if in_process:
             from edge_client.backend import LocalBackend
@@ -121,10 +135,26 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
             address = embedded.start()
             cleanup.append(embedded.stop)
             backend = GrpcBackend(address)
-    drafter = None
+    if tokenizer is None:  # n-gram drafting against a remote verifier: the default target's tokenizer
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(target or defaults.target_dir))
+    if network_delay_ms:
+        from edge_client.netsim import DelayedBackend
+
+        backend = DelayedBackend(backend, network_delay_ms)
+    proposer = None
     if not target_only:
-        drafter = ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
-    client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens)
+        if drafter == "ngram":
+            from edge_client.ngram import NgramDrafter
+
+            proposer = NgramDrafter()
+        else:
+            proposer = ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
+    client = EdgeClient(
+        backend, proposer, tokenizer, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
+        min_confidence=min_confidence, proactive=proactive,
+    )
 
     def close():
         client.close()
@@ -144,6 +174,11 @@ def generate(
     seed: Optional[int] = typer.Option(None, min=0),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     draft_top_k: int = typer.Option(8, help="k of top-k drafting for sampled sessions (1 = greedy drafting)"),
+    drafter: str = typer.Option("model", help="'model' (ONNX draft) or 'ngram' (prompt lookup, no model)"),
+    adaptive: bool = typer.Option(True, "--adaptive/--fixed-gamma", help="Choose γ per step (≤ -g) from measurements"),
+    min_confidence: float = typer.Option(DEFAULT_MIN_CONFIDENCE, help="Stop a block when the draft's top prob < this (0 = off)"),
+    proactive: bool = typer.Option(True, "--proactive/--no-proactive", help="Draft the next block while one is in flight"),
+    network_delay_ms: float = typer.Option(0.0, help="Simulated one-way network delay, ms (testing)"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
@@ -161,7 +196,8 @@ def generate(
     try:
         client, close = build_pipeline(
             target, draft, server=server, in_process=in_process, target_only=target_only,
-            draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens,
+            draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
+            adaptive=adaptive, min_confidence=min_confidence, proactive=proactive, network_delay_ms=network_delay_ms,
         )
     except _user_errors() as e:
         _fail(str(e))

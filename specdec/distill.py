@@ -254,3 +254,506 @@ def load_data(data_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
         d = torch.load(p, weights_only=False)
         (held if d["heldout"] else train).extend(d["records"])
     return train, held
+
+
+# ----------------------------------------------------------------------------------------------- head vocabulary
+
+
+def frequent_token_ids(
+    records: list[dict], vocab_size: int, head_vocab: int, always: tuple[int, ...] = (), prompt_weight: float = 0.1
+) -> list[int]:
+    """The ``head_vocab`` token ids most frequent in target-generated answers (FR-Spec).
+
+    Counts answer tokens (weight 1) and prompt tokens (weight ``prompt_weight``, smoothing for a small
+    corpus); ``always`` ids (EOS, chat markers) are included first; ties and unseen tokens are filled by
+    ascending id (BPE merge order roughly follows frequency). Returns sorted ids.
+    """
+    counts = np.zeros(vocab_size, dtype=np.float64)
+    for r in records:
+        np.add.at(counts, np.asarray(r["answer_ids"], dtype=np.int64), 1.0)
+        np.add.at(counts, np.asarray(r["prompt_ids"], dtype=np.int64), prompt_weight)
+    # Tiny tie-break favouring low ids.
+    score = counts - np.arange(vocab_size) * 1e-9
+    for t in always:
+        score[t] = np.inf
+    head_vocab = min(head_vocab, vocab_size)
+    ids = np.argpartition(-score, head_vocab - 1)[:head_vocab]
+    return sorted(int(i) for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def _batches(records: list[dict], batch_tokens: int, rng: random.Random, shuffle: bool = True) -> list[list[dict]]:
+    """Length-bucketed batches with about ``batch_tokens`` (padded) tokens each."""
+    order = list(range(len(records)))
+    if shuffle:
+        rng.shuffle(order)
+    # Sort within windows of 256 by length: little padding, still random across windows.
+    out: list[list[dict]] = []
+    for w in range(0, len(order), 256):
+        win = sorted(order[w : w + 256], key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["answer_ids"]))
+        cur: list[dict] = []
+        width = 0
+        for i in win:
+            r = records[i]
+            n = len(r["prompt_ids"]) + len(r["answer_ids"]) - 1
+            if cur and max(width, n) * (len(cur) + 1) > batch_tokens:
+                out.append(cur)
+                cur, width = [], 0
+            cur.append(r)
+            width = max(width, n)
+        if cur:
+            out.append(cur)
+    if shuffle:
+        rng.shuffle(out)
+    return out
+
+
+def _collate(batch: list[dict], pad_id: int, lut: Any, topk: int | None = None):
+    """input_ids/mask [B, T] (right padding), answer positions (flat), teacher (subset idx, logits) [M, K]."""
+    import torch
+
+    width = max(len(r["prompt_ids"]) + len(r["answer_ids"]) - 1 for r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    rows, cols, t_idx, t_val, answers = [], [], [], [], []
+    for b, r in enumerate(batch):
+        p = r["prompt_ids"].long()
+        a = r["answer_ids"].long()
+        seq = torch.cat([p, a[:-1]])
+        ids[b, : len(seq)] = seq
+        mask[b, : len(seq)] = 1
+        n = len(a)
+        rows.append(torch.full((n,), b, dtype=torch.long))
+        cols.append(torch.arange(len(p) - 1, len(p) - 1 + n))
+        ti = r["topk_ids"].long()
+        tv = r["topk_logits"].float()
+        if topk is not None:
+            ti, tv = ti[:, :topk], tv[:, :topk]
+        t_idx.append(ti)
+        t_val.append(tv)
+        answers.append(a)
+    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
+    t_idx_t = torch.cat(t_idx)
+    sub = lut[t_idx_t]  # -1 outside the head vocabulary
+    return ids, mask, rows_t, cols_t, sub, torch.cat(t_val), torch.cat(answers)
+
+
+def _kd_loss(sub_logits: Any, sub_idx: Any, t_logits: Any) -> tuple[Any, Any]:
+    """Top-k forward KL (up to the teacher entropy): -sum_k p_k log q(k) with p over the in-head top-k."""
+    import torch
+
+    logq = torch.log_softmax(sub_logits.float(), dim=-1)
+    valid = sub_idx >= 0
+    tl = t_logits.masked_fill(~valid, float("-inf"))
+    has = valid.any(-1)
+    p = torch.softmax(tl[has], dim=-1)
+    lq = logq[has].gather(-1, sub_idx[has].clamp(min=0))
+    loss = -(p * lq).masked_fill(~valid[has], 0.0).sum(-1)
+    return loss.mean(), has.float().mean()
+
+
+def _hidden(draft: Any, ids: Any, mask: Any) -> Any:
+    return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def evaluate(draft: Any, records: list[dict], pad_id: int, lut: Any, batch_tokens: int = 4096, gamma: int = 4) -> dict[str, float]:
+    """Held-out metrics (teacher forcing on the target's greedy answers).
+
+    ``agreement``: fraction of answer positions where the draft's argmax is the target's greedy token (the
+    greedy per-token acceptance probability); ``coverage``: fraction of those tokens inside the head vocabulary
+    (the ceiling of agreement); ``sim_acceptance``: accepted/drafted of a greedy speculative loop with fixed
+    ``gamma`` replayed on the answers (blocks restart after each rejection, as the real loop does);
+    ``sim_tau``: its tokens per verify step.
+    """
+    import torch
+
+    if not records:
+        return {}
+    head_ids = draft.lm_head.token_ids
+    agree_n = cov_n = total = 0
+    loss_sum = 0.0
+    accepted = drafted = steps = 0
+    draft.eval()
+    with torch.no_grad():
+        for batch in _batches(records, batch_tokens, random.Random(0), shuffle=False):
+            ids, mask, rows, cols, sub, tval, ans = _collate(batch, pad_id, lut)
+            h = _hidden(draft, ids, mask)[rows, cols]
+            sl = draft.lm_head.subset_logits(h)
+            loss, _ = _kd_loss(sl, sub, tval)
+            loss_sum += float(loss) * len(ans)
+            pred = head_ids[sl.argmax(-1)]
+            match = (pred == ans).numpy()
+            agree_n += int(match.sum())
+            cov_n += int((lut[ans] >= 0).sum())
+            total += len(ans)
+            # Replay greedy speculative blocks per answer.
+            off = 0
+            for r in batch:
+                m = match[off : off + len(r["answer_ids"])]
+                off += len(r["answer_ids"])
+                t = 0
+                while t < len(m):
+                    g = min(gamma, len(m) - t)
+                    k = 0
+                    while k < g and m[t + k]:
+                        k += 1
+                    accepted += k
+                    drafted += g
+                    steps += 1
+                    t += k + 1
+    return {
+        "agreement": agree_n / max(total, 1),
+        "coverage": cov_n / max(total, 1),
+        "loss": loss_sum / max(total, 1),
+        "sim_acceptance": accepted / max(drafted, 1),
+        "sim_tau": (accepted + steps) / max(steps, 1),
+        "tokens": total,
+    }
+
+
+def _lr_at(frac: float, peak: float, warmup_frac: float = 0.03, floor: float = 0.05) -> float:
+    if frac < warmup_frac:
+        return peak * max(frac / warmup_frac, 0.02)
+    x = min(1.0, (frac - warmup_frac) / max(1e-9, 1 - warmup_frac))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x)))
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def distill(
+    target_dir: Path,
+    out_dir: Path,
+    *,
+    train_prompts: Path,
+    num_layers: int = 4,
+    head_vocab: int = 8192,
+    time_budget_s: float = 3600.0,
+    resume: bool = True,
+    progress: bool = True,
+    data_time_budget_s: float | None = None,
+    data_min_shards: int = 2,
+    generate_data: bool = True,
+    max_new_tokens: int = 128,
+    gen_batch_size: int = 16,
+    heldout_frac: float = 0.03,
+    lr: float = 5e-4,
+    batch_tokens: int = 3072,
+    topk: int = 32,
+    eval_every_s: float = 300.0,
+    ckpt_every_s: float = 180.0,
+    reload_data_every_s: float = 300.0,
+    threads: int | None = 1,
+    seed: int = 0,
+    export: bool = True,
+    artefact_dir: Path | None = None,
+    quantize_int8: bool = False,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
+    """Distill an FR-Spec draft for ``target_dir`` into ``out_dir`` and export it as an ONNX draft.
+
+    Stages (each resumable; ``resume=False`` restarts training from the target's layers but keeps the data):
+
+    1. data: the target's greedy answers to ``train_prompts`` with their top-k logits
+       (:func:`generate_target_data`) into ``out_dir/data``, for at most ``data_time_budget_s`` (None = the
+       whole plan; another process may keep adding shards meanwhile: training reloads them every
+       ``reload_data_every_s``);
+    2. head vocabulary: the ``head_vocab`` most frequent target tokens (fixed at the start of training, saved
+       in the checkpoint);
+    3. training: top-k KL against the target on the answer positions, AdamW, cosine schedule over
+       ``time_budget_s`` of training wall time (accumulated across resumes), checkpoints to
+       ``out_dir/ckpt.pt`` every ``ckpt_every_s``, held-out metrics every ``eval_every_s``; stops at the budget
+       (or ``max_steps``);
+    4. artefact (draft-specific tensors, fp16) to ``artefact_dir`` (default ``out_dir/artefact``), the draft
+       rebuilt from target + artefact, exported to ``out_dir/onnx`` (ONNX vs PyTorch checked) and evaluated.
+
+    Returns:
+        The report (also written to ``out_dir/distill_report.json``): data size, head coverage, loss curve,
+        held-out agreement / simulated acceptance, artefact and ONNX paths and sizes.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.models import (
+        build_distilled_draft,
+        draft_own_state,
+        export_distilled_onnx,
+        load_distilled_draft,
+        save_distilled_artefact,
+        spread_layer_ids,
+    )
+
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = out_dir / DATA_DIR
+    if threads:
+        torch.set_num_threads(int(threads))
+    torch.manual_seed(seed)
+    report: dict[str, Any] = {
+        "target_dir": str(target_dir),
+        "train_prompts": str(train_prompts),
+        "num_layers": num_layers,
+        "head_vocab": head_vocab,
+        "time_budget_s": time_budget_s,
+    }
+
+    # 1. data
+    prompts = load_prompts(train_prompts)
+    if generate_data:
+        report["data_generation"] = generate_target_data(
+            target_dir, data_dir, prompts, heldout_frac=heldout_frac, batch_size=gen_batch_size,
+            max_new_tokens=max_new_tokens, topk=topk, time_budget_s=data_time_budget_s, threads=threads,
+            seed=seed, progress=progress,
+        )
+    train_recs, held_recs = load_data(data_dir)
+    if len(train_recs) == 0:
+        raise RuntimeError(f"no training data in {data_dir} (generate some first)")
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    vocab = target.config.vocab_size
+
+    # 2. head vocabulary + model (fresh or from the checkpoint)
+    ckpt_path = out_dir / CKPT_FILE
+    ckpt = None
+    if resume and ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["num_layers"] != num_layers or len(ckpt["head_ids"]) != min(head_vocab, vocab):
+            raise ValueError(
+                f"{ckpt_path} was made with num_layers={ckpt['num_layers']}, head_vocab={len(ckpt['head_ids'])}: "
+                "pass the same settings or resume=False"
+            )
+    always = tuple(t for t in {tok.eos_token_id, pad_id, *tok.all_special_ids} if t is not None and t < vocab)
+    if ckpt is not None:
+        head_ids = ckpt["head_ids"]
+        layer_ids = ckpt["init_layer_ids"]
+    else:
+        head_ids = frequent_token_ids(train_recs, vocab, head_vocab, always=always)
+        layer_ids = spread_layer_ids(target.config.num_hidden_layers, num_layers)
+    draft = build_distilled_draft(target, num_layers, head_ids, init_layer_ids=layer_ids)
+    if ckpt is not None:
+        draft.model.load_state_dict(ckpt["model"], strict=False)
+    lut = torch.full((vocab,), -1, dtype=torch.long)
+    lut[torch.as_tensor(head_ids)] = torch.arange(len(head_ids))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    state = {"step": 0, "train_s": 0.0, "epoch": 0, "seen_tokens": 0, "history": [], "evals": []}
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["opt"])
+        state = ckpt["state"]
+        log.info("resumed from %s at step %d (%.0f s trained)", ckpt_path, state["step"], state["train_s"])
+    report["layers_init_from"] = layer_ids
+    report["train_records"] = len(train_recs)
+    report["heldout_records"] = len(held_recs)
+
+    def save_ckpt() -> None:
+        _atomic_torch_save(
+            {
+                "num_layers": num_layers,
+                "head_ids": head_ids,
+                "init_layer_ids": layer_ids,
+                "model": draft_own_state(draft),
+                "opt": opt.state_dict(),
+                "state": state,
+            },
+            ckpt_path,
+        )
+
+    def run_eval() -> dict[str, float]:
+        te = time.perf_counter()
+        m = evaluate(draft, held_recs, pad_id, lut)
+        m.update(step=state["step"], train_s=round(state["train_s"], 1), eval_s=round(time.perf_counter() - te, 1))
+        state["evals"].append(m)
+        log.info("eval %s", m)
+        draft.train()
+        return m
+
+    # 3. training
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=int(time_budget_s), initial=int(min(state["train_s"], time_budget_s)), desc="distill",
+                   unit="s")
+    rng = random.Random(seed + state["epoch"])
+    if not state["evals"]:
+        m0 = run_eval()
+        if bar is not None:
+            bar.set_postfix_str(f"agree {m0.get('agreement', 0):.3f}")
+    draft.train()
+    last_ckpt = last_eval = last_reload = time.perf_counter()
+    ema = None
+    stop = False
+    while not stop:
+        batches = _batches(train_recs, batch_tokens, rng)
+        # resume inside an epoch: skip what this epoch already did
+        skip = state.get("batch_in_epoch", 0) if state.get("batch_in_epoch", 0) < len(batches) else 0
+        for bi in range(skip, len(batches)):
+            if state["train_s"] >= time_budget_s or (max_steps is not None and state["step"] >= max_steps):
+                stop = True
+                break
+            ts = time.perf_counter()
+            ids, mask, rows, cols, sub, tval, ans = _collate(batches[bi], pad_id, lut, topk)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(state["train_s"] / time_budget_s, lr)
+            h = _hidden(draft, ids, mask)[rows, cols]
+            loss, _ = _kd_loss(draft.lm_head.subset_logits(h), sub, tval)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            dt = time.perf_counter() - ts
+            state["step"] += 1
+            state["train_s"] += dt
+            state["batch_in_epoch"] = bi + 1
+            state["seen_tokens"] += int(mask.sum())
+            lv = float(loss.detach())
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            if state["step"] % 10 == 0:
+                state["history"].append({"step": state["step"], "train_s": round(state["train_s"], 1), "loss": round(ema, 4)})
+            if bar is not None:
+                bar.n = int(min(state["train_s"], time_budget_s))
+                last = state["evals"][-1] if state["evals"] else {}
+                bar.set_postfix_str(
+                    f"ep {state['epoch']} step {state['step']} loss {ema:.3f} agree {last.get('agreement', 0):.3f}"
+                )
+                bar.refresh()
+            now = time.perf_counter()
+            if now - last_eval >= eval_every_s:
+                run_eval()
+                last_eval = time.perf_counter()
+            if now - last_ckpt >= ckpt_every_s:
+                save_ckpt()
+                last_ckpt = time.perf_counter()
+        else:
+            state["epoch"] += 1
+            state["batch_in_epoch"] = 0
+            rng = random.Random(seed + state["epoch"])
+            if time.perf_counter() - last_reload >= reload_data_every_s or True:
+                new_train, new_held = load_data(data_dir)
+                if len(new_train) != len(train_recs):
+                    log.info("reloaded data: %d -> %d training answers", len(train_recs), len(new_train))
+                train_recs = new_train
+                last_reload = time.perf_counter()
+    if bar is not None:
+        bar.close()
+    final = run_eval() if not state["evals"] or state["evals"][-1]["step"] != state["step"] else state["evals"][-1]
+    save_ckpt()
+    report.update(
+        steps=state["step"],
+        epochs=state["epoch"],
+        train_s=round(state["train_s"], 1),
+        seen_tokens=state["seen_tokens"],
+        train_answer_tokens=sum(len(r["answer_ids"]) for r in train_recs),
+        train_records=len(train_recs),
+        loss_history=state["history"],
+        evals=state["evals"],
+        heldout=final,
+    )
+
+    # 4. artefact + export
+    art = Path(artefact_dir) if artefact_dir is not None else out_dir / "artefact"
+    if export:
+        extra = {
+            "init_layer_ids": layer_ids,
+            "heldout": {k: final.get(k) for k in ("agreement", "coverage", "sim_acceptance", "sim_tau")},
+            "train_answer_tokens": report["train_answer_tokens"],
+            "train_s": report["train_s"],
+        }
+        save_distilled_artefact(draft, target, art, extra=extra)
+        report["artefact_dir"] = str(art)
+        report["artefact_bytes"] = sum(f.stat().st_size for f in art.iterdir() if f.is_file())
+        installed = load_distilled_draft(target, art)  # what users get (fp16-rounded weights)
+        installed.config._attn_implementation = "eager"
+        report["heldout_installed"] = evaluate(installed, held_recs, pad_id, lut)
+        onnx_dir = export_distilled_onnx(installed, tok, out_dir / "onnx", quantize_int8=quantize_int8, check=True)
+        report["onnx_dir"] = str(onnx_dir)
+        report["onnx_check"] = json.loads((onnx_dir / "specdec_export.json").read_text()).get("fp32_check", {}).get("max_abs_diff")
+    report["total_s"] = round(time.perf_counter() - t_start, 1)
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------- cost
+
+
+def measure_costs(
+    target_dir: str | os.PathLike,
+    draft_dirs: dict[str, str | os.PathLike],
+    *,
+    past: int = 100,
+    repeats: int = 30,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Side-by-side cost of one single-token forward with ``past`` tokens of KV cache, median ms.
+
+    The target runs in PyTorch (as the verifier runs it: float32, DynamicCache), each ONNX draft in ONNX
+    Runtime (:class:`edge_client.onnx_draft.OnnxDraftModel`), all with ``threads`` threads, interleaved
+    round-robin in one process so that machine load affects them alike.
+
+    Returns:
+        {"target_ms": ..., "drafts": {name: {"ms": ..., "ratio": draft/target}}, ...}
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from edge_client.onnx_draft import OnnxDraftModel
+
+    torch.set_num_threads(int(threads))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(100, 20000, past).tolist()
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([prefix]), use_cache=True)
+    base_cache = out.past_key_values
+
+    def target_once() -> float:
+        cache = DynamicCache()
+        for i, layer in enumerate(base_cache.layers):
+            cache.update(layer.keys, layer.values, i)
+        t = time.perf_counter()
+        with torch.no_grad():
+            target(input_ids=torch.tensor([[123]]), past_key_values=cache, use_cache=True,
+                   position_ids=torch.tensor([[past]]))
+        return (time.perf_counter() - t) * 1e3
+
+    drafts = {name: OnnxDraftModel(d, providers=["CPUExecutionProvider"], intra_op_num_threads=threads)
+              for name, d in draft_dirs.items()}
+    for m in drafts.values():
+        m.forward(prefix)
+
+    def draft_once(m: Any) -> float:
+        t = time.perf_counter()
+        m.forward([123])
+        dt = (time.perf_counter() - t) * 1e3
+        m.rollback(past)
+        return dt
+
+    times: dict[str, list[float]] = {"target": []}
+    times.update({n: [] for n in drafts})
+    for _ in range(3):
+        target_once()
+        for m in drafts.values():
+            draft_once(m)
+    for _ in range(repeats):
+        times["target"].append(target_once())
+        for n, m in drafts.items():
+            times[n].append(draft_once(m))
+    tgt = float(np.median(times["target"]))
+    return {
+        "past": past,
+        "threads": threads,
+        "repeats": repeats,
+        "target_ms": tgt,
+        "drafts": {n: {"ms": float(np.median(times[n])), "ratio": float(np.median(times[n])) / tgt} for n in drafts},
+    }
