@@ -446,6 +446,8 @@ def _ort_session(onnx_path: Path, threads: int | None = None) -> Any:
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    # Export checks interleave ORT runs with PyTorch: no busy-waiting ORT threads stealing PyTorch's cores.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         so.intra_op_num_threads = threads
     return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
@@ -526,53 +528,54 @@ def _check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
 _CHECK_PROMPT = "Explain in two sentences why the sky is blue."
 
 
-def _check_int8(sess_q: Any, model: Any, tokenizer: Any, greedy_tokens: int = 32) -> dict[str, Any]:
-    """Top-1 agreement of the int8 ONNX model with the PyTorch fp32 model (teacher forcing).
+def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int = 32) -> dict[str, Any]:
+    """Top-1 agreement of the int8 ONNX model at ``onnx_path`` with the PyTorch fp32 model (teacher forcing).
 
     Two texts: a fixed natural text ("top1_agreement") and the fp32 model's own greedy continuation of a chat
     prompt ("greedy_agreement": how often the int8 draft would propose the target's greedy token, i.e. the
-    greedy acceptance rate of a draft identical to the target but for quantization).
+    greedy acceptance rate of a draft identical to the target but for quantization). The PyTorch work runs
+    before the ONNX Runtime session exists (ORT's spinning threads would slow PyTorch down on few cores).
     """
     import torch
 
     cfg = model.config
     num_layers, kv = cfg.num_hidden_layers, _kv_shape(cfg)
     ids = _check_ids(tokenizer, cfg.vocab_size, 64)
-    with torch.no_grad():
-        ref = model(input_ids=torch.from_numpy(ids)[None]).logits[0].float().numpy()
-    half = len(ids) // 2
-    a, past = _ort_run(sess_q, ids[None, :half], None, num_layers, kv)
-    b, _ = _ort_run(sess_q, ids[None, half:], past, num_layers, kv)  # also exercises the past path
-    q = np.concatenate([a[0], b[0]])
-    res = {
-        "top1_agreement": float((q.argmax(-1) == ref.argmax(-1)).mean()),
-        "num_positions": int(len(ids)),
-        "max_abs_diff": float(np.abs(q - ref).max()),
-        "mean_abs_diff": float(np.abs(q - ref).mean()),
-    }
-    # Greedy continuation of a chat prompt by the fp32 model (explicit loop: no generation config surprises).
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": _CHECK_PROMPT}], add_generation_prompt=True, tokenize=True
         )
         if isinstance(prompt, dict) or hasattr(prompt, "keys"):
             prompt = prompt["input_ids"]
-        prompt = list(prompt)
+        prompt = [int(i) for i in prompt]
     else:
         prompt = [int(i) for i in ids[:16]]
     seq = list(prompt)
     with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(ids)[None]).logits[0].float().numpy()
+        # Greedy continuation by the fp32 model (explicit loop: no generation-config surprises).
         out = model(input_ids=torch.tensor([seq]), use_cache=True)
         for _ in range(greedy_tokens):
             seq.append(int(out.logits[0, -1].argmax()))
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             out = model(input_ids=torch.tensor([seq[-1:]]), cache=cache, use_cache=True)
     full = np.asarray(seq, dtype=np.int64)
+
+    sess_q = _ort_session(onnx_path)
+    half = len(ids) // 2
+    a, past = _ort_run(sess_q, ids[None, :half], None, num_layers, kv)
+    b, _ = _ort_run(sess_q, ids[None, half:], past, num_layers, kv)  # also exercises the past path
+    q = np.concatenate([a[0], b[0]])
     lq, _ = _ort_run(sess_q, full[None], None, num_layers, kv)
     pred = lq[0].argmax(-1)[len(prompt) - 1 : -1]
-    res["greedy_agreement"] = float((pred == full[len(prompt) :]).mean())
-    res["greedy_tokens"] = greedy_tokens
-    return res
+    return {
+        "top1_agreement": float((q.argmax(-1) == ref.argmax(-1)).mean()),
+        "num_positions": int(len(ids)),
+        "max_abs_diff": float(np.abs(q - ref).max()),
+        "mean_abs_diff": float(np.abs(q - ref).mean()),
+        "greedy_agreement": float((pred == full[len(prompt) :]).mean()),
+        "greedy_tokens": greedy_tokens,
+    }
 
 
 INT8_METHODS = ("matmul_nbits", "dynamic")
@@ -725,7 +728,7 @@ def export_onnx_draft(
                 bar.advance()
                 if check:
                     bar.step("checking int8 top-1 agreement")
-                    report["int8_check"] = _check_int8(_ort_session(tmp / ONNX_FILE), model, tokenizer)
+                    report["int8_check"] = _check_int8(tmp / ONNX_FILE, model, tokenizer)
                     bar.advance()
             report["model_bytes"] = _onnx_bytes(tmp / ONNX_FILE)
 

@@ -44,6 +44,7 @@ class OnnxDraftModel:
             build has it, then ``CPUExecutionProvider`` (falls back to CPU alone if the CUDA session cannot be
             created). The providers in use are logged and kept in ``self.providers``.
         intra_op_num_threads: ORT intra-op threads; None = ORT's default (one per physical core).
+        allow_spinning: let idle ORT worker threads spin (lower latency on a dedicated device; off by default).
 
     Attributes:
         vocab_size: width of the logits (may exceed ``len(tokenizer)`` when embeddings are padded).
@@ -62,6 +63,7 @@ class OnnxDraftModel:
         model_dir: str | os.PathLike,
         providers: list[str] | None = None,
         intra_op_num_threads: int | None = None,
+        allow_spinning: bool = False,
     ) -> None:
         import onnxruntime as ort
         from transformers import AutoTokenizer
@@ -73,6 +75,8 @@ class OnnxDraftModel:
         so.log_severity_level = 3
         if intra_op_num_threads:
             so.intra_op_num_threads = int(intra_op_num_threads)
+        if not allow_spinning:  # idle ORT threads would busy-wait and slow a co-located target down
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         requested = list(providers) if providers is not None else _default_providers(ort.get_available_providers())
         try:
             self.session = ort.InferenceSession(str(path), so, providers=requested)
