@@ -489,6 +489,8 @@ class Verifier:
             batch = [first]
             deadline = loop.time() + self.max_batch_wait_s
             while len(batch) < self.max_batch_size:
+                if sum(1 for w in batch if w.block is not None) >= len(self._sessions) > 0:
+                    break  # every open session already has its block here: nothing else can come
                 if queue.empty():
                     timeout = deadline - loop.time()
                     if timeout <= 0:

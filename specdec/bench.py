@@ -39,6 +39,14 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# OpenMP threads of torch that spin-wait at barriers are pathological on an oversubscribed machine (measured
+# here with 2 cores and other jobs running: a 5-token target forward took 0.4-7 s with the default policy,
+# 70-90 ms with PASSIVE). Only effective when set before torch loads its OpenMP runtime; the value in effect
+# is recorded in the report's config. Set OMP_WAIT_POLICY yourself to override.
+_TORCH_LOADED_BEFORE_BENCH = "torch" in sys.modules
+_ENV_AT_IMPORT = frozenset(os.environ)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 VARIANTS = ("target_only", "specdec", "hf_assisted")
 WARMUP_NEW_TOKENS = 4  # tokens of the untimed warm-up generation of each variant
 CLIENTS_DEFAULT_LIMIT = 8  # prompts of run_clients_bench when no limit is given (keeps the run bounded)
@@ -151,9 +159,9 @@ def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
         return sum(len(r.samples[v].token_ids) for r in results if v in r.samples)
 
     tps = {v: (_ratio(ntok(v), tot(v, "wall_s")) if v in variants else None) for v in VARIANTS}
-    spec_steps, spec_drafted, spec_accepted = tot("specdec", "num_steps"), tot("specdec", "num_draft_tokens"), tot(
-        "specdec", "num_accepted_tokens"
-    )
+    spec_steps = tot("specdec", "num_steps")
+    spec_drafted = tot("specdec", "num_draft_tokens")
+    spec_accepted = tot("specdec", "num_accepted_tokens")
     m = {
         "acceptance_rate": _ratio(spec_accepted, spec_drafted) or 0.0,
         "mean_accepted_length": 1.0 + spec_accepted / spec_steps if spec_steps else None,
@@ -178,7 +186,7 @@ def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
 # --------------------------------------------------------------------------------------------- HF assisted
 
 
-def draft_pytorch_source(draft_dir: Path, target_dir: Path) -> tuple[Path | None, bool, str]:
+def draft_pytorch_source(draft_dir: Path) -> tuple[Path | None, bool, str]:
     """Where the PyTorch form of an ONNX draft is: ``(hf_dir or None, int8: bool, how it was found)``.
 
     The ONNX draft directory records the HF directory it was exported from (``source`` in
@@ -252,7 +260,7 @@ def _load_hf_models(
         return m.eval()
 
     hf_target = load(target_dir)
-    src, int8, found = draft_pytorch_source(draft_dir, target_dir)
+    src, int8, found = draft_pytorch_source(draft_dir)
     if src is None:
         notes.append(
             f"hf_assisted skipped: the draft {draft_dir} records no HF source directory (specdec_export.json "
@@ -369,6 +377,16 @@ def _resolve_dirs(target, draft) -> tuple[Path, Path]:
 
     defaults = default_model_paths()
     return resolve_target_dir(target or defaults.target_dir), resolve_draft_dir(draft or defaults.draft_dir)
+
+
+def _threading_config() -> dict:
+    import torch
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy_effective": not _TORCH_LOADED_BEFORE_BENCH or "OMP_WAIT_POLICY" in _ENV_AT_IMPORT,
+    }
 
 
 def _versions() -> dict:
@@ -606,8 +624,11 @@ def run_bench(
             if "hf_assisted" in variants else None
         ),
         "backend": "LocalBackend (in-process verifier)",
+        "specdec_client": {  # EdgeClient drafting options (fixed γ, as HF assisted's constant schedule)
+            k: getattr(clients["specdec"], k, None) for k in ("adaptive", "min_confidence", "proactive")
+        },
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "threading": _threading_config(),
         "versions": _versions(),
         "setup_s": round(setup_s, 2),
         "run_s": round(run_s, 2),
@@ -688,7 +709,8 @@ def run_clients_bench(
     generate greedily for their share of the prompts (round-robin; when prompts < N, every client still gets
     one). After an untimed short warm-up pass (``warmup_pass``), each of ``rounds`` rounds runs the pass twice
     on the same server, once batched (``max_batch_size``) and once serial (``max_batch_size=1``), the order
-    alternating from round to round; rates are summed over rounds (ratios of sums).
+    alternating from round to round; rates are summed over rounds (ratios of sums). Run time grows with
+    sum over N of (1 + 2·rounds) passes of max(prompts, N) generations of up to ``max_new_tokens`` tokens.
 
     Returns ``{"clients": {"N": {"tokens_per_s", "per_session_tokens_per_s", "mean_batch_size",
     "speedup_vs_serial", "serial": {...}, ...}}, "config": {...}, "notes": [...]}``.
@@ -863,12 +885,18 @@ def run_clients_bench(
         "target": str(target_dir),
         "draft": str(draft_dir),
         "cpu_count": cpus,
+        "threading": _threading_config(),
         "versions": _versions(),
         "run_s": round(time.perf_counter() - t0, 2),
     }
     notes.append(
         "tokens_per_s = committed tokens of all sessions / wall time of the pass; per_session_tokens_per_s = "
         "tokens / summed session time; mean_batch_size = mean Verdict.batch_size over verify steps"
+    )
+    notes.append(
+        "acceptance can differ a little between client counts for the same prompts: each client's draft KV cache "
+        "is reused across its sessions, and the int8 ONNX draft's logits depend slightly on how its cache was "
+        "built (whole chunk vs token by token); the verifier's output does not"
     )
     return {"clients": report, "config": config, "notes": notes}
 

@@ -23,6 +23,8 @@ import typer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# idle OpenMP threads of torch must not busy-wait: on few cores they starve the draft model / other sessions
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEFAULT_MIN_CONFIDENCE = 0.3  # confidence truncation threshold of `generate` (see bench: γ sweep)
 
@@ -271,9 +273,13 @@ def bench(
 
     logging.basicConfig(level=logging.WARNING)
     try:
-        if clients:
+        client_counts = [int(c) for c in clients.split(",")] if clients else None
+    except ValueError:
+        _fail(f"--clients must be comma-separated integers, got {clients!r}")
+    try:
+        if client_counts:
             report = bench_mod.run_clients_bench(
-                prompts, [int(c) for c in clients.split(",")], limit=limit, max_new_tokens=max_new_tokens,
+                prompts, client_counts, limit=limit, max_new_tokens=max_new_tokens,
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, progress=not as_json,
             )
         else:

@@ -885,3 +885,39 @@ def export_checkpoint(
     res["onnx_max_abs_diff"] = rep.get("fp32_check", {}).get("max_abs_diff")
     res["onnx_bytes"] = rep.get("model_bytes")
     return res
+
+
+def evaluate_onnx(onnx_dir: str | os.PathLike, records: list[dict], threads: int = 1, gamma: int = 4) -> dict[str, float]:
+    """Held-out greedy agreement of an ONNX draft directory (teacher forcing, one sequence per run).
+
+    Same metrics as :func:`evaluate` (``agreement``, ``sim_acceptance``, ``sim_tau``) for any ONNX draft in
+    the layout of :mod:`common.models` (the distilled draft, its int8 variant, the int8 copy of the target).
+    """
+    from edge_client.onnx_draft import OnnxDraftModel
+
+    m = OnnxDraftModel(onnx_dir, providers=["CPUExecutionProvider"], intra_op_num_threads=threads)
+    agree = total = accepted = drafted = steps = 0
+    for r in records:
+        p = r["prompt_ids"].tolist()
+        a = r["answer_ids"].tolist()
+        m.reset()
+        logits = m.forward(p + a[:-1])[len(p) - 1 :]
+        match = logits.argmax(-1) == r["topk_ids"][:, 0].numpy()
+        agree += int(match.sum())
+        total += len(match)
+        t = 0
+        while t < len(match):
+            g = min(gamma, len(match) - t)
+            k = 0
+            while k < g and match[t + k]:
+                k += 1
+            accepted += k
+            drafted += g
+            steps += 1
+            t += k + 1
+    return {
+        "agreement": agree / max(total, 1),
+        "sim_acceptance": accepted / max(drafted, 1),
+        "sim_tau": (accepted + steps) / max(steps, 1),
+        "tokens": total,
+    }
