@@ -1,12 +1,12 @@
 """Shared pytest fixtures."""
 
+from __future__ import annotations
+
+
 import os as _os_env
 
 _os_env.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 _os_env.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-from __future__ import annotations
 
 
 # ---------------------------------------------------------------------------------------------- Redis
