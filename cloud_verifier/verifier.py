@@ -145,6 +145,7 @@ class Verifier:
             ttl_s=int(session_ttl_s),
         )
         self._sessions: dict[str, _Session] = {}
+        self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
         self._sessions_lock = threading.Lock()
         self._queue: asyncio.Queue[_Work] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
@@ -323,6 +324,24 @@ class Verifier:
         session = self._sessions.get(session_id)
         if session is not None:
             return session
+        pending = self._resuming.get(session_id)
+        if pending is not None:  # another request is already resuming it: share that prefill
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._resuming[session_id] = future
+        try:
+            session = await self._resume(session_id)
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # mark retrieved
+            raise
+        else:
+            future.set_result(session)
+            return session
+        finally:
+            del self._resuming[session_id]
+
+    async def _resume(self, session_id: str) -> _Session:
         record = self.store.get(session_id)
         if record is None:
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")

@@ -137,3 +137,45 @@ def test_kv_memory_returns_to_idle_after_200_sessions(tiny_pair, runner):
         assert growth < 50 * per_session_kv + 32 * 2**20, f"RSS grew by {growth} bytes"
     finally:
         backend.close()
+
+
+def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
+    """A long prompt is prefilled one chunk per forward pass, interleaved with running sessions' verify steps."""
+    verifier = Verifier(runner, max_batch_size=8, max_batch_wait_ms=1, prefill_chunk_tokens=32)
+    batches: list[tuple[int, int]] = []  # (prefill rows, verify rows) per forward pass
+    real_forward = runner.forward
+
+    def spy(rows):
+        batches.append((sum(r.logits == "none" for r in rows), sum(r.logits != "none" for r in rows)))
+        return real_forward(rows)
+
+    runner.forward = spy
+    backend = LocalBackend(verifier)
+    try:
+        model = OnnxDraftModel(tiny_pair.draft_dir)
+        client = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=2)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("a", client.generate(
+            [5, 6, 7], max_new_tokens=120, ignore_eos=True)))
+        t.start()
+        import time
+
+        deadline = time.monotonic() + 60
+        while not any(v for _, v in batches) and time.monotonic() < deadline:  # wait until A is decoding
+            time.sleep(0.001)
+        long_prompt = np.random.default_rng(1).integers(3, 5000, size=32 * 12 + 1).tolist()
+        from common.types import SamplingParams, StoppingCriteria
+
+        opened = backend.open_session(long_prompt, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+        t.join(timeout=300)
+        backend.close_session(opened.session_id)
+    finally:
+        runner.forward = real_forward
+        backend.close()
+    assert max(p for p, _ in batches) == 1, "more than one prefill chunk in a forward pass"
+    assert sum(p for p, _ in batches) >= 12
+    first = next(i for i, (p, _) in enumerate(batches) if p and i > 0)
+    last = max(i for i, (p, _) in enumerate(batches) if p)
+    during = sum(1 for p, v in batches[first:last] if v)
+    assert during >= 6, f"the running session stalled while the long prompt was prefilled: {batches}"
+    assert len(result["a"].token_ids) == 120
