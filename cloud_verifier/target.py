@@ -168,7 +168,8 @@ class TargetRunner:
         self.max_context_tokens = int(getattr(cfg, "max_position_embeddings", 2048))
         self.kv_cache_budget_tokens = int(kv_cache_budget_tokens)
         self._reserved_tokens = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # budget accounting
+        self._forward_lock = threading.Lock()  # a KV cache is never freed under a running forward pass
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
 
@@ -210,22 +211,26 @@ class TargetRunner:
 
     def free(self, kv: SessionKV) -> None:
         """Return a session's KV cache to the budget (idempotent)."""
-        if kv.buffer.numel() == 0:
-            return
-        with self._lock:
-            self._reserved_tokens -= kv.capacity
-        kv.buffer = kv.buffer.new_empty((self.num_layers, 2, self.num_kv_heads, 0, self.head_dim))
+        with self._forward_lock:  # waits for a forward pass that may be using it
+            if kv.buffer.numel() == 0:
+                return
+            with self._lock:
+                self._reserved_tokens -= kv.capacity
+            kv.buffer = kv.buffer.new_empty((self.num_layers, 2, self.num_kv_heads, 0, self.head_dim))
 
     # ---------------------------------------------------------------- forward
-    @torch.inference_mode()
     def forward(self, rows: list[ForwardRow]) -> list[np.ndarray | None]:
         """One target forward pass over a ragged batch.
 
         Returns per row: logits float32 [len(token_ids), vocab_size] ("all"), [1, vocab_size] ("last"), or None.
 
         Raises:
-            ValueError: a row writes past its KV capacity or is empty.
+            ValueError: a row writes past its KV capacity (or its KV cache was freed) or is empty.
         """
+        with self._forward_lock, torch.inference_mode():
+            return self._forward(rows)
+
+    def _forward(self, rows: list[ForwardRow]) -> list[np.ndarray | None]:
         batch = _RaggedBatch()
         flat_ids: list[int] = []
         positions: list[int] = []

@@ -72,6 +72,7 @@ class _Session:
     kv: SessionKV
     stop: StopChecker
     busy: bool = False  # a block of this session is queued or running
+    released: bool = False  # closed/expired: KV freed, or to be freed when the block in flight is done
     last_seen: float = field(default_factory=time.time)
 
     @property
@@ -146,6 +147,7 @@ class Verifier:
         )
         self._sessions: dict[str, _Session] = {}
         self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
+        self._opening = 0  # sessions being prefilled (count towards max_sessions)
         self._sessions_lock = threading.Lock()
         self._queue: asyncio.Queue[_Work] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
@@ -270,7 +272,11 @@ class Verifier:
             last_seen_at=now,
         )
         session = await self._load_session(record, new=True)
-        self.store.create(dataclasses.replace(record, committed_token_ids=list(prompt)))
+        try:
+            self.store.create(dataclasses.replace(record, committed_token_ids=list(prompt)))
+        except BaseException:  # store unreachable: nothing may stay reserved for a session nobody can use
+            self._release(record.session_id)
+            raise
         metrics.SESSIONS_OPENED.inc()
         return self._opened(session)
 
@@ -292,8 +298,16 @@ class Verifier:
     async def _load_session(self, record: SessionRecord, new: bool) -> _Session:
         """Reserve the KV cache and prefill ``record``'s committed tokens except the last."""
         with self._sessions_lock:
-            if len(self._sessions) >= self.max_sessions:
+            if len(self._sessions) + self._opening >= self.max_sessions:
                 raise CapacityError(f"verifier full: {len(self._sessions)} of {self.max_sessions} sessions open")
+            self._opening += 1
+        try:
+            return await self._prefill_new(record)
+        finally:
+            with self._sessions_lock:
+                self._opening -= 1
+
+    async def _prefill_new(self, record: SessionRecord) -> _Session:
         capacity = min(
             self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens
         )
@@ -358,11 +372,7 @@ class Verifier:
 
     def _drop_local(self, session_id: str) -> None:
         """Forget this replica's copy of a session (its KV cache); the store record is untouched."""
-        with self._sessions_lock:
-            session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self.target.free(session.kv)
-        self._update_gauges()
+        self._release(session_id)
 
     def get_session(self, session_id: str) -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
@@ -375,15 +385,25 @@ class Verifier:
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
         return record
 
-    def close_session(self, session_id: str) -> bool:
-        """Free the session's KV cache and delete its store keys; False if it did not exist."""
+    def _release(self, session_id: str) -> _Session | None:
+        """Remove a session from this replica and free its KV cache — at once, or, when one of its blocks is
+        queued or in a forward pass, as soon as that block is done (never under a running batch)."""
         with self._sessions_lock:
             session = self._sessions.pop(session_id, None)
+            if session is None:
+                return None
+            session.released = True
+            if not session.busy:
+                self.target.free(session.kv)
+        self._update_gauges()
+        return session
+
+    def close_session(self, session_id: str) -> bool:
+        """Free the session's KV cache and delete its store keys; False if it did not exist."""
+        session = self._release(session_id)
         if session is not None:
-            self.target.free(session.kv)
             metrics.SESSIONS_CLOSED.inc()
         existed = self.store.delete(session_id)
-        self._update_gauges()
         return existed or session is not None
 
     def reap_expired(self, now: float | None = None) -> int:
@@ -395,10 +415,8 @@ class Verifier:
         for s in candidates:
             sid = s.record.session_id
             if now - s.last_seen > self.session_ttl_s or self.store.get(sid) is None:
-                with self._sessions_lock:
-                    gone = self._sessions.pop(sid, None)
+                gone = self._release(sid)
                 if gone is not None:
-                    self.target.free(gone.kv)
                     self.store.delete(sid, verifier_id=self.info.verifier_id)
                     metrics.SESSIONS_EXPIRED.inc()
                     reaped += 1
@@ -422,16 +440,24 @@ class Verifier:
         """
         self._check_running()
         session = await self._get_or_resume(session_id)
-        self._validate_block(session, seq, committed_length, block)
-        session.busy = True
+        with self._sessions_lock:
+            self._validate_block(session, seq, committed_length, block)
+            if session.released:
+                raise SessionNotFoundError(f"session {session_id!r} was closed")
+            session.busy = True
         try:
             last = session.committed[-1]
             work = _Work(session, [last, *block.draft_token_ids], committed_length - 1, self._new_future(),
                          block=block, seq=seq)
             return await self._submit(work)
         finally:
-            session.busy = False
-            session.last_seen = time.time()
+            with self._sessions_lock:
+                session.busy = False
+                session.last_seen = time.time()
+                if session.released:  # closed while its block was in flight: free it now
+                    self.target.free(session.kv)
+            if session.released:
+                self._update_gauges()
 
     def _validate_block(self, session: _Session, seq: int, committed_length: int, block: DraftBlock) -> None:
         r = session.record
@@ -525,6 +551,9 @@ class Verifier:
             for w in prefills[1:]:
                 queue.put_nowait(w)
             batch = [w for w in batch if w.block is not None] + prefills[:1]
+            batch = [w for w in batch if not w.future.done()]  # requests cancelled while queued
+            if not batch:
+                continue
             try:
                 results = await loop.run_in_executor(self._executor, self._run_batch, batch)
             except Exception as e:  # a bug: fail this batch's requests, keep serving

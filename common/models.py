@@ -1116,12 +1116,15 @@ def prepare_distilled_draft(
     artefact_dir: str | os.PathLike | None = None,
     force: bool = False,
     progress: bool = True,
+    quantize_int8: bool = True,
 ) -> Path:
-    """Install the committed distilled draft of the default target at ``<cache>/{DISTILLED_DRAFT_DIR_NAME}``.
+    """Install the committed distilled draft of the default target at ``<cache>/smollm2-135m-instruct-distilled``.
 
-    Prepares the target first when needed (:func:`prepare_target_from_gguf`).
+    Prepares the target first when needed (:func:`prepare_target_from_gguf`). ``quantize_int8`` (default):
+    MatMulNBits int8 weights, measured on SmolLM2-135M at the same held-out greedy agreement as fp32
+    (0.345 vs 0.349) for ~0.6x the draft time. Takes ~1-2 min on 2 busy CPU cores (export + checks).
     """
     paths = default_model_paths(cache_dir)
     prepare_target_from_gguf(paths.target_dir, progress=progress, force=False)
     return install_distilled_draft(paths.target_dir, artefact_dir, paths.target_dir.parent / DISTILLED_DRAFT_DIR_NAME,
-                                   force=force, progress=progress)
+                                   quantize_int8=quantize_int8, force=force, progress=progress)

@@ -179,3 +179,28 @@ def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
     during = sum(1 for p, v in batches[first:last] if v)
     assert during >= 6, f"the running session stalled while the long prompt was prefilled: {batches}"
     assert len(result["a"].token_ids) == 120
+
+
+def test_closing_a_session_with_a_block_in_flight_spares_the_batch(tiny_pair, runner):
+    """A client that goes away mid-block (Ctrl-C) must not break the other sessions batched with it."""
+    from common.errors import SessionNotFoundError
+    from common.types import DraftBlock, SamplingParams, StoppingCriteria
+
+    backend = LocalBackend(Verifier(runner, max_batch_size=8, max_batch_wait_ms=50))
+    try:
+        prompt = list(range(10, 300))
+        a = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64))
+        b = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64))
+        fa = backend.submit(a.session_id, 1, len(prompt), DraftBlock([5, 6, 7, 8]))
+        fb = backend.submit(b.session_id, 1, len(prompt), DraftBlock([5, 6]))
+        backend.close_session(a.session_id)  # while a's block is queued or in the forward pass
+        vb = fb.result(timeout=60)  # the other session is unaffected
+        assert vb.committed_length >= len(prompt) + 1
+        try:
+            fa.result(timeout=60)
+        except SessionNotFoundError:
+            pass
+        backend.close_session(b.session_id)
+        assert runner.kv_reserved_tokens == 0
+    finally:
+        backend.close()

@@ -160,3 +160,135 @@ def test_greedy_agreement_with_rejections(tiny_pair, tmp_path):
     assert r["overall"]["acceptance_rate"] < 1.0
     for key, a in r["greedy_agreement"].items():
         assert a["identical"] == a["of"] == 2, f"{key}: {a['mismatches']}"
+
+
+# ---------------------------------------------------------------------------------------------- γ sweep
+
+SWEEP_M_KEYS = {
+    "acceptance_rate", "mean_accepted_length", "mean_block_tokens", "draft_ms_per_token", "draft_cost_ratio",
+    "tokens_per_s", "speedup_vs_target_only", "target_ms_per_token", "num_prompts", "num_tokens", "num_steps",
+}
+
+
+def test_parse_sweep_and_delays():
+    from common.errors import InvalidRequestError
+
+    assert bench.parse_gamma_sweep("1-8") == list(range(1, 9))
+    assert bench.parse_gamma_sweep("4,1-2, 8") == [1, 2, 4, 8]
+    assert bench.parse_delays_ms("0,20,20") == [0.0, 20.0]
+    for bad in ("0-2", "x", "3-1", ""):
+        with pytest.raises(InvalidRequestError):
+            bench.parse_gamma_sweep(bad)
+    for bad in ("-5", "a", "", "inf"):
+        with pytest.raises(InvalidRequestError):
+            bench.parse_delays_ms(bad)
+
+
+def test_gamma_sweep(tiny_pair, tmp_path):
+    prompts = _write_jsonl(tmp_path / "q.jsonl", PROMPTS)
+    plot = tmp_path / "out" / "sweep.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        plot = None
+    r = bench.run_gamma_sweep(
+        prompts, [1, 2], limit=2, max_new_tokens=8, target=tiny_pair.target_dir, draft=tiny_pair.other_draft_dir,
+        min_confidence=0.3, plot=plot,
+    )
+    assert list(r["gamma_sweep"]) == ["1", "2", "adaptive", "adaptive_no_truncation"]
+    assert r["config"]["gammas"] == [1, 2] and r["config"]["adaptive_max_gamma"] == 2
+    for name, mm in r["gamma_sweep"].items():
+        assert set(mm) == {"overall", "categories"} and set(mm["categories"]) == {"writing", "math"}
+        for m in [mm["overall"], *mm["categories"].values()]:
+            assert SWEEP_M_KEYS <= set(m), name
+            assert 0.0 <= m["acceptance_rate"] <= 1.0 and m["mean_accepted_length"] >= 1.0
+            assert m["tokens_per_s"] > 0 and m["speedup_vs_target_only"] > 0 and m["draft_cost_ratio"] > 0
+            assert 0 < m["mean_block_tokens"] <= 2
+        if name.isdigit():  # fixed γ: every block is γ long (a block is cut only by the room left at the end)
+            assert mm["overall"]["num_steps"] > 0
+    o = r["gamma_sweep"]["1"]["overall"]
+    assert o["num_prompts"] == 2 and o["num_tokens"] == r["target_only"]["overall"]["num_tokens"]
+    assert r["target_only"]["overall"]["target_forward_ms_1_token"] > 0
+    # the other draft disagrees with the target: rejections, yet every variant's greedy ids are the target's
+    assert r["gamma_sweep"]["2"]["overall"]["acceptance_rate"] < 1.0
+    assert set(r["greedy_agreement"]) == {"1", "2", "adaptive", "adaptive_no_truncation"}
+    for v, a in r["greedy_agreement"].items():
+        assert a["identical"] == a["of"] == 2, f"{v}: {a['mismatches']}"
+    assert r["config"]["greedy_identical_all"]
+    if plot is not None:
+        assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert r["config"]["plot"] == str(plot)
+    json.dumps(r)
+    from rich.console import Console
+
+    buf = io.StringIO()
+    bench.print_report(r, console=Console(file=buf, width=200))
+    assert "adaptive_no_truncation" in buf.getvalue() and "γ=2" in buf.getvalue()
+
+
+def test_gamma_sweep_plot_needs_matplotlib(monkeypatch, tmp_path):
+    """--plot fails before any model loads when matplotlib is missing, with a clear message."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        bench.run_gamma_sweep(tmp_path / "missing.jsonl", [1], plot=tmp_path / "x.png")
+
+
+# ---------------------------------------------------------------------------------------------- edge–cloud
+
+
+def test_edge_cloud_bench(tiny_pair, tmp_path):
+    import os
+
+    prompts = _write_jsonl(tmp_path / "q.jsonl", PROMPTS)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    r = bench.run_edge_cloud_bench(
+        prompts, [0, 5], limit=2, max_new_tokens=8, num_speculative_tokens=3, target=tiny_pair.target_dir,
+        draft=tiny_pair.draft_dir, startup_timeout_s=120,
+        min_confidence=0.0,  # the tiny random draft is rarely 30 % sure: truncation would cut every block to 1
+    )
+    if before is not None:
+        assert os.sched_getaffinity(0) == before  # the bench process's affinity is restored
+    assert set(r["edge_cloud"]) == {"0", "5"}
+    for d, entry in r["edge_cloud"].items():
+        assert set(entry) == {"cloud_only", "specdec", "specdec_proactive"}
+        for v, m in entry.items():
+            assert m["tokens_per_s"] > 0 and m["ratio_vs_cloud_only"] > 0, (d, v)
+            assert m["num_prompts"] == 2 and 0 < m["num_tokens"] <= 16
+            assert set(m["categories"]) == {"writing", "math"}
+            assert m["target_ms_per_token"] > 0
+        assert entry["cloud_only"]["ratio_vs_cloud_only"] == pytest.approx(1.0)
+        assert entry["cloud_only"]["mean_accepted_length"] == 1.0 and entry["cloud_only"]["proactive_hits"] == 0
+        assert entry["specdec"]["proactive_hits"] == 0
+        assert entry["specdec"]["acceptance_rate"] > 0.9  # the draft is the target itself (fp32 ONNX)
+        assert entry["cloud_only"]["streaming_model_tokens_per_s"] > 0
+    assert r["edge_cloud"]["5"]["specdec_proactive"]["proactive_hits"] > 0  # blocks in flight for ≥ 10 ms
+    assert r["config"]["greedy_identical_all"]
+    for k, a in r["greedy_agreement"].items():
+        assert a["identical"] == a["of"] == 2, f"{k}: {a['mismatches']}"
+    assert r["config"]["verifier_exit_status"] is not None  # the server process is gone
+    pin = r["config"]["pinning"]
+    if pin["edge_core"] is not None:
+        assert pin["edge_affinity_seen"] == [pin["edge_core"]]
+        assert pin["verifier_affinity_seen"] == [pin["verifier_core"]]
+    else:
+        assert any("pin" in n for n in r["notes"])
+    json.dumps(r)
+    from rich.console import Console
+
+    buf = io.StringIO()
+    bench.print_report(r, console=Console(file=buf, width=220))
+    assert "specdec_proactive" in buf.getvalue()
+
+
+def test_edge_cloud_verifier_failure_is_reported_and_cleaned_up(tiny_pair, tmp_path):
+    """A verifier that cannot start (no model at --target) fails fast with its log; no process is left."""
+    prompts = _write_jsonl(tmp_path / "q.jsonl", PROMPTS)
+    proc = bench._VerifierProcess(tmp_path / "no-such-model", None, startup_timeout_s=60)
+    with pytest.raises(bench.VerifierProcessError, match="exited"):
+        proc.start()
+    assert proc.proc is None
+    proc.remove_log()
+    del prompts
