@@ -355,12 +355,20 @@ async def serve(
         verifier = await asyncio.to_thread(Verifier.from_settings, settings)
     server = VerifierServer(verifier, host=settings.host, port=settings.port, grace_s=settings.grace_period_s,
                             owns_verifier=owns)
-    await server.start()
-    if settings.metrics_port:
+    if settings.metrics_port:  # before the gRPC server: a port conflict must not leave a half-started server
         from cloud_verifier import metrics
 
-        metrics.serve_metrics(settings.metrics_port, addr=settings.host)
+        try:
+            metrics.serve_metrics(settings.metrics_port, addr=settings.host)
+        except OSError as e:
+            if owns:
+                verifier.shutdown()
+            raise VerifierUnavailableError(
+                f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {e.strerror or e} "
+                "(set --metrics-port / SPECDEC_METRICS_PORT to a free port, or 0 to disable)"
+            ) from None
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+    await server.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []

@@ -119,6 +119,11 @@ class EdgeClient:
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise.
         timeout_s: deadline of each verify step, s.
+        open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
+
+    Seeded sampling is reproducible for a fixed speculation schedule: a sampled session with a seed runs with
+    adaptive γ and proactive drafting off (both depend on timing, and the tokens of speculative sampling depend
+    on where blocks end). Greedy output never depends on them.
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, or min_confidence outside [0, 1).
@@ -135,6 +140,7 @@ class EdgeClient:
         min_confidence: float = 0.0,
         proactive: bool = False,
         timeout_s: float = 60.0,
+        open_timeout_s: float = 600.0,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -148,6 +154,7 @@ class EdgeClient:
         self.min_confidence = min_confidence
         self.proactive = proactive
         self.timeout_s = timeout_s
+        self.open_timeout_s = open_timeout_s
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.last_result: GenerationResult | None = None
 
@@ -228,8 +235,9 @@ class EdgeClient:
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Iterator[str]:
         t0 = time.perf_counter()
         stats = GenerationStats()
+        requested_seed = sampling.seed
         opened: SessionOpened = self.backend.open_session(
-            prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.timeout_s
+            prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.open_timeout_s
         )
         seed = opened.seed
         sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
@@ -237,7 +245,10 @@ class EdgeClient:
         detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
         capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
         max_gamma = min(self.num_speculative_tokens, opened.max_block_tokens)
-        controller = AdaptiveGamma(max_gamma) if self.adaptive else None
+        # a seeded sampled session keeps a timing-independent schedule (see the class docstring)
+        deterministic = not sampling.greedy and requested_seed is not None
+        controller = AdaptiveGamma(max_gamma) if self.adaptive and not deterministic else None
+        proactive = self.proactive and not deterministic
         prepared: tuple[list[int], DraftBlock] | None = None  # (committed state it extends, block)
         finish_reason = None
         seq = 0
@@ -256,7 +267,7 @@ class EdgeClient:
                 seq += 1
                 t_sent = time.perf_counter()
                 future = self.backend.submit(opened.session_id, seq, len(committed), block)
-                if self.proactive and self.drafter is not None and len(block) and not future.done():
+                if proactive and self.drafter is not None and len(block) and not future.done():
                     # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
                     bet = committed + list(block.draft_token_ids)
                     next_room = capacity - len(bet) - 2

@@ -169,11 +169,11 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user turn; see --raw)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0, min=0, help="0 = off"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, help="0 = off"),
     top_p: float = typer.Option(1.0, help="1.0 = off"),
-    seed: Optional[int] = typer.Option(None, min=0),
+    seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     draft_top_k: int = typer.Option(8, help="k of top-k drafting for sampled sessions (1 = greedy drafting)"),
     drafter: str = typer.Option("model", help="'model' (ONNX draft) or 'ngram' (prompt lookup, no model)"),
@@ -195,6 +195,22 @@ def generate(
     logging.basicConfig(level=logging.WARNING)
     if not prompt.strip():
         _fail("empty prompt")
+    # cheap checks first: a typo should not cost a model load
+    from common.types import SamplingParams, StoppingCriteria
+
+    try:
+        SamplingParams(temperature, top_k, top_p, seed).validate()
+        StoppingCriteria(max_new_tokens, (), tuple(stop), ignore_eos).validate()
+    except ValueError as e:
+        _fail(str(e))
+    if num_speculative_tokens < 1:
+        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if network_delay_ms < 0:
+        _fail(f"--network-delay-ms must be >= 0, got {network_delay_ms}")
+    if draft_top_k < 1:
+        _fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
+    if not 0.0 <= min_confidence < 1.0:
+        _fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
     try:
         client, close = build_pipeline(
             target, draft, server=server, in_process=in_process, target_only=target_only,
@@ -245,13 +261,20 @@ def serve(
     from cloud_verifier.server import serve as serve_async
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_transformers()
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
                                        metrics_port=metrics_port).items() if v is not None}
+    from pydantic import ValidationError
+
     try:
         settings = VerifierSettings(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
+    try:
         asyncio.run(serve_async(settings))
-    except _user_errors() as e:
-        _fail(str(e))
+    except (*_user_errors(), OSError, RuntimeError, ValueError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         pass
 

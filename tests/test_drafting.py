@@ -98,8 +98,9 @@ def test_confidence_truncation_shortens_blocks(backend, tiny_pair, prompt_ids, r
 
 
 def test_proactive_drafting_same_sampled_tokens_and_hits(backend, tiny_pair, prompt_ids):
-    """Proactive drafting changes when drafts are made, not what is drafted: same seeded tokens; with the
-    target's own weights as the draft, bets on full acceptance win and prepared blocks get used."""
+    """A seeded sampled session gives the same tokens whatever the client's timing-dependent settings (they are
+    turned off for it); with the target's own weights as the draft, greedy bets on full acceptance win and
+    prepared blocks get used."""
     kw = dict(max_new_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
     off = _model_client(backend, tiny_pair, num_speculative_tokens=3).generate(prompt_ids, **kw)
     on = _model_client(backend, tiny_pair, num_speculative_tokens=3, proactive=True).generate(prompt_ids, **kw)
