@@ -643,6 +643,8 @@ class Verifier:
             await asyncio.sleep(self.reap_interval_s)
             try:
                 await loop.run_in_executor(None, self.reap_expired)
+            except SpecdecError as e:  # e.g. the store is unreachable: one line, retried next period
+                log.warning("reaper: %s", e)
             except Exception:
                 log.exception("reaper failed")
 
