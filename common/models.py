@@ -945,6 +945,9 @@ def save_distilled_artefact(draft: Any, target: Any, out_dir: str | os.PathLike,
     tensors = {k: v.to(torch.float16).contiguous() for k, v in draft_own_state(draft).items()}
     tensors[DISTILLED_HEAD_IDS_KEY] = draft.lm_head.token_ids.to(torch.int32).contiguous()
     save_file(tensors, str(out / DISTILLED_ARTEFACT_WEIGHTS))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / DISTILLED_ARTEFACT_WEIGHTS, 0o666 & ~umask)  # safetensors may leave it 0600
     tc = target.config
     cfg = {
         "format": DISTILLED_ARTEFACT_FORMAT,

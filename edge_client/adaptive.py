@@ -50,8 +50,10 @@ class AdaptiveGamma:
     def _avg(self, old: float, new: float, first: bool) -> float:
         return new if first else (1 - self.ema) * old + self.ema * new
 
-    def observe(self, gamma: int, num_accepted: int, draft_ms: float, round_trip_ms: float, forward_ms: float) -> None:
-        """Record one verify step: block length γ, accepted count, edge draft time, round trip, target forward (ms)."""
+    def observe(self, gamma: int, num_accepted: int, draft_ms: float | None, round_trip_ms: float,
+                forward_ms: float) -> None:
+        """Record one verify step: block length γ, accepted count, edge draft time (None: drafted while hidden
+        behind an earlier round trip, not a cost), round trip, target forward (ms)."""
         first = self.steps == 0
         self.steps += 1
         # per-position conditional acceptance: positions < num_accepted accepted, position num_accepted rejected
@@ -61,7 +63,7 @@ class AdaptiveGamma:
             elif i == num_accepted:
                 self.accept[i] = (1 - self.ema) * self.accept[i]
                 break
-        if gamma > 0:
+        if gamma > 0 and draft_ms is not None:
             self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / gamma, first)
         self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)
         self._fwd[gamma] = self._avg(self._fwd.get(gamma, forward_ms), forward_ms, gamma not in self._fwd)

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from common.detok import IncrementalDetokenizer
 from common.errors import DeadlineError, InvalidRequestError
@@ -36,7 +36,7 @@ class Drafter(Protocol):
 
     def propose(
         self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
-        min_confidence: float = 0.0,
+        min_confidence: float = 0.0, should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock: ...
 
 
@@ -217,15 +217,16 @@ class EdgeClient:
         assert self.last_result is not None
         return self.last_result
 
-    def _draft(self, committed: list[int], gamma: int, sampling: SamplingParams, seed: int) -> DraftBlock:
+    def _draft(self, committed: list[int], gamma: int, sampling: SamplingParams, seed: int,
+               should_stop=None) -> DraftBlock:
         if self.drafter is None or gamma <= 0:
             return DraftBlock([])
-        return self.drafter.propose(committed, gamma, sampling, seed, min_confidence=self.min_confidence)
+        kwargs = {"should_stop": should_stop} if should_stop is not None else {}
+        return self.drafter.propose(committed, gamma, sampling, seed, min_confidence=self.min_confidence, **kwargs)
 
-    def _wait(self, future, t_sent: float) -> tuple[Verdict, float]:
-        """The verdict and its round trip, ms (sent → answer available, not → when we looked)."""
-        done_at: list[float] = []
-        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+    def _wait(self, future, t_sent: float, done_at: list[float]) -> tuple[Verdict, float]:
+        """The verdict and its round trip, ms (sent → answer available, not → when we looked: ``done_at`` is
+        filled by a callback registered right after sending)."""
         try:
             verdict = future.result(timeout=self.timeout_s)
         except FutureTimeoutError:
@@ -257,7 +258,8 @@ class EdgeClient:
                 room = capacity - len(committed) - 1  # the verdict always adds one token of its own
                 gamma = max(0, min(controller.next_gamma() if controller else max_gamma, room))
                 td = time.perf_counter()
-                if prepared is not None and prepared[0] == committed:
+                hit = prepared is not None and prepared[0] == committed
+                if hit:
                     block = _truncate(prepared[1], gamma)
                     stats.num_proactive_hits += 1
                 else:
@@ -267,22 +269,26 @@ class EdgeClient:
                 seq += 1
                 t_sent = time.perf_counter()
                 future = self.backend.submit(opened.session_id, seq, len(committed), block)
+                done_at: list[float] = []
+                future.add_done_callback(lambda _f, d=done_at: d.append(time.perf_counter()))
                 if proactive and self.drafter is not None and len(block) and not future.done():
                     # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
                     bet = committed + list(block.draft_token_ids)
                     next_room = capacity - len(bet) - 2
                     if next_room > 0:
                         tp = time.perf_counter()
-                        ahead = self._draft(bet, 1 + min(max_gamma, next_room), sampling, seed)
+                        ahead = self._draft(bet, 1 + min(max_gamma, next_room), sampling, seed,
+                                            should_stop=future.done)
                         stats.draft_s += time.perf_counter() - tp
                         if len(ahead) >= 2:
                             guess = ahead.draft_token_ids[0]
                             prepared = (bet + [guess], _drop_first(ahead))
-                verdict, round_trip_ms = self._wait(future, t_sent)
+                verdict, round_trip_ms = self._wait(future, t_sent, done_at)
                 committed.extend(verdict.committed_token_ids)
                 if controller is not None:
-                    controller.observe(len(block), verdict.num_accepted, block.draft_ms, round_trip_ms,
-                                       verdict.forward_ms)
+                    # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost
+                    controller.observe(len(block), verdict.num_accepted, None if hit else block.draft_ms,
+                                       round_trip_ms, verdict.forward_ms)
                 stats.num_verify_steps += 1
                 stats.num_draft_tokens += len(block)
                 stats.num_accepted_tokens += verdict.num_accepted

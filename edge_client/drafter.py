@@ -13,6 +13,7 @@ Drafting modes (both lossless under the verifier's rejection rule, DESIGN.md "Lo
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -81,12 +82,15 @@ class ModelDrafter:
         sampling: SamplingParams,
         seed: int,
         min_confidence: float = 0.0,
+        should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock:
         """Draft ``num_speculative_tokens`` (γ) tokens after the committed prefix.
 
         Confidence truncation (llama.cpp's ``--draft-p-min``; dSpark's confidence head): the block stops early,
         after at least one token, when the draft's most likely next token has probability (softmax of its raw
         logits) below ``min_confidence``; 0 disables it. The block may then hold fewer than γ tokens.
+        ``should_stop``: checked before each token after the first; True ends the block there (proactive
+        drafting stops drafting ahead once the verdict it bets on has arrived).
 
         Args:
             committed_token_ids: prompt + committed output ids (non-empty).
@@ -119,6 +123,8 @@ class ModelDrafter:
         rows_q: list[np.ndarray] = []
         for i in range(gamma):
             if i > 0 and min_confidence > 0.0 and _top_prob(logits[: self.valid_vocab_size]) < min_confidence:
+                break
+            if i > 0 and should_stop is not None and should_stop():
                 break
             if greedy:
                 token = int(np.argmax(logits[: self.valid_vocab_size]))

@@ -49,7 +49,7 @@ class NgramDrafter:
 
     def propose(
         self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
-        min_confidence: float = 0.0,
+        min_confidence: float = 0.0, should_stop=None,
     ) -> DraftBlock:
         """Draft up to γ tokens by prompt lookup (may return fewer, or none when nothing matches)."""
         t0 = time.perf_counter()

@@ -1285,7 +1285,10 @@ def plot_gamma_sweep(report: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     axes = fig.subplots(1, 2)
-    panels = (("speedup_vs_target_only", "speedup over target-only (×)"), ("mean_accepted_length", "τ (tokens / verify step)"))
+    panels = (
+        ("speedup_vs_target_only", "speedup over target-only (×)"),
+        ("mean_accepted_length", "τ (tokens / verify step)"),
+    )
     cats = list(report.get("target_only", {}).get("categories", {}))
     styles = {"adaptive": ("tab:red", "--"), "adaptive_no_truncation": ("tab:purple", ":")}
     for ax, (key, label) in zip(axes, panels):
@@ -1887,8 +1890,8 @@ def _print_gamma_sweep(report: dict, console) -> None:
     mb = cfg.get("microbench_ms", {})
     console.print(
         f"target one-token forward in the run {_fmt(base.get('target_forward_ms_1_token'), '.1f')} ms; microbench: "
-        f"target {_fmt(mb.get('target_forward_1_token'), '.1f')} ms, draft {_fmt(mb.get('draft_forward_1_token'), '.1f')}"
-        f" ms (ratio {_fmt(mb.get('draft_cost_ratio'), '.3f')})"
+        f"target {_fmt(mb.get('target_forward_1_token'), '.1f')} ms, "
+        f"draft {_fmt(mb.get('draft_forward_1_token'), '.1f')} ms (ratio {_fmt(mb.get('draft_cost_ratio'), '.3f')})"
     )
     ok = {k: f"{a['identical']}/{a['of']}" for k, a in report.get("greedy_agreement", {}).items()}
     console.print(f"greedy identical to target-only: {ok}")
@@ -1921,7 +1924,8 @@ def _print_edge_cloud(report: dict, console) -> None:
     pin = cfg.get("pinning", {})
     console.print(
         f"edge core {pin.get('edge_core')} (seen {pin.get('edge_affinity_seen')}), verifier core "
-        f"{pin.get('verifier_core')} (seen {pin.get('verifier_affinity_seen')}, via {pin.get('verifier_pinned_with')}); "
+        f"{pin.get('verifier_core')} (seen {pin.get('verifier_affinity_seen')}, "
+        f"via {pin.get('verifier_pinned_with')}); "
         f"draft one-token forward {_fmt(cfg.get('draft_forward_1_token_ms'), '.1f')} ms vs target "
         f"{_fmt(cfg.get('target_forward_1_token_ms'), '.1f')} ms (ratio {_fmt(cfg.get('draft_cost_ratio'), '.3f')})"
     )

@@ -878,6 +878,10 @@ def export_checkpoint(
         "artefact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "heldout_installed": evaluate(installed, heldout, pad_id, lut) if heldout else {},
     }
+    cfg_path = art / "draft_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["heldout_installed"] = res["heldout_installed"]
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     onnx_out = Path(onnx_dir) if onnx_dir is not None else out_dir / "onnx"
     export_distilled_onnx(installed, tok, onnx_out, quantize_int8=quantize_int8, check=True,
                           extra_report={"artefact": str(art), "source": str(target_dir)})

@@ -292,3 +292,24 @@ def test_edge_cloud_verifier_failure_is_reported_and_cleaned_up(tiny_pair, tmp_p
     assert proc.proc is None
     proc.remove_log()
     del prompts
+
+
+def test_cli_bench_mode_errors(tmp_path):
+    """The new bench options fail with one-line errors before loading anything."""
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    prompts = _write_jsonl(tmp_path / "q.jsonl", PROMPTS)
+    cases = [
+        (["--clients", "1", "--edge-cloud"], "separate modes"),
+        (["--gamma-sweep", "1-2", "--edge-cloud"], "separate modes"),
+        (["--plot", str(tmp_path / "p.png")], "--plot goes with --gamma-sweep"),
+        (["--gamma-sweep", "0-2"], "--gamma-sweep"),
+        (["--edge-cloud", "--delays-ms", "x"], "--delays-ms"),
+    ]
+    for args, needle in cases:
+        result = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), *args])
+        assert result.exit_code == 2, result.output
+        err = result.stderr.strip()
+        assert err.startswith("error:") and needle in err and "\n" not in err, err
