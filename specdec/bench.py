@@ -409,6 +409,37 @@ def _versions() -> dict:
     return out
 
 
+
+def _run_interleaved(questions, tokenizer, variants: list[str], run_variant, max_new_tokens: int, progress: bool,
+                     desc: str, postfix) -> list["_PromptResult"]:
+    """Run every variant on every question, interleaved per prompt with a rotating order (so load drift on a
+    shared machine hits all variants alike), after an untimed warm-up of each variant; tqdm bar on stderr."""
+    from edge_client.client import encode_prompt
+
+    encoded = [encode_prompt(tokenizer, q.prompt, chat=True) for q in questions]
+    for v in variants:  # untimed warm-up (ORT / torch first calls, allocator growth)
+        run_variant(v, encoded[0], min(WARMUP_NEW_TOKENS, max_new_tokens))
+    results: list[_PromptResult] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(questions), desc=desc, unit="prompt", file=sys.stderr, leave=True)
+    try:
+        for i, (q, ids) in enumerate(zip(questions, encoded)):
+            r = _PromptResult(q, len(ids), list(ids))
+            k = i % len(variants)
+            for v in variants[k:] + variants[:k]:
+                r.samples[v] = run_variant(v, ids, max_new_tokens)
+            results.append(r)
+            if bar is not None:
+                bar.set_postfix_str(postfix(results), refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
 def run_bench(
     prompts: Path,
     *,
@@ -528,37 +559,16 @@ def run_bench(
                 s.target_forward_s, s.draft_s,
             )
 
-        encoded = [encode_prompt(tokenizer, q.prompt, chat=True) for q in questions]
-        # Untimed warm-up of every variant (ONNX Runtime / torch first-call costs, allocator growth).
-        for v in variants:
-            run_variant(v, encoded[0], min(WARMUP_NEW_TOKENS, max_new_tokens))
+        def postfix(results: list[_PromptResult]) -> str:
+            m = _summarize(results, variants)
+            sp = m["speedup_vs_target_only"]
+            return f"τ={m['mean_accepted_length'] or 0:.2f} specdec×{sp['specdec'] or 0:.2f}" + (
+                f" hf×{sp['hf_assisted'] or 0:.2f}" if "hf_assisted" in variants else ""
+            )
 
-        results: list[_PromptResult] = []
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(questions), desc="bench", unit="prompt", file=sys.stderr, leave=True)
         t_run = time.perf_counter()
-        try:
-            for i, (q, ids) in enumerate(zip(questions, encoded)):
-                r = _PromptResult(q, len(ids), list(ids))
-                k = i % len(variants)
-                for v in variants[k:] + variants[:k]:
-                    r.samples[v] = run_variant(v, ids, max_new_tokens)
-                results.append(r)
-                if bar is not None:
-                    m = _summarize(results, variants)
-                    sp = m["speedup_vs_target_only"]
-                    bar.set_postfix_str(
-                        f"τ={m['mean_accepted_length'] or 0:.2f} specdec×{sp['specdec'] or 0:.2f}"
-                        + (f" hf×{sp['hf_assisted'] or 0:.2f}" if "hf_assisted" in variants else ""),
-                        refresh=False,
-                    )
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
+        results = _run_interleaved(questions, tokenizer, variants, run_variant, max_new_tokens, progress, "bench",
+                                   postfix)
         run_s = time.perf_counter() - t_run
 
         # Cost of the draft relative to the target, and the target's forward times (single row, 100 past tokens).
@@ -1191,32 +1201,16 @@ def run_gamma_sweep(
             res = client.generate(ids, max_new_tokens=n_new, temperature=0.0)
             return _sample_of(res, time.perf_counter() - t)
 
-        encoded = [encode_prompt(tokenizer, q.prompt, chat=True) for q in questions]
-        for v in variants:  # untimed warm-up (ORT / torch first calls, allocator growth)
-            run_variant(v, encoded[0], min(WARMUP_NEW_TOKENS, max_new_tokens))
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        def postfix(results: list[_PromptResult]) -> str:
+            best = max(
+                ((v, _sweep_metrics(results, v)["speedup_vs_target_only"] or 0.0) for v in variants[1:]),
+                key=lambda x: x[1],
+            )
+            return f"best {best[0]} ×{best[1]:.2f}"
 
-            bar = tqdm(total=len(questions), desc="γ sweep", unit="prompt", file=sys.stderr, leave=True)
         t_run = time.perf_counter()
-        try:
-            for i, (q, ids) in enumerate(zip(questions, encoded)):
-                r = _PromptResult(q, len(ids), list(ids))
-                k = i % len(variants)
-                for v in variants[k:] + variants[:k]:
-                    r.samples[v] = run_variant(v, ids, max_new_tokens)
-                results.append(r)
-                if bar is not None:
-                    best = max(
-                        ((v, _sweep_metrics(results, v)["speedup_vs_target_only"] or 0.0) for v in variants[1:]),
-                        key=lambda x: x[1],
-                    )
-                    bar.set_postfix_str(f"best {best[0]} ×{best[1]:.2f}", refresh=False)
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
+        results.extend(_run_interleaved(questions, tokenizer, variants, run_variant, max_new_tokens, progress,
+                                        "γ sweep", postfix))
         run_s = time.perf_counter() - t_run
         fwd1 = time_forward(runner, 1, past_tokens=100, repeats=9)
         draft_fwd1 = _time_draft_forward(draft_model, past_tokens=100, repeats=9)
