@@ -89,27 +89,69 @@ def _ragged_attention(
     layer = module.layer_idx
     num_tokens = query.shape[2]
     out = query.new_empty(1, num_tokens, query.shape[1], query.shape[3])
-    for kv, begin, end, start in specdec_batch.rows:
+    small = []
+    for row in specdec_batch.rows:
+        kv, begin, end, start = row
         n = end - begin
         keys = kv.buffer[layer, 0]  # [num_kv_heads, capacity, head_dim]
         values = kv.buffer[layer, 1]
         keys[:, start : start + n] = key[0, :, begin:end]
         values[:, start : start + n] = value[0, :, begin:end]
-        k_all = keys[:, : start + n]
-        v_all = values[:, : start + n]
-        q = query[0, :, begin:end]  # [num_heads, n, head_dim]
-        if n == 1:
-            mask, causal = None, False
-        elif start == 0:
-            mask, causal = None, True
-        else:  # query i (absolute position start+i) sees keys 0 .. start+i
-            q_pos = torch.arange(start, start + n).unsqueeze(1)
-            mask, causal = torch.arange(start + n).unsqueeze(0) <= q_pos, False
-        o = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
-        )  # [num_heads, n, head_dim]
-        out[0, begin:end] = o.transpose(0, 1)
+        if n > SMALL_ROW_TOKENS:  # prefill chunk: one multi-threaded SDPA call pays off
+            q = query[0, :, begin:end]  # [num_heads, n, head_dim]
+            if start == 0:
+                mask, causal = None, True
+            else:  # query i (absolute position start+i) sees keys 0 .. start+i
+                mask, causal = torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1), False
+            o = F.scaled_dot_product_attention(
+                q, keys[:, : start + n], values[:, : start + n], attn_mask=mask, is_causal=causal, scale=scaling,
+                enable_gqa=True,
+            )  # [num_heads, n, head_dim]
+            out[0, begin:end] = o.transpose(0, 1)
+        else:
+            small.append(row)
+    if small:
+        # Draft blocks and decode steps: many tiny attention problems. Their cost is per-op overhead, which
+        # worker threads only add to (waking them costs more than the work), so run them on this thread.
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(1)
+        try:
+            for kv, begin, end, start in small:
+                out[0, begin:end] = _small_attention(
+                    query[0, :, begin:end], kv.buffer[layer, 0, :, : start + end - begin],
+                    kv.buffer[layer, 1, :, : start + end - begin], start, scaling,
+                ).transpose(0, 1)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
     return out, None
+
+
+SMALL_ROW_TOKENS = 32  # rows up to this many tokens take the single-threaded small-attention path
+
+
+def _small_attention(
+    q: torch.Tensor,  # [num_heads, n, head_dim]
+    k: torch.Tensor,  # [num_kv_heads, start + n, head_dim]
+    v: torch.Tensor,  # [num_kv_heads, start + n, head_dim]
+    start: int,
+    scaling: float | None,
+) -> torch.Tensor:  # [num_heads, n, head_dim]
+    """Causal grouped-query attention of n new tokens (positions start..start+n-1) with two bmm calls.
+
+    Query head h uses KV head h // (num_heads / num_kv_heads), as HF's ``repeat_kv`` does.
+    """
+    num_heads, n, head_dim = q.shape
+    num_kv = k.shape[0]
+    group = num_heads // num_kv
+    scale = scaling if scaling is not None else head_dim**-0.5
+    scores = torch.bmm(q.reshape(num_kv, group * n, head_dim), k.transpose(1, 2)) * scale  # [kv, g*n, L]
+    if n > 1:
+        total = start + n
+        future = torch.arange(total).unsqueeze(0) > torch.arange(start, total).unsqueeze(1)  # [n, L]
+        scores = scores.view(num_kv, group, n, total).masked_fill(future, float("-inf")).view(num_kv, group * n, total)
+    return torch.bmm(torch.softmax(scores, dim=-1), v).view(num_heads, n, head_dim)
 
 
 def _register_attention() -> None:
