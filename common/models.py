@@ -1013,7 +1013,6 @@ def export_distilled_onnx(
         ExportCheckError: the ONNX logits differ from PyTorch's by more than FP32_TOLERANCE.
     """
     import onnx
-    import torch
 
     out = Path(out_dir).expanduser()
     if is_complete(out) and not force:

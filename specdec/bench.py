@@ -410,6 +410,24 @@ def _versions() -> dict:
 
 
 
+
+def _load_pair(target_dir: Path, draft_dir: Path):
+    """(OnnxDraftModel, TargetRunner, valid vocab size) after checking that they share a vocabulary.
+
+    Raises:
+        common.vocab.VocabMismatchError: the draft's tokenizer differs from the target's.
+    """
+    from cloud_verifier.target import TargetRunner
+    from common.vocab import check_vocab_compatible
+    from edge_client.onnx_draft import OnnxDraftModel
+
+    draft_model = OnnxDraftModel(draft_dir)
+    runner = TargetRunner(target_dir)
+    valid_vocab = check_vocab_compatible(
+        draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
+    )
+    return draft_model, runner, valid_vocab
+
 def _run_interleaved(questions, tokenizer, variants: list[str], run_variant, max_new_tokens: int, progress: bool,
                      desc: str, postfix) -> list["_PromptResult"]:
     """Run every variant on every question, interleaved per prompt with a rotating order (so load drift on a
@@ -479,13 +497,11 @@ def run_bench(
 
     import torch
 
-    from cloud_verifier.target import TargetRunner, time_forward
+    from cloud_verifier.target import time_forward
     from cloud_verifier.verifier import Verifier
-    from common.vocab import check_vocab_compatible
     from edge_client.backend import LocalBackend
-    from edge_client.client import EdgeClient, encode_prompt
+    from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
 
     notes: list[str] = [
         "target_only and specdec share one TargetRunner/Verifier behind the in-process LocalBackend (no network); "
@@ -494,12 +510,7 @@ def run_bench(
         "the target and anything else on the machine, so timings are noisy",
     ]
     t_setup = time.perf_counter()
-    draft_model = OnnxDraftModel(draft_dir)
-    runner = TargetRunner(target_dir)
-    valid_vocab = check_vocab_compatible(
-        draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
-    )
-    draft_model.valid_vocab_size = valid_vocab
+    draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
     verifier = Verifier(runner)
     backend = LocalBackend(verifier)
     tokenizer = draft_model.tokenizer
@@ -1142,13 +1153,11 @@ def run_gamma_sweep(
     questions = load_prompts(prompts, limit)
     target_dir, draft_dir = _resolve_dirs(target, draft)
 
-    from cloud_verifier.target import TargetRunner, time_forward
+    from cloud_verifier.target import time_forward
     from cloud_verifier.verifier import Verifier
-    from common.vocab import check_vocab_compatible
     from edge_client.backend import LocalBackend
-    from edge_client.client import EdgeClient, encode_prompt
+    from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
 
     notes: list[str] = [
         "all variants share one TargetRunner/Verifier behind the in-process LocalBackend (no network, no proactive "
@@ -1164,12 +1173,7 @@ def run_gamma_sweep(
         "the target and anything else on the machine, so timings are noisy",
     ]
     t_setup = time.perf_counter()
-    draft_model = OnnxDraftModel(draft_dir)
-    runner = TargetRunner(target_dir)
-    valid_vocab = check_vocab_compatible(
-        draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
-    )
-    draft_model.valid_vocab_size = valid_vocab
+    draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
     verifier = Verifier(runner)
     if max(max(gammas), amax) > verifier.info.max_block_tokens:
         raise InvalidRequestError(

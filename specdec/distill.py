@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -395,6 +394,26 @@ def _kd_loss(sub_logits: Any, sub_idx: Any, t_logits: Any) -> tuple[Any, Any]:
     loss = -(p * lq).masked_fill(~valid[has], 0.0).sum(-1)
     return loss.mean(), has.float().mean()
 
+def replay_greedy_blocks(match, gamma: int) -> tuple[int, int, int]:
+    """Simulate greedy speculative blocks of γ tokens along one answer.
+
+    ``match[t]``: whether the draft's top-1 equals the target's greedy token at answer position t (teacher
+    forcing). Each block drafts min(γ, remaining) tokens, accepts the matching prefix and commits one more token.
+    Returns (accepted, drafted, verify steps).
+    """
+    accepted = drafted = steps = t = 0
+    while t < len(match):
+        g = min(gamma, len(match) - t)
+        k = 0
+        while k < g and match[t + k]:
+            k += 1
+        accepted += k
+        drafted += g
+        steps += 1
+        t += k + 1
+    return accepted, drafted, steps
+
+
 
 def _hidden(draft: Any, ids: Any, mask: Any) -> Any:
     return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -435,16 +454,8 @@ def evaluate(draft: Any, records: list[dict], pad_id: int, lut: Any, batch_token
             for r in batch:
                 m = match[off : off + len(r["answer_ids"])]
                 off += len(r["answer_ids"])
-                t = 0
-                while t < len(m):
-                    g = min(gamma, len(m) - t)
-                    k = 0
-                    while k < g and m[t + k]:
-                        k += 1
-                    accepted += k
-                    drafted += g
-                    steps += 1
-                    t += k + 1
+                a, d, n = replay_greedy_blocks(m, gamma)
+                accepted, drafted, steps = accepted + a, drafted + d, steps + n
     return {
         "agreement": agree_n / max(total, 1),
         "coverage": cov_n / max(total, 1),
@@ -910,16 +921,8 @@ def evaluate_onnx(onnx_dir: str | os.PathLike, records: list[dict], threads: int
         match = logits.argmax(-1) == r["topk_ids"][:, 0].numpy()
         agree += int(match.sum())
         total += len(match)
-        t = 0
-        while t < len(match):
-            g = min(gamma, len(match) - t)
-            k = 0
-            while k < g and match[t + k]:
-                k += 1
-            accepted += k
-            drafted += g
-            steps += 1
-            t += k + 1
+        a, d, n = replay_greedy_blocks(match, gamma)
+        accepted, drafted, steps = accepted + a, drafted + d, steps + n
     return {
         "agreement": agree / max(total, 1),
         "sim_acceptance": accepted / max(drafted, 1),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import urllib.request
 
-import pytest
 from prometheus_client import REGISTRY
 
 from cloud_verifier import metrics
