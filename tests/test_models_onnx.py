@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from common.models import (
+    COMPLETE_MARKER,
     EXPORT_REPORT,
+    DraftBuildError,
     ExportCheckError,
     ModelNotFoundError,
     default_cache_dir,
     default_model_paths,
     export_onnx_draft,
+    genai_builder_available,
     resolve_draft_dir,
     resolve_target_dir,
 )
@@ -39,9 +42,32 @@ def tiny_target(tiny_pair):
     return AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir, dtype=torch.float32).eval()
 
 
+BUILDERS = ["genai", "torch"]
+
+
 @pytest.fixture(scope="module")
-def tiny_draft(tiny_pair):
-    return OnnxDraftModel(tiny_pair.draft_dir, intra_op_num_threads=1)
+def torch_draft_dir(tiny_pair, tmp_path_factory):
+    """The tiny target exported by the torch builder (tiny_pair.draft_dir comes from the default, genai)."""
+    out = tmp_path_factory.mktemp("torch-export") / "draft"
+    return export_onnx_draft(tiny_pair.target_dir, out, quantize_int8=False, progress=False, builder="torch")
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny_pair, torch_draft_dir):
+    return {"genai": tiny_pair.draft_dir, "torch": torch_draft_dir}
+
+
+@pytest.fixture(scope="module", params=BUILDERS)
+def tiny_draft(request, draft_dirs):
+    """The ONNX draft runner over each builder's export of the tiny target."""
+    return OnnxDraftModel(draft_dirs[request.param], intra_op_num_threads=1)
+
+
+def test_default_export_uses_genai_builder(tiny_pair):
+    assert genai_builder_available(), "onnxruntime-genai is installed by scripts/install.sh"
+    report = json.loads((tiny_pair.draft_dir / EXPORT_REPORT).read_text())
+    assert report["builder"] == "genai"
+    assert json.loads((tiny_pair.draft_dir / COMPLETE_MARKER).read_text())["builder"] == "genai"
 
 
 def _hf_logits(model, ids) -> np.ndarray:
@@ -63,67 +89,83 @@ def _ids(n, seed=0, vocab=49152) -> list[int]:
 # ------------------------------------------------------------------------------------------------ export
 
 
-def test_export_report_and_layout(tiny_pair):
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_export_report_and_layout(draft_dirs, builder):
     import onnx
 
-    report = json.loads((tiny_pair.draft_dir / EXPORT_REPORT).read_text())
+    d = draft_dirs[builder]
+    report = json.loads((d / EXPORT_REPORT).read_text())
+    assert report["builder"] == builder
     assert report["fp32_check"]["max_abs_diff"] <= 1e-4
     assert {(c["past"], c["seq"]) for c in report["fp32_check"]["cases"]} >= {(0, 1), (0, 7), (5, 1), (21, 12)}
-    model = onnx.load(str(tiny_pair.draft_dir / "model.onnx"), load_external_data=False)
+    assert any(c.get("batch") == 2 for c in report["fp32_check"]["cases"])  # the padding case ran
+    model = onnx.load(str(d / "model.onnx"), load_external_data=False)
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
-    assert inputs == [
-        "input_ids",
-        "attention_mask",
-        "position_ids",
-        "past_key_values.0.key",
-        "past_key_values.0.value",
-        "past_key_values.1.key",
-        "past_key_values.1.value",
-    ]
-    assert outputs == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+    past = {f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")}
+    if builder == "torch":
+        assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
+    else:  # GroupQueryAttention takes positions from the mask; fused graph
+        assert inputs[:2] == ["input_ids", "attention_mask"] and "position_ids" not in inputs
+        ops = {n.op_type for n in model.graph.node}
+        assert "GroupQueryAttention" in ops and "Concat" not in ops
+    assert set(inputs[-4:]) == past and len(inputs) == len(past) + (3 if builder == "torch" else 2)
+    assert outputs[0] == "logits"
+    assert set(outputs[1:]) == {f"present.{i}.{k}" for i in range(2) for k in ("key", "value")}
     for name in (".specdec-complete", "config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (tiny_pair.draft_dir / name).is_file(), name
+        assert (d / name).is_file(), name
 
 
+def _run_by_name(sess, ids, past, past_len):
+    """One raw ORT run on ids [1, S] after ``past`` {past name: array}; returns (logits, {past name: present})."""
+    names = [i.name for i in sess.get_inputs()]
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, past_len + ids.shape[1]), np.int64), **past}
+    if "position_ids" in names:
+        feeds["position_ids"] = np.arange(past_len, past_len + ids.shape[1])[None]
+    past_names = [n for n in names if n.startswith("past_key_values.")]
+    present_names = [n.replace("past_key_values.", "present.") for n in past_names]
+    outs = sess.run(["logits", *present_names], feeds)
+    return outs[0], dict(zip(past_names, outs[1:]))
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 @pytest.mark.parametrize("past_len,seq", [(0, 1), (0, 2), (0, 9), (1, 1), (6, 1), (6, 5), (13, 30)])
-def test_onnx_logits_match_hf(tiny_pair, tiny_target, past_len, seq):
+def test_onnx_logits_match_hf(draft_dirs, tiny_target, builder, past_len, seq):
     """Raw ONNX Runtime run (batch 1) vs the HF model on the full sequence, with and without past."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(tiny_pair.draft_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(draft_dirs[builder] / "model.onnx"), providers=["CPUExecutionProvider"])
     ids = np.asarray(_ids(past_len + seq, seed=past_len * 100 + seq), dtype=np.int64)
     ref = _hf_logits(tiny_target, ids)
     past = {n.name: np.zeros((1, 2, 0, 16), np.float32) for n in sess.get_inputs() if n.name.startswith("past")}
     if past_len:
-        outs = sess.run(
-            None,
-            {
-                "input_ids": ids[None, :past_len],
-                "attention_mask": np.ones((1, past_len), np.int64),
-                "position_ids": np.arange(past_len)[None],
-                **past,
-            },
-        )
-        past = dict(zip(sorted(past, key=lambda n: (int(n.split(".")[1]), n.endswith("value"))), outs[1:]))
-    outs = sess.run(
-        None,
-        {
-            "input_ids": ids[None, past_len:],
-            "attention_mask": np.ones((1, past_len + seq), np.int64),
-            "position_ids": np.arange(past_len, past_len + seq)[None],
-            **past,
-        },
-    )
-    assert outs[0].shape == (1, seq, 49152)
-    assert outs[1].shape == (1, 2, past_len + seq, 16)
-    np.testing.assert_allclose(outs[0][0], ref[past_len:], atol=1e-4, rtol=0)
+        _, past = _run_by_name(sess, ids[None, :past_len], past, 0)
+    logits, present = _run_by_name(sess, ids[None, past_len:], past, past_len)
+    assert logits.shape == (1, seq, 49152)
+    assert present["past_key_values.1.value"].shape == (1, 2, past_len + seq, 16)
+    np.testing.assert_allclose(logits[0], ref[past_len:], atol=1e-4, rtol=0)
 
 
-def test_onnx_batch_with_left_padding(tiny_pair, tiny_target):
+def test_genai_batch_with_right_padding(tiny_pair, tiny_target):
+    """The GenAI graph (GroupQueryAttention) reads each row's length from a right-padded mask."""
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(tiny_pair.draft_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    a, b = _ids(7, seed=1), _ids(4, seed=2)
+    feeds = {
+        "input_ids": np.array([a, b + [2, 2, 2]], np.int64),
+        "attention_mask": np.array([[1] * 7, [1, 1, 1, 1, 0, 0, 0]], np.int64),
+    }
+    feeds.update({n.name: np.zeros((2, 2, 0, 16), np.float32) for n in sess.get_inputs() if n.name.startswith("past")})
+    logits = sess.run(["logits"], feeds)[0]
+    np.testing.assert_allclose(logits[0], _hf_logits(tiny_target, a), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[1, :4], _hf_logits(tiny_target, b), atol=1e-4, rtol=0)
+
+
+def test_torch_export_batch_with_left_padding(torch_draft_dir, tiny_target):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(torch_draft_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     a, b = _ids(7, seed=1), _ids(4, seed=2)
     feeds = {
         "input_ids": np.array([a, [2, 2, 2] + b], np.int64),
@@ -155,10 +197,42 @@ def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, mon
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".specdec-tmp")]
 
 
-def test_int8_export_runs_and_reports_agreement(tiny_pair, tmp_path):
-    out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "int8", quantize_int8=True, progress=False)
+def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
+    import common.models as models
+
+    with pytest.raises(ValueError, match="builder must be one of"):
+        export_onnx_draft(tiny_pair.target_dir, tmp_path / "x", builder="optimum", progress=False)
+    assert not (tmp_path / "x").exists()
+    monkeypatch.setattr(models, "genai_builder_available", lambda: False)
+    with pytest.raises(DraftBuildError, match="onnxruntime-genai is not installed"):
+        export_onnx_draft(tiny_pair.target_dir, tmp_path / "g", quantize_int8=False, progress=False, builder="genai")
+    assert not (tmp_path / "g").exists()
+    out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "a", quantize_int8=False, progress=False)
     report = json.loads((out / EXPORT_REPORT).read_text())
-    assert report["int8"]["method"] == "matmul_nbits"
+    assert report["builder"] == "torch" and "not installed" in report["genai_builder_error"]
+    assert report["fp32_check"]["max_abs_diff"] <= 1e-4
+
+
+def test_stale_torch_draft_is_detected(draft_dirs, tmp_path):
+    from common.models import _stale_torch_draft
+
+    assert _stale_torch_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
+    assert _stale_torch_draft(draft_dirs["genai"]) is False
+    assert _stale_torch_draft(tmp_path / "missing") is False
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_int8_export_runs_and_reports_agreement(tiny_pair, tmp_path, builder):
+    out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "int8", quantize_int8=True, progress=False,
+                            builder=builder)
+    report = json.loads((out / EXPORT_REPORT).read_text())
+    assert report["int8"]["method"] == "matmul_nbits" and report["builder"] == builder
+    if builder == "genai":  # the tied LM head's Transpose was folded so the head is quantized too
+        import onnx
+
+        assert report["folded_transposes"] == 1
+        ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+        assert "Transpose" not in ops and ops.count("MatMulNBits") == 2 * 5 + 1  # (qkv, o, gate, up, down) × 2 layers + LM head
     assert 0.0 <= report["int8_check"]["top1_agreement"] <= 1.0
     assert report["int8_check"]["greedy_agreement"] >= 0.5
     model = OnnxDraftModel(out, intra_op_num_threads=1)
