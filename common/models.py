@@ -679,6 +679,10 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
 
 
 INT8_METHODS = ("matmul_nbits", "dynamic")
+# MatMulNBits block size of the int8 draft. Measured on SmolLM2-135M (GenAI graph, one core, 100 cached
+# tokens, 40 held-out answers): block 32: 11.4 ms per token, greedy agreement with the fp32 target 0.973;
+# 64: 9.7 ms, 0.968; 128: 9.2 ms, 0.962; 256: 9.7 ms, 0.938 (fewer scales to read, coarser activation blocks).
+INT8_BLOCK_SIZE = 128
 
 
 def _quantize_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict[str, Any]:
@@ -686,8 +690,8 @@ def _quantize_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict
 
     Returns the settings used. ``dst`` is one file (weights inside).
 
-    ``matmul_nbits`` (default): weight-only int8, symmetric, blocks of 32 along K, MatMulNBits contrib op with
-    accuracy_level 4 (activations quantized to int8 per block on the fly). ``dynamic``:
+    ``matmul_nbits`` (default): weight-only int8, symmetric, blocks of INT8_BLOCK_SIZE (128) along K,
+    MatMulNBits contrib op with accuracy_level 4 (activations quantized to int8 per block on the fly). ``dynamic``:
     ``quantize_dynamic`` (QInt8 weights per channel, activations uint8 per tensor, MatMulInteger). On
     SmolLM2-135M the first agrees with the fp32 target's greedy token ~96 % of the time, the second ~76 %
     (per-tensor activation scales do not survive the LLM's activation outliers), at about the same speed.
@@ -696,11 +700,12 @@ def _quantize_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict
         import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        settings = {"method": method, "bits": 8, "block_size": 32, "is_symmetric": True, "accuracy_level": 4}
+        settings = {"method": method, "bits": 8, "block_size": INT8_BLOCK_SIZE, "is_symmetric": True,
+                    "accuracy_level": 4}
         quant = MatMulNBitsQuantizer(
             model if model is not None else onnx.load(str(src)),
             bits=8,
-            block_size=32,
+            block_size=INT8_BLOCK_SIZE,
             is_symmetric=True,
             accuracy_level=4,
             op_types_to_quantize=("MatMul",),
@@ -875,7 +880,7 @@ def export_onnx_draft(
             report["total_s"] = round(time.perf_counter() - t0, 2)
             (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
             _write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": quantize_int8,
-                                "builder": used})
+                                "builder": used, "int8": report.get("int8")})
             bar.advance()
     finally:
         bar.close()
@@ -914,23 +919,26 @@ def prepare_models(
     """
     paths = default_model_paths(cache_dir)
     prepare_target_from_gguf(paths.target_dir, progress=progress, force=force)
-    rebuild = force or _stale_torch_draft(paths.draft_dir)
+    rebuild = force or _stale_default_draft(paths.draft_dir)
     if rebuild and not force:
-        log.info("re-exporting %s with the ONNX Runtime GenAI builder (faster draft)", paths.draft_dir)
+        log.info("re-exporting %s: made by an older recipe (this one is faster)", paths.draft_dir)
     export_onnx_draft(paths.target_dir, paths.draft_dir, quantize_int8=True, progress=progress, force=rebuild)
     return paths
 
 
-def _stale_torch_draft(draft_dir: Path) -> bool:
-    """A complete draft made by the torch exporter (or before builders were recorded) while the GenAI builder,
-    which makes a faster draft, is now available."""
-    if not is_complete(draft_dir) or not genai_builder_available():
+def _stale_default_draft(draft_dir: Path) -> bool:
+    """Whether a complete default draft was made by an older recipe than :func:`export_onnx_draft`'s current
+    one: by the torch exporter while the GenAI builder (faster graph) is available, or with another int8 block
+    size than INT8_BLOCK_SIZE (markers written before either was recorded count as older)."""
+    if not is_complete(draft_dir):
         return False
     try:
         info = json.loads((draft_dir / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return info.get("builder") != "genai"
+    if genai_builder_available() and info.get("builder") != "genai":
+        return True
+    return bool(info.get("quantized_int8")) and (info.get("int8") or {}).get("block_size") != INT8_BLOCK_SIZE
 
 
 # =============================================================================================================

@@ -213,12 +213,21 @@ def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
     assert report["fp32_check"]["max_abs_diff"] <= 1e-4
 
 
-def test_stale_torch_draft_is_detected(draft_dirs, tmp_path):
-    from common.models import _stale_torch_draft
+def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
+    from common.models import INT8_BLOCK_SIZE, _stale_default_draft
 
-    assert _stale_torch_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
-    assert _stale_torch_draft(draft_dirs["genai"]) is False
-    assert _stale_torch_draft(tmp_path / "missing") is False
+    assert _stale_default_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
+    assert _stale_default_draft(draft_dirs["genai"]) is False
+    assert _stale_default_draft(tmp_path / "missing") is False
+    old = tmp_path / "old-int8"
+    shutil.copytree(draft_dirs["genai"], old)
+    marker = json.loads((old / COMPLETE_MARKER).read_text())
+    marker.update(quantized_int8=True, int8={"block_size": 32})
+    (old / COMPLETE_MARKER).write_text(json.dumps(marker))
+    assert _stale_default_draft(old) is True
+    marker["int8"]["block_size"] = INT8_BLOCK_SIZE
+    (old / COMPLETE_MARKER).write_text(json.dumps(marker))
+    assert _stale_default_draft(old) is False
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
