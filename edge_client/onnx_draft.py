@@ -46,6 +46,12 @@ class OnnxDraftModel:
             created). The providers in use are logged and kept in ``self.providers``.
         intra_op_num_threads: ORT intra-op threads; None = ORT's default (one per physical core).
         allow_spinning: let idle ORT worker threads spin (lower latency on a dedicated device; off by default).
+        share_kv_buffer: keep the KV cache in preallocated buffers that GroupQueryAttention updates in place
+            (ONNX Runtime's past/present buffer sharing through IOBinding): no per-step copy of the whole cache
+            into new ``present`` arrays and O(1) rollback. None (default) = on for GenAI-builder graphs (no
+            ``position_ids`` input: fused GroupQueryAttention) on the CPU provider; off otherwise. Measured on
+            the SmolLM2-135M draft, one core: one-token forward 8.6 vs 9.1 ms after 60 cached tokens, 11.5 vs
+            16.8 ms after 700 (forward + rollback), identical logits.
 
     Attributes:
         vocab_size: width of the logits (may exceed ``len(tokenizer)`` when embeddings are padded).
@@ -65,6 +71,7 @@ class OnnxDraftModel:
         providers: list[str] | None = None,
         intra_op_num_threads: int | None = None,
         allow_spinning: bool = False,
+        share_kv_buffer: bool | None = None,
     ) -> None:
         import onnxruntime as ort
         from transformers import AutoTokenizer
@@ -95,6 +102,13 @@ class OnnxDraftModel:
         self._parse_io()
         self.max_position_embeddings: int | None = self._config.get("max_position_embeddings")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        if share_kv_buffer is None:
+            share_kv_buffer = not self._has_position_ids and self.providers[0] == "CPUExecutionProvider"
+        if share_kv_buffer and self._has_position_ids:
+            raise ValueError("share_kv_buffer needs a GroupQueryAttention graph (no position_ids input)")
+        self.share_kv_buffer = bool(share_kv_buffer)
+        self._buffers: list[np.ndarray] = []  # shared mode: [2L] arrays [1, kv_heads, capacity, head_dim]
+        self._buffer_values: list[Any] = []  # their OrtValues (same memory)
         vocab = self._logits_width()
         self.vocab_size: int = vocab if vocab is not None else self._probe_vocab_size()
         self.reset()
@@ -165,7 +179,7 @@ class OnnxDraftModel:
         """Drop the whole KV cache (``num_cached`` = 0)."""
         empty = np.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=self._kv_dtype)
         self._past: list[np.ndarray] = [empty] * (2 * self.num_layers)
-        self.num_cached = 0
+        self.num_cached = 0  # shared mode: buffers are kept; positions >= num_cached are stale and never read
 
     def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Feed ``token_ids`` at positions ``num_cached ..`` and append their keys/values to the cache.
@@ -186,6 +200,8 @@ class OnnxDraftModel:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size}): {ids.min()}..{ids.max()}")
         start = self.num_cached
+        if self.share_kv_buffer:
+            return self._forward_shared(ids, start, n)
         feeds = {"input_ids": ids, "attention_mask": np.ones((1, start + n), dtype=np.int64)}
         if self._has_position_ids:
             feeds["position_ids"] = np.arange(start, start + n, dtype=np.int64).reshape(1, n)
@@ -208,9 +224,52 @@ class OnnxDraftModel:
         if length == 0:
             self.reset()
             return
+        if self.share_kv_buffer:  # GroupQueryAttention reads positions < attention_mask length only
+            self.num_cached = length
+            return
         # One contiguous copy per tensor (ORT needs contiguous inputs; [1, H, T, D] sliced on T is not).
         self._past = [np.ascontiguousarray(t[:, :, :length]) for t in self._past]
         self.num_cached = length
+
+    # ------------------------------------------------------------------------------------------ shared KV
+
+    def _ensure_capacity(self, total: int) -> None:
+        """Grow the shared KV buffers (doubling, at least 256 positions) to hold ``total`` positions."""
+        import onnxruntime as ort
+
+        capacity = self._buffers[0].shape[2] if self._buffers else 0
+        if total <= capacity:
+            return
+        new_capacity = max(256, capacity)
+        while new_capacity < total:
+            new_capacity *= 2
+        if self.max_position_embeddings:  # no position past the model's context is ever fed
+            new_capacity = max(total, min(new_capacity, int(self.max_position_embeddings)))
+        shape = (1, self.num_kv_heads, new_capacity, self.head_dim)
+        buffers = []
+        for old in self._buffers or [None] * (2 * self.num_layers):
+            buf = np.zeros(shape, dtype=self._kv_dtype)
+            if old is not None and self.num_cached:
+                buf[:, :, : self.num_cached] = old[:, :, : self.num_cached]
+            buffers.append(buf)
+        self._buffers = buffers
+        self._buffer_values = [ort.OrtValue.ortvalue_from_numpy(b) for b in buffers]  # views, no copy
+
+    def _forward_shared(self, ids: np.ndarray, start: int, n: int) -> np.ndarray:
+        """forward() with past_key_values.* and present.* bound to the same preallocated buffers: the
+        GroupQueryAttention kernel appends the new keys/values in place (past/present buffer sharing)."""
+        self._ensure_capacity(start + n)
+        io = self.session.io_binding()
+        io.bind_output("logits")  # first: get_outputs()[0]
+        io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("attention_mask", np.ones((1, start + n), dtype=np.int64))
+        for past_name, present_name, value in zip(self._past_names, self._output_names[1:], self._buffer_values):
+            io.bind_ortvalue_input(past_name, value)
+            io.bind_ortvalue_output(present_name, value)
+        self.session.run_with_iobinding(io)
+        logits = io.get_outputs()[0].numpy()
+        self.num_cached = start + n
+        return logits[0]
 
     def __repr__(self) -> str:
         return (

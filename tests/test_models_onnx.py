@@ -292,6 +292,31 @@ def test_forward_and_rollback_match_fresh_prefix(tiny_draft, tiny_target):
     assert m.num_cached == 0
 
 
+def test_shared_kv_buffer_matches_copying_runner(draft_dirs):
+    """GenAI graphs run with in-place KV buffers (IOBinding); logits equal the copying path's, across buffer
+    growth (256 -> 512 positions; the tiny model's context is 512) and roll-backs."""
+    shared = OnnxDraftModel(draft_dirs["genai"], intra_op_num_threads=1)
+    copying = OnnxDraftModel(draft_dirs["genai"], intra_op_num_threads=1, share_kv_buffer=False)
+    assert shared.share_kv_buffer and not copying.share_kv_buffer
+    assert not OnnxDraftModel(draft_dirs["torch"], intra_op_num_threads=1).share_kv_buffer
+    with pytest.raises(ValueError, match="GroupQueryAttention"):
+        OnnxDraftModel(draft_dirs["torch"], share_kv_buffer=True)
+    ids = _ids(500, seed=11)
+    steps = [(0, 200), (200, 250), (250, 257), (257, 258), ("rollback", 240), (240, 400), ("rollback", 100),
+             (100, 101), (101, 500)]
+    for a, b in steps:
+        if a == "rollback":
+            shared.rollback(b)
+            copying.rollback(b)
+            continue
+        np.testing.assert_array_equal(shared.forward(ids[a:b]), copying.forward(ids[a:b]))
+        assert shared.num_cached == copying.num_cached == b
+    assert shared._buffers[0].shape[2] == 512
+    shared.reset()
+    copying.reset()
+    np.testing.assert_array_equal(shared.forward(ids[:5]), copying.forward(ids[:5]))
+
+
 # ------------------------------------------------------------------------------------------------ drafter
 
 
