@@ -286,8 +286,11 @@ class EdgeClient:
                 verdict, round_trip_ms = self._wait(future, t_sent, done_at)
                 committed.extend(verdict.committed_token_ids)
                 if controller is not None:
-                    # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost
-                    controller.observe(len(block), verdict.num_accepted, None if hit else block.draft_ms,
+                    # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
+                    # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
+                    # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
+                    hidden = hit or stats.num_verify_steps == 0
+                    controller.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
                                        round_trip_ms, verdict.forward_ms)
                 stats.num_verify_steps += 1
                 stats.num_draft_tokens += len(block)

@@ -124,6 +124,25 @@ def test_delayed_backend_adds_round_trip(backend):
         DelayedBackend(backend, -1)
 
 
+def test_adaptive_gamma_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids, monkeypatch):
+    """The first block's draft time includes the draft's prefill of the prompt: it must not count as a per-token
+    draft cost (it made the controller choose γ = 1 on long prompts)."""
+    import edge_client.client as client_mod
+
+    seen: list = []
+
+    class Recording(AdaptiveGamma):
+        def observe(self, gamma, num_accepted, draft_ms, round_trip_ms, forward_ms):
+            seen.append(draft_ms)
+            super().observe(gamma, num_accepted, draft_ms, round_trip_ms, forward_ms)
+
+    monkeypatch.setattr(client_mod, "AdaptiveGamma", Recording)
+    res = _model_client(backend, tiny_pair, adaptive=True, proactive=False, num_speculative_tokens=4).generate(
+        prompt_ids, max_new_tokens=16, ignore_eos=True)
+    assert len(seen) == res.stats.num_verify_steps >= 2
+    assert seen[0] is None and all(ms is not None for ms in seen[1:])
+
+
 def test_adaptive_gamma_policy():
     # cheap draft, expensive round trip, high acceptance: long blocks pay
     c = AdaptiveGamma(max_gamma=8, warmup_steps=1)
