@@ -834,6 +834,8 @@ def export_onnx_draft(
                         raise
                     log.warning("GenAI model builder not used (%s); exporting with torch.onnx", exc)
                     report["genai_builder_error"] = str(exc)
+                    # installed but failed for this model: re-trying on every prepare would fail again
+                    report["genai_builder_failed"] = genai_builder_available()
                     for f in fp32_dir.iterdir():
                         shutil.rmtree(f) if f.is_dir() else f.unlink()
             if used is None:
@@ -880,7 +882,8 @@ def export_onnx_draft(
             report["total_s"] = round(time.perf_counter() - t0, 2)
             (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
             _write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": quantize_int8,
-                                "builder": used, "int8": report.get("int8")})
+                                "builder": used, "int8": report.get("int8"),
+                                "genai_builder_failed": report.get("genai_builder_failed", False)})
             bar.advance()
     finally:
         bar.close()
@@ -928,15 +931,16 @@ def prepare_models(
 
 def _stale_default_draft(draft_dir: Path) -> bool:
     """Whether a complete default draft was made by an older recipe than :func:`export_onnx_draft`'s current
-    one: by the torch exporter while the GenAI builder (faster graph) is available, or with another int8 block
-    size than INT8_BLOCK_SIZE (markers written before either was recorded count as older)."""
+    one: by the torch exporter while the GenAI builder (faster graph) is available (unless the builder was
+    installed then and failed on this model), or with another int8 block size than INT8_BLOCK_SIZE (markers
+    written before either was recorded count as older)."""
     if not is_complete(draft_dir):
         return False
     try:
         info = json.loads((draft_dir / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    if genai_builder_available() and info.get("builder") != "genai":
+    if genai_builder_available() and info.get("builder") != "genai" and not info.get("genai_builder_failed"):
         return True
     return bool(info.get("quantized_int8")) and (info.get("int8") or {}).get("block_size") != INT8_BLOCK_SIZE
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from common.models import ONNX_FILE, resolve_draft_dir
+from common.models import ONNX_FILE, ModelNotFoundError, resolve_draft_dir
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,11 @@ __all__ = ["OnnxDraftModel"]
 _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
 _ORT_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _default_providers(available: list[str]) -> list[str]:
@@ -61,8 +66,8 @@ class OnnxDraftModel:
         max_position_embeddings: the draft's context length from config.json (None when unknown).
 
     Raises:
-        ModelNotFoundError: ``model_dir`` holds no ONNX draft.
-        ValueError: the ONNX model does not have the expected inputs/outputs.
+        ModelNotFoundError (a ValueError): ``model_dir`` holds no ONNX draft, the file is not a loadable ONNX
+            model, lacks the expected inputs/outputs, or config.json lacks the KV-cache geometry.
     """
 
     def __init__(
@@ -87,19 +92,28 @@ class OnnxDraftModel:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         requested = list(providers) if providers is not None else _default_providers(ort.get_available_providers())
         try:
-            self.session = ort.InferenceSession(str(path), so, providers=requested)
-        except Exception as exc:  # e.g. CUDA EP present but no usable GPU / CUDA libraries
-            if requested == ["CPUExecutionProvider"]:
-                raise
-            log.warning("ONNX draft: providers %s failed (%s); falling back to CPUExecutionProvider", requested, exc)
-            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            try:
+                self.session = ort.InferenceSession(str(path), so, providers=requested)
+            except Exception as exc:  # e.g. CUDA EP present but no usable GPU / CUDA libraries
+                if requested == ["CPUExecutionProvider"]:
+                    raise
+                log.warning("ONNX draft: providers %s failed (%s); falling back to CPUExecutionProvider",
+                            requested, exc)
+                self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # corrupt or foreign file: one clear line, not ORT's traceback
+            raise ModelNotFoundError(f"{path} is not a loadable ONNX model: {_first_line(exc)}") from None
         self.providers: list[str] = list(self.session.get_providers())
         if "CUDAExecutionProvider" in requested and "CUDAExecutionProvider" not in self.providers:
             log.warning("ONNX draft: CUDAExecutionProvider unavailable, running on %s", self.providers)
         log.info("ONNX draft %s on %s", self.model_dir, self.providers)
 
         self._config = self._read_config()
-        self._parse_io()
+        try:
+            self._parse_io()
+        except KeyError as exc:
+            raise ModelNotFoundError(
+                f"{self.model_dir}: config.json lacks {exc} (needed for the KV-cache geometry)"
+            ) from None
         self.max_position_embeddings: int | None = self._config.get("max_position_embeddings")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         if share_kv_buffer is None:
@@ -120,11 +134,11 @@ class OnnxDraftModel:
         outputs = [o.name for o in self.session.get_outputs()]
         for name in ("input_ids", "attention_mask"):
             if name not in inputs:
-                raise ValueError(
+                raise ModelNotFoundError(
                     f"{self.model_dir / ONNX_FILE} has no input {name!r} (not a text-generation-with-past export)"
                 )
         if "logits" not in outputs:
-            raise ValueError(f"{self.model_dir / ONNX_FILE} has no output 'logits'")
+            raise ModelNotFoundError(f"{self.model_dir / ONNX_FILE} has no output 'logits'")
         # position_ids is optional: graphs with fused attention (ORT GroupQueryAttention, as built by
         # onnxruntime-genai's model builder) derive positions from attention_mask.
         self._has_position_ids = "position_ids" in inputs
@@ -141,7 +155,7 @@ class OnnxDraftModel:
         self.num_layers = len({k[0] for k in past})
         keys = [(i, kind) for i in range(self.num_layers) for kind in ("key", "value")]
         if self.num_layers == 0 or any(k not in past or k not in present for k in keys):
-            raise ValueError(
+            raise ModelNotFoundError(
                 f"{self.model_dir / ONNX_FILE}: past_key_values.{{i}}.key/value inputs and present.{{i}}.key/value "
                 "outputs must cover layers 0..L-1"
             )
@@ -160,7 +174,10 @@ class OnnxDraftModel:
 
     def _read_config(self) -> dict[str, Any]:
         path = self.model_dir / "config.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError as exc:
+            raise ModelNotFoundError(f"{path} is not valid JSON: {exc}") from None
 
     def _logits_width(self) -> int | None:
         if self._static_vocab is not None:
@@ -191,7 +208,8 @@ class OnnxDraftModel:
             logits: float32 [n, vocab_size]; row j is the draft's next-token logits after token j.
 
         Raises:
-            ValueError: empty ``token_ids`` or an id outside [0, vocab_size).
+            ValueError: empty ``token_ids``, an id outside [0, vocab_size), or more positions than the draft's
+                context (``max_position_embeddings``).
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
@@ -200,6 +218,10 @@ class OnnxDraftModel:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size}): {ids.min()}..{ids.max()}")
         start = self.num_cached
+        if self.max_position_embeddings and start + n > self.max_position_embeddings:
+            raise ValueError(
+                f"{start} cached + {n} new tokens exceed the draft's context of {self.max_position_embeddings} tokens"
+            )
         if self.share_kv_buffer:
             return self._forward_shared(ids, start, n)
         feeds = {"input_ids": ids, "attention_mask": np.ones((1, start + n), dtype=np.int64)}

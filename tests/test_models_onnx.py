@@ -228,6 +228,51 @@ def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
     marker["int8"]["block_size"] = INT8_BLOCK_SIZE
     (old / COMPLETE_MARKER).write_text(json.dumps(marker))
     assert _stale_default_draft(old) is False
+    # a torch fallback because the installed builder failed on this model is not re-tried on every prepare
+    torch_marker = json.loads((draft_dirs["torch"] / COMPLETE_MARKER).read_text())
+    torch_marker.update(genai_builder_failed=True)
+    (old / COMPLETE_MARKER).write_text(json.dumps(torch_marker))
+    assert _stale_default_draft(old) is False
+
+
+def test_failing_genai_builder_falls_back_and_is_recorded(tiny_pair, tmp_path, monkeypatch):
+    import common.models as models
+
+    def broken(hf_dir, out_dir, timeout_s=0):
+        raise DraftBuildError("onnxruntime-genai model builder failed (exit 1): NotImplementedError: arch")
+
+    monkeypatch.setattr(models, "_export_fp32_genai", broken)
+    out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "fb", quantize_int8=False, progress=False)
+    marker = json.loads((out / COMPLETE_MARKER).read_text())
+    assert marker["builder"] == "torch" and marker["genai_builder_failed"] is True
+    assert not models._stale_default_draft(out)
+
+
+def test_invalid_draft_directories_give_one_line_errors(draft_dirs, tmp_path):
+    bad = tmp_path / "corrupt"
+    shutil.copytree(draft_dirs["genai"], bad)
+    (bad / "model.onnx").write_bytes(b"not an onnx file")
+    with pytest.raises(ModelNotFoundError, match="is not a loadable ONNX model"):
+        OnnxDraftModel(bad)
+    nocfg = tmp_path / "nocfg"
+    shutil.copytree(draft_dirs["genai"], nocfg)
+    cfg = json.loads((nocfg / "config.json").read_text())
+    for key in ("hidden_size", "head_dim"):  # the GenAI graph leaves the head dimension symbolic
+        cfg.pop(key, None)
+    (nocfg / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelNotFoundError, match="config.json lacks 'hidden_size'"):
+        OnnxDraftModel(nocfg)
+
+
+def test_feeding_past_the_draft_context_is_a_clear_error(draft_dirs):
+    m = OnnxDraftModel(draft_dirs["genai"], intra_op_num_threads=1)
+    ctx = m.max_position_embeddings
+    assert ctx == 512
+    m.forward(_ids(ctx - 1))
+    with pytest.raises(ValueError, match="exceed the draft's context of 512 tokens"):
+        m.forward(_ids(2))
+    assert m.num_cached == ctx - 1
+    m.forward(_ids(1))  # exactly at the limit is fine
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
