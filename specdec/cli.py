@@ -155,7 +155,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     defaults = default_model_paths()
     draft_model = None
     tokenizer = None
-    if drafter == "model" or draft is not None:
+    if (drafter == "model" and not target_only) or draft is not None:
         draft_model = OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir))
         tokenizer = draft_model.tokenizer
     cleanup = []

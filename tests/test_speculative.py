@@ -78,6 +78,8 @@ def test_target_only_mode_matches_hf(tiny_pair, tiny_verifier):
     res = client.generate(ids, max_new_tokens=16, ignore_eos=True)
     assert res.token_ids == hf_greedy(tiny_pair.target_dir, ids, 16)
     assert res.stats.num_verify_steps == 16 and res.stats.num_draft_tokens == 0
+    out = res.to_json()
+    assert out["acceptance_rate"] is None and out["mean_accepted_length"] == 1.0  # nothing drafted: null, not 0
 
 
 def _reference(tiny_pair, client, n=16):
