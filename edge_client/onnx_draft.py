@@ -122,7 +122,7 @@ class OnnxDraftModel:
             raise ValueError("share_kv_buffer needs a GroupQueryAttention graph (no position_ids input)")
         self.share_kv_buffer = bool(share_kv_buffer)
         self._buffers: list[np.ndarray] = []  # shared mode: [2L] arrays [1, kv_heads, capacity, head_dim]
-        self._buffer_values: list[Any] = []  # their OrtValues (same memory)
+        self._binding: Any = None  # shared mode: IOBinding with the buffers bound as past and present
         vocab = self._logits_width()
         self.vocab_size: int = vocab if vocab is not None else self._probe_vocab_size()
         self.reset()
@@ -275,21 +275,24 @@ class OnnxDraftModel:
                 buf[:, :, : self.num_cached] = old[:, :, : self.num_cached]
             buffers.append(buf)
         self._buffers = buffers
-        self._buffer_values = [ort.OrtValue.ortvalue_from_numpy(b) for b in buffers]  # views, no copy
+        io = self.session.io_binding()  # KV bound once per growth; forward() rebinds the tokens and logits
+        for past_name, present_name, buf in zip(self._past_names, self._output_names[1:], buffers):
+            value = ort.OrtValue.ortvalue_from_numpy(buf)  # a view of the numpy buffer, no copy
+            io.bind_ortvalue_input(past_name, value)
+            io.bind_ortvalue_output(present_name, value)
+        io.bind_output("logits")  # bound last: get_outputs()[-1], the same slot when rebound
+        self._binding = io
 
     def _forward_shared(self, ids: np.ndarray, start: int, n: int) -> np.ndarray:
         """forward() with past_key_values.* and present.* bound to the same preallocated buffers: the
         GroupQueryAttention kernel appends the new keys/values in place (past/present buffer sharing)."""
         self._ensure_capacity(start + n)
-        io = self.session.io_binding()
-        io.bind_output("logits")  # first: get_outputs()[0]
+        io = self._binding
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", np.ones((1, start + n), dtype=np.int64))
-        for past_name, present_name, value in zip(self._past_names, self._output_names[1:], self._buffer_values):
-            io.bind_ortvalue_input(past_name, value)
-            io.bind_ortvalue_output(present_name, value)
+        io.bind_output("logits")  # unallocated: its shape [1, n, vocab] changes from call to call
         self.session.run_with_iobinding(io)
-        logits = io.get_outputs()[0].numpy()
+        logits = io.get_outputs()[-1].numpy()
         self.num_cached = start + n
         return logits[0]
 
