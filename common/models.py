@@ -508,7 +508,7 @@ def _fold_initializer_transposes(model: Any) -> int:
 
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    folded = 0
+    folded_sources: set[str] = set()
     for node in list(graph.node):
         if node.op_type != "Transpose" or node.input[0] not in inits:
             continue
@@ -521,12 +521,11 @@ def _fold_initializer_transposes(model: Any) -> int:
                 if x == node.output[0]:
                     other.input[k] = name
         graph.node.remove(node)
-        folded += 1
+        folded_sources.add(node.input[0])
     still_used = {x for n in graph.node for x in n.input}
-    for init in list(graph.initializer):
-        if init.name not in still_used and init.name in inits and init.name not in {i.name for i in graph.input}:
-            graph.initializer.remove(init)
-    return folded
+    for name in folded_sources - still_used:  # a transposed weight nothing else reads (untied LM head)
+        graph.initializer.remove(inits[name])
+    return len(folded_sources)
 
 
 def _ort_session(onnx_path: Path, threads: int | None = None) -> Any:
@@ -836,8 +835,11 @@ def export_onnx_draft(
                     report["genai_builder_error"] = str(exc)
                     # installed but failed for this model: re-trying on every prepare would fail again
                     report["genai_builder_failed"] = genai_builder_available()
-                    for f in fp32_dir.iterdir():
-                        shutil.rmtree(f) if f.is_dir() else f.unlink()
+                    for leftover in fp32_dir.iterdir():  # whatever the failed builder wrote
+                        if leftover.is_dir():
+                            shutil.rmtree(leftover)
+                        else:
+                            leftover.unlink()
             if used is None:
                 _export_fp32(model, fp32_path)
                 onnx.checker.check_model(str(fp32_path))

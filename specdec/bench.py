@@ -411,6 +411,11 @@ def _versions() -> dict:
 
 
 
+def _noise_note() -> str:
+    return (f"tokens/s = generated tokens / wall time incl. prefill; {os.cpu_count()} CPU cores shared by the "
+            "draft, the target and anything else on the machine, so timings are noisy")
+
+
 def _load_pair(target_dir: Path, draft_dir: Path):
     """(OnnxDraftModel, TargetRunner, valid vocab size) after checking that they share a vocabulary.
 
@@ -506,8 +511,7 @@ def run_bench(
     notes: list[str] = [
         "target_only and specdec share one TargetRunner/Verifier behind the in-process LocalBackend (no network); "
         "variants run interleaved per prompt, their order rotating from prompt to prompt",
-        f"tokens/s = generated tokens / wall time incl. prefill; {os.cpu_count()} CPU cores shared by the draft, "
-        "the target and anything else on the machine, so timings are noisy",
+        _noise_note(),
     ]
     t_setup = time.perf_counter()
     draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
@@ -1169,8 +1173,7 @@ def run_gamma_sweep(
         "forwards) / drafted tokens; draft_cost_ratio divides it by the target's one-token forward measured in "
         "this run (target_only.target_forward_ms_1_token), speedup = tokens/s over target-only's on the same "
         "prompts; every rate is a ratio of sums",
-        f"tokens/s = generated tokens / wall time incl. prefill; {os.cpu_count()} CPU cores shared by the draft, "
-        "the target and anything else on the machine, so timings are noisy",
+        _noise_note(),
     ]
     t_setup = time.perf_counter()
     draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
