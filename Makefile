@@ -12,4 +12,4 @@ test:
 	python -m pytest -q
 
 bench:
-	specdec bench --prompts ../shared/prompts/spec_bench_dev.jsonl --limit 12 --json
+	specdec bench --limit 12 --json

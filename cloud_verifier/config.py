@@ -49,7 +49,7 @@ class VerifierSettings(BaseSettings):
     reap_interval_s: float = Field(5.0, gt=0)
     """Period of the reaper that frees the KV caches of expired sessions, seconds."""
 
-    max_block_tokens: int = Field(16, ge=1)
+    max_num_speculative_tokens: int = Field(16, ge=1)
     """Largest draft block accepted, tokens (γ_max)."""
 
     max_sessions: int = Field(256, ge=1)

@@ -16,8 +16,8 @@
   streams answered UNAVAILABLE (the client reconnects elsewhere), in-flight blocks finish and are answered,
   then ``server.stop(grace)`` and ``verifier.stop(grace)``.
 
-Entry points: ``await serve(settings)`` (``specdec serve``), :class:`EmbeddedServer` (loopback server in a
-background thread: ``specdec generate`` without ``--server``, tests).
+Entry points: ``await serve(settings)`` (``specdec serve``); :class:`VerifierServer` on a running event loop
+(``specdec.embedded.EmbeddedServer`` runs one in a background thread for ``specdec generate`` and tests).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ from common.wire import (
     MAX_MESSAGE_BYTES,
     block_from_proto,
     open_request_from_proto,
-    session_info_to_proto,
+    finish_reason_to_proto,
     session_opened_to_proto,
     verdict_to_proto,
 )
@@ -47,6 +46,7 @@ from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.config import VerifierSettings
+    from cloud_verifier.store import SessionRecord
     from cloud_verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,20 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 # ------------------------------------------------------------------------------------------- servicer
+
+
+def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
+    """The wire form of a session's store record (GetSession)."""
+    return pb.SessionInfo(
+        session_id=record.session_id,
+        model_id=record.model_id,
+        verifier_id=record.verifier_id,
+        committed_length=record.committed_length,
+        prompt_length=record.prompt_length,
+        committed_token_ids=[int(t) for t in record.committed_token_ids],
+        finished=record.finished,
+        finish_reason=finish_reason_to_proto(record.finish_reason if record.finished else None),
+    )
 
 
 class _Skipped(VerifierUnavailableError):
@@ -332,9 +346,6 @@ class VerifierServer:
         finally:
             self._stopped.set()
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
 
 async def serve(
     settings: "VerifierSettings",
@@ -387,99 +398,3 @@ async def serve(
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.stop()
-
-
-class EmbeddedServer:
-    """A verifier gRPC server on 127.0.0.1 (free port) in a background thread with its own event loop.
-
-    ``verifier``: serve this verifier (not freed on stop); None = ``Verifier.from_settings(settings)``
-    (default settings), freed on stop. ``grace_s``: shutdown grace period, s.
-
-    Usage::
-
-        with EmbeddedServer(verifier=v) as address:   # "127.0.0.1:PORT"
-            backend = GrpcBackend(address)
-    """
-
-    def __init__(self, verifier: "Verifier | None" = None, settings: "VerifierSettings | None" = None, *,
-                 host: str = "127.0.0.1", grace_s: float = 5.0):
-        self.verifier = verifier
-        self.settings = settings
-        self.host = host
-        self.grace_s = grace_s
-        self.address: str | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
-        self._server: VerifierServer | None = None
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-
-    def start(self, timeout_s: float = 60.0) -> str:
-        """Start serving; returns "127.0.0.1:PORT". Raises the startup error, or TimeoutError after
-        ``timeout_s`` s."""
-        if self._thread is not None:
-            return self.address
-        owns = self.verifier is None
-        if owns:
-            from cloud_verifier.config import VerifierSettings
-            from cloud_verifier.verifier import Verifier
-
-            self.verifier = Verifier.from_settings(self.settings or VerifierSettings(metrics_port=0))
-        self._thread = threading.Thread(target=self._run, args=(owns,), name="specdec-embedded-verifier",
-                                        daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout_s):
-            raise TimeoutError(f"embedded verifier did not start within {timeout_s:.0f} s")
-        if self._error is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
-            raise self._error
-        return self.address
-
-    def _run(self, owns: bool) -> None:
-        async def main():
-            self._loop = asyncio.get_running_loop()
-            self._stop_event = asyncio.Event()
-            self._server = VerifierServer(self.verifier, host=self.host, port=0, grace_s=self.grace_s,
-                                          owns_verifier=owns)
-            try:
-                await self._server.start()
-            except BaseException as e:
-                self._error = e
-                self._started.set()
-                return
-            self.address = self._server.address
-            self._started.set()
-            await self._stop_event.wait()
-            await self._server.stop()
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # noqa: BLE001 - reported by start() or logged
-            if not self._started.is_set():
-                self._error = e
-                self._started.set()
-            else:
-                log.exception("embedded verifier failed")
-
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Graceful stop (in-flight blocks finish); waits up to ``timeout_s`` s (default grace + 10 s)."""
-        thread, loop = self._thread, self._loop
-        if thread is None:
-            return
-        if loop is not None and self._stop_event is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._stop_event.set)
-            except RuntimeError:  # loop already closed
-                pass
-        thread.join(timeout=self.grace_s + 10.0 if timeout_s is None else timeout_s)
-        if thread.is_alive():
-            log.warning("embedded verifier did not stop in time")
-        self._thread = None
-
-    def __enter__(self) -> str:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -2,7 +2,7 @@
 
 The target KV cache itself lives in verifier memory; the store holds what is needed to route a session back
 to its replica, rebuild its KV cache anywhere by prefill, clean up abandoned sessions and count load per
-replica (DESIGN.md, "Sessions and Redis").
+replica (docs/architecture.md, "Sessions and Redis").
 
 Two implementations with the same semantics:
 

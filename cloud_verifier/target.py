@@ -171,7 +171,7 @@ class TargetRunner:
         num_threads: torch intra-op threads (None = torch's default).
 
     Raises:
-        common.models.ModelNotFoundError: model_dir is not a causal-LM directory.
+        common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class TargetRunner:
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from common.models import resolve_target_dir
+        from common.paths import resolve_target_dir
 
         model_dir = resolve_target_dir(model_dir)
         if device.startswith("cuda") and not torch.cuda.is_available():

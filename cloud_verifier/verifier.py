@@ -44,26 +44,12 @@ from common.errors import (
 from common.rejection import verify_greedy, verify_sampled
 from common.sampling import logits_to_probs, normalize_sparse
 from common.stopping import StopChecker
-from common.types import DraftBlock, SamplingParams, StoppingCriteria, Verdict
+from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
-from edge_client.backend import SessionOpened
 
 log = logging.getLogger(__name__)
 
 PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a sparse draft distribution on the wire
-
-
-@dataclass(frozen=True)
-class ServedInfo:
-    """What this verifier serves (sent in OpenSessionResponse)."""
-
-    model_id: str
-    tokenizer_fingerprint: str
-    max_context_tokens: int  # tokens
-    max_block_tokens: int  # tokens
-    vocab_size: int  # logits width
-    verifier_id: str
-    ttl_s: int
 
 
 @dataclass
@@ -100,7 +86,7 @@ class Verifier:
         target: the target runner.
         store: session metadata store (MemorySessionStore when None).
         verifier_id, model_id: names reported to clients and written to the store.
-        max_block_tokens: largest draft block accepted, tokens.
+        max_num_speculative_tokens: largest draft block accepted, tokens.
         max_sessions: open sessions allowed on this replica.
         max_batch_size: most verify blocks in one forward pass.
         max_batch_wait_ms: longest wait for more blocks once one is waiting, ms.
@@ -116,7 +102,7 @@ class Verifier:
         *,
         verifier_id: str = "verifier-0",
         model_id: str | None = None,
-        max_block_tokens: int = 16,
+        max_num_speculative_tokens: int = 16,
         max_sessions: int = 256,
         max_batch_size: int = 32,
         max_batch_wait_ms: float = 2.0,
@@ -140,7 +126,7 @@ class Verifier:
             model_id=model_id or Path(target.model_dir).name,
             tokenizer_fingerprint=tokenizer_fingerprint(tok) if tok is not None else "",
             max_context_tokens=target.max_context_tokens,
-            max_block_tokens=max_block_tokens,
+            max_num_speculative_tokens=max_num_speculative_tokens,
             vocab_size=target.vocab_size,
             verifier_id=verifier_id,
             ttl_s=int(session_ttl_s),
@@ -161,7 +147,7 @@ class Verifier:
     def from_settings(cls, settings) -> "Verifier":
         """Build from :class:`cloud_verifier.config.VerifierSettings` (loads the target, makes the store)."""
         from cloud_verifier.store import make_store
-        from common.models import default_model_paths
+        from common.paths import default_model_paths
 
         target_dir = settings.target or default_model_paths().target_dir
         runner = TargetRunner(
@@ -175,7 +161,7 @@ class Verifier:
             make_store(settings),
             verifier_id=settings.verifier_id,
             model_id=settings.model_id,
-            max_block_tokens=settings.max_block_tokens,
+            max_num_speculative_tokens=settings.max_num_speculative_tokens,
             max_sessions=settings.max_sessions,
             max_batch_size=settings.max_batch_size,
             max_batch_wait_ms=settings.max_batch_wait_ms,
@@ -282,18 +268,7 @@ class Verifier:
 
     def _opened(self, session: _Session) -> SessionOpened:
         r = session.record
-        return SessionOpened(
-            session_id=r.session_id,
-            model_id=self.info.model_id,
-            tokenizer_fingerprint=self.info.tokenizer_fingerprint,
-            max_context_tokens=self.info.max_context_tokens,
-            max_block_tokens=self.info.max_block_tokens,
-            committed_length=r.committed_length,
-            seed=r.seed,
-            vocab_size=self.info.vocab_size,
-            verifier_id=self.info.verifier_id,
-            ttl_s=self.info.ttl_s,
-        )
+        return SessionOpened.of(self.info, r.session_id, r.committed_length, r.seed)
 
     async def _load_session(self, record: SessionRecord, new: bool) -> _Session:
         """Reserve the KV cache and prefill ``record``'s committed tokens except the last."""
@@ -473,8 +448,8 @@ class Verifier:
         if seq <= r.last_seq:
             raise InvalidRequestError(f"block seq {seq} is not after the last seq {r.last_seq}")
         gamma = len(block.draft_token_ids)
-        if gamma > self.info.max_block_tokens:
-            raise InvalidRequestError(f"block of {gamma} tokens is longer than the maximum {self.info.max_block_tokens}")
+        if gamma > self.info.max_num_speculative_tokens:
+            raise InvalidRequestError(f"block of {gamma} tokens is longer than the maximum {self.info.max_num_speculative_tokens}")
         if committed_length + gamma > session.kv.capacity:
             raise InvalidRequestError(
                 f"block of {gamma} tokens at committed length {committed_length} passes the session's limit of "

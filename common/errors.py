@@ -14,7 +14,7 @@ class SpecdecError(Exception):
 
 class InvalidRequestError(SpecdecError, ValueError):
     """Malformed request or draft block (wrong committed length, token id outside the vocabulary, block longer
-    than max_block_tokens, draft probabilities that are not a distribution, bad parameters, empty prompt).
+    than max_num_speculative_tokens, draft probabilities that are not a distribution, bad parameters, empty prompt).
     Nothing committed changes."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT

@@ -5,6 +5,7 @@ Shapes use γ = num_speculative_tokens (draft tokens in one block) and k = top-k
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -122,7 +123,7 @@ class GenerationStats:
     """Counters of one generation (field names = the --json output of `specdec generate`)."""
 
     num_generated_tokens: int = 0
-    num_verify_steps: int = 0
+    num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     elapsed_s: float = 0.0
@@ -139,4 +140,30 @@ class GenerationStats:
     @property
     def mean_accepted_length(self) -> float:
         """τ: tokens committed per verify step, recovered/bonus included = 1 + accepted / steps."""
-        return 1.0 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
+class ServedInfo:
+    """What a verifier serves: its target and its limits (the server-wide fields of OpenSessionResponse)."""
+
+    model_id: str
+    tokenizer_fingerprint: str  # common.vocab.tokenizer_fingerprint of the target's tokenizer
+    max_context_tokens: int  # tokens (prompt + output)
+    max_num_speculative_tokens: int  # tokens: the largest draft block accepted
+    vocab_size: int  # width of the target's logits
+    verifier_id: str  # replica id
+    ttl_s: int  # idle time after which a session is freed, s
+
+
+@dataclass(frozen=True)
+class SessionOpened(ServedInfo):
+    """A verifier's answer to OpenSession (specdec.v1.OpenSessionResponse): :class:`ServedInfo` plus the session."""
+
+    session_id: str = ""
+    committed_length: int = 0  # tokens (= prompt length)
+    seed: int = 0  # the seed the session draws with (requested, or picked by the verifier)
+
+    @classmethod
+    def of(cls, info: ServedInfo, session_id: str, committed_length: int, seed: int) -> "SessionOpened":
+        return cls(**dataclasses.asdict(info), session_id=session_id, committed_length=committed_length, seed=seed)

@@ -8,17 +8,15 @@ block length, probabilities that are not a distribution) are the verifier's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import numpy as np
 
 from common.errors import InvalidRequestError
-from common.types import DraftBlock, FinishReason, SamplingParams, SparseDraftProbs, StoppingCriteria, Verdict
+from common.types import (
+    DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, Verdict,
+)
 from specdec.v1 import verifier_pb2 as pb
-
-if TYPE_CHECKING:
-    from cloud_verifier.store import SessionRecord
-    from edge_client.backend import SessionOpened
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -116,49 +114,12 @@ def open_request_from_proto(msg: pb.OpenSessionRequest) -> tuple[list[int], Samp
     return list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint
 
 
-def session_opened_to_proto(opened: "SessionOpened") -> pb.OpenSessionResponse:
-    return pb.OpenSessionResponse(
-        session_id=opened.session_id,
-        model_id=opened.model_id,
-        tokenizer_fingerprint=opened.tokenizer_fingerprint,
-        max_context_tokens=int(opened.max_context_tokens),
-        max_block_tokens=int(opened.max_block_tokens),
-        committed_length=int(opened.committed_length),
-        seed=int(opened.seed),
-        vocab_size=int(opened.vocab_size),
-        verifier_id=opened.verifier_id,
-        ttl_s=int(opened.ttl_s),
-    )
+def session_opened_to_proto(opened: SessionOpened) -> pb.OpenSessionResponse:
+    return pb.OpenSessionResponse(**dataclasses.asdict(opened))
 
 
-def session_opened_from_proto(msg: pb.OpenSessionResponse) -> "SessionOpened":
-    from edge_client.backend import SessionOpened
-
-    return SessionOpened(
-        session_id=msg.session_id,
-        model_id=msg.model_id,
-        tokenizer_fingerprint=msg.tokenizer_fingerprint,
-        max_context_tokens=msg.max_context_tokens,
-        max_block_tokens=msg.max_block_tokens,
-        committed_length=msg.committed_length,
-        seed=msg.seed,
-        vocab_size=msg.vocab_size,
-        verifier_id=msg.verifier_id,
-        ttl_s=msg.ttl_s,
-    )
-
-
-def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
-    return pb.SessionInfo(
-        session_id=record.session_id,
-        model_id=record.model_id,
-        verifier_id=record.verifier_id,
-        committed_length=record.committed_length,
-        prompt_length=record.prompt_length,
-        committed_token_ids=[int(t) for t in record.committed_token_ids],
-        finished=record.finished,
-        finish_reason=finish_reason_to_proto(record.finish_reason if record.finished else None),
-    )
+def session_opened_from_proto(msg: pb.OpenSessionResponse) -> SessionOpened:
+    return SessionOpened(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(SessionOpened)})
 
 
 # ---------------------------------------------------------------------------------------------- blocks

@@ -6,7 +6,7 @@
         print(delta, end="", flush=True)
     print(client.last_result.stats.mean_accepted_length)
 
-The loop (DESIGN.md "The main loop"): open a session (prompt ids, sampling, limits, tokenizer fingerprint);
+The loop (docs/architecture.md "The main loop"): open a session (prompt ids, sampling, limits, tokenizer fingerprint);
 then repeat: draft γ tokens from the committed prefix, send the block, commit the verdict's tokens (accepted
 prefix + recovered/bonus token), stream the new text. The verifier applies the stopping rule, so the edge only
 ever streams committed tokens, cut at the earliest stop.
@@ -76,7 +76,7 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason.value if self.finish_reason else None,
             "num_generated_tokens": s.num_generated_tokens,
-            "num_verify_steps": s.num_verify_steps,
+            "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
             "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
@@ -168,7 +168,7 @@ class EdgeClient:
         Raises:
             ModelNotFoundError: no draft at ``draft_dir``. VerifierUnavailableError: the verifier is unreachable.
         """
-        from common.models import default_model_paths, resolve_draft_dir
+        from common.paths import default_model_paths, resolve_draft_dir
         from edge_client.drafter import ModelDrafter
         from edge_client.grpc_backend import GrpcBackend
         from edge_client.onnx_draft import OnnxDraftModel
@@ -245,7 +245,7 @@ class EdgeClient:
         committed = list(prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
         capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
-        max_gamma = min(self.num_speculative_tokens, opened.max_block_tokens)
+        max_gamma = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
         # a seeded sampled session keeps a timing-independent schedule (see the class docstring)
         deterministic = not sampling.greedy and requested_seed is not None
         controller = AdaptiveGamma(max_gamma) if self.adaptive and not deterministic else None
@@ -289,10 +289,10 @@ class EdgeClient:
                     # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
                     # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
                     # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
-                    hidden = hit or stats.num_verify_steps == 0
+                    hidden = hit or stats.num_drafts == 0
                     controller.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
                                        round_trip_ms, verdict.forward_ms)
-                stats.num_verify_steps += 1
+                stats.num_drafts += 1
                 stats.num_draft_tokens += len(block)
                 stats.num_accepted_tokens += verdict.num_accepted
                 stats.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)

@@ -1,6 +1,6 @@
 """Model drafter: proposes draft blocks from the ONNX draft model, keeping its KV cache in sync.
 
-Drafting modes (both lossless under the verifier's rejection rule, DESIGN.md "Lossless verification"):
+Drafting modes (both lossless under the verifier's rejection rule, docs/architecture.md "Lossless verification"):
 
 - greedy drafting (greedy sessions, or ``draft_top_k <= 1``): each draft token is the argmax of the draft's
   logits; q is one-hot and only token ids travel (``DraftBlock.draft_probs is None``).

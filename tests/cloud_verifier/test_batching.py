@@ -11,7 +11,7 @@ import pytest
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.errors import CapacityError
-from edge_client.backend import LocalBackend
+from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
 from edge_client.onnx_draft import OnnxDraftModel

@@ -9,7 +9,7 @@ import yaml
 
 from cloud_verifier.config import VerifierSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "SPECDEC_"
 
 

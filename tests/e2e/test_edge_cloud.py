@@ -10,18 +10,18 @@ import uuid
 
 import pytest
 
-from cloud_verifier.server import EmbeddedServer
+from specdec.embedded import EmbeddedServer
 from cloud_verifier.store import RedisSessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.errors import SessionNotFoundError
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from edge_client.backend import LocalBackend
+from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
 from edge_client.grpc_backend import GrpcBackend
 from edge_client.onnx_draft import OnnxDraftModel
-from tests.test_speculative import hf_greedy
+from _reference import hf_greedy
 
 pytestmark = pytest.mark.redis
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.models import (
+from specdec.models import (
     COMPLETE_MARKER,
     EXPORT_REPORT,
     DraftBuildError,
@@ -187,7 +187,7 @@ def test_export_is_idempotent(tiny_pair):
 
 
 def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, monkeypatch):
-    import common.models as models
+    import specdec.models as models
 
     monkeypatch.setattr(models, "FP32_TOLERANCE", 0.0)
     out = tmp_path / "bad"
@@ -198,7 +198,7 @@ def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, mon
 
 
 def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
-    import common.models as models
+    import specdec.models as models
 
     with pytest.raises(ValueError, match="builder must be one of"):
         export_onnx_draft(tiny_pair.target_dir, tmp_path / "x", builder="optimum", progress=False)
@@ -214,7 +214,7 @@ def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
 
 
 def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
-    from common.models import INT8_BLOCK_SIZE, _stale_default_draft
+    from specdec.models import INT8_BLOCK_SIZE, _stale_default_draft
 
     assert _stale_default_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
     assert _stale_default_draft(draft_dirs["genai"]) is False
@@ -236,7 +236,7 @@ def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
 
 
 def test_failing_genai_builder_falls_back_and_is_recorded(tiny_pair, tmp_path, monkeypatch):
-    import common.models as models
+    import specdec.models as models
 
     def broken(hf_dir, out_dir, timeout_s=0):
         raise DraftBuildError("onnxruntime-genai model builder failed (exit 1): NotImplementedError: arch")

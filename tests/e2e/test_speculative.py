@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.errors import InvalidRequestError
-from common.models import ModelNotFoundError
+from common.paths import ModelNotFoundError
+from _reference import hf_greedy  # noqa: E402
 from common.types import DraftBlock, FinishReason
-from edge_client.backend import LocalBackend
+from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
 from edge_client.onnx_draft import OnnxDraftModel
@@ -27,21 +28,10 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Target-only greedy decoding with plain HF generate() (independent reference implementation)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0,
-        )
-    return out[0, len(prompt_ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def tiny_verifier(tiny_pair):
     runner = TargetRunner(tiny_pair.target_dir)
-    backend = LocalBackend(Verifier(runner, max_block_tokens=8))
+    backend = LocalBackend(Verifier(runner, max_num_speculative_tokens=8))
     yield backend
     backend.close()
 
@@ -77,7 +67,7 @@ def test_target_only_mode_matches_hf(tiny_pair, tiny_verifier):
     ids = encode_prompt(client.tokenizer, PROMPTS[0])
     res = client.generate(ids, max_new_tokens=16, ignore_eos=True)
     assert res.token_ids == hf_greedy(tiny_pair.target_dir, ids, 16)
-    assert res.stats.num_verify_steps == 16 and res.stats.num_draft_tokens == 0
+    assert res.stats.num_drafts == 16 and res.stats.num_draft_tokens == 0
     out = res.to_json()
     assert out["acceptance_rate"] is None and out["mean_accepted_length"] == 1.0  # nothing drafted: null, not 0
 
@@ -240,11 +230,10 @@ def test_real_pair_greedy_identical_to_target_only(real_pair):
     backend = LocalBackend(Verifier(runner))
     try:
         client = make_client(backend, real_pair.draft_dir, gamma=4)
-        dev = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "spec_bench_dev.jsonl"
-        prompts = PROMPTS
-        if dev.exists():
-            lines = [json.loads(line) for line in dev.read_text().splitlines()[:40:13]]
-            prompts = [q["turns"][0] for q in lines]
+        from specdec.cli import DEFAULT_PROMPTS
+
+        lines = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines()[:40:13]]
+        prompts = [q["turns"][0] for q in lines]
         for prompt in prompts[:3]:
             ids = encode_prompt(client.tokenizer, prompt)
             ref = hf_greedy(real_pair.target_dir, ids, 32)

@@ -1,4 +1,4 @@
-"""Draft distillation (specdec.distill) and the distilled-draft install path (common.models), on a tiny model."""
+"""Draft distillation (specdec.distill) and the distilled-draft install path (specdec.models), on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from common.models import (  # noqa: E402
+from specdec.models import (  # noqa: E402
     DISTILLED_MASKED_LOGIT,
     build_distilled_draft,
     install_distilled_draft,

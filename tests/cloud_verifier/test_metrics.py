@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 from cloud_verifier import metrics
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
-from edge_client.backend import LocalBackend
+from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient
 from edge_client.drafter import ModelDrafter
 from edge_client.onnx_draft import OnnxDraftModel
@@ -35,14 +35,14 @@ def test_metrics_follow_verification(tiny_pair):
         res = client.generate([5, 6, 7, 8, 9], max_new_tokens=12, ignore_eos=True)
         s = res.stats
         d = lambda n: _value(n) - before[n]  # noqa: E731
-        assert d("specdec_spec_decode_num_drafts_total") == s.num_verify_steps
+        assert d("specdec_spec_decode_num_drafts_total") == s.num_drafts
         assert d("specdec_spec_decode_num_draft_tokens_total") == s.num_draft_tokens
         assert d("specdec_spec_decode_num_accepted_tokens_total") == s.num_accepted_tokens
         assert _value("specdec_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) - pos0 == \
             s.accepted_per_position[0]
-        assert d("specdec_batch_size_count") >= s.num_verify_steps
-        assert d("specdec_target_forward_seconds_count") >= s.num_verify_steps
-        assert d("specdec_queue_wait_seconds_count") == s.num_verify_steps
+        assert d("specdec_batch_size_count") >= s.num_drafts
+        assert d("specdec_target_forward_seconds_count") >= s.num_drafts
+        assert d("specdec_queue_wait_seconds_count") == s.num_drafts
         assert _value("specdec_sessions_open") == 0
         assert _value("specdec_kv_cache_used_bytes") == 0
         assert _value("specdec_kv_cache_capacity_bytes") == runner.kv_cache_budget_tokens * runner.kv_bytes_per_token

@@ -18,7 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cloud_verifier.server import SERVICE_NAME, EmbeddedServer, VerifierServer
+from cloud_verifier.server import SERVICE_NAME, VerifierServer
+from specdec.embedded import EmbeddedServer
 from cloud_verifier.store import MemorySessionStore
 from common.errors import (
     InvalidRequestError,
@@ -56,7 +57,7 @@ def runner(target_dir):
 def _verifier(runner, **kw):
     from cloud_verifier.verifier import Verifier
 
-    kw.setdefault("max_block_tokens", MAX_BLOCK)
+    kw.setdefault("max_num_speculative_tokens", MAX_BLOCK)
     kw.setdefault("max_batch_wait_ms", 1.0)
     return Verifier(runner, MemorySessionStore(ttl_s=60), verifier_id="test-verifier", **kw)
 
@@ -127,7 +128,7 @@ def test_reflection_lists_service(channel):
 def test_open_verify_get_close(stub, server):
     _, verifier = server
     opened = _open(stub)
-    assert opened.committed_length == 4 and opened.max_block_tokens == MAX_BLOCK
+    assert opened.committed_length == 4 and opened.max_num_speculative_tokens == MAX_BLOCK
     assert opened.verifier_id == "test-verifier" and opened.vocab_size > 0 and opened.seed == 7
     assert opened.tokenizer_fingerprint == verifier.info.tokenizer_fingerprint
     sid = opened.session_id
@@ -462,7 +463,7 @@ def test_grpc_backend(server, stub, mode):
         opened = backend.open_session([1, 504, 3458, 28], SamplingParams(seed=3), StoppingCriteria(max_new_tokens=6),
                                       verifier.info.tokenizer_fingerprint, timeout_s=WAIT_S)
         sid, length, seq = opened.session_id, opened.committed_length, 0
-        assert length == 4 and opened.seed == 3 and opened.max_block_tokens == MAX_BLOCK
+        assert length == 4 and opened.seed == 3 and opened.max_num_speculative_tokens == MAX_BLOCK
         finished = False
         while not finished:
             seq += 1
@@ -518,7 +519,7 @@ class _EchoVerifier:
     """A no-op Verifier (same API) to time the transport alone: accepts everything, no model."""
 
     def __init__(self):
-        from cloud_verifier.verifier import ServedInfo
+        from common.types import ServedInfo
 
         self.info = ServedInfo("echo", "", 4096, 16, 100, "echo", 60)
 
@@ -529,9 +530,9 @@ class _EchoVerifier:
         pass
 
     async def open_session(self, prompt_token_ids, sampling, stopping, tokenizer_fingerprint=""):
-        from edge_client.backend import SessionOpened
+        from common.types import SessionOpened
 
-        return SessionOpened("s", "echo", "", 4096, 16, len(prompt_token_ids), 0, 100, "echo", 60)
+        return SessionOpened.of(self.info, "s", len(prompt_token_ids), 0)
 
     async def verify(self, session_id, seq, committed_length, block):
         from common.types import Verdict
@@ -585,7 +586,7 @@ def test_two_replicas_share_redis(runner, redis_url):
 
     prefix = f"specdec-test:{uuid.uuid4().hex}:"
     stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]
-    verifiers = [Verifier(runner, st, verifier_id=f"replica-{i}", max_block_tokens=MAX_BLOCK, max_batch_wait_ms=1.0)
+    verifiers = [Verifier(runner, st, verifier_id=f"replica-{i}", max_num_speculative_tokens=MAX_BLOCK, max_batch_wait_ms=1.0)
                  for i, st in enumerate(stores)]
     try:
         with EmbeddedServer(verifier=verifiers[0], grace_s=1.0) as addr_a, \

@@ -11,18 +11,18 @@ from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
 from edge_client.adaptive import AdaptiveGamma
-from edge_client.backend import LocalBackend
+from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
 from edge_client.netsim import DelayedBackend
 from edge_client.ngram import NgramDrafter
 from edge_client.onnx_draft import OnnxDraftModel
-from tests.test_speculative import hf_greedy
+from _reference import hf_greedy
 
 
 @pytest.fixture(scope="module")
 def backend(tiny_pair):
-    b = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir), max_block_tokens=8))
+    b = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir), max_num_speculative_tokens=8))
     yield b
     b.close()
 
@@ -94,7 +94,7 @@ def test_confidence_truncation_shortens_blocks(backend, tiny_pair, prompt_ids, r
     trunc = _model_client(backend, tiny_pair, num_speculative_tokens=6, min_confidence=0.99).generate(
         prompt_ids, max_new_tokens=24, ignore_eos=True)
     assert trunc.token_ids == plain.token_ids == reference
-    assert trunc.stats.num_draft_tokens / trunc.stats.num_verify_steps < plain.stats.num_draft_tokens / plain.stats.num_verify_steps
+    assert trunc.stats.num_draft_tokens / trunc.stats.num_drafts < plain.stats.num_draft_tokens / plain.stats.num_drafts
 
 
 def test_proactive_drafting_same_sampled_tokens_and_hits(backend, tiny_pair, prompt_ids):
@@ -139,7 +139,7 @@ def test_adaptive_gamma_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids
     monkeypatch.setattr(client_mod, "AdaptiveGamma", Recording)
     res = _model_client(backend, tiny_pair, adaptive=True, proactive=False, num_speculative_tokens=4).generate(
         prompt_ids, max_new_tokens=16, ignore_eos=True)
-    assert len(seen) == res.stats.num_verify_steps >= 2
+    assert len(seen) == res.stats.num_drafts >= 2
     assert seen[0] is None and all(ms is not None for ms in seen[1:])
 
 
