@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -76,6 +77,9 @@ class VerifierSettings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (``torch.set_num_threads``); None = torch's default."""
 
-    @property
-    def metrics_enabled(self) -> bool:
-        return bool(self.metrics_port)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    """Device of the target model: ``auto`` (CUDA when ``torch.cuda.is_available()``, else CPU), ``cpu``,
+    ``cuda`` or ``cuda:N``. A CUDA device where CUDA is not available is an error at startup."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV cache of the target: ``auto`` = bfloat16 on CUDA, float32 on CPU."""

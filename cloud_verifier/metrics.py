@@ -49,11 +49,12 @@ def observe_forward(seconds: float, num_blocks: int, num_tokens: int) -> None:
         BATCH_SIZE.observe(num_blocks)
 
 
-def observe_verdict(num_draft_tokens: int, num_accepted: int, queue_wait_s: float) -> None:
+def observe_verdict(num_draft_tokens: int, num_accepted: int, num_committed: int, queue_wait_s: float) -> None:
+    """Count one verdict: draft tokens sent, accepted, committed (accepted + recovered/bonus, cut at a stop)."""
     NUM_DRAFTS.inc()
     NUM_DRAFT_TOKENS.inc(num_draft_tokens)
     NUM_ACCEPTED_TOKENS.inc(num_accepted)
-    NUM_EMITTED_TOKENS.inc(num_accepted + 1)
+    NUM_EMITTED_TOKENS.inc(num_committed)
     for pos in range(num_accepted):
         NUM_ACCEPTED_TOKENS_PER_POS.labels(position=str(pos)).inc()
     QUEUE_WAIT.observe(queue_wait_s)

@@ -3,14 +3,16 @@
 All rows of a batch (draft blocks of different sessions, prefill chunks) are flattened into one sequence of
 T tokens, so the projections and MLPs of every row run as one matmul with no padding (the "ragged" or
 "packed" batching of vLLM / ORCA). Attention runs per row against that row's own KV cache, through a custom
-attention function registered with HF transformers' ``AttentionInterface``: the model is any HF causal LM
-whose attention layers use that interface (Llama, Mistral, Qwen2, SmolLM, ...). Padding never exists, so it
-cannot leak into a row's result.
+attention function registered with HF transformers' ``AttentionInterface`` (:mod:`cloud_verifier.attention`):
+the model is any HF causal LM whose attention layers use that interface (Llama, Mistral, Qwen2, SmolLM, ...).
 
 KV cache: each session owns a preallocated buffer ``[num_layers, 2, num_kv_heads, capacity, head_dim]``
 reserved at open time from a token budget (admission control: a session that does not fit is refused rather
 than slowing the others down). Rolling back after a rejection is free: positions past the committed length are
 simply overwritten by the next forward pass.
+
+Device and dtype: :func:`resolve_device` / :func:`resolve_dtype` turn the settings' names (``auto`` included)
+into torch objects; asking for CUDA where there is none is an error, not a silent fallback.
 
 Reference: :meth:`TargetRunner.reference_logits` runs the unmodified HF model (SDPA attention, DynamicCache)
 and backs the fast path in tests.
@@ -18,21 +20,59 @@ and backs the fast path in tests.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from cloud_verifier.attention import ATTN_IMPLEMENTATION, RaggedBatch, register_attention
 from common.errors import CapacityError
 
-log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-ATTN_IMPLEMENTATION = "specdec_ragged"
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device for a setting: ``auto`` (CUDA when ``torch.cuda.is_available()``, else CPU), ``cpu``,
+    ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: an unknown name, or CUDA asked for where torch has none (or no GPU number N); one line.
+    """
+    name = str(device).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(name)
+    except RuntimeError:
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here (use auto or cpu)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The torch dtype of weights and KV cache for a setting: ``auto`` (bfloat16 on CUDA, float32 on CPU),
+    ``float32``, ``bfloat16``, ``float16``, or a torch dtype (returned as is).
+
+    Raises:
+        ValueError: an unknown name (one line).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).strip().lower()
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 class SessionKV:
@@ -46,9 +86,6 @@ class SessionKV:
         """Tokens the buffer can hold."""
         return self.buffer.shape[3]
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
 
 
 @dataclass
@@ -66,112 +103,21 @@ class ForwardRow:
     logits: str = "all"
 
 
-@dataclass
-class _RaggedBatch:
-    # (kv, first token index in the flat batch, end index, start position) per row
-    rows: list[tuple[SessionKV, int, int, int]] = field(default_factory=list)
-
-
-def _ragged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [1, num_heads, T, head_dim]
-    key: torch.Tensor,  # [1, num_kv_heads, T, head_dim] (RoPE applied)
-    value: torch.Tensor,  # [1, num_kv_heads, T, head_dim]
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    specdec_batch: _RaggedBatch | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:  # ([1, T, num_heads, head_dim], None)
-    """Per-row causal attention over each row's own KV cache (writes the new keys/values into it)."""
-    if specdec_batch is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the specdec_batch argument")
-    layer = module.layer_idx
-    num_tokens = query.shape[2]
-    out = query.new_empty(1, num_tokens, query.shape[1], query.shape[3])
-    small = []
-    for row in specdec_batch.rows:
-        kv, begin, end, start = row
-        n = end - begin
-        keys = kv.buffer[layer, 0]  # [num_kv_heads, capacity, head_dim]
-        values = kv.buffer[layer, 1]
-        keys[:, start : start + n] = key[0, :, begin:end]
-        values[:, start : start + n] = value[0, :, begin:end]
-        if n > SMALL_ROW_TOKENS:  # prefill chunk: one multi-threaded SDPA call pays off
-            q = query[0, :, begin:end]  # [num_heads, n, head_dim]
-            if start == 0:
-                mask, causal = None, True
-            else:  # query i (absolute position start+i) sees keys 0 .. start+i
-                mask, causal = torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1), False
-            o = F.scaled_dot_product_attention(
-                q, keys[:, : start + n], values[:, : start + n], attn_mask=mask, is_causal=causal, scale=scaling,
-                enable_gqa=True,
-            )  # [num_heads, n, head_dim]
-            out[0, begin:end] = o.transpose(0, 1)
-        else:
-            small.append(row)
-    if small:
-        # Draft blocks and decode steps: many tiny attention problems. Their cost is per-op overhead, which
-        # worker threads only add to (waking them costs more than the work), so run them on this thread.
-        threads = torch.get_num_threads()
-        if threads > 1:
-            torch.set_num_threads(1)
-        try:
-            for kv, begin, end, start in small:
-                out[0, begin:end] = _small_attention(
-                    query[0, :, begin:end], kv.buffer[layer, 0, :, : start + end - begin],
-                    kv.buffer[layer, 1, :, : start + end - begin], start, scaling,
-                ).transpose(0, 1)
-        finally:
-            if threads > 1:
-                torch.set_num_threads(threads)
-    return out, None
-
-
-SMALL_ROW_TOKENS = 32  # rows up to this many tokens take the single-threaded small-attention path
-
-
-def _small_attention(
-    q: torch.Tensor,  # [num_heads, n, head_dim]
-    k: torch.Tensor,  # [num_kv_heads, start + n, head_dim]
-    v: torch.Tensor,  # [num_kv_heads, start + n, head_dim]
-    start: int,
-    scaling: float | None,
-) -> torch.Tensor:  # [num_heads, n, head_dim]
-    """Causal grouped-query attention of n new tokens (positions start..start+n-1) with two bmm calls.
-
-    Query head h uses KV head h // (num_heads / num_kv_heads), as HF's ``repeat_kv`` does.
-    """
-    num_heads, n, head_dim = q.shape
-    num_kv = k.shape[0]
-    group = num_heads // num_kv
-    scale = scaling if scaling is not None else head_dim**-0.5
-    scores = torch.bmm(q.reshape(num_kv, group * n, head_dim), k.transpose(1, 2)) * scale  # [kv, g*n, L]
-    if n > 1:
-        total = start + n
-        future = torch.arange(total).unsqueeze(0) > torch.arange(start, total).unsqueeze(1)  # [n, L]
-        scores = scores.view(num_kv, group, n, total).masked_fill(future, float("-inf")).view(num_kv, group * n, total)
-    return torch.bmm(torch.softmax(scores, dim=-1), v).view(num_heads, n, head_dim)
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _ragged_attention)
-
-
 class TargetRunner:
     """Runs the target model (PyTorch, HF transformers) for ragged batches of rows.
 
     Args:
         model_dir: local HF causal-LM directory (safetensors + config + tokenizer).
         kv_cache_budget_tokens: total KV capacity, tokens, over all sessions (admission budget).
-        device: "cpu" or "cuda" ("cuda" falls back to CPU when torch has no CUDA).
-        dtype: torch dtype of weights and KV cache (float32 by default: exactness tests compare fp32).
+        device: "auto", "cpu", "cuda" or "cuda:N" (:func:`resolve_device`; "auto" = CUDA when available).
+        dtype: weights and KV cache: a torch dtype or "auto" / "float32" / "bfloat16" / "float16"
+            (:func:`resolve_dtype`; "auto" = bfloat16 on CUDA, float32 on CPU). float32 by default: exactness
+            tests compare fp32.
         num_threads: torch intra-op threads (None = torch's default).
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
+        ValueError: unknown device or dtype, or CUDA asked for where there is none.
     """
 
     def __init__(
@@ -179,26 +125,23 @@ class TargetRunner:
         model_dir: str | Path,
         kv_cache_budget_tokens: int = 65536,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         num_threads: int | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from common.paths import resolve_target_dir
 
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         model_dir = resolve_target_dir(model_dir)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            log.warning("CUDA requested but not available; the target runs on the CPU")
-            device = "cpu"
         if num_threads:
             torch.set_num_threads(num_threads)
-        _register_attention()
+        register_attention()
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
         self.config = AutoConfig.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            model_dir, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -273,7 +216,7 @@ class TargetRunner:
             return self._forward(rows)
 
     def _forward(self, rows: list[ForwardRow]) -> list[np.ndarray | None]:
-        batch = _RaggedBatch()
+        batch = RaggedBatch()
         flat_ids: list[int] = []
         positions: list[int] = []
         want: list[int] = []

@@ -14,6 +14,9 @@ Algorithm 1 (also Chen et al. 2023, Algorithm 2). Names map to the paper as foll
 Departure from the paper: uniform draws come from a counter-based stream (common.sampling.uniform) keyed by
 the session seed and the absolute token position, instead of a global RNG, so a session's output does not
 depend on batching or on which replica verifies it.
+
+The verifier calls :func:`verify_block` once per verify row (one session's block); :func:`verify_greedy` and
+:func:`verify_sampled` are its two cases.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.sampling import Stream, dense_draft_probs, sample_from, uniform
-from common.types import SparseDraftProbs
+from common.sampling import Stream, dense_draft_probs, logits_to_probs, sample_from, uniform
+from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 
 
 @dataclass(frozen=True)
@@ -86,3 +89,24 @@ def verify_sampled(
         return RejectionResult(i, sample_from(residual, uniform(seed, position, Stream.TARGET_SAMPLE)))
     bonus = sample_from(target_probs[gamma], uniform(seed, start_position + gamma, Stream.TARGET_SAMPLE))
     return RejectionResult(gamma, bonus)
+
+
+def verify_block(
+    block: DraftBlock,  # γ draft token ids (+ sparse draft_probs [γ, k], or None for greedy drafting)
+    target_logits: np.ndarray,  # [γ + 1, vocab_size] raw logits of the target at the block's positions
+    sampling: SamplingParams,
+    seed: int,
+    start_position: int,  # absolute position of the first draft token (= committed length), tokens
+    valid_vocab_size: int | None = None,  # logits columns at or past it (padding) are never chosen
+) -> RejectionResult:
+    """One row's verdict: the accepted prefix length n and the token after it (recovered or bonus).
+
+    Greedy sampling (temperature 0) uses :func:`verify_greedy` on the raw logits; otherwise the logits are
+    processed exactly as the draft processed its own (:func:`common.sampling.logits_to_probs`: temperature →
+    top-k → top-p) into target_probs [γ + 1, vocab_size] and :func:`verify_sampled` applies Algorithm 1.
+    Block validation (cloud_verifier.validation) must have run: every draft token has q(x) > 0.
+    """
+    if sampling.greedy:
+        return verify_greedy(block.draft_token_ids, target_logits, valid_vocab_size)
+    target_probs = logits_to_probs(target_logits, sampling, valid_vocab_size)  # [γ + 1, vocab_size]
+    return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, seed, start_position)

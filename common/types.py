@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -116,31 +116,6 @@ class Verdict:
     forward_ms: float = 0.0
     batch_size: int = 1
     seq: int = 0
-
-
-@dataclass
-class GenerationStats:
-    """Counters of one generation (field names = the --json output of `specdec generate`)."""
-
-    num_generated_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    elapsed_s: float = 0.0
-    draft_s: float = 0.0  # edge time spent in the draft model, s
-    target_forward_s: float = 0.0  # verifier time spent in target forward passes, s
-    accepted_per_position: list[int] = field(default_factory=list)  # [γ_max] accepted counts by position
-    num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and used as they were
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """τ: tokens committed per verify step, recovered/bonus included = 1 + accepted / steps."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(frozen=True)

@@ -6,54 +6,37 @@
         print(delta, end="", flush=True)
     print(client.last_result.stats.mean_accepted_length)
 
-The loop (docs/architecture.md "The main loop"): open a session (prompt ids, sampling, limits, tokenizer fingerprint);
-then repeat: draft γ tokens from the committed prefix, send the block, commit the verdict's tokens (accepted
-prefix + recovered/bonus token), stream the new text. The verifier applies the stopping rule, so the edge only
-ever streams committed tokens, cut at the earliest stop.
+The loop (docs/architecture.md "The main loop", :meth:`EdgeClient._generate`): open a session (prompt ids,
+sampling, limits, tokenizer fingerprint); then repeat: draft num_speculative_tokens (γ) tokens from the committed
+prefix, send the block, commit the verdict's tokens (accepted prefix + recovered/bonus token), stream the new
+text. The verifier applies the stopping rule, so the edge only ever streams committed tokens, cut at the
+earliest stop. The speculation policy (γ per step, drafting ahead while a block is in flight) is
+:mod:`edge_client.policy`; the drafters and their contract are :mod:`edge_client.drafter`; the counters of a
+generation are :mod:`edge_client.stats`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from common.detok import IncrementalDetokenizer
 from common.errors import DeadlineError, InvalidRequestError
 from common.stopping import generated_text_for_output
-from common.types import (
-    DraftBlock, FinishReason, GenerationStats, SamplingParams, SparseDraftProbs, StoppingCriteria, Verdict,
-)
+from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
-from edge_client.adaptive import AdaptiveGamma
-from edge_client.backend import SessionOpened, VerifierBackend
+from edge_client.backend import VerifierBackend
+from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
+from edge_client.stats import GenerationStats
 
-
-class Drafter(Protocol):
-    """Anything that proposes draft blocks (ONNX draft model, n-gram)."""
-
-    def propose(
-        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
-        min_confidence: float = 0.0, should_stop: Callable[[], bool] | None = None,
-    ) -> DraftBlock: ...
-
-
-def _truncate(block: DraftBlock, gamma: int) -> DraftBlock:
-    """The first ``gamma`` draft tokens of ``block`` (with their draft_probs rows)."""
-    if len(block) <= gamma:
-        return block
-    dp = block.draft_probs
-    probs = None if dp is None else SparseDraftProbs(dp.token_ids[:gamma], dp.probs[:gamma])
-    return DraftBlock(list(block.draft_token_ids[:gamma]), probs, block.draft_ms)
-
-
-def _drop_first(block: DraftBlock) -> DraftBlock:
-    """``block`` without its first token (the bonus guess of proactive drafting)."""
-    dp = block.draft_probs
-    probs = None if dp is None else SparseDraftProbs(dp.token_ids[1:], dp.probs[1:])
-    return DraftBlock(list(block.draft_token_ids[1:]), probs, block.draft_ms)
+if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
+    from edge_client.drafter import Drafter
 
 
 @dataclass
@@ -111,13 +94,17 @@ class EdgeClient:
         drafter: proposes draft blocks (ModelDrafter, NgramDrafter); None = target-only decoding (empty blocks:
             one target token per step, the cloud-only baseline).
         tokenizer: the draft's tokenizer (must match the target's: checked by fingerprint at session open).
-        num_speculative_tokens: γ (the largest γ when ``adaptive``), draft tokens per block, >= 1.
+        num_speculative_tokens: γ, draft tokens per block, >= 1 (the largest γ when ``adaptive``). A session
+            uses max_num_speculative_tokens = min(this, the verifier's ``max_num_speculative_tokens``), and
+            shorter blocks near the end (max_new_tokens, context limit).
         adaptive: choose γ per step from measured acceptance, draft cost, verify time and round trip
-            (edge_client.adaptive.AdaptiveGamma).
+            (:class:`edge_client.policy.AdaptiveNumSpeculativeTokens`).
         min_confidence: confidence truncation: stop a block early when the draft's top probability falls below
-            it (llama.cpp's draft-p-min); 0 disables.
+            it (llama.cpp's draft-p-min; done by the drafter, :meth:`edge_client.drafter.Drafter.propose`);
+            0 disables.
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
-            the draft predicts; used at once when the verdict matches, dropped otherwise.
+            the draft predicts; used at once when the verdict matches, dropped otherwise
+            (:class:`edge_client.policy.ProactiveBet`).
         timeout_s: deadline of each verify step, s.
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
 
@@ -217,89 +204,96 @@ class EdgeClient:
         assert self.last_result is not None
         return self.last_result
 
-    def _draft(self, committed: list[int], gamma: int, sampling: SamplingParams, seed: int,
-               should_stop=None) -> DraftBlock:
-        if self.drafter is None or gamma <= 0:
+    def _draft(self, committed: list[int], num_speculative_tokens: int, sampling: SamplingParams,
+               should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+        """A block of at most ``num_speculative_tokens`` after ``committed`` (empty without a drafter)."""
+        if self.drafter is None or num_speculative_tokens <= 0:
             return DraftBlock([])
         kwargs = {"should_stop": should_stop} if should_stop is not None else {}
-        return self.drafter.propose(committed, gamma, sampling, seed, min_confidence=self.min_confidence, **kwargs)
+        return self.drafter.propose(committed, num_speculative_tokens, sampling, sampling.seed,
+                                    min_confidence=self.min_confidence, **kwargs)
 
-    def _wait(self, future, t_sent: float, done_at: list[float]) -> tuple[Verdict, float]:
-        """The verdict and its round trip, ms (sent → answer available, not → when we looked: ``done_at`` is
-        filled by a callback registered right after sending)."""
+    def _next_block(self, committed: list[int], num_speculative_tokens: int, sampling: SamplingParams,
+                    bet: ProactiveBet | None) -> tuple[DraftBlock, bool, float]:
+        """The block to send: the one drafted ahead when the bet won, else a fresh draft.
+
+        Returns:
+            (block, proactive hit, edge time spent drafting it now in s: 0 for a hit).
+        """
+        block = bet.take(committed, num_speculative_tokens) if bet is not None else None
+        if block is not None:
+            return block, True, 0.0
+        t0 = time.perf_counter()
+        block = self._draft(committed, num_speculative_tokens, sampling)
+        return block, False, time.perf_counter() - t0
+
+    def _send(self, session_id: str, seq: int, committed: list[int], block: DraftBlock) -> tuple[Future, tuple]:
+        """Submit ``block``; return its future and its send record (send time, arrival time filled by a callback
+        registered right after sending) for :meth:`_wait`."""
+        t_sent = time.perf_counter()
+        future = self.backend.submit(session_id, seq, len(committed), block)
+        done_at: list[float] = []
+        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        return future, (t_sent, done_at)
+
+    def _wait(self, future: Future, sent: tuple) -> tuple[Verdict, float]:
+        """The verdict and its round trip, ms (sent → answer available, not → when we looked).
+
+        Raises:
+            DeadlineError: no verdict within ``timeout_s``; any SpecdecError the backend set on the future.
+        """
+        t_sent, done_at = sent
         try:
             verdict = future.result(timeout=self.timeout_s)
         except FutureTimeoutError:
             raise DeadlineError(f"verify step took longer than {self.timeout_s} s") from None
         return verdict, ((done_at[0] if done_at else time.perf_counter()) - t_sent) * 1000
 
+    def _policy(self, sampling: SamplingParams, requested_seed: int | None, max_num_speculative_tokens: int
+                ) -> tuple[AdaptiveNumSpeculativeTokens | None, ProactiveBet | None]:
+        """The session's adaptive controller and proactive bet (None when off). A seeded sampled session turns
+        both off: it keeps a timing-independent schedule (see the class docstring)."""
+        timing_free = not sampling.greedy and requested_seed is not None
+        adaptive = None
+        if self.adaptive and not timing_free:
+            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens)
+        bet = None
+        if self.proactive and self.drafter is not None and not timing_free:
+            bet = ProactiveBet(lambda ids, n, should_stop: self._draft(ids, n, sampling, should_stop))
+        return adaptive, bet
+
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Iterator[str]:
+        """One session: the loop of the module docstring; sets ``self.last_result`` when it ends."""
         t0 = time.perf_counter()
-        stats = GenerationStats()
-        requested_seed = sampling.seed
         opened: SessionOpened = self.backend.open_session(
             prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.open_timeout_s
         )
-        seed = opened.seed
-        sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
-        committed = list(prompt_ids)
+        requested_seed, sampling = sampling.seed, dataclasses.replace(sampling, seed=opened.seed)
+        committed, stats = list(prompt_ids), GenerationStats()
         detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
         capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
-        max_gamma = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
-        # a seeded sampled session keeps a timing-independent schedule (see the class docstring)
-        deterministic = not sampling.greedy and requested_seed is not None
-        controller = AdaptiveGamma(max_gamma) if self.adaptive and not deterministic else None
-        proactive = self.proactive and not deterministic
-        prepared: tuple[list[int], DraftBlock] | None = None  # (committed state it extends, block)
+        max_num_speculative_tokens = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
+        adaptive, bet = self._policy(sampling, requested_seed, max_num_speculative_tokens)
         finish_reason = None
-        seq = 0
         try:
-            while True:
+            for seq in itertools.count(1):
                 room = capacity - len(committed) - 1  # the verdict always adds one token of its own
-                gamma = max(0, min(controller.next_gamma() if controller else max_gamma, room))
-                td = time.perf_counter()
-                hit = prepared is not None and prepared[0] == committed
-                if hit:
-                    block = _truncate(prepared[1], gamma)
-                    stats.num_proactive_hits += 1
-                else:
-                    block = self._draft(committed, gamma, sampling, seed)
-                    stats.draft_s += time.perf_counter() - td
-                prepared = None
-                seq += 1
-                t_sent = time.perf_counter()
-                future = self.backend.submit(opened.session_id, seq, len(committed), block)
-                done_at: list[float] = []
-                future.add_done_callback(lambda _f, d=done_at: d.append(time.perf_counter()))
-                if proactive and self.drafter is not None and len(block) and not future.done():
+                wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
+                block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)), sampling, bet)
+                future, sent = self._send(opened.session_id, seq, committed, block)
+                if bet is not None and len(block) and not future.done():
                     # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
-                    bet = committed + list(block.draft_token_ids)
-                    next_room = capacity - len(bet) - 2
-                    if next_room > 0:
-                        tp = time.perf_counter()
-                        ahead = self._draft(bet, 1 + min(max_gamma, next_room), sampling, seed,
-                                            should_stop=future.done)
-                        stats.draft_s += time.perf_counter() - tp
-                        if len(ahead) >= 2:
-                            guess = ahead.draft_token_ids[0]
-                            prepared = (bet + [guess], _drop_first(ahead))
-                verdict, round_trip_ms = self._wait(future, t_sent, done_at)
+                    draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, future.done)
+                verdict, round_trip_ms = self._wait(future, sent)
                 committed.extend(verdict.committed_token_ids)
-                if controller is not None:
+                if adaptive is not None:
                     # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
                     # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
                     # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
                     hidden = hit or stats.num_drafts == 0
-                    controller.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
-                                       round_trip_ms, verdict.forward_ms)
-                stats.num_drafts += 1
-                stats.num_draft_tokens += len(block)
-                stats.num_accepted_tokens += verdict.num_accepted
-                stats.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
-                if len(stats.accepted_per_position) < len(block):
-                    stats.accepted_per_position.extend([0] * (len(block) - len(stats.accepted_per_position)))
-                for i in range(verdict.num_accepted):
-                    stats.accepted_per_position[i] += 1
+                    adaptive.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
+                                     round_trip_ms, verdict.forward_ms)
+                stats.observe(len(block), verdict, draft_s=draft_s, proactive_hit=hit)
                 delta = detok.push(verdict.committed_token_ids)
                 if delta:
                     yield delta
@@ -314,12 +308,19 @@ class EdgeClient:
                 self.backend.close_session(opened.session_id)
             except Exception:
                 pass
+        self.last_result = self._result(opened, prompt_ids, committed, finish_reason, stopping, stats, t0)
+
+    def _result(self, opened: SessionOpened, prompt_ids: list[int], committed: list[int],
+                finish_reason: FinishReason | None, stopping: StoppingCriteria,
+                stats: GenerationStats, t0: float) -> GenerationResult:
+        """The GenerationResult of a finished session (text cut at the earliest stop, wire bytes if counted);
+        sets the counters known only at the end (``t0``: ``time.perf_counter()`` when the generation began)."""
         generated = committed[len(prompt_ids):]
         wire = getattr(self.backend, "wire_stats", None)
         wire = wire(opened.session_id) if wire else None
         stats.num_generated_tokens = len(generated)
         stats.elapsed_s = time.perf_counter() - t0
-        self.last_result = GenerationResult(
+        return GenerationResult(
             text=generated_text_for_output(self.tokenizer, generated, finish_reason, stopping.stop_strings),
             token_ids=generated,
             finish_reason=finish_reason,

@@ -1,6 +1,8 @@
-"""Model drafter: proposes draft blocks from the ONNX draft model, keeping its KV cache in sync.
+"""Drafters: what proposes draft blocks on the edge. The :class:`Drafter` protocol, and :class:`ModelDrafter`
+(the ONNX draft model). :class:`edge_client.ngram.NgramDrafter` (prompt lookup, no model) is the other one.
 
-Drafting modes (both lossless under the verifier's rejection rule, docs/architecture.md "Lossless verification"):
+Drafting modes of :class:`ModelDrafter` (both lossless under the verifier's rejection rule,
+docs/architecture.md "Lossless verification"):
 
 - greedy drafting (greedy sessions, or ``draft_top_k <= 1``): each draft token is the argmax of the draft's
   logits; q is one-hot and only token ids travel (``DraftBlock.draft_probs is None``).
@@ -13,7 +15,7 @@ Drafting modes (both lossless under the verifier's rejection rule, docs/architec
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -21,7 +23,54 @@ from common.sampling import Stream, logits_to_probs, normalize_sparse, sample_fr
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 from edge_client.onnx_draft import OnnxDraftModel
 
-__all__ = ["ModelDrafter"]
+__all__ = ["Drafter", "ModelDrafter"]
+
+
+class Drafter(Protocol):
+    """Anything that proposes draft blocks for :class:`edge_client.client.EdgeClient` (:class:`ModelDrafter`,
+    :class:`edge_client.ngram.NgramDrafter`). One drafter serves one session at a time.
+
+    The losslessness contract: the verifier accepts draft token x_i with probability min(1, p(x_i) / q(x_i))
+    and resamples from norm(max(0, p − q)) at the first rejection (Leviathan et al. 2023, Algorithm 1). Its
+    output has exactly the target's distribution only when q is EXACTLY the distribution x_i was drawn from.
+    So ``draft_probs`` row i must be the very distribution the drafter sampled token i from (after any
+    truncation to k tokens and renormalisation), not an approximation of the draft model's distribution; and
+    ``draft_probs = None`` declares greedy drafting: q_i is one-hot on x_i (a deterministic choice of token,
+    e.g. argmax or prompt lookup). Greedy sessions are exact with any draft tokens; sampled sessions rely on
+    this contract.
+    """
+
+    def propose(
+        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
+        min_confidence: float = 0.0, should_stop: Callable[[], bool] | None = None,
+    ) -> DraftBlock:
+        """Draft up to ``num_speculative_tokens`` (γ) tokens after the committed prefix.
+
+        Args:
+            committed_token_ids: prompt + committed output ids (non-empty); the block continues them. Proactive
+                drafting passes committed ids + a block still in flight + a bonus guess.
+            num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block).
+            sampling: the session's SamplingParams (a sampling drafter applies the same logits processing
+                the verifier applies to p: ``common.sampling.logits_to_probs``).
+            seed: the session seed (a sampling drafter draws with ``common.sampling.uniform(seed, position,
+                Stream.DRAFT_SAMPLE)``, ``position`` the absolute index of the drafted token).
+            min_confidence: confidence truncation (llama.cpp's ``--draft-p-min``): stop the block, after at least
+                one token, when the draft's most likely next token has probability below it; 0 disables it.
+                A drafter without probabilities ignores it.
+            should_stop: checked before each token after the first; True ends the block there (proactive
+                drafting stops drafting ahead once the verdict it bets on has arrived). None: never.
+
+        Returns:
+            DraftBlock: ``draft_token_ids`` [n] with 0 <= n <= γ (fewer than γ after truncation, or when the
+            drafter has nothing to propose); ``draft_probs`` None for greedy drafting (q one-hot), else
+            SparseDraftProbs with ids int64 [n, k] and probs float32 [n, k], row i the exact q token i was
+            sampled from (zero-probability padding ids allowed, the draft token in its row's support);
+            ``draft_ms`` the wall time of the call, ms.
+
+        Raises:
+            ValueError: empty ``committed_token_ids`` or γ < 0 (drafters that check).
+        """
+        ...
 
 
 class ModelDrafter:
@@ -84,7 +133,7 @@ class ModelDrafter:
         min_confidence: float = 0.0,
         should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock:
-        """Draft ``num_speculative_tokens`` (γ) tokens after the committed prefix.
+        """Draft ``num_speculative_tokens`` (γ) tokens after the committed prefix (the :class:`Drafter` contract).
 
         Confidence truncation (llama.cpp's ``--draft-p-min``; dSpark's confidence head): the block stops early,
         after at least one token, when the draft's most likely next token has probability (softmax of its raw
@@ -99,7 +148,7 @@ class ModelDrafter:
             seed: the session seed (key of the DRAFT_SAMPLE stream); unused for greedy drafting.
 
         Returns:
-            DraftBlock with γ draft ids; ``draft_probs`` None for greedy drafting, else SparseDraftProbs with
+            DraftBlock with γ draft ids (fewer when truncated or stopped); ``draft_probs`` None for greedy drafting, else SparseDraftProbs with
             ids int64 [γ, k] and probs float32 [γ, k] (each row the exact q the token was sampled from; rows
             are padded with zero-probability ids only when some q has fewer than k tokens); ``draft_ms`` the
             wall time of the call, ms.
@@ -110,10 +159,10 @@ class ModelDrafter:
         t0 = time.perf_counter()
         if not committed_token_ids:
             raise ValueError("committed_token_ids must not be empty")
-        gamma = int(num_speculative_tokens)
-        if gamma < 0:
+        num_tokens = int(num_speculative_tokens)
+        if num_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        if gamma == 0:
+        if num_tokens == 0:
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
@@ -121,7 +170,7 @@ class ModelDrafter:
         tokens: list[int] = []
         rows_ids: list[np.ndarray] = []
         rows_q: list[np.ndarray] = []
-        for i in range(gamma):
+        for i in range(num_tokens):
             if i > 0 and min_confidence > 0.0 and _top_prob(logits[: self.valid_vocab_size]) < min_confidence:
                 break
             if i > 0 and should_stop is not None and should_stop():
@@ -136,7 +185,7 @@ class ModelDrafter:
                 rows_ids.append(ids)
                 rows_q.append(q)
             tokens.append(token)
-            if i + 1 < gamma:
+            if i + 1 < num_tokens:
                 logits = self.model.forward([token])[-1]
                 self._cached_ids.append(token)
         draft_probs = None if greedy else _stack_rows(rows_ids, rows_q)

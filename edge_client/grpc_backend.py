@@ -38,7 +38,7 @@ from common.errors import (
     VerifierUnavailableError,
     error_for_status,
 )
-from common.types import DraftBlock, SamplingParams, StoppingCriteria, Verdict
+from common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.wire import (
     MAX_MESSAGE_BYTES,
     block_to_proto,
@@ -46,7 +46,7 @@ from common.wire import (
     session_opened_from_proto,
     verdict_from_proto,
 )
-from edge_client.backend import SessionOpened, VerifierBackend
+from edge_client.backend import VerifierBackend
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -266,17 +266,6 @@ class GrpcBackend(VerifierBackend):
         with self._stats_lock:
             st = self._stats.get(session_id)
             return WireStats(**vars(st)) if st is not None else WireStats()
-
-    def total_wire_stats(self) -> WireStats:
-        """Sums over the sessions still tracked."""
-        with self._stats_lock:
-            total = WireStats()
-            for st in self._stats.values():
-                total.bytes_sent += st.bytes_sent
-                total.bytes_received += st.bytes_received
-                total.messages_sent += st.messages_sent
-                total.messages_received += st.messages_received
-            return total
 
     # ------------------------------------------------------------------ errors
     def _map_error(self, err: grpc.RpcError) -> SpecdecError:

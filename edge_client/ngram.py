@@ -51,7 +51,13 @@ class NgramDrafter:
         self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
         min_confidence: float = 0.0, should_stop=None,
     ) -> DraftBlock:
-        """Draft up to γ tokens by prompt lookup (may return fewer, or none when nothing matches)."""
+        """Draft up to ``num_speculative_tokens`` (γ) tokens by prompt lookup (the
+        :class:`edge_client.drafter.Drafter` contract): fewer, or none, when the match is short or absent.
+
+        Greedy drafting: ``draft_probs`` is None (q one-hot). ``sampling`` and ``seed`` are unused; so are
+        ``min_confidence`` (no probabilities to truncate on) and ``should_stop`` (a lookup takes microseconds).
+        ``draft_ms``: the wall time of the call, ms.
+        """
         t0 = time.perf_counter()
         tokens = self.lookup(committed_token_ids, num_speculative_tokens) if num_speculative_tokens > 0 else []
         return DraftBlock(draft_token_ids=tokens, draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)

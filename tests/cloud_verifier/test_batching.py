@@ -59,13 +59,13 @@ def test_session_output_independent_of_batching(tiny_pair, runner):
     # all sessions at once, batched (and a long prompt prefilled in chunks meanwhile)
     verifier = Verifier(runner, max_batch_size=8, max_batch_wait_ms=20, prefill_chunk_tokens=64)
     seen_batch_sizes: list[int] = []
-    real_apply = verifier._apply_verdict
+    real_apply = verifier.batcher._apply_verdict
 
     def spy(work, logits, queue_ms, forward_ms, batch_size):
         seen_batch_sizes.append(batch_size)
         return real_apply(work, logits, queue_ms, forward_ms, batch_size)
 
-    verifier._apply_verdict = spy
+    verifier.batcher._apply_verdict = spy
     batched = LocalBackend(verifier)
     results: list = [None] * len(specs)
     errors: list = []

@@ -10,7 +10,7 @@ import pytest
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from edge_client.adaptive import AdaptiveGamma
+from edge_client.policy import AdaptiveNumSpeculativeTokens
 from specdec.embedded import LocalBackend
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
@@ -124,34 +124,35 @@ def test_delayed_backend_adds_round_trip(backend):
         DelayedBackend(backend, -1)
 
 
-def test_adaptive_gamma_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids, monkeypatch):
+def test_adaptive_num_speculative_tokens_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids, monkeypatch):
     """The first block's draft time includes the draft's prefill of the prompt: it must not count as a per-token
     draft cost (it made the controller choose γ = 1 on long prompts)."""
     import edge_client.client as client_mod
 
     seen: list = []
 
-    class Recording(AdaptiveGamma):
-        def observe(self, gamma, num_accepted, draft_ms, round_trip_ms, forward_ms):
+    class Recording(AdaptiveNumSpeculativeTokens):
+        def observe(self, num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms):
             seen.append(draft_ms)
-            super().observe(gamma, num_accepted, draft_ms, round_trip_ms, forward_ms)
+            super().observe(num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms)
 
-    monkeypatch.setattr(client_mod, "AdaptiveGamma", Recording)
+    monkeypatch.setattr(client_mod, "AdaptiveNumSpeculativeTokens", Recording)
     res = _model_client(backend, tiny_pair, adaptive=True, proactive=False, num_speculative_tokens=4).generate(
         prompt_ids, max_new_tokens=16, ignore_eos=True)
     assert len(seen) == res.stats.num_drafts >= 2
     assert seen[0] is None and all(ms is not None for ms in seen[1:])
 
 
-def test_adaptive_gamma_policy():
+def test_adaptive_num_speculative_tokens_policy():
     # cheap draft, expensive round trip, high acceptance: long blocks pay
-    c = AdaptiveGamma(max_gamma=8, warmup_steps=1)
+    c = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens=8, warmup_steps=1)
     for _ in range(50):
         c.observe(8, 8, draft_ms=8 * 0.5, round_trip_ms=60, forward_ms=10)
-    assert c.next_gamma() == 8
+    assert c.next_num_speculative_tokens() == 8
     # expensive draft, no network, low acceptance: short blocks
-    c = AdaptiveGamma(max_gamma=8, warmup_steps=1)
-    for g in (8, 4, 2, 1) * 10:
-        c.observe(g, 0, draft_ms=g * 20, round_trip_ms=5, forward_ms=5)
-    assert c.next_gamma() == 1
-    assert abs(AdaptiveGamma(max_gamma=4).expected_tokens(4) - (1 - 0.8**5) / (1 - 0.8)) < 1e-9
+    c = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens=8, warmup_steps=1)
+    for n in (8, 4, 2, 1) * 10:
+        c.observe(n, 0, draft_ms=n * 20, round_trip_ms=5, forward_ms=5)
+    assert c.next_num_speculative_tokens() == 1
+    assert abs(AdaptiveNumSpeculativeTokens(max_num_speculative_tokens=4).expected_tokens(4)
+               - (1 - 0.8**5) / (1 - 0.8)) < 1e-9

@@ -196,7 +196,7 @@ def test_gamma_sweep(tiny_pair, tmp_path):
         min_confidence=0.3, plot=plot,
     )
     assert list(r["gamma_sweep"]) == ["1", "2", "adaptive", "adaptive_no_truncation"]
-    assert r["config"]["gammas"] == [1, 2] and r["config"]["adaptive_max_gamma"] == 2
+    assert r["config"]["gammas"] == [1, 2] and r["config"]["adaptive_max_num_speculative_tokens"] == 2
     for name, mm in r["gamma_sweep"].items():
         assert set(mm) == {"overall", "categories"} and set(mm["categories"]) == {"writing", "math"}
         for m in [mm["overall"], *mm["categories"].values()]:

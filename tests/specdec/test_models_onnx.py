@@ -187,9 +187,9 @@ def test_export_is_idempotent(tiny_pair):
 
 
 def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, monkeypatch):
-    import specdec.models as models
+    from specdec.models import onnx_export  # the module whose code reads it
 
-    monkeypatch.setattr(models, "FP32_TOLERANCE", 0.0)
+    monkeypatch.setattr(onnx_export, "FP32_TOLERANCE", 0.0)
     out = tmp_path / "bad"
     with pytest.raises(ExportCheckError, match="max \\|logit diff\\|"):
         export_onnx_draft(tiny_pair.target_dir, out, quantize_int8=False, progress=False)
@@ -198,12 +198,12 @@ def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, mon
 
 
 def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
-    import specdec.models as models
+    from specdec.models import onnx_export  # the module whose code calls it
 
     with pytest.raises(ValueError, match="builder must be one of"):
         export_onnx_draft(tiny_pair.target_dir, tmp_path / "x", builder="optimum", progress=False)
     assert not (tmp_path / "x").exists()
-    monkeypatch.setattr(models, "genai_builder_available", lambda: False)
+    monkeypatch.setattr(onnx_export, "genai_builder_available", lambda: False)
     with pytest.raises(DraftBuildError, match="onnxruntime-genai is not installed"):
         export_onnx_draft(tiny_pair.target_dir, tmp_path / "g", quantize_int8=False, progress=False, builder="genai")
     assert not (tmp_path / "g").exists()
@@ -214,7 +214,7 @@ def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
 
 
 def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
-    from specdec.models import INT8_BLOCK_SIZE, _stale_default_draft
+    from specdec.models.prepare import INT8_BLOCK_SIZE, _stale_default_draft
 
     assert _stale_default_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
     assert _stale_default_draft(draft_dirs["genai"]) is False
@@ -236,16 +236,16 @@ def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
 
 
 def test_failing_genai_builder_falls_back_and_is_recorded(tiny_pair, tmp_path, monkeypatch):
-    import specdec.models as models
+    from specdec.models import onnx_export, prepare
 
     def broken(hf_dir, out_dir, timeout_s=0):
         raise DraftBuildError("onnxruntime-genai model builder failed (exit 1): NotImplementedError: arch")
 
-    monkeypatch.setattr(models, "_export_fp32_genai", broken)
+    monkeypatch.setattr(onnx_export, "_export_fp32_genai", broken)
     out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "fb", quantize_int8=False, progress=False)
     marker = json.loads((out / COMPLETE_MARKER).read_text())
     assert marker["builder"] == "torch" and marker["genai_builder_failed"] is True
-    assert not models._stale_default_draft(out)
+    assert not prepare._stale_default_draft(out)
 
 
 def test_invalid_draft_directories_give_one_line_errors(draft_dirs, tmp_path):

@@ -1,266 +1,36 @@
-"""Session metadata store: which replica holds a session, its committed tokens, sampling params and seed.
+"""Session store in Redis, shared by all verifier replicas.
 
-The target KV cache itself lives in verifier memory; the store holds what is needed to route a session back
-to its replica, rebuild its KV cache anywhere by prefill, clean up abandoned sessions and count load per
-replica (docs/architecture.md, "Sessions and Redis").
+Key layout (``P`` = prefix, e.g. ``specdec:v1:``)::
 
-Two implementations with the same semantics:
+    P session:<id>                hash   metadata (sampling/stopping as JSON, times in unix s)
+    P session:<id>:tokens         string committed token ids (prompt + output), little-endian int32
+    P verifier:<vid>:sessions     zset   session ids held by replica <vid>, scored by last-seen (unix s)
 
-- :class:`MemorySessionStore`: in-process (one replica, tests, ``specdec generate`` without a server).
-- :class:`RedisSessionStore`: Redis, shared by all replicas. Key layout (``P`` = prefix, e.g. ``specdec:v1:``)::
+Every key has a TTL (``ttl_s``), refreshed by activity (create, append_committed, touch). Writes are atomic
+Lua scripts; a commit is a compare-and-APPEND on the tokens string (STRLEN must equal 4 × expected length).
 
-      P session:<id>                hash   metadata (sampling/stopping as JSON, times in unix s)
-      P session:<id>:tokens         string committed token ids (prompt + output), little-endian int32
-      P verifier:<vid>:sessions     zset   session ids held by replica <vid>, scored by last-seen (unix s)
-
-  Every key has a TTL (``ttl_s``), refreshed by activity (create, append_committed, touch). Writes are atomic
-  Lua scripts; a commit is a compare-and-APPEND on the tokens string (STRLEN must equal 4 × expected length).
-
-Expiry: a session not touched for ``ttl_s`` seconds disappears (Redis TTL / lazy check in memory);
-``get`` then answers None and writes raise :class:`~common.errors.SessionNotFoundError`.
+Expiry: a session not touched for ``ttl_s`` seconds disappears (Redis TTL); ``get`` then answers None and
+writes raise :class:`~common.errors.SessionNotFoundError`.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import json
-import logging
 import threading
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.errors import InvalidRequestError, PreconditionError, SessionNotFoundError, VerifierUnavailableError
+from cloud_verifier.store import (
+    SessionRecord,
+    SessionStore,
+    check_tokens,
+    finished_error,
+    length_mismatch,
+    not_found,
+)
+from common.errors import VerifierUnavailableError
 from common.types import FinishReason, SamplingParams, StoppingCriteria
-
-if TYPE_CHECKING:
-    from cloud_verifier.config import VerifierSettings
-
-log = logging.getLogger(__name__)
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-@dataclass
-class SessionRecord:
-    """Metadata of one session (what the store keeps; the KV cache stays in the verifier)."""
-
-    session_id: str
-    verifier_id: str  # replica holding the session's KV cache
-    model_id: str
-    prompt_length: int  # tokens
-    committed_token_ids: list[int]  # prompt + committed output, tokens
-    sampling: SamplingParams
-    stopping: StoppingCriteria
-    seed: int  # key of the session's counter-based random stream
-    created_at: float  # unix time, s
-    last_seen_at: float  # unix time, s
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    last_seq: int = 0  # seq of the last committed block
-
-    @property
-    def committed_length(self) -> int:
-        """Prompt + committed output, tokens."""
-        return len(self.committed_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Committed output tokens (after the prompt)."""
-        return self.committed_token_ids[self.prompt_length :]
-
-
-class SessionStore(abc.ABC):
-    """Where session metadata lives. All methods are thread-safe.
-
-    ``ttl_s``: session time-to-live without activity, seconds.
-    """
-
-    ttl_s: float
-
-    @abc.abstractmethod
-    def create(self, record: SessionRecord) -> None:
-        """Store a new session. Raises ValueError if the id exists."""
-
-    @abc.abstractmethod
-    def get(self, session_id: str) -> SessionRecord | None:
-        """The session's record (a fresh copy), or None when unknown or expired."""
-
-    @abc.abstractmethod
-    def append_committed(
-        self,
-        session_id: str,
-        expected_length: int,
-        token_ids: list[int],
-        seq: int,
-        finished: bool,
-        finish_reason: FinishReason | None,
-        now: float,
-    ) -> int:
-        """Atomic compare-and-append of committed tokens; returns the new committed length (tokens).
-
-        Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens), records
-        ``seq``, ``finished``/``finish_reason`` and ``now`` (unix s) as last-seen, and refreshes the TTL of all
-        the session's keys.
-
-        Raises:
-            SessionNotFoundError: the session is unknown or expired.
-            InvalidRequestError: the stored length differs (a stale or duplicate block); nothing changes.
-            PreconditionError: the session already finished; nothing changes.
-        """
-
-    @abc.abstractmethod
-    def touch(self, session_id: str, now: float) -> bool:
-        """Mark activity at ``now`` (unix s) and refresh the TTL; False when the session is gone."""
-
-    @abc.abstractmethod
-    def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
-        """Remove the session; True if it existed. With ``verifier_id``: only if that replica holds it (a
-        reaper must not delete a session another replica has claimed meanwhile)."""
-
-    @abc.abstractmethod
-    def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
-        """Make ``verifier_id`` the holder of the session (resume on another replica), atomically moving it
-        between the replicas' session sets; refreshes the TTL. False when the session is gone."""
-
-    @abc.abstractmethod
-    def session_ids_of(self, verifier_id: str) -> list[str]:
-        """Ids of the live sessions held by replica ``verifier_id`` (load counting, routing, draining)."""
-
-    @abc.abstractmethod
-    def ping(self) -> bool:
-        """True when the store answers."""
-
-    def close(self) -> None:
-        """Release connections."""
-
-
-def _check_tokens(token_ids: list[int]) -> None:
-    for t in token_ids:
-        if not (_INT32_MIN <= int(t) <= _INT32_MAX):
-            raise InvalidRequestError(f"token id {t} does not fit in int32")
-
-
-def _copy_record(record: SessionRecord) -> SessionRecord:
-    return dataclasses.replace(record, committed_token_ids=list(record.committed_token_ids))
-
-
-def _length_mismatch(session_id: str, expected: int, actual: int) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"committed length {expected} does not match session {session_id!r} (committed length {actual}): "
-        "stale or duplicate block"
-    )
-
-
-def _finished_error(session_id: str) -> PreconditionError:
-    return PreconditionError(f"session {session_id!r} is finished")
-
-
-def _not_found(session_id: str) -> SessionNotFoundError:
-    return SessionNotFoundError(f"unknown or expired session {session_id!r}")
-
-
-# --------------------------------------------------------------------------------------------- in memory
-
-
-class MemorySessionStore(SessionStore):
-    """In-process store with the same semantics as Redis, TTL included (lazy expiry by monotonic time)."""
-
-    def __init__(self, ttl_s: float = 600):
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._records: dict[str, SessionRecord] = {}
-        self._deadlines: dict[str, float] = {}  # session id -> time.monotonic() deadline, s
-
-    def _live(self, session_id: str) -> SessionRecord | None:
-        """The stored record if not expired (expired ones are dropped). Caller holds the lock."""
-        record = self._records.get(session_id)
-        if record is None:
-            return None
-        if time.monotonic() >= self._deadlines[session_id]:
-            del self._records[session_id], self._deadlines[session_id]
-            return None
-        return record
-
-    def _refresh(self, session_id: str) -> None:
-        self._deadlines[session_id] = time.monotonic() + self.ttl_s
-
-    def create(self, record: SessionRecord) -> None:
-        _check_tokens(record.committed_token_ids)
-        with self._lock:
-            if self._live(record.session_id) is not None:
-                raise ValueError(f"session {record.session_id!r} exists")
-            self._records[record.session_id] = _copy_record(record)
-            self._refresh(record.session_id)
-
-    def get(self, session_id: str) -> SessionRecord | None:
-        with self._lock:
-            record = self._live(session_id)
-            return None if record is None else _copy_record(record)
-
-    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now) -> int:
-        _check_tokens(token_ids)
-        with self._lock:
-            record = self._live(session_id)
-            if record is None:
-                raise _not_found(session_id)
-            if record.committed_length != expected_length:
-                raise _length_mismatch(session_id, expected_length, record.committed_length)
-            if record.finished:
-                raise _finished_error(session_id)
-            record.committed_token_ids.extend(int(t) for t in token_ids)
-            record.last_seq = int(seq)
-            record.finished = bool(finished)
-            record.finish_reason = finish_reason if finished else None
-            record.last_seen_at = now
-            self._refresh(session_id)
-            return record.committed_length
-
-    def touch(self, session_id: str, now: float) -> bool:
-        with self._lock:
-            record = self._live(session_id)
-            if record is None:
-                return False
-            record.last_seen_at = now
-            self._refresh(session_id)
-            return True
-
-    def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
-        with self._lock:
-            record = self._live(session_id)
-            if record is None or (verifier_id is not None and record.verifier_id != verifier_id):
-                return False
-            del self._records[session_id], self._deadlines[session_id]
-            return True
-
-    def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
-        with self._lock:
-            record = self._live(session_id)
-            if record is None:
-                return False
-            record.verifier_id = verifier_id
-            record.last_seen_at = now
-            self._refresh(session_id)
-            return True
-
-    def session_ids_of(self, verifier_id: str) -> list[str]:
-        with self._lock:
-            return [
-                sid
-                for sid in list(self._records)
-                if (r := self._live(sid)) is not None and r.verifier_id == verifier_id
-            ]
-
-    def ping(self) -> bool:
-        return True
-
-
-# --------------------------------------------------------------------------------------------- Redis
 
 # KEYS: session hash, tokens string, verifier zset.  ARGV: session id, hash fields..., packed tokens, ttl ms,
 # last_seen score.  Returns 1 when created, 0 when the id exists.
@@ -343,7 +113,7 @@ return 1
 
 
 def _pack(token_ids: list[int]) -> bytes:
-    _check_tokens(token_ids)
+    check_tokens(token_ids)
     return np.asarray(token_ids, dtype="<i4").tobytes()
 
 
@@ -517,16 +287,16 @@ class RedisSessionStore(SessionStore):
 
         result = self._run_owned(self._append, session_id, args)
         if result is None:
-            raise _not_found(session_id)
+            raise not_found(session_id)
         status, value = int(result[0]), int(result[1])
         if status == 0:
             return value // 4
         if status == -2:
-            raise _length_mismatch(session_id, expected_length, value // 4)
+            raise length_mismatch(session_id, expected_length, value // 4)
         if status == -4:
-            raise _finished_error(session_id)
+            raise finished_error(session_id)
         self._forget(session_id)
-        raise _not_found(session_id)
+        raise not_found(session_id)
 
     def touch(self, session_id: str, now: float) -> bool:
         result = self._run_owned(self._touch, session_id, lambda vid: [session_id, vid, repr(float(now)),
@@ -588,10 +358,3 @@ class RedisSessionStore(SessionStore):
 
     def close(self) -> None:
         self.client.close()
-
-
-def make_store(settings: "VerifierSettings") -> SessionStore:
-    """The store the settings ask for: Redis when ``redis_url`` is set, else in-process."""
-    if settings.redis_url:
-        return RedisSessionStore(settings.redis_url, prefix=settings.redis_prefix, ttl_s=settings.session_ttl_s)
-    return MemorySessionStore(ttl_s=settings.session_ttl_s)

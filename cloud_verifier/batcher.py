@@ -1,0 +1,301 @@
+"""The batched verify step: draft blocks of many sessions, ONE target forward pass, one verdict per block.
+
+Speculative decoding (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", Algorithm 1): the target scores a draft block of γ tokens x_1..x_γ in one forward pass over
+[last committed token, x_1, ..., x_γ], which gives its distributions p_1..p_{γ+1} at once; the rejection rule
+keeps the longest prefix it accepts and adds one token of the target's own (recovered after a rejection, bonus
+after a full block), so the output is distributed exactly as the target's alone.
+
+The verifier batches that step across sessions: continuous batching at verify-step granularity, as in vLLM
+(and SGLang). Blocks keep arriving while a batch runs and join the next one. One step, as this file runs it:
+
+1. **Queue**: each verify request (a block) and each prefill chunk is a :class:`Work` item on one queue.
+2. **Collect**: the batch loop takes the first waiting item, then more, up to ``max_batch_size`` items,
+   waiting at most ``max_batch_wait_ms`` for them (it stops early once every open session has its block
+   in). At most one prefill chunk per forward pass, the others wait for the next: a long prompt is prefilled
+   interleaved with the running sessions' verify steps instead of stalling them.
+3. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
+   ragged, rows of different lengths, no padding), in the target thread.
+4. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
+   0, speculative sampling otherwise, each session with its own counter-based random stream,
+   so its output does not depend on which sessions share its batches); stopping over the candidate tokens
+   (EOS, stop strings, length, context: nothing after the earliest stop is committed); the commit to the
+   store, a compare-and-append on the committed length (a replica whose copy is stale cannot commit: its copy
+   is dropped and the next block resumes from the store); the :class:`~common.types.Verdict`.
+
+Sessions, admission and the deferred KV release are in :mod:`cloud_verifier.sessions`; block validation, which
+runs before a block is queued, in :mod:`cloud_verifier.validation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cloud_verifier import metrics
+from cloud_verifier.sessions import Session, SessionTable
+from cloud_verifier.store import SessionStore
+from cloud_verifier.target import ForwardRow, TargetRunner
+from common.errors import (
+    InvalidRequestError,
+    PreconditionError,
+    SessionNotFoundError,
+    SpecdecError,
+    VerifierUnavailableError,
+)
+from common.rejection import verify_block
+from common.types import DraftBlock, Verdict
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- 1. the work item
+
+
+@dataclass
+class Work:
+    """One queued unit: a verify step (``block`` is not None) or a prefill chunk.
+
+    ``tokens`` are fed at positions ``start_position`` .. ``start_position + len(tokens) - 1`` of the session's
+    KV cache: for a verify step, the last committed token and the γ draft tokens (γ + 1 rows of logits).
+    """
+
+    session: Session
+    tokens: list[int]
+    start_position: int  # tokens
+    future: asyncio.Future  # resolved with the Verdict (verify), None (prefill) or the error
+    block: DraftBlock | None = None
+    seq: int = 0
+    enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
+
+
+class Batcher:
+    """The queue, the batch loop and the verdict.
+
+    Args:
+        target: the target runner (its forward passes run on one dedicated thread).
+        store: the session store (compare-and-append commits).
+        sessions: the session table (open-session count; stale copies are released there).
+        valid_vocab_size: token ids at or past it are logit padding, never chosen.
+        max_batch_size: most queued items (verify blocks + prefill chunks) taken per forward pass.
+        max_batch_wait_ms: longest wait for more items once one is waiting, ms.
+    """
+
+    def __init__(
+        self,
+        target: TargetRunner,
+        store: SessionStore,
+        sessions: SessionTable,
+        *,
+        valid_vocab_size: int,
+        max_batch_size: int,
+        max_batch_wait_ms: float,
+    ):
+        self.target = target
+        self.store = store
+        self.sessions = sessions
+        self.valid_vocab_size = valid_vocab_size
+        self.max_batch_size = max_batch_size  # read before each batch (may be changed between batches)
+        self.max_batch_wait_s = max_batch_wait_ms / 1000.0
+        self._queue: asyncio.Queue[Work] | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
+        self._inflight = 0  # items submitted and not yet answered
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        """Started and not stopping: new work is accepted."""
+        return self._queue is not None and not self._stopping
+
+    def start(self) -> None:
+        """Start the batch loop on the running event loop (no-op when already started)."""
+        if self._queue is not None:
+            return
+        self._queue = asyncio.Queue()
+        self._stopping = False
+        self._task = asyncio.create_task(self._batch_loop())
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new work, let queued and running items finish (up to ``grace_s`` s), then stop the loop."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while self._queue is not None and (self._inflight or not self._queue.empty()):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._queue = None
+
+    def close(self) -> None:
+        """Release the target thread (the batcher cannot run again)."""
+        self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ entry points
+    async def prefill(self, session: Session, tokens: list[int], start_position: int) -> None:
+        """Prefill ``tokens`` into the session's KV cache from ``start_position`` (one chunk, one forward pass).
+
+        Raises:
+            VerifierUnavailableError: not running.
+        """
+        await self._submit(Work(session, tokens, start_position, self._new_future()))
+
+    async def verify(self, session: Session, seq: int, committed_length: int, block: DraftBlock) -> Verdict:
+        """Verify a validated block extending ``committed_length`` tokens; its verdict, once committed.
+
+        Raises:
+            VerifierUnavailableError: not running.
+            InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (another
+                replica committed first, the session expired or finished); this replica's copy is released.
+        """
+        tokens = [session.committed[-1], *block.draft_token_ids]
+        work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq)
+        return await self._submit(work)
+
+    def _new_future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    async def _submit(self, work: Work):
+        if self._queue is None:
+            raise VerifierUnavailableError("verifier is not running")
+        self._inflight += 1
+        try:
+            self._queue.put_nowait(work)
+            return await work.future
+        finally:
+            self._inflight -= 1
+
+    # ------------------------------------------------------------------ 2. collect, 3. forward
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+        while True:
+            batch = await self._collect(queue, loop)
+            if not batch:
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self._run_batch, batch)
+            except Exception as e:  # a bug: fail this batch's requests, keep serving
+                log.exception("batch failed")
+                results = [e] * len(batch)
+            for work, result in zip(batch, results):
+                if work.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    work.future.set_exception(result)
+                else:
+                    work.future.set_result(result)
+
+    async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
+        """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
+        the first; verify rows first, then at most one prefill chunk (the others go back to the queue)."""
+        batch = [await queue.get()]
+        deadline = loop.time() + self.max_batch_wait_s
+        while len(batch) < self.max_batch_size:
+            if sum(1 for w in batch if w.block is not None) >= self.sessions.num_sessions > 0:
+                break  # every open session already has its block here: nothing else can come
+            if queue.empty():
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(queue.get(), timeout))
+                except asyncio.TimeoutError:
+                    break
+            else:
+                batch.append(queue.get_nowait())
+        # at most one prefill chunk per forward pass: the others wait for the next one (interleaving)
+        prefills = [w for w in batch if w.block is None]
+        for w in prefills[1:]:
+            queue.put_nowait(w)
+        batch = [w for w in batch if w.block is not None] + prefills[:1]
+        return [w for w in batch if not w.future.done()]  # requests cancelled while queued
+
+    def _run_batch(self, batch: list[Work]) -> list:
+        """Runs in the target thread: one forward pass, then the verdict per verify row.
+
+        Returns one result per item: a Verdict (verify), None (prefill) or the exception to raise."""
+        start = time.perf_counter()
+        rows = [ForwardRow(w.session.kv, w.tokens, w.start_position, "all" if w.block is not None else "none")
+                for w in batch]
+        logits = self.target.forward(rows)  # per verify row: [γ + 1, vocab_size] float32
+        forward_ms = (time.perf_counter() - start) * 1000
+        num_blocks = sum(1 for w in batch if w.block is not None)
+        metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(w.tokens) for w in batch))
+        results = []
+        for work, row_logits in zip(batch, logits):
+            if work.block is None:
+                results.append(None)
+                continue
+            try:
+                queue_ms = (start - work.enqueued) * 1000
+                results.append(self._apply_verdict(work, row_logits, queue_ms, forward_ms, num_blocks))
+            except SpecdecError as e:
+                results.append(e)
+            except Exception as e:
+                log.exception("verify failed")
+                results.append(e)
+        return results
+
+    # ------------------------------------------------------------------ 4. the verdict
+    def _apply_verdict(
+        self, work: Work, logits: np.ndarray, queue_ms: float, forward_ms: float, batch_size: int
+    ) -> Verdict:
+        """Rejection rule, stopping, compare-and-append commit and the Verdict of one verify row.
+
+        ``logits``: [γ + 1, vocab_size] of the row; ``queue_ms``/``forward_ms``: the block's wait and the
+        forward pass's wall time, ms; ``batch_size``: verify blocks in the forward pass.
+
+        Raises:
+            InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (this
+                replica's copy is stale): the session is released here, nothing is committed.
+        """
+        session, block = work.session, work.block
+        record = session.record
+        committed_length = record.committed_length
+        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token
+        result = verify_block(block, logits, record.sampling, record.seed, committed_length, self.valid_vocab_size)
+        n = result.num_accepted
+        # stopping: the earliest stop in the candidates wins, nothing after it is committed
+        candidates = [*block.draft_token_ids[:n], result.next_token_id]
+        num_committed, reason = session.stop.append(candidates)
+        committed = candidates[:num_committed]
+        finished = reason is not None
+        # the commit: compare-and-append on the committed length
+        try:
+            new_length = self.store.append_committed(
+                record.session_id, committed_length, committed, work.seq, finished, reason, time.time()
+            )
+        except (InvalidRequestError, SessionNotFoundError, PreconditionError):
+            # the store moved on without us (another replica committed, or the session expired/finished):
+            # our copy is stale; drop it so the next block resumes from the store
+            self.sessions.release(record.session_id)
+            raise
+        record.committed_token_ids.extend(committed)
+        record.last_seq = work.seq
+        record.finished, record.finish_reason = finished, reason
+        assert new_length == record.committed_length
+        num_accepted = min(n, num_committed)
+        metrics.observe_verdict(len(block.draft_token_ids), num_accepted, len(committed), queue_ms / 1000)
+        return Verdict(
+            num_accepted=num_accepted,
+            next_token_id=result.next_token_id if num_committed > n else -1,
+            is_bonus=num_committed > n and n == len(block.draft_token_ids) and len(block.draft_token_ids) > 0,
+            committed_token_ids=committed,
+            committed_length=record.committed_length,
+            finished=finished,
+            finish_reason=reason,
+            queue_ms=queue_ms,
+            forward_ms=forward_ms,
+            batch_size=batch_size,
+            seq=work.seq,
+        )

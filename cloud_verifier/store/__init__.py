@@ -1,0 +1,171 @@
+"""Session metadata store: which replica holds a session, its committed tokens, sampling params and seed.
+
+The target KV cache itself lives in verifier memory; the store holds what is needed to route a session back
+to its replica, rebuild its KV cache anywhere by prefill, clean up abandoned sessions and count load per
+replica (docs/architecture.md, "Sessions and Redis").
+
+Two implementations with the same semantics:
+
+- :class:`~cloud_verifier.store.memory.MemorySessionStore`: in-process (one replica, tests, ``specdec generate``
+  without a server).
+- :class:`~cloud_verifier.store.redis.RedisSessionStore`: Redis, shared by all replicas (key layout and Lua
+  scripts: ``cloud_verifier/store/redis.py``). Every key has a TTL (``ttl_s``), refreshed by activity (create,
+  append_committed, touch). Writes are atomic Lua scripts; a commit is a compare-and-APPEND on the tokens
+  string (STRLEN must equal 4 × expected length).
+
+Expiry: a session not touched for ``ttl_s`` seconds disappears (Redis TTL / lazy check in memory);
+``get`` then answers None and writes raise :class:`~common.errors.SessionNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.errors import InvalidRequestError, PreconditionError, SessionNotFoundError
+from common.types import FinishReason, SamplingParams, StoppingCriteria
+
+if TYPE_CHECKING:
+    from cloud_verifier.config import VerifierSettings
+
+__all__ = ["SessionRecord", "SessionStore", "MemorySessionStore", "RedisSessionStore", "make_store"]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+@dataclass
+class SessionRecord:
+    """Metadata of one session (what the store keeps; the KV cache stays in the verifier)."""
+
+    session_id: str
+    verifier_id: str  # replica holding the session's KV cache
+    model_id: str
+    prompt_length: int  # tokens
+    committed_token_ids: list[int]  # prompt + committed output, tokens
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    seed: int  # key of the session's counter-based random stream
+    created_at: float  # unix time, s
+    last_seen_at: float  # unix time, s
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    last_seq: int = 0  # seq of the last committed block
+
+    @property
+    def committed_length(self) -> int:
+        """Prompt + committed output, tokens."""
+        return len(self.committed_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Committed output tokens (after the prompt)."""
+        return self.committed_token_ids[self.prompt_length :]
+
+
+class SessionStore(abc.ABC):
+    """Where session metadata lives. All methods are thread-safe.
+
+    ``ttl_s``: session time-to-live without activity, seconds.
+    """
+
+    ttl_s: float
+
+    @abc.abstractmethod
+    def create(self, record: SessionRecord) -> None:
+        """Store a new session. Raises ValueError if the id exists."""
+
+    @abc.abstractmethod
+    def get(self, session_id: str) -> SessionRecord | None:
+        """The session's record (a fresh copy), or None when unknown or expired."""
+
+    @abc.abstractmethod
+    def append_committed(
+        self,
+        session_id: str,
+        expected_length: int,
+        token_ids: list[int],
+        seq: int,
+        finished: bool,
+        finish_reason: FinishReason | None,
+        now: float,
+    ) -> int:
+        """Atomic compare-and-append of committed tokens; returns the new committed length (tokens).
+
+        Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens), records
+        ``seq``, ``finished``/``finish_reason`` and ``now`` (unix s) as last-seen, and refreshes the TTL of all
+        the session's keys.
+
+        Raises:
+            SessionNotFoundError: the session is unknown or expired.
+            InvalidRequestError: the stored length differs (a stale or duplicate block); nothing changes.
+            PreconditionError: the session already finished; nothing changes.
+        """
+
+    @abc.abstractmethod
+    def touch(self, session_id: str, now: float) -> bool:
+        """Mark activity at ``now`` (unix s) and refresh the TTL; False when the session is gone."""
+
+    @abc.abstractmethod
+    def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
+        """Remove the session; True if it existed. With ``verifier_id``: only if that replica holds it (a
+        reaper must not delete a session another replica has claimed meanwhile)."""
+
+    @abc.abstractmethod
+    def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
+        """Make ``verifier_id`` the holder of the session (resume on another replica), atomically moving it
+        between the replicas' session sets; refreshes the TTL. False when the session is gone."""
+
+    @abc.abstractmethod
+    def session_ids_of(self, verifier_id: str) -> list[str]:
+        """Ids of the live sessions held by replica ``verifier_id`` (load counting, routing, draining)."""
+
+    @abc.abstractmethod
+    def ping(self) -> bool:
+        """True when the store answers."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+# ---- shared by the implementations: token range check, record copies, the errors of a refused write
+
+
+def check_tokens(token_ids: list[int]) -> None:
+    """Raises InvalidRequestError when a token id does not fit in int32 (the stored format)."""
+    for t in token_ids:
+        if not (_INT32_MIN <= int(t) <= _INT32_MAX):
+            raise InvalidRequestError(f"token id {t} does not fit in int32")
+
+
+def copy_record(record: SessionRecord) -> SessionRecord:
+    """A copy that shares no mutable list with ``record``."""
+    return dataclasses.replace(record, committed_token_ids=list(record.committed_token_ids))
+
+
+def length_mismatch(session_id: str, expected: int, actual: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"committed length {expected} does not match session {session_id!r} (committed length {actual}): "
+        "stale or duplicate block"
+    )
+
+
+def finished_error(session_id: str) -> PreconditionError:
+    return PreconditionError(f"session {session_id!r} is finished")
+
+
+def not_found(session_id: str) -> SessionNotFoundError:
+    return SessionNotFoundError(f"unknown or expired session {session_id!r}")
+
+
+# The implementations import the definitions above, so they are imported after them.
+from cloud_verifier.store.memory import MemorySessionStore  # noqa: E402
+from cloud_verifier.store.redis import RedisSessionStore  # noqa: E402
+
+
+def make_store(settings: "VerifierSettings") -> SessionStore:
+    """The store the settings ask for: Redis when ``redis_url`` is set, else in-process."""
+    if settings.redis_url:
+        return RedisSessionStore(settings.redis_url, prefix=settings.redis_prefix, ttl_s=settings.session_ttl_s)
+    return MemorySessionStore(ttl_s=settings.session_ttl_s)

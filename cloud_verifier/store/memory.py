@@ -1,0 +1,114 @@
+"""In-process session store (one replica, tests, ``specdec generate`` without a server).
+
+Same semantics as :class:`~cloud_verifier.store.redis.RedisSessionStore`, TTL included: a session expires
+``ttl_s`` seconds after its last activity (checked lazily against ``time.monotonic()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cloud_verifier.store import (
+    SessionRecord,
+    SessionStore,
+    check_tokens,
+    copy_record,
+    finished_error,
+    length_mismatch,
+    not_found,
+)
+
+
+class MemorySessionStore(SessionStore):
+    """In-process store with the same semantics as Redis, TTL included (lazy expiry by monotonic time)."""
+
+    def __init__(self, ttl_s: float = 600):
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._records: dict[str, SessionRecord] = {}
+        self._deadlines: dict[str, float] = {}  # session id -> time.monotonic() deadline, s
+
+    def _live(self, session_id: str) -> SessionRecord | None:
+        """The stored record if not expired (expired ones are dropped). Caller holds the lock."""
+        record = self._records.get(session_id)
+        if record is None:
+            return None
+        if time.monotonic() >= self._deadlines[session_id]:
+            del self._records[session_id], self._deadlines[session_id]
+            return None
+        return record
+
+    def _refresh(self, session_id: str) -> None:
+        self._deadlines[session_id] = time.monotonic() + self.ttl_s
+
+    def create(self, record: SessionRecord) -> None:
+        check_tokens(record.committed_token_ids)
+        with self._lock:
+            if self._live(record.session_id) is not None:
+                raise ValueError(f"session {record.session_id!r} exists")
+            self._records[record.session_id] = copy_record(record)
+            self._refresh(record.session_id)
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        with self._lock:
+            record = self._live(session_id)
+            return None if record is None else copy_record(record)
+
+    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now) -> int:
+        check_tokens(token_ids)
+        with self._lock:
+            record = self._live(session_id)
+            if record is None:
+                raise not_found(session_id)
+            if record.committed_length != expected_length:
+                raise length_mismatch(session_id, expected_length, record.committed_length)
+            if record.finished:
+                raise finished_error(session_id)
+            record.committed_token_ids.extend(int(t) for t in token_ids)
+            record.last_seq = int(seq)
+            record.finished = bool(finished)
+            record.finish_reason = finish_reason if finished else None
+            record.last_seen_at = now
+            self._refresh(session_id)
+            return record.committed_length
+
+    def touch(self, session_id: str, now: float) -> bool:
+        with self._lock:
+            record = self._live(session_id)
+            if record is None:
+                return False
+            record.last_seen_at = now
+            self._refresh(session_id)
+            return True
+
+    def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
+        with self._lock:
+            record = self._live(session_id)
+            if record is None or (verifier_id is not None and record.verifier_id != verifier_id):
+                return False
+            del self._records[session_id], self._deadlines[session_id]
+            return True
+
+    def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
+        with self._lock:
+            record = self._live(session_id)
+            if record is None:
+                return False
+            record.verifier_id = verifier_id
+            record.last_seen_at = now
+            self._refresh(session_id)
+            return True
+
+    def session_ids_of(self, verifier_id: str) -> list[str]:
+        with self._lock:
+            return [
+                sid
+                for sid in list(self._records)
+                if (r := self._live(sid)) is not None and r.verifier_id == verifier_id
+            ]
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,218 @@
+"""The speculation policy of the edge client: how many tokens to draft per step, when to stop a block early,
+and whether to draft the next block before the verdict on the current one arrives.
+
+None of the three changes what is committed in a greedy session (every block is verified by the same
+rejection rule, whatever its length or the moment it was drafted); they change only how fast. The client
+(:class:`edge_client.client.EdgeClient`) switches each one on or off:
+
+- **Adaptive num_speculative_tokens** (``adaptive=True``): :class:`AdaptiveNumSpeculativeTokens` picks γ per
+  verify step, 1 ≤ γ ≤ max_num_speculative_tokens, to maximise committed tokens per second.
+- **Confidence truncation** (``min_confidence=P``): a block stops early, after at least one token, when the
+  draft's most likely next token has probability below P (llama.cpp's ``--draft-p-min``). It needs the draft's
+  logits token by token, so it is implemented inside the drafter: the ``min_confidence`` argument of
+  :meth:`edge_client.drafter.Drafter.propose` (:meth:`edge_client.drafter.ModelDrafter.propose`; the n-gram
+  drafter has no probabilities and ignores it). The client only passes its setting through.
+- **Proactive drafting** (``proactive=True``): :class:`ProactiveBet` drafts the next block while the current
+  one is in flight, betting that it is fully accepted and that the bonus token is the one the draft predicts.
+
+Adaptive γ and proactive drafting depend on timing, and the tokens of a sampled session depend on where
+blocks end, so the client turns both off for a seeded sampled session (reproducible output).
+
+Model of adaptive γ (Leviathan et al. 2023, §3.4, extended with per-position acceptance and the network):
+with α_i the probability that block position i is accepted given positions < i were, the expected tokens
+committed by a block of γ draft tokens is
+
+    E[tokens | γ] = 1 + Σ_{k=1..γ} Π_{i<k} α_i        (= (1 − α^(γ+1)) / (1 − α) for i.i.d. α)
+
+and its expected wall time, measured on the edge, is
+
+    T(γ) = γ · t_draft + t_verify(γ) + t_rtt,   t_verify(γ) = a + b · γ   (target forward, fitted online)
+
+γ* = argmax_{1 ≤ γ ≤ γ_max} E[tokens | γ] / T(γ). All quantities are exponential moving averages of what
+the client measures: per-position acceptance counts, draft ms per token, the verifier's forward ms per block
+(Verdict.forward_ms), and the round trip minus the forward (network + queueing). Until enough steps are
+seen, γ_max is used.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.types import DraftBlock, SparseDraftProbs
+
+__all__ = ["AdaptiveNumSpeculativeTokens", "ProactiveBet"]
+
+
+@dataclass
+class AdaptiveNumSpeculativeTokens:
+    """Online controller of num_speculative_tokens (γ), the model in this module's docstring.
+
+    Args:
+        max_num_speculative_tokens: upper bound on γ, >= 1 (the client's setting, capped by the verifier's).
+        ema: weight of a new observation in the moving averages (0 < ema <= 1).
+        warmup_steps: steps at max_num_speculative_tokens before adapting.
+
+    Raises:
+        ValueError: max_num_speculative_tokens < 1.
+    """
+
+    max_num_speculative_tokens: int
+    ema: float = 0.1
+    warmup_steps: int = 3
+    accept: list[float] = field(default_factory=list)  # α_i estimates, per position
+    draft_ms_per_token: float = 0.0
+    rtt_ms: float = 0.0  # round trip minus target forward (network + queueing), ms
+    verify_base_ms: float = 0.0  # a: forward ms of a block of 0 draft tokens
+    verify_ms_per_token: float = 0.0  # b: extra forward ms per draft token
+    steps: int = 0
+    _fwd: dict = field(default_factory=dict)  # block length -> EMA of forward ms
+
+    def __post_init__(self):
+        if self.max_num_speculative_tokens < 1:
+            raise ValueError(f"max_num_speculative_tokens must be >= 1, got {self.max_num_speculative_tokens}")
+        self.accept = [0.8] * self.max_num_speculative_tokens
+
+    def _avg(self, old: float, new: float, first: bool) -> float:
+        return new if first else (1 - self.ema) * old + self.ema * new
+
+    def observe(self, num_speculative_tokens: int, num_accepted: int, draft_ms: float | None,
+                round_trip_ms: float, forward_ms: float) -> None:
+        """Record one verify step.
+
+        Args:
+            num_speculative_tokens: length of the block sent, tokens.
+            num_accepted: draft tokens the verifier accepted (0..num_speculative_tokens).
+            draft_ms: edge time spent drafting the block, ms; None when that time was hidden and is no
+                per-token cost (drafted ahead behind an earlier round trip, or the first block, whose time
+                includes the draft's prefill of the whole prompt).
+            round_trip_ms: block sent → verdict available, ms.
+            forward_ms: the target forward pass that verified the block, ms (Verdict.forward_ms).
+        """
+        n = num_speculative_tokens
+        first = self.steps == 0
+        self.steps += 1
+        # per-position conditional acceptance: positions < num_accepted accepted, position num_accepted rejected
+        for i in range(min(n, self.max_num_speculative_tokens)):
+            if i < num_accepted:
+                self.accept[i] = (1 - self.ema) * self.accept[i] + self.ema
+            elif i == num_accepted:
+                self.accept[i] = (1 - self.ema) * self.accept[i]
+                break
+        if n > 0 and draft_ms is not None:
+            self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / n, first)
+        self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)
+        self._fwd[n] = self._avg(self._fwd.get(n, forward_ms), forward_ms, n not in self._fwd)
+        if len(self._fwd) >= 2:  # least-squares line through the per-length averages
+            xs, ys = zip(*self._fwd.items())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+            self.verify_ms_per_token = max(0.0, b)
+            self.verify_base_ms = max(0.0, my - self.verify_ms_per_token * mx)
+        else:
+            self.verify_base_ms = forward_ms
+
+    def expected_tokens(self, num_speculative_tokens: int) -> float:
+        """E[tokens committed | γ] under the per-position acceptance estimates, tokens."""
+        total, survive = 1.0, 1.0
+        for i in range(num_speculative_tokens):
+            survive *= self.accept[i]
+            total += survive
+        return total
+
+    def expected_ms(self, num_speculative_tokens: int) -> float:
+        """T(γ): expected wall time of a verify step with a block of γ tokens, ms."""
+        n = num_speculative_tokens
+        return n * self.draft_ms_per_token + self.verify_base_ms + n * self.verify_ms_per_token + self.rtt_ms
+
+    def next_num_speculative_tokens(self) -> int:
+        """γ for the next block, in [1, max_num_speculative_tokens]."""
+        if self.steps < self.warmup_steps:
+            return self.max_num_speculative_tokens
+        best, best_rate = 1, -1.0
+        for n in range(1, self.max_num_speculative_tokens + 1):
+            rate = self.expected_tokens(n) / max(self.expected_ms(n), 1e-6)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
+def _slice_block(block: DraftBlock, num_tokens: int, start: int = 0) -> DraftBlock:
+    """Draft tokens ``start .. num_tokens - 1`` of ``block``, with their ``draft_probs`` rows and ``draft_ms``.
+
+    ``block`` itself when that is all of it (``start == 0`` and ``len(block) <= num_tokens``).
+    """
+    if start == 0 and len(block) <= num_tokens:
+        return block
+    dp = block.draft_probs
+    probs = None if dp is None else SparseDraftProbs(dp.token_ids[start:num_tokens], dp.probs[start:num_tokens])
+    return DraftBlock(list(block.draft_token_ids[start:num_tokens]), probs, block.draft_ms)
+
+
+ProposeAhead = Callable[[list[int], int, Callable[[], bool]], DraftBlock]
+"""``propose(committed_token_ids, num_speculative_tokens, should_stop) -> DraftBlock``: the session's drafter
+with its sampling parameters, seed and min_confidence bound (see :meth:`edge_client.drafter.Drafter.propose`)."""
+
+
+class ProactiveBet:
+    """Proactive drafting: draft the next block while the current one is in flight.
+
+    The bet: the block in flight is fully accepted and the verifier's bonus token is the token the draft
+    predicts after it. While the verdict travels, :meth:`place` drafts ``1 + n`` tokens after
+    ``committed + block``: the first is the bonus guess, the other ``n`` the next block. At the next step,
+    :meth:`take` returns that block when the committed ids are exactly ``committed + block + [guess]`` (the
+    bet won: the round trip was spent drafting, not waiting), and None otherwise (the bet is dropped and the
+    client drafts from the committed ids as usual). Drafting ahead stops at the first token after the verdict
+    arrives (``should_stop``), so a lost bet delays the next block by at most one draft forward pass.
+
+    Verification stays lossless: the verifier checks whatever block it gets against the committed prefix the
+    block extends; the bet only decides which block that is. Drafting ahead is an ordinary call of the drafter
+    with the bet appended to the committed ids (:class:`edge_client.drafter.ModelDrafter` keeps the KV cache
+    of their common prefix, so a won bet costs no recomputation).
+
+    Args:
+        propose: drafts a block after the given ids (:data:`ProposeAhead`).
+    """
+
+    def __init__(self, propose: ProposeAhead) -> None:
+        self._propose = propose
+        self._extends: list[int] | None = None  # the committed ids the prepared block extends
+        self._block: DraftBlock | None = None
+
+    def take(self, committed_token_ids: list[int], num_speculative_tokens: int) -> DraftBlock | None:
+        """The prepared block, cut to ``num_speculative_tokens``, when it extends exactly ``committed_token_ids``
+        (a hit); None otherwise. Either way the bet is spent."""
+        extends, block = self._extends, self._block
+        self._extends = self._block = None
+        if block is None or extends != committed_token_ids:
+            return None
+        return _slice_block(block, num_speculative_tokens)
+
+    def place(self, committed_token_ids: list[int], block: DraftBlock, max_num_speculative_tokens: int,
+              capacity: int, should_stop: Callable[[], bool]) -> float:
+        """Draft ahead of ``block`` (just sent after ``committed_token_ids``) and keep the result for :meth:`take`.
+
+        Args:
+            committed_token_ids: the committed ids the block in flight extends.
+            block: the block in flight (non-empty).
+            max_num_speculative_tokens: longest block to prepare, tokens.
+            capacity: prompt + output tokens the session may reach (max_new_tokens and the verifier's context
+                limit); nothing is drafted when a won bet would leave no room for a draft token.
+            should_stop: True once the verdict on ``block`` has arrived (``future.done``).
+
+        Returns:
+            Wall time spent drafting ahead, s (0.0 when nothing was drafted).
+        """
+        bet = list(committed_token_ids) + list(block.draft_token_ids)
+        room = capacity - len(bet) - 2  # the bonus guess, and the next verdict's own token
+        if room <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        ahead = self._propose(bet, 1 + min(max_num_speculative_tokens, room), should_stop)
+        elapsed_s = time.perf_counter() - t0
+        if len(ahead) >= 2:  # the guess and at least one draft token
+            self._extends = bet + [ahead.draft_token_ids[0]]
+            self._block = _slice_block(ahead, len(ahead), start=1)
+        return elapsed_s

@@ -1,0 +1,72 @@
+"""Statistics of one generation on the edge: counters the client updates once per verify step.
+
+The counters and their names follow vLLM's ``SpecDecodingStats`` (vllm/v1/spec_decode/metrics.py):
+``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens`` and the per-position accepted counts, updated by
+one :meth:`GenerationStats.observe` call per verify step as vLLM's ``observe_draft`` does. From them come the
+two figures of the glossary (docs/architecture.md): the acceptance rate and τ, the mean accepted length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.types import Verdict
+
+__all__ = ["GenerationStats"]
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generation (field names = the ``--json`` output of ``specdec generate``).
+
+    ``num_generated_tokens`` and ``elapsed_s`` are set by the client when the generation ends; every other
+    field is updated by :meth:`observe`, once per verify step.
+    """
+
+    num_generated_tokens: int = 0  # tokens committed after the prompt
+    num_drafts: int = 0  # verify steps (draft blocks sent, empty blocks of target-only decoding included)
+    num_draft_tokens: int = 0  # draft tokens sent, all blocks together
+    num_accepted_tokens: int = 0  # draft tokens the verifier accepted (recovered/bonus tokens not counted)
+    elapsed_s: float = 0.0  # wall time of the whole generation (session open to close), s
+    draft_s: float = 0.0  # edge time spent in the draft model, s (drafting ahead while a block travels included)
+    target_forward_s: float = 0.0  # verifier time in target forward passes, s (a batched pass split per row)
+    accepted_per_position: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
+    num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and sent as they were
+
+    def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False) -> None:
+        """Record one verify step (vLLM's ``SpecDecodingStats.observe_draft``, plus the edge's own timings).
+
+        Args:
+            block_len: draft tokens in the block sent (0 for target-only decoding).
+            verdict: the verifier's answer: ``num_accepted`` (0..block_len), ``forward_ms`` (ms of the target
+                forward pass that verified the block) and ``batch_size`` (rows in that pass; the pass's time is
+                shared equally between them).
+            draft_s: edge time spent drafting in this step, s (the block sent, and any block drafted ahead).
+            proactive_hit: the block sent was drafted ahead while the previous block was in flight.
+
+        Raises:
+            ValueError: ``verdict.num_accepted`` outside [0, block_len].
+        """
+        if not 0 <= verdict.num_accepted <= block_len:
+            raise ValueError(f"num_accepted must be in [0, {block_len}], got {verdict.num_accepted}")
+        self.num_drafts += 1
+        self.num_draft_tokens += block_len
+        self.num_accepted_tokens += verdict.num_accepted
+        self.draft_s += draft_s
+        self.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
+        self.num_proactive_hits += int(proactive_hit)
+        if len(self.accepted_per_position) < block_len:
+            self.accepted_per_position.extend([0] * (block_len - len(self.accepted_per_position)))
+        for i in range(verdict.num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens, in [0, 1] (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens committed per verify step, the recovered/bonus token included = 1 + accepted / steps
+        (0 before the first step)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

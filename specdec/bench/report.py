@@ -1,0 +1,156 @@
+"""Printing bench reports as rich tables (``specdec bench`` without ``--json``)."""
+
+from __future__ import annotations
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def print_report(report: dict, console=None) -> None:
+    """Print a bench report (from run_bench, run_clients_bench, run_gamma_sweep or run_edge_cloud_bench) as rich
+    tables, then its notes."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        console.width = max(console.width, 140)  # the tables are wide; piped output defaults to 80 columns
+    if "gamma_sweep" in report:
+        _print_gamma_sweep(report, console)
+    elif "edge_cloud" in report:
+        _print_edge_cloud(report, console)
+    elif "clients" in report:
+        _print_clients(report, console)
+    else:
+        _print_spec_bench(report, console)
+    for note in report.get("notes", []):
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def _print_clients(report: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title="Concurrent edge clients (one verifier, loopback gRPC)")
+    for col in ("clients", "tok/s", "per-session tok/s", "mean batch", "serial tok/s", "speedup vs serial",
+                "τ", "sessions", "tokens"):
+        t.add_column(col, justify="right")
+    for n, m in report["clients"].items():
+        s = m.get("serial", {})
+        t.add_row(n, _fmt(m["tokens_per_s"], ".1f"), _fmt(m["per_session_tokens_per_s"], ".1f"),
+                  _fmt(m["mean_batch_size"]), _fmt(s.get("tokens_per_s"), ".1f"), _fmt(m["speedup_vs_serial"]),
+                  _fmt(m.get("mean_accepted_length")), str(m.get("num_sessions", "")),
+                  str(m.get("num_tokens", "")))
+    console.print(t)
+
+
+def _print_spec_bench(report: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title="Spec-Bench: target-only vs specdec vs HF assisted (greedy)")
+    cols = ("category", "n", "tokens", "accept", "τ", "tok/s target", "tok/s specdec", "tok/s HF",
+            "× specdec", "× HF", "tgt ms/tok target", "tgt ms/tok specdec")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "category" else "right")
+
+    def row(name: str, m: dict, style: str | None = None):
+        tps, sp, tm = m["tokens_per_s"], m["speedup_vs_target_only"], m["target_ms_per_token"]
+        t.add_row(
+            name, str(m["num_prompts"]), str(m["num_tokens"]), _fmt(m["acceptance_rate"]),
+            _fmt(m["mean_accepted_length"]), _fmt(tps["target_only"], ".1f"), _fmt(tps["specdec"], ".1f"),
+            _fmt(tps["hf_assisted"], ".1f"), _fmt(sp["specdec"]), _fmt(sp["hf_assisted"]),
+            _fmt(tm["target_only"], ".1f"), _fmt(tm["specdec"], ".1f"), style=style,
+        )
+
+    for name, m in report.get("categories", {}).items():
+        row(name, m)
+    row("overall", report["overall"], style="bold")
+    console.print(t)
+    o = report["overall"]
+    fwd = o.get("target_forward_ms") or {}
+    console.print(
+        f"draft {_fmt(o.get('draft_ms_per_token'))} ms/drafted token; draft cost ratio c = "
+        f"{_fmt(o.get('draft_cost_ratio'), '.3f')}; target forward "
+        + ", ".join(f"{k.replace('_', ' ')}: {v:.1f} ms" for k, v in fwd.items())
+        + (f"; HF assisted τ ≈ {_fmt(o.get('hf_assisted_mean_accepted_length'))}"
+           if o.get("hf_assisted_mean_accepted_length") is not None else "")
+    )
+    for key, a in report.get("greedy_agreement", {}).items():
+        diffs = f" (first diffs: {[m['first_diff'] for m in a['mismatches']]})" if a["mismatches"] else ""
+        console.print(f"greedy {key.replace('_', ' ')}: {a['identical']}/{a['of']} identical{diffs}")
+
+
+def _print_gamma_sweep(report: dict, console) -> None:
+    from rich.table import Table
+
+    base = report["target_only"]["overall"]
+    t = Table(title="γ sweep: speculative decoding vs target-only (greedy, in-process verifier)")
+    for col in ("variant", "accept", "τ", "block", "draft ms/tok", "draft cost", "tgt ms/tok", "tok/s", "speedup"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    t.add_row("target-only", "", "1.00", "0", "", "", _fmt(base["target_ms_per_token"], ".1f"),
+              _fmt(base["tokens_per_s"], ".1f"), "1.00", style="dim")
+    for name, mm in report["gamma_sweep"].items():
+        m = mm["overall"]
+        t.add_row(
+            f"γ={name}" if name.isdigit() else name, _fmt(m["acceptance_rate"]), _fmt(m["mean_accepted_length"]),
+            _fmt(m["mean_block_tokens"]), _fmt(m["draft_ms_per_token"], ".1f"), _fmt(m["draft_cost_ratio"], ".3f"),
+            _fmt(m["target_ms_per_token"], ".1f"), _fmt(m["tokens_per_s"], ".1f"),
+            _fmt(m["speedup_vs_target_only"]), style="bold" if not name.isdigit() else None,
+        )
+    console.print(t)
+    cats = list(report["target_only"]["categories"])
+    c = Table(title="speedup over target-only per category (acceptance rate in brackets)")
+    c.add_column("variant")
+    for cat in cats:
+        c.add_column(cat, justify="right")
+    for name, mm in report["gamma_sweep"].items():
+        cells = []
+        for cat in cats:
+            m = mm["categories"].get(cat, {})
+            cells.append(f"{_fmt(m.get('speedup_vs_target_only'))} ({_fmt(m.get('acceptance_rate'))})")
+        c.add_row(f"γ={name}" if name.isdigit() else name, *cells)
+    console.print(c)
+    cfg = report["config"]
+    mb = cfg.get("microbench_ms", {})
+    console.print(
+        f"target one-token forward in the run {_fmt(base.get('target_forward_ms_1_token'), '.1f')} ms; microbench: "
+        f"target {_fmt(mb.get('target_forward_1_token'), '.1f')} ms, "
+        f"draft {_fmt(mb.get('draft_forward_1_token'), '.1f')} ms (ratio {_fmt(mb.get('draft_cost_ratio'), '.3f')})"
+    )
+    ok = {k: f"{a['identical']}/{a['of']}" for k, a in report.get("greedy_agreement", {}).items()}
+    console.print(f"greedy identical to target-only: {ok}")
+    if cfg.get("plot"):
+        console.print(f"plot: {cfg['plot']}")
+
+
+def _print_edge_cloud(report: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title="Edge–cloud: verifier process vs edge client on separate cores (loopback gRPC + simulated delay)")
+    for col in ("delay ms", "variant", "tok/s", "× cloud-only", "× streaming model", "accept", "τ", "block",
+                "proactive hits", "tgt ms/tok", "draft ms/tok", "tokens"):
+        t.add_column(col, justify="left" if col in ("variant",) else "right")
+    for d, entry in report["edge_cloud"].items():
+        for v, m in entry.items():
+            t.add_row(
+                d, v, _fmt(m["tokens_per_s"], ".1f"), _fmt(m["ratio_vs_cloud_only"]),
+                _fmt(m.get("ratio_vs_streaming_model")) if v != "cloud_only" else
+                (f"({_fmt(m.get('streaming_model_tokens_per_s'), '.1f')} tok/s)"
+                 if m.get("streaming_model_tokens_per_s") else "—"),
+                _fmt(m["acceptance_rate"]) if v != "cloud_only" else "", _fmt(m["mean_accepted_length"]),
+                _fmt(m["mean_block_tokens"]), f"{m['proactive_hits']} ({_fmt(m['proactive_hit_rate'])})"
+                if v == "specdec_proactive" else "", _fmt(m["target_ms_per_token"], ".1f"),
+                _fmt(m["draft_ms_per_token"], ".1f"), str(m["num_tokens"]),
+                style="bold" if v == "specdec_proactive" else None,
+            )
+    console.print(t)
+    cfg = report["config"]
+    pin = cfg.get("pinning", {})
+    console.print(
+        f"edge core {pin.get('edge_core')} (seen {pin.get('edge_affinity_seen')}), verifier core "
+        f"{pin.get('verifier_core')} (seen {pin.get('verifier_affinity_seen')}, "
+        f"via {pin.get('verifier_pinned_with')}); "
+        f"draft one-token forward {_fmt(cfg.get('draft_forward_1_token_ms'), '.1f')} ms vs target "
+        f"{_fmt(cfg.get('target_forward_1_token_ms'), '.1f')} ms (ratio {_fmt(cfg.get('draft_cost_ratio'), '.3f')})"
+    )
+    bad = {k: a for k, a in report.get("greedy_agreement", {}).items() if a["mismatches"]}
+    console.print("greedy outputs identical across all variants and delays" if not bad else f"greedy MISMATCH: {bad}")
