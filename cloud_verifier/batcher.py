@@ -12,8 +12,9 @@ The verifier batches that step across sessions: continuous batching at verify-st
 1. **Queue**: each verify request (a block) and each prefill chunk is a :class:`Work` item on one queue.
 2. **Collect**: the batch loop takes the first waiting item, then more, up to ``max_batch_size`` items,
    waiting at most ``max_batch_wait_ms`` for them (it stops early once every open session has its block
-   in). At most one prefill chunk per forward pass, the others wait for the next: a long prompt is prefilled
-   interleaved with the running sessions' verify steps instead of stalling them.
+   in). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
+   short prompts that fit in ``prefill_chunk_tokens``), the others wait for the next: a long prompt is
+   prefilled interleaved with the running sessions' verify steps instead of stalling them.
 3. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
    ragged, rows of different lengths, no padding), in the target thread.
 4. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
@@ -46,9 +47,10 @@ from common.errors import (
     PreconditionError,
     SessionNotFoundError,
     SpecdecError,
+    TargetOutputError,
     VerifierUnavailableError,
 )
-from common.rejection import verify_block
+from cloud_verifier.numerics import verify_row
 from common.types import DraftBlock, Verdict
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Work:
     block: DraftBlock | None = None
     seq: int = 0
     enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
+    started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
 
 
 class Batcher:
@@ -84,6 +87,12 @@ class Batcher:
         valid_vocab_size: token ids at or past it are logit padding, never chosen.
         max_batch_size: most queued items (verify blocks + prefill chunks) taken per forward pass.
         max_batch_wait_ms: longest wait for more items once one is waiting, ms.
+        heartbeat_interval_s: the batch loop beats :attr:`heartbeat` at least this often while idle, s.
+
+    Cancellation: a verify or prefill request cancelled while its item is queued is dropped (nothing of it is
+    committed); one cancelled once its item is in a forward pass waits for that pass and its commit to end
+    (the block is committed wholly), then raises CancelledError. Either way the session is free again when the
+    cancelled call returns.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class Batcher:
         valid_vocab_size: int,
         max_batch_size: int,
         max_batch_wait_ms: float,
+        heartbeat_interval_s: float = 1.0,
     ):
         self.target = target
         self.store = store
@@ -107,12 +117,21 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
         self._inflight = 0  # items submitted and not yet answered
         self._stopping = False
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> bool:
         """Started and not stopping: new work is accepted."""
         return self._queue is not None and not self._stopping
+
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the batch loop last beat (it beats before each batch, and at least every
+        ``heartbeat_interval_s`` while idle); grows while a forward pass runs or when the loop is stuck or dead."""
+        if self._task is not None and self._task.done():
+            return float("inf")  # the loop ended (crashed or cancelled)
+        return time.monotonic() - self.heartbeat
 
     def start(self) -> None:
         """Start the batch loop on the running event loop (no-op when already started)."""
@@ -170,7 +189,18 @@ class Batcher:
         self._inflight += 1
         try:
             self._queue.put_nowait(work)
-            return await work.future
+            try:
+                return await asyncio.shield(work.future)
+            except asyncio.CancelledError:
+                if not work.started:  # still queued: dropped by the batch loop, nothing of it runs
+                    work.future.cancel()
+                    raise
+                # in a forward pass: its commit happens anyway; return only once it has (no half state)
+                try:
+                    await asyncio.shield(work.future)
+                except BaseException:  # noqa: BLE001 - the caller is cancelled: its result is not wanted
+                    pass
+                raise
         finally:
             self._inflight -= 1
 
@@ -179,9 +209,12 @@ class Batcher:
         loop = asyncio.get_running_loop()
         queue = self._queue
         while True:
+            self.heartbeat = time.monotonic()
             batch = await self._collect(queue, loop)
             if not batch:
                 continue
+            for work in batch:  # no suspension point since _collect dropped the cancelled items
+                work.started = True
             try:
                 results = await loop.run_in_executor(self._executor, self._run_batch, batch)
             except Exception as e:  # a bug: fail this batch's requests, keep serving
@@ -197,8 +230,13 @@ class Batcher:
 
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
         """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
-        the first; verify rows first, then at most one prefill chunk (the others go back to the queue)."""
-        batch = [await queue.get()]
+        the first; verify rows first, then prefill chunks up to ``prefill_chunk_tokens`` tokens in all (at least
+        one chunk; the others go back to the queue). Empty when
+        nothing arrived within ``heartbeat_interval_s`` (the loop beats and waits again)."""
+        try:
+            batch = [await asyncio.wait_for(queue.get(), self.heartbeat_interval_s)]
+        except asyncio.TimeoutError:
+            return []
         deadline = loop.time() + self.max_batch_wait_s
         while len(batch) < self.max_batch_size:
             if sum(1 for w in batch if w.block is not None) >= self.sessions.num_sessions > 0:
@@ -213,11 +251,18 @@ class Batcher:
                     break
             else:
                 batch.append(queue.get_nowait())
-        # at most one prefill chunk per forward pass: the others wait for the next one (interleaving)
-        prefills = [w for w in batch if w.block is None]
-        for w in prefills[1:]:
-            queue.put_nowait(w)
-        batch = [w for w in batch if w.block is not None] + prefills[:1]
+        # prefill: at most one chunk's worth of tokens per forward pass (one chunk, or several short prompts'
+        # chunks that fit together); the others wait for the next pass (interleaving). One at a time, 64 sessions
+        # opening together took 64 forward passes to start (bench --replay: OpenSession past 120 s under load).
+        prefills, budget = [], self.sessions.prefill_chunk_tokens
+        for w in batch:
+            if w.block is None:
+                if not prefills or len(w.tokens) <= budget:
+                    prefills.append(w)
+                    budget -= len(w.tokens)
+                else:
+                    queue.put_nowait(w)
+        batch = [w for w in batch if w.block is not None] + prefills
         return [w for w in batch if not w.future.done()]  # requests cancelled while queued
 
     def _run_batch(self, batch: list[Work]) -> list:
@@ -262,8 +307,14 @@ class Batcher:
         session, block = work.session, work.block
         record = session.record
         committed_length = record.committed_length
-        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token
-        result = verify_block(block, logits, record.sampling, record.seed, committed_length, self.valid_vocab_size)
+        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token; a row
+        # with NaN/inf logits raises TargetOutputError (nothing committed): its KV cache is rebuilt next block
+        try:
+            result = verify_row(block, logits, record.sampling, record.seed, committed_length,
+                                self.valid_vocab_size, record.session_id)
+        except TargetOutputError:
+            self.sessions.release(record.session_id)
+            raise
         n = result.num_accepted
         # stopping: the earliest stop in the candidates wins, nothing after it is committed
         candidates = [*block.draft_token_ids[:n], result.next_token_id]
@@ -273,7 +324,8 @@ class Batcher:
         # the commit: compare-and-append on the committed length
         try:
             new_length = self.store.append_committed(
-                record.session_id, committed_length, committed, work.seq, finished, reason, time.time()
+                record.session_id, committed_length, committed, work.seq, finished, reason, time.time(),
+                verifier_id=self.sessions.info.verifier_id,
             )
         except (InvalidRequestError, SessionNotFoundError, PreconditionError):
             # the store moved on without us (another replica committed, or the session expired/finished):

@@ -23,8 +23,34 @@ class VerifierSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore", validate_default=True)
 
-    host: str = "0.0.0.0"
-    """Interface the gRPC server binds to."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC server (and /metrics) binds to. Loopback by default; any other address needs TLS and
+    API keys, or ``insecure`` (docs/security.md)."""
+
+    insecure: bool = False
+    """Allow a non-loopback ``host`` without TLS and API keys (the network in front is trusted)."""
+
+    tls_cert_file: str | None = None
+    """PEM certificate chain of the gRPC port; with ``tls_key_file`` the port is TLS-only. None = plaintext."""
+
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+
+    tls_client_ca_file: str | None = None
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS). None = no client certificates."""
+
+    api_keys_file: str | None = None
+    """API-key file (``tenant_id sha256_hex`` lines, ``specdec keys create``): every call but health needs
+    ``authorization: Bearer <key>``; reloaded when it changes. None = no authentication (one tenant, "")."""
+
+    tenant_max_sessions: int | None = Field(None, ge=1)
+    """Sessions one tenant may hold on this replica (RESOURCE_EXHAUSTED past it); None = no per-tenant cap."""
+
+    tenant_tokens_per_s: float | None = Field(None, gt=0)
+    """Verified tokens per second per tenant (a block costs its draft tokens + 1), tokens/s; None = no limit."""
+
+    tenant_tokens_burst: float | None = Field(None, gt=0)
+    """Token-bucket capacity of ``tenant_tokens_per_s``, tokens; None = max(2 × rate, largest block + 1)."""
 
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = pick a free port)."""
@@ -83,3 +109,9 @@ class VerifierSettings(BaseSettings):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache of the target: ``auto`` = bfloat16 on CUDA, float32 on CPU."""
+
+    health_check_interval_s: float = Field(1.0, ge=0)
+    """Period of the health task (session store ping, batch-loop heartbeat), seconds; 0 = no health task."""
+
+    batch_stuck_after_s: float = Field(60.0, gt=0)
+    """Health turns NOT_SERVING when the batch loop has not beaten for this long (stuck forward pass), seconds."""

@@ -19,13 +19,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 DEFAULT_SERVICE = "specdec.v1.Verifier"
 
 
-def check(address: str, service: str = DEFAULT_SERVICE, timeout_s: float = 3.0) -> str:
-    """The serving status name ("SERVING", "NOT_SERVING", ...) of ``service`` at ``address``.
+def check(address: str, service: str = DEFAULT_SERVICE, timeout_s: float = 3.0, *,
+          ca_cert: str | None = None, server_name: str | None = None) -> str:
+    """The serving status name ("SERVING", "NOT_SERVING", ...) of ``service`` at ``address``. ``ca_cert``: PEM
+    file of the CA of a TLS port's certificate (TLS; the health service needs no API key); ``server_name``: name
+    to check that certificate against instead of the address's host.
 
     Raises:
         grpc.RpcError: unreachable within ``timeout_s`` s, or the service is unknown (NOT_FOUND).
+        OSError: ``ca_cert`` cannot be read.
     """
-    with grpc.insecure_channel(address) as channel:
+    if ca_cert:
+        with open(ca_cert, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel_cm = grpc.secure_channel(address, creds, options=options)
+    else:
+        channel_cm = grpc.insecure_channel(address)
+    with channel_cm as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s,
                               wait_for_ready=True)
@@ -38,11 +49,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="HOST:PORT of the verifier (default 127.0.0.1:$SPECDEC_PORT)")
     parser.add_argument("--service", default=DEFAULT_SERVICE, help='service name ("" = the whole server)')
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    parser.add_argument("--ca-cert", default=os.environ.get("SPECDEC_HEALTHCHECK_CA_FILE"),
+                        help="TLS port: PEM CA of its certificate (default $SPECDEC_HEALTHCHECK_CA_FILE)")
+    parser.add_argument("--server-name", default=os.environ.get("SPECDEC_HEALTHCHECK_SERVER_NAME"),
+                        help="TLS: certificate name to expect (default $SPECDEC_HEALTHCHECK_SERVER_NAME, else the "
+                             "address's host)")
     args = parser.parse_args(argv)
     try:
-        status = check(args.address, args.service, args.timeout)
+        status = check(args.address, args.service, args.timeout, ca_cert=args.ca_cert, server_name=args.server_name)
     except grpc.RpcError as e:
         print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"cannot read the CA certificate {args.ca_cert}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(f"{args.address} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1

@@ -60,6 +60,12 @@ def observe_verdict(num_draft_tokens: int, num_accepted: int, num_committed: int
     QUEUE_WAIT.observe(queue_wait_s)
 
 
-def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
-    """Start the HTTP /metrics endpoint (a daemon thread) on ``port``."""
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
+    """Start the HTTP /metrics endpoint (a daemon thread) on ``addr``:``port`` (plaintext, no authentication:
+    counters only; expose it to the scraper only, docs/security.md)."""
     start_http_server(port, addr=addr)
+
+
+# verify rows refused because the target's logits were NaN/inf or left no distribution (cloud_verifier/numerics.py)
+NONFINITE_LOGITS = Counter("specdec_nonfinite_logits", "Verify rows whose target logits were not finite "
+                           "(NaN, +inf, no finite logit) or left no distribution to sample from")

@@ -10,11 +10,16 @@
   (they fail fast: the verifier validates a block before it joins a batch). Only an error raised inside a
   batch (e.g. the session store failing) can leave a later block of another session, already in that batch,
   committed without its verdict; a client can resynchronize with GetSession.
-- Health (``grpc.health.v1``): SERVING for "" and "specdec.v1.Verifier" while up, NOT_SERVING from the start
-  of a graceful shutdown. Reflection lists the services.
-- Graceful shutdown (SIGTERM/SIGINT, :meth:`VerifierServer.stop`): health NOT_SERVING, new blocks on open
-  streams answered UNAVAILABLE (the client reconnects elsewhere), in-flight blocks finish and are answered,
-  then ``server.stop(grace)`` and ``verifier.stop(grace)``.
+- Health (``grpc.health.v1``): "" and "specdec.v1.Verifier" are SERVING while the replica can serve: NOT_SERVING
+  while the session store does not answer or the batch loop is stuck (a health task checks every
+  ``health_interval_s``), and from the start of a graceful shutdown on; "liveness" is NOT_SERVING only while the
+  batch loop is stuck (Kubernetes liveness probe). Reflection lists the services.
+- Graceful shutdown (SIGTERM/SIGINT, :meth:`VerifierServer.stop`): health NOT_SERVING at once, new blocks on
+  open streams answered UNAVAILABLE (the SDK retries them on another replica), in-flight blocks finish and are
+  answered, then ``server.stop(grace)`` and ``verifier.stop(grace)``, which gives the replica's sessions up in
+  the store (another replica resumes each at its next block).
+- A stream that ends early (the client cancelled it, or it broke): its blocks still queued are dropped (nothing
+  committed), those in a forward pass end committed wholly; the sessions are free for the client's next stream.
 
 Entry points: ``await serve(settings)`` (``specdec serve``); :class:`VerifierServer` on a running event loop
 (``specdec.embedded.EmbeddedServer`` runs one in a background thread for ``specdec generate`` and tests).
@@ -23,6 +28,7 @@ Entry points: ``await serve(settings)`` (``specdec serve``); :class:`VerifierSer
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -32,7 +38,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cloud_verifier.auth import AuthInterceptor, current_tenant
 from common.errors import SpecdecError, VerifierUnavailableError
+from common.keepalive import server_keepalive_options
 from common.wire import (
     MAX_MESSAGE_BYTES,
     block_from_proto,
@@ -46,12 +54,17 @@ from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.config import VerifierSettings
+    from cloud_verifier.security import ServerSecurity
     from cloud_verifier.store import SessionRecord
     from cloud_verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specdec.v1.Verifier"
+# Health service names: SERVICE_NAME and "" = ready to serve (readiness probes, balancers); LIVENESS_SERVICE =
+# the process makes progress (liveness probes: NOT_SERVING only when the batch loop is stuck, not while Redis is
+# down, which a restart would not fix).
+LIVENESS_SERVICE = "liveness"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 STREAM_WINDOW = 64  # blocks read ahead on one Verify stream before back-pressure (HTTP/2 flow control)
 
@@ -59,11 +72,9 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # never share a port with another server by accident
-    ("grpc.keepalive_time_ms", 60_000),  # ping idle clients every 60 s to find dead connections
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow client keepalive (30 s) pings
-    ("grpc.http2.max_ping_strikes", 0),
+    # ping idle clients every 60 s; accept the edge's keepalive pings (every 30 s, also without calls): the
+    # policy and the edge's keepalive are defined together in common/keepalive.py
+    *server_keepalive_options(),
 ]
 
 
@@ -83,7 +94,8 @@ async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: 
         log.error("%s failed", method, exc_info=err)
     else:
         log.debug("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    # e.g. RateLimitedError: ("retry-after-ms", "<ms>") with RESOURCE_EXHAUSTED
+    await context.abort(code, message, trailing_metadata=tuple(getattr(err, "trailing_metadata", None) or ()))
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -142,6 +154,19 @@ def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
     )
 
 
+def _forget_last(last_of_session: dict, session_id: str, task: asyncio.Task) -> None:
+    """Done callback of a Verify stream's block task: drop it from ``last_of_session`` if it is still there."""
+    if last_of_session.get(session_id) is task:
+        del last_of_session[session_id]
+
+
+def _tenant_kw() -> dict[str, str]:
+    """``{"tenant_id": <the caller's tenant>}`` when the call was authenticated (cloud_verifier.auth), else {}:
+    without authentication every session is the "" tenant's, the Verifier's default."""
+    tenant = current_tenant()
+    return {"tenant_id": tenant} if tenant else {}
+
+
 class _Skipped(VerifierUnavailableError):
     """A block not verified because an earlier block of its stream failed (never sent to the client)."""
 
@@ -172,28 +197,32 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if self.draining:
             raise VerifierUnavailableError("verifier is shutting down")
         prompt, sampling, stopping, fingerprint = open_request_from_proto(request)
-        opened = await self.verifier.open_session(prompt, sampling, stopping, fingerprint)
+        opened = await self.verifier.open_session(prompt, sampling, stopping, fingerprint, **_tenant_kw())
         return session_opened_to_proto(opened)
 
     async def VerifyBlock(self, request: pb.DraftBlock, context) -> pb.Verdict:
         if self.draining:
             raise VerifierUnavailableError("verifier is shutting down")
         session_id, seq, committed_length, block = block_from_proto(request)
-        verdict = await self.verifier.verify(session_id, seq, committed_length, block)
+        verdict = await self.verifier.verify(session_id, seq, committed_length, block, **_tenant_kw())
         return verdict_to_proto(verdict, seq)
 
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
-        return session_info_to_proto(self.verifier.get_session(request.session_id))
+        return session_info_to_proto(self.verifier.get_session(request.session_id, **_tenant_kw()))
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(existed=bool(self.verifier.close_session(request.session_id)))
+        # another tenant's session is answered as an unknown one (existed=False) and left alone
+        existed = self.verifier.close_session(request.session_id, **_tenant_kw())
+        return pb.CloseSessionResponse(existed=bool(existed))
 
     async def Verify(self, request_iterator, context):
         """Blocks in, verdicts out in block order (see the module docstring)."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_WINDOW)  # Task | SpecdecError | None (= end)
         last_of_session: dict[str, asyncio.Task] = {}
+        stream_tasks: set[asyncio.Task] = set()  # this stream's blocks not answered yet
         no_failure = float("inf")
         state = {"failed_at": no_failure, "count": 0}  # failed_at: stream index of the first failed block
+        tenant_kw = _tenant_kw()  # the tenant of the whole stream (cloud_verifier.auth)
 
         async def run_block(index: int, prev: asyncio.Task | None, session_id, seq, committed_length, block):
             if prev is not None and not prev.done():
@@ -201,7 +230,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if state["failed_at"] < index:  # an earlier block failed: the stream ends, later ones are not verified
                 raise _Skipped()
             try:
-                return await self.verifier.verify(session_id, seq, committed_length, block)
+                return await self.verifier.verify(session_id, seq, committed_length, block, **tenant_kw)
             except BaseException:
                 # Set synchronously: the verifier validates a block before its first suspension, so a block
                 # failing validation is seen by every block created after it (asyncio runs tasks FIFO).
@@ -224,7 +253,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         state["count"], last_of_session.get(session_id), session_id, seq, committed_length, block
                     ))
                     last_of_session[session_id] = task
+                    # forgotten once answered (unless a later block of the session took its place): a stream that
+                    # lives for many sessions keeps nothing per finished session
+                    task.add_done_callback(functools.partial(_forget_last, last_of_session, session_id))
                     self._background.add(task)
+                    stream_tasks.add(task)
+                    task.add_done_callback(stream_tasks.discard)
                     task.add_done_callback(self._forget_task)
                     await queue.put(task)
                 await queue.put(None)
@@ -235,6 +269,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         reader = asyncio.create_task(read())
         drain_wait: asyncio.Task | None = None
+        get: asyncio.Future | None = None  # the pending queue.get() (cancelled with the stream: no leaked task)
         try:
             while True:
                 if queue.empty():
@@ -258,11 +293,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 yield verdict_to_proto(verdict, verdict.seq)
         except BaseException:
             state["failed_at"] = -1  # the stream is over: verify nothing more
+            # cancelled by the client, broken, or failed: its blocks still queued are dropped (nothing committed)
+            # and those in a forward pass end committed wholly (Batcher), so the sessions are free again for the
+            # client's next stream, on this replica or another
+            for task in list(stream_tasks):
+                task.cancel()
             raise
         finally:
             reader.cancel()
             if drain_wait is not None:
                 drain_wait.cancel()
+            if get is not None and not get.done():
+                get.cancel()
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -272,11 +314,25 @@ class VerifierServer:
     """One grpc.aio server (Verifier + health + reflection) around a Verifier, on the running event loop.
 
     ``host``/``port``: bind address (port 0 = a free port, see :attr:`port` after :meth:`start`);
-    ``grace_s``: default shutdown grace period, s; ``owns_verifier``: free the verifier's resources on stop.
+    ``grace_s``: default shutdown grace period, s; ``owns_verifier``: free the verifier's resources on stop;
+    ``options``: gRPC server options (default :data:`SERVER_OPTIONS`); ``health_interval_s``: period of the
+    health task, s (0 = no health task); ``stuck_after_s``: a batch loop silent for this long is stuck, s.
+
+    Health (``grpc.health.v1``, services "" and "specdec.v1.Verifier") tells the truth: SERVING while the batch
+    loop beats and the session store answers, NOT_SERVING otherwise (checked every ``health_interval_s``) and
+    from the first moment of a graceful shutdown on.
     """
 
-    def __init__(self, verifier: "Verifier", *, host: str = "0.0.0.0", port: int = 50051, grace_s: float = 10.0,
-                 owns_verifier: bool = False):
+    def __init__(self, verifier: "Verifier", *, host: str = "127.0.0.1", port: int = 50051, grace_s: float = 10.0,
+                 owns_verifier: bool = False, options: list[tuple[str, Any]] | None = None,
+                 health_interval_s: float = 1.0, stuck_after_s: float = 60.0,
+                 security: "ServerSecurity | None" = None):
+        self.security = security  # TLS credentials and API keys (cloud_verifier.security); None = plaintext, open
+        self.options = list(SERVER_OPTIONS if options is None else options)
+        self.health_interval_s = health_interval_s
+        self.stuck_after_s = stuck_after_s
+        self.not_serving_reason: str | None = None  # why health says NOT_SERVING (None while SERVING)
+        self._health_task: asyncio.Task | None = None
         self.verifier = verifier
         self.host = host
         self.requested_port = port
@@ -303,7 +359,10 @@ class VerifierServer:
         """
         self._stopped = asyncio.Event()
         self.servicer = VerifierServicer(self.verifier)
-        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
+        if self.security is not None and self.security.api_keys is not None:
+            interceptors.insert(0, AuthInterceptor(self.security.api_keys))  # outermost: before anything else
+        server = grpc.aio.server(interceptors=interceptors, options=self.options)
         pb_grpc.add_VerifierServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -311,7 +370,10 @@ class VerifierServer:
         )
         bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
         try:
-            port = server.add_insecure_port(bind)
+            if self.security is not None and self.security.credentials is not None:
+                port = server.add_secure_port(bind, self.security.credentials)
+            else:
+                port = server.add_insecure_port(bind)
         except RuntimeError as e:
             raise RuntimeError(f"cannot bind the verifier to {bind}: {e}") from e
         if not port:
@@ -320,14 +382,49 @@ class VerifierServer:
         await self.verifier.start()
         await server.start()
         self.server = server
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, LIVENESS_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.health_interval_s and hasattr(self.verifier, "check_health"):
+            self._health_task = asyncio.create_task(self._health_loop())
         log.info("verifier %s serving %s on %s (model %s)", self.verifier.info.verifier_id, SERVICE_NAME,
                  bind.replace(f":{self.requested_port}", f":{port}"), self.verifier.info.model_id)
+        sec = self.security
+        log.info("transport: %s; %s", ("mutual TLS" if sec.mutual_tls else "TLS") if sec and sec.tls else "plaintext",
+                 f"API keys ({len(sec.api_keys.tenants)} tenants)" if sec and sec.api_keys else "no authentication")
         return port
 
+    async def _health_loop(self) -> None:
+        """Every ``health_interval_s``: NOT_SERVING while the store does not answer or the batch loop is stuck
+        (:meth:`cloud_verifier.verifier.Verifier.check_health`, in a worker thread), SERVING again once both are
+        fine. Ends at shutdown (which sets NOT_SERVING for good)."""
+        live = True
+        while not self._stopping:
+            try:
+                stuck = self.verifier.stuck_reason(self.stuck_after_s)
+                reason = stuck or await asyncio.to_thread(self.verifier.check_health, self.stuck_after_s)
+            except Exception as e:  # noqa: BLE001 - a failing check is a failing replica
+                stuck, reason = None, f"health check failed: {e}"
+            if self._stopping:
+                return
+            if (stuck is None) != live:
+                live = stuck is None
+                await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING if live
+                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if reason != self.not_serving_reason:
+                if reason is None:
+                    log.info("health: SERVING again")
+                else:
+                    log.warning("health: NOT_SERVING: %s", reason)
+                self.not_serving_reason = reason
+                status = (health_pb2.HealthCheckResponse.SERVING if reason is None
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                for service in ("", SERVICE_NAME):
+                    await self.health.set(service, status)
+            await asyncio.sleep(self.health_interval_s)
+
     async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, drain streams, let in-flight blocks finish (``grace_s`` s), stop."""
+        """Graceful stop: NOT_SERVING, drain streams, let in-flight blocks finish (``grace_s`` s), give up the
+        replica's sessions in the store (another replica resumes each at its next block), stop."""
         if self._stopping or self.server is None:
             if self._stopped is not None:
                 await self._stopped.wait()
@@ -338,6 +435,8 @@ class VerifierServer:
         try:
             await self.health.enter_graceful_shutdown()
             self.servicer.begin_drain()
+            if self._health_task is not None:
+                self._health_task.cancel()
             await self.server.stop(grace)  # in-flight RPCs finish; the verifier still runs meanwhile
             await self.verifier.stop(max(0.0, grace - (time.monotonic() - start)))
             if self.owns_verifier:
@@ -358,14 +457,23 @@ async def serve(
 
     ``verifier``: None = ``Verifier.from_settings(settings)`` (loads the target). ``ready`` is set once the
     server accepts RPCs. Starts the Prometheus /metrics endpoint on ``settings.metrics_port`` unless 0/None.
+
+    Raises:
+        cloud_verifier.security.InsecureBindError: a non-loopback host without TLS and API keys, not insecure
+            (checked before the target is loaded).
+        ValueError: TLS files or the API-key file missing, unreadable or malformed (one line).
     """
+    from cloud_verifier.security import ServerSecurity
+
+    security = ServerSecurity.from_settings(settings)  # before loading anything: a refused start is immediate
     owns = verifier is None
     if verifier is None:
         from cloud_verifier.verifier import Verifier
 
         verifier = await asyncio.to_thread(Verifier.from_settings, settings)
     server = VerifierServer(verifier, host=settings.host, port=settings.port, grace_s=settings.grace_period_s,
-                            owns_verifier=owns)
+                            owns_verifier=owns, health_interval_s=settings.health_check_interval_s,
+                            stuck_after_s=settings.batch_stuck_after_s, security=security)
     if settings.metrics_port:  # before the gRPC server: a port conflict must not leave a half-started server
         from cloud_verifier import metrics
 

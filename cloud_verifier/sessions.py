@@ -40,6 +40,8 @@ from common.types import SamplingParams, ServedInfo, StoppingCriteria
 
 log = logging.getLogger(__name__)
 
+_MOVED_GRACE_S = 5.0  # a copy whose session another replica holds is dropped once idle this long, s
+
 
 @dataclass
 class Session:
@@ -51,11 +53,23 @@ class Session:
     busy: bool = False  # a block of this session is queued or running
     released: bool = False  # closed/expired: KV freed, or to be freed when the block in flight is done
     last_seen: float = field(default_factory=time.time)  # unix time of the last block's end, s
+    idle_waiters: list = field(default_factory=list)  # asyncio futures resolved when ``busy`` turns False
 
     @property
     def committed(self) -> list[int]:
         """Committed token ids (prompt + output)."""
         return self.record.committed_token_ids
+
+
+def _owned(session: Session, session_id: str, tenant_id: str | None) -> Session:
+    """``session`` if it belongs to ``tenant_id`` (None = not checked).
+
+    Raises:
+        SessionNotFoundError: another tenant's session (the same message as an unknown one).
+    """
+    if tenant_id is not None and session.record.tenant_id != tenant_id:
+        raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
+    return session
 
 
 # Runs one prefill chunk of a session: (session, token ids, start position) -> None once the chunk is in its
@@ -108,8 +122,18 @@ class SessionTable:
         """Sessions held (prefilled) on this replica."""
         return len(self._sessions)
 
+    def held(self, session_id: str) -> Session | None:
+        """The session if this replica holds it (no resume), else None."""
+        return self._sessions.get(session_id)
+
+    def tenant_session_count(self, tenant_id: str) -> int:
+        """Sessions of ``tenant_id`` held (prefilled) on this replica."""
+        with self._lock:
+            return sum(1 for s in self._sessions.values() if s.record.tenant_id == tenant_id)
+
     # ------------------------------------------------------------------ open, resume
-    async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Session:
+    async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
+                   tenant_id: str = "") -> Session:
         """Admit a new session (a fresh id; a random seed when ``sampling.seed`` is None), prefill ``prompt``
         (validated token ids) and create its store record.
 
@@ -131,6 +155,7 @@ class SessionTable:
             seed=int(sampling.seed),
             created_at=now,
             last_seen_at=now,
+            tenant_id=tenant_id,
         )
         session = await self._load(record)
         try:
@@ -141,7 +166,7 @@ class SessionTable:
         metrics.SESSIONS_OPENED.inc()
         return session
 
-    async def get_or_resume(self, session_id: str) -> Session:
+    async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
         """The session held here, or resumed from the store (concurrent callers share one resume).
 
         Raises:
@@ -151,14 +176,14 @@ class SessionTable:
         """
         session = self._sessions.get(session_id)
         if session is not None:
-            return session
+            return _owned(session, session_id, tenant_id)
         pending = self._resuming.get(session_id)
         if pending is not None:  # another request is already resuming it: share that prefill
-            return await asyncio.shield(pending)
+            return _owned(await asyncio.shield(pending), session_id, tenant_id)
         future = asyncio.get_running_loop().create_future()
         self._resuming[session_id] = future
         try:
-            session = await self._resume(session_id)
+            session = await self._resume(session_id, tenant_id)
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # mark retrieved
@@ -169,9 +194,9 @@ class SessionTable:
         finally:
             del self._resuming[session_id]
 
-    async def _resume(self, session_id: str) -> Session:
+    async def _resume(self, session_id: str, tenant_id: str | None = None) -> Session:
         record = self.store.get(session_id)
-        if record is None:
+        if record is None or (tenant_id is not None and record.tenant_id != tenant_id):  # before any prefill
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
         if record.model_id != self.info.model_id:
             raise PreconditionError(f"session {session_id} is for model {record.model_id}, not {self.info.model_id}")
@@ -247,8 +272,53 @@ class SessionTable:
                 session.last_seen = time.time()
                 if session.released:  # closed while its block was in flight: free it now
                     self.target.free(session.kv)
+                waiters, session.idle_waiters = session.idle_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
             if session.released:
                 self._update_gauges()
+
+    async def wait_idle(self, session: Session, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` s) until no block of ``session`` is queued or in a forward pass, e.g. the
+        block of a stream its client cancelled and resent at once. Returns True when idle."""
+        if not session.busy:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        session.idle_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+        return not session.busy
+
+    def is_stale(self, session: Session) -> bool:
+        """True when the store moved on without this replica's copy of ``session``: another replica holds it,
+        or its committed tokens differ (the store is the source of truth). A store that does not answer, or a
+        session gone from it, counts as not stale (the caller's own error stands)."""
+        try:
+            record = self.store.get(session.record.session_id)
+        except SpecdecError:
+            return False
+        if record is None:
+            return False
+        return (record.verifier_id != self.info.verifier_id
+                or record.committed_length != session.record.committed_length)
+
+    def disown_all(self) -> int:
+        """Give up every session held here in the store (graceful shutdown), so another replica resumes each at
+        its next block; the local copies stay until freed. Returns how many were given up; store errors are
+        logged (the sessions stay claimable: a claim moves them anyway)."""
+        with self._lock:
+            ids = list(self._sessions)
+        given_up = 0
+        for sid in ids:
+            try:
+                given_up += bool(self.store.disown(sid, self.info.verifier_id))
+            except SpecdecError as e:
+                log.warning("could not give up session %s: %s", sid, e)
+                break
+        return given_up
 
     def release(self, session_id: str) -> Session | None:
         """Remove a session from this replica and free its KV cache — at once, or, when one of its blocks is
@@ -284,14 +354,20 @@ class SessionTable:
     # ------------------------------------------------------------------ reaping, gauges
     def reap_expired(self, now: float | None = None) -> int:
         """Free sessions idle for longer than the TTL (and those whose store record expired); ``now``: unix
-        time, s (default: the clock). Sessions with a block in flight are skipped. Returns the count."""
+        time, s (default: the clock). Sessions with a block in flight are skipped. Returns the count. Copies of
+        sessions another replica now holds are dropped too (not counted)."""
         now = time.time() if now is None else now
         with self._lock:
             candidates = [s for s in self._sessions.values() if not s.busy]
         reaped = 0
         for s in candidates:
             sid = s.record.session_id
-            if now - s.last_seen > self.session_ttl_s or self.store.get(sid) is None:
+            record = self.store.get(sid)
+            if record is not None and record.verifier_id != self.info.verifier_id:
+                if now - s.last_seen > _MOVED_GRACE_S:  # not one being resumed here right now (claimed after)
+                    self.release(sid)  # resumed on another replica (failover, balancer): this copy is stale
+                continue
+            if now - s.last_seen > self.session_ttl_s or record is None:
                 gone = self.release(sid)
                 if gone is not None:
                     self.store.delete(sid, verifier_id=self.info.verifier_id)
@@ -308,6 +384,8 @@ class SessionTable:
             await asyncio.sleep(interval_s)
             try:
                 await loop.run_in_executor(None, self.reap_expired)
+                if not self._sessions and not self._opening:  # idle: freed heap pages back to the OS (RSS)
+                    await loop.run_in_executor(None, self.target.release_idle_memory)
             except SpecdecError as e:  # e.g. the store is unreachable: one line, retried next period
                 log.warning("reaper: %s", e)
             except Exception:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from cloud_verifier.sessions import Session
 
 PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a sparse draft distribution on the wire
+# smallest positive temperature: below it logits / temperature can overflow float64 (no distribution); 0 = greedy
+MIN_TEMPERATURE = 1e-30
 
 
 def check_token_ids(ids: list[int], what: str, valid_vocab_size: int) -> None:
@@ -51,7 +53,7 @@ def check_open_request(
 
     Raises:
         InvalidRequestError: empty prompt; prompt token id outside the vocabulary; bad sampling or stopping
-            parameters; prompt of ``info.max_context_tokens`` tokens or more (no room to generate).
+            parameters (a positive temperature below :data:`MIN_TEMPERATURE` included); prompt of ``info.max_context_tokens`` tokens or more (no room to generate).
         PreconditionError: the tokenizer fingerprint differs from the target's.
     """
     if not prompt:
@@ -62,6 +64,8 @@ def check_open_request(
         stopping.validate()
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
     if tokenizer_fingerprint and info.tokenizer_fingerprint and tokenizer_fingerprint != info.tokenizer_fingerprint:
         raise PreconditionError(
             f"tokenizer fingerprint {tokenizer_fingerprint} does not match the target's "

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from pathlib import Path
 
 from cloud_verifier.batcher import Batcher
+from cloud_verifier.limits import TenantLimits
 from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore
 from cloud_verifier.target import TargetRunner
@@ -44,6 +46,12 @@ class Verifier:
         prefill_chunk_tokens: prompt tokens prefilled per forward pass.
         session_ttl_s: idle time after which a session is freed, s.
         reap_interval_s: how often idle sessions are looked for, s.
+        busy_wait_s: how long a block waits for the previous block of its session to end (e.g. one whose
+            stream the client cancelled and resent at once) before it is refused as a second block in flight, s.
+        tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.limits`); None = none.
+
+    Tenants: every session belongs to the tenant that opened it (``tenant_id``, "" without authentication);
+    the methods taking a ``tenant_id`` answer another tenant's session exactly as an unknown one.
     """
 
     def __init__(
@@ -60,8 +68,12 @@ class Verifier:
         prefill_chunk_tokens: int = 256,
         session_ttl_s: int = 600,
         reap_interval_s: float = 5.0,
+        busy_wait_s: float = 30.0,
+        tenant_limits: TenantLimits | None = None,
     ):
         self.target = target
+        self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)
+        self.busy_wait_s = busy_wait_s
         self.store = store if store is not None else MemorySessionStore(ttl_s=session_ttl_s)
         self.reap_interval_s = reap_interval_s
         tok = target.tokenizer
@@ -121,6 +133,10 @@ class Verifier:
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             session_ttl_s=settings.session_ttl_s,
             reap_interval_s=settings.reap_interval_s,
+            tenant_limits=TenantLimits(
+                settings.tenant_max_sessions, settings.tenant_tokens_per_s, settings.tenant_tokens_burst,
+                min_burst=settings.max_num_speculative_tokens + 1,
+            ),
         )
 
     # ------------------------------------------------------------------ batching knobs (benchmarks change them)
@@ -147,12 +163,35 @@ class Verifier:
         self._reaper = asyncio.create_task(self.sessions.reap_loop(self.reap_interval_s))
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Refuse new work, let queued and running blocks finish (up to ``grace_s`` s), then stop."""
+        """Refuse new work, let queued and running blocks finish (up to ``grace_s`` s), give up this replica's
+        sessions in the store (another replica resumes each at its next block), then stop."""
         await self.batcher.stop(grace_s)
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
+        given_up = await asyncio.to_thread(self.sessions.disown_all)
+        if given_up:
+            logging.getLogger(__name__).info("gave up %d sessions in the store", given_up)
+
+    def stuck_reason(self, stuck_after_s: float) -> str | None:
+        """Why the batch loop is stuck (no heartbeat for ``stuck_after_s`` s: a forward pass that does not end,
+        or the loop died), or None."""
+        age = self.batcher.heartbeat_age_s()
+        if self.batcher.running and age > stuck_after_s:
+            return f"batch loop stuck: no heartbeat for {age:.1f} s"
+        return None
+
+    def check_health(self, stuck_after_s: float) -> str | None:
+        """Why this replica cannot serve now, or None when it can: the batch loop is stuck
+        (:meth:`stuck_reason`), or the session store does not answer. Blocks for up to the store's socket
+        timeout: call it from a worker thread."""
+        stuck = self.stuck_reason(stuck_after_s)
+        if stuck is not None:
+            return stuck
+        if not self.store.ping():
+            return "session store unreachable"
+        return None
 
     def shutdown(self) -> None:
         """Free every session's KV cache (their store records stay, so another replica can resume them)."""
@@ -166,34 +205,44 @@ class Verifier:
         sampling: SamplingParams,
         stopping: StoppingCriteria,
         tokenizer_fingerprint: str = "",
+        tenant_id: str = "",
     ) -> SessionOpened:
-        """Validate, reserve a KV cache, prefill the prompt (chunked, interleaved with verify steps), record.
+        """Validate, reserve a KV cache, prefill the prompt (chunked, interleaved with verify steps), record the
+        session as ``tenant_id``'s.
 
         Raises:
             InvalidRequestError: empty prompt, token id out of range, prompt fills the context, bad params.
             PreconditionError: tokenizer fingerprint differs from the target's.
-            CapacityError: max_sessions reached or no KV budget left.
+            CapacityError: max_sessions reached or no KV budget left; RateLimitedError (a CapacityError): the
+                tenant holds its ``tenant_max_sessions``.
             VerifierUnavailableError: shutting down.
         """
         self._check_running()
         prompt = [int(t) for t in prompt_token_ids]
         check_open_request(prompt, sampling, stopping, tokenizer_fingerprint, self.info, self.valid_vocab_size)
-        record = (await self.sessions.open(prompt, sampling, stopping)).record
+        held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
+        with self.limits.opening(tenant_id, held):
+            record = (await self.sessions.open(prompt, sampling, stopping, tenant_id)).record
         return SessionOpened.of(self.info, record.session_id, record.committed_length, record.seed)
 
-    def get_session(self, session_id: str) -> SessionRecord:
+    def get_session(self, session_id: str, tenant_id: str = "") -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
 
         Raises:
-            SessionNotFoundError: unknown, closed or expired.
+            SessionNotFoundError: unknown, closed or expired, or another tenant's than ``tenant_id``.
         """
         record = self.store.get(session_id)
-        if record is None:
+        if record is None or record.tenant_id != tenant_id:
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
         return record
 
-    def close_session(self, session_id: str) -> bool:
-        """Free the session's KV cache and delete its store keys; False if it did not exist."""
+    def close_session(self, session_id: str, tenant_id: str = "") -> bool:
+        """Free the session's KV cache and delete its store keys; False if it did not exist. Another tenant's
+        session is left alone and answered as an unknown one (False)."""
+        held = self.sessions.held(session_id)
+        record = held.record if held is not None else self.store.get(session_id)
+        if record is not None and record.tenant_id != tenant_id:
+            return False
         return self.sessions.close(session_id)
 
     def reap_expired(self, now: float | None = None) -> int:
@@ -207,21 +256,42 @@ class Verifier:
         return self.sessions.num_sessions
 
     # ------------------------------------------------------------------ verify
-    async def verify(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Verdict:
-        """Verify one draft block of a session (batched with other sessions' blocks).
+    async def verify(self, session_id: str, seq: int, committed_length: int, block: DraftBlock,
+                     tenant_id: str = "") -> Verdict:
+        """Verify one draft block of a session of ``tenant_id`` (batched with other sessions' blocks).
 
         Raises:
-            SessionNotFoundError: unknown or expired session.
+            SessionNotFoundError: unknown or expired session, or another tenant's.
             InvalidRequestError: malformed block (nothing committed changes).
             PreconditionError: the session already finished.
+            RateLimitedError: the tenant is over its verify rate (nothing committed changes).
+            TargetOutputError: the target's logits for this block were not finite (nothing committed changes).
             VerifierUnavailableError: shutting down.
         """
         self._check_running()
-        session = await self.sessions.get_or_resume(session_id)
+        self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
+        session = await self._session_for(session_id, seq, committed_length, tenant_id)
         checks = functools.partial(validate_block, session, seq, committed_length, block, self.info,
                                    self.valid_vocab_size)
         with self.sessions.block_in_flight(session, checks):
             return await self.batcher.verify(session, seq, committed_length, block)
+
+    async def _session_for(self, session_id: str, seq: int, committed_length: int, tenant_id: str = ""):
+        """The session a block goes to: held here or resumed from the store; after the previous block of the
+        session has ended (at most ``busy_wait_s``); and resumed afresh from the store when this replica's copy
+        disagrees with the block because the store moved on without it (the session continued on another
+        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume)."""
+        session = await self.sessions.get_or_resume(session_id, tenant_id)
+        if session.busy:
+            await self.sessions.wait_idle(session, self.busy_wait_s)
+            if session.released:  # its block's commit was refused (stale copy): the store has the truth
+                session = await self.sessions.get_or_resume(session_id, tenant_id)
+        r = session.record
+        if ((committed_length != r.committed_length or seq <= r.last_seq) and not session.busy
+                and self.sessions.is_stale(session)):
+            self.sessions.release(session_id)
+            session = await self.sessions.get_or_resume(session_id, tenant_id)
+        return session
 
     def _check_running(self) -> None:
         if not self.batcher.running:

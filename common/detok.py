@@ -178,6 +178,13 @@ class IncrementalDetokenizer:
         """All token ids pushed so far (do not mutate)."""
         return self._decoder.token_ids
 
+    @property
+    def decoded_length(self) -> int:
+        """Characters of stable text decoded so far: emitted (:attr:`text`) plus held back (a possible start of a
+        stop string). Text past it belongs to tokens pushed later, or completes a character split across tokens
+        (at most one character)."""
+        return len(self.text) + len(self._held)
+
     def _emit(self, s: str) -> str:
         if s:
             self._parts.append(s)

@@ -54,10 +54,43 @@ class DeadlineError(SpecdecError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class RateLimitedError(CapacityError):
+    """A tenant is over one of its limits (verified tokens per second, concurrent sessions): RESOURCE_EXHAUSTED,
+    with a retry hint. ``retry_after_ms``: how long to wait before trying again, ms (the verifier sends it as the
+    ``retry-after-ms`` trailing metadata and in the message)."""
+
+    def __init__(self, message: str, retry_after_ms: int):
+        super().__init__(message)
+        self.retry_after_ms = int(retry_after_ms)
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of the status: ``(("retry-after-ms", "<ms>"),)``."""
+        return ((RETRY_AFTER_MS_KEY, str(self.retry_after_ms)),)
+
+
+class UnauthenticatedError(SpecdecError):
+    """Missing or invalid credentials (API key). The verifier answers every such call with one generic
+    message, whatever was wrong."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class TargetOutputError(SpecdecError):
+    """The target model produced numbers that cannot be verified (NaN or +inf logits, a row with no finite
+    logit): the block is refused (INTERNAL), nothing is committed, and the verifier rebuilds the session's KV
+    cache before its next block. Not the client's fault; other sessions are not affected."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED statuses: suggested wait, ms
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidRequestError, SessionNotFoundError, PreconditionError, CapacityError,
-                VerifierUnavailableError, DeadlineError)
+                VerifierUnavailableError, DeadlineError, UnauthenticatedError)
 }
 
 

@@ -12,6 +12,7 @@ and a session resumed on another verifier replica makes the same draws.
 from __future__ import annotations
 
 import enum
+import threading
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def uniform(seed: int, position: int, stream: Stream) -> float:
 
 # Top-p candidate search (see _top_p_keep): the first partial selection takes this many of each row's most
 # likely tokens, and each widening multiplies it by _TOP_P_WIDEN; a row still short of the kept mass once
-# the candidates would pass half the vocabulary takes the whole row (one sort of it, as the reference does).
+# the candidates would pass half the vocabulary is sorted whole, as the reference does.
 _TOP_P_FIRST_CANDIDATES = 64
 _TOP_P_WIDEN = 8
 _UNIT_ROUNDOFF = 2.0**-53  # float64 unit roundoff u
@@ -60,45 +61,66 @@ def logits_to_probs(
       tokens tied with the k-th are all kept (more than k tokens survive a tie; HF does the same).
     - top-p (``top_p < 1``): sorts the top-k-processed probabilities ascending, ties in ascending token id
       (a stable sort), and drops every token whose ascending cumulative mass (float64, summed in that order)
-      is ``<= 1 - top_p``; the last token of that order (the most likely; among equal ones the highest id) is
-      always kept. Among tokens of equal probability straddling the boundary the LOWER ids are dropped first
-      and the higher ids kept. The survivors are renormalised.
+      is ``<= 1 - top_p`` (a token that brings the mass exactly to 1 - top_p is dropped); the last token of
+      that order (the most likely; among equal ones the highest id) is always kept (HF's
+      min_tokens_to_keep=1). Among tokens of equal probability straddling the boundary the LOWER ids are
+      dropped first and the higher ids kept. HF sorts with torch.sort, which leaves the order of ties
+      unspecified; this tie rule is ours, and both sides apply it. The survivors are renormalised.
 
     Greedy params (temperature 0) give the one-hot distribution of the argmax (lowest id among ties).
     ``valid_vocab_size``: columns at or past it (padded embedding rows) get probability 0.
     A 1-D ``logits`` is one row: the result is [1, vocab_size]. The caller's array is never modified.
 
     This is the fast path; :func:`_logits_to_probs_reference` is the plain full-sort implementation it
-    must equal. Results are bitwise identical to it (tests/common/test_sampling.py checks this): the
-    temperature / top-k / softmax arithmetic is the reference's, element for element, and only the top-p
-    selection differs in how it finds the kept set, with no full-vocabulary sort (see :func:`_top_p_keep`).
+    must equal, and its results are bitwise identical to it (tests/common/test_sampling.py checks this).
+    Where it departs from the reference: the temperature / top-k / softmax arithmetic is the reference's,
+    element for element, but done in place in one buffer (the top-k threshold by an in-place partition,
+    then the buffer recomputed); the top-p kept set is found without a full-vocabulary sort
+    (:func:`_top_p_keep`: partial selection, the reference's own sort only where rounding decides).
     Both the edge (one row per draft token) and the verifier (a [γ + 1, vocab_size] block) call this
-    function, and a row's result does not depend on the other rows of the call.
+    function, and a row's result does not depend on the other rows of the call, nor on the input's layout.
     """
-    logits = np.ascontiguousarray(logits, dtype=np.float64)  # C order: row sums independent of the input's layout
+    logits = np.asarray(logits)
     if logits.ndim == 1:
         logits = logits[None, :]
-    if valid_vocab_size is not None and valid_vocab_size < logits.shape[-1]:
-        logits = logits.copy()
-        logits[:, valid_vocab_size:] = -np.inf
     n, vocab = logits.shape
+    masked = valid_vocab_size is not None and valid_vocab_size < vocab
     if params.greedy:
-        probs = np.zeros_like(logits)
-        probs[np.arange(n), np.argmax(logits, axis=-1)] = 1.0
+        probs = np.zeros((n, vocab), dtype=np.float64)
+        probs[np.arange(n), np.argmax(logits[:, :valid_vocab_size] if masked else logits, axis=-1)] = 1.0
         return probs
-    scaled = logits / params.temperature  # [n, vocab_size], a new array: the in-place steps below are safe
+    # One new C-order float64 buffer, processed in place from here on (the reference's arithmetic, without its
+    # temporaries): float64(logits) / temperature, as the reference computes it.
+    scaled = np.empty((n, vocab), dtype=np.float64)  # [n, vocab_size]
+    _scale(logits, params.temperature, valid_vocab_size if masked else None, out=scaled)
     if 0 < params.top_k < vocab:
-        # k-th largest scaled logit of each row by partial selection (no sort); ties with it are kept
-        kth = np.partition(scaled, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]
+        # k-th largest scaled logit of each row by partial selection (no sort), in place, then the buffer is
+        # recomputed (cheaper than a copy of it); tokens below it are dropped, ties with it kept
+        scaled.partition(vocab - params.top_k, axis=-1)
+        kth = scaled[:, vocab - params.top_k, None].copy()  # [n, 1]
+        _scale(logits, params.temperature, valid_vocab_size if masked else None, out=scaled)
         np.copyto(scaled, -np.inf, where=scaled < kth)
     scaled -= scaled.max(axis=-1, keepdims=True)
     probs = np.exp(scaled, out=scaled)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
         keep = _top_p_keep(probs, params.top_p)  # [n, vocab_size] bool
-        probs = np.where(keep, probs, 0.0)
+        np.copyto(probs, 0.0, where=np.logical_not(keep, out=keep))
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def _scale(
+    logits: np.ndarray,  # [n, vocab_size] any real dtype, any layout
+    temperature: float,
+    valid_vocab_size: int | None,
+    out: np.ndarray,  # [n, vocab_size] float64, written
+) -> None:
+    """out = float64(logits) / temperature, with columns at or past valid_vocab_size = -inf / temperature
+    (the reference's order: it masks the float64 logits, then divides)."""
+    np.divide(logits, temperature, out=out, dtype=np.float64)
+    if valid_vocab_size is not None:
+        out[:, valid_vocab_size:] = -np.inf / temperature
 
 
 def _top_p_keep(
@@ -110,81 +132,154 @@ def _top_p_keep(
     The reference drops the tokens at ascending-order positions j with ``cum[j] <= 1 - top_p``, where cum is
     the float64 running sum (np.cumsum, sequential) of the probabilities sorted ascending by (prob, id). As
     cum is non-decreasing, the dropped tokens are a prefix of that order and the kept ones the c' most likely
-    tokens for some c'. Per row (all rows at once, vectorized):
+    tokens (most likely first, ties: higher id first) for some c' >= 1. Per row (all rows at once):
 
-    1. Candidates: the c most likely tokens by ``np.argpartition`` (c = 64 first), sorted ascending by
-       (prob, id) with ``np.lexsort`` (the reference's order restricted to them). Let v be the smallest
-       candidate probability. Every other token has prob <= v, and every token with prob > v is a candidate.
-    2. In exact arithmetic the reference's cum at candidate position j is
+    1. Candidates (:func:`_top_candidates`, partial selection): the c most likely tokens of each row
+       (c = 64 first), sorted ascending by (prob, id) with ``np.lexsort``: the reference's order restricted
+       to them. Let v be the smallest candidate probability: every other token has prob <= v, and every
+       token with prob > v is a candidate (of the tokens tied with v only some may be candidates, so only
+       the candidates with prob > v are trusted). When a row has at most c tokens of positive probability
+       (after top-k, or at near-greedy temperatures) the candidates are all of them ("complete"): the rest
+       have probability 0, add nothing to any cum and are 0 in the output whether kept or not, so every
+       candidate is decided by its est (step 2) and no selection is needed.
+    2. In exact arithmetic the reference's cum at the candidate at sorted position j (prob > v) is
        est[j] = (row total - candidate total) + running sum of the sorted candidates up to j, and est at the
-       last candidate equal to v is the mass of all tokens with prob <= v (wherever the ties with v fall).
-    3. The float sums differ from the reference's by rounding only: a sequential or pairwise sum of m
-       non-negative terms is within (m - 1)·u·(exact sum) of it (u = 2**-53, Higham, Accuracy and Stability
-       of Numerical Algorithms, §4.2), so |est[j] - cum[j]| <= tol = 8·(vocab_size + 16)·u·max(1, total)
-       (about 4e-11 for 49,152 tokens). A decision with est[j] <= 1 - top_p - tol (dropped) or
-       est[j] > 1 - top_p + tol (kept) is the reference's.
+       last candidate equal to v is the mass of all tokens with prob <= v, which is the reference's cum at
+       the last of them in its order (wherever the ties with v fall).
+    3. The float sums differ from the reference's by rounding only: a sequential or pairwise float sum of m
+       non-negative terms is within (m - 1)·u·(exact sum) of the exact sum (u = 2**-53; Higham, Accuracy and
+       Stability of Numerical Algorithms, §4.2), and the rows sum to 1 within vocab_size·u, so
+       |est[j] - cum[j]| < 3.1·vocab_size·u < tol = 8·(vocab_size + 16)·u (4.4e-11 for 49,152 tokens). A
+       decision with est[j] <= 1 - top_p - tol (dropped) or est[j] > 1 - top_p + tol (kept) is therefore the
+       reference's.
     4. If the mass of the tokens with prob <= v is definitely dropped, the kept set lies among the candidates
-       with prob > v and each of those is decided by est (the most likely one is always kept). If it is
-       definitely kept (or all candidates equal v), the row needs more candidates: c *= 8. Once c would pass
-       half the vocabulary the whole row is the candidate set (c = vocab_size, one sort of the row).
-    5. A decision within tol of 1 - top_p (exact ties on the boundary, or a cumulative mass that the
-       rounding of the reference's sum decides) is taken by the reference's own code on that row
-       (:func:`_top_p_drop_reference`), as are rows whose probabilities are not finite.
+       with prob > v, each decided by its est (the most likely one is always kept, as in the reference). If
+       that mass is definitely kept (the nucleus is wider than the candidates) or all candidates equal v, the
+       row widens: c *= 8, a new selection. Once c would pass half the vocabulary, the row is decided by the
+       reference's own full sort (:func:`_top_p_drop_reference`).
+    5. So is a row with a decision within tol of 1 - top_p (exact ties on the boundary: the reference's
+       rounding decides), and a row whose probabilities are not finite.
 
-    So the fast path departs from the reference only in arithmetic used to *locate* the boundary; the kept
-    set, and hence the returned probabilities, are the reference's. Cost per row: one O(vocab) selection
-    (about 0.05 ms at 49,152 tokens) plus a sort of the 64 candidates, versus a full stable argsort
-    (about 3 ms) in the reference.
+    So the fast path departs from the reference only in the arithmetic that *locates* the boundary, never
+    in the kept set, and hence not in the returned probabilities. Cost per row at 49,152 tokens: one
+    partition of a copy of the row (about 0.05 ms) and a sort of 64 candidates for the nuclei of real LM
+    logits (top_p 0.9 or 0.95 at temperature 0.7: 1-57 tokens), versus a full stable argsort (about 3 ms).
     """
     n, vocab = probs.shape
     thresh = 1.0 - top_p
+    tol = 8.0 * (vocab + 16) * _UNIT_ROUNDOFF  # rows sum to 1 within vocab·u, so every cum is < 1.01
+    lo, hi = thresh - tol, thresh + tol  # est <= lo: definitely dropped; est > hi: definitely kept
     keep = np.zeros((n, vocab), dtype=bool)
     total = probs.sum(axis=-1)  # [n]
     finite = np.isfinite(total)
-    tol = 8.0 * (vocab + 16) * _UNIT_ROUNDOFF * np.maximum(total, 1.0, where=finite, out=np.ones(n))  # [n]
     fallback = [np.flatnonzero(~finite)]  # row ids the reference decides
     pending = np.flatnonzero(finite)  # row ids still to decide
     c = min(vocab, _TOP_P_FIRST_CANDIDATES)
     while pending.size:
-        if 2 * c > vocab:
-            c = vocab
-        sub = probs if pending.size == n else probs[pending]  # [m, vocab_size]
+        if 2 * c > vocab:  # the candidates would be most of the row: sort it all, as the reference does
+            fallback.append(pending)
+            break
         m = len(pending)
-        if c < vocab:
-            idx = np.argpartition(sub, vocab - c, axis=-1)[:, vocab - c :]  # [m, c] the c most likely, unordered
-        else:
-            idx = np.broadcast_to(np.arange(vocab), (m, vocab))
-        vals = np.take_along_axis(sub, idx, axis=-1)  # [m, c]
+        r = np.arange(m)[:, None]
+        idx, complete = _top_candidates(probs if m == n else probs[pending], c)  # [m, w] candidate ids
+        w = idx.shape[1]
+        vals = probs[pending[:, None], idx]  # [m, w]
         order = np.lexsort((idx, vals), axis=-1)  # ascending by (prob, id): the reference's stable order
-        ids = np.take_along_axis(idx, order, axis=-1)  # [m, c]
-        vals = np.take_along_axis(vals, order, axis=-1)  # [m, c]
-        rest = total[pending] - vals.sum(axis=-1)  # [m] mass outside the candidates
-        est = rest[:, None] + np.cumsum(vals, axis=-1)  # [m, c] the reference's cum, up to tol
-        lo = (thresh - tol[pending])[:, None]  # est <= lo: definitely dropped
-        hi = (thresh + tol[pending])[:, None]  # est > hi: definitely kept
-        pos = np.arange(c)
-        if c < vocab:
-            # jv: last sorted position tied with v = the smallest candidate (non-candidates are all <= v)
-            jv = np.count_nonzero(vals == vals[:, :1], axis=-1) - 1  # [m]
-            est_v = np.take_along_axis(est, jv[:, None], axis=-1)  # [m, 1] mass of tokens with prob <= v
-            widen = (jv == c - 1) | (est_v[:, 0] > hi[:, 0])
-            unsure = ~widen & (est_v[:, 0] > lo[:, 0])
-        else:
+        ids, vals = idx[r, order], vals[r, order]  # [m, w]
+        est = np.cumsum(vals, axis=-1)  # [m, w]
+        est += (total[pending] - est[:, -1])[:, None]  # + mass outside the candidates: the reference's cum ± tol
+        pos = np.arange(w)
+        if complete:  # every token of positive probability is a candidate: each is decided by its est
             jv = np.full(m, -1)
-            widen = unsure = np.zeros(m, dtype=bool)
-        decide = (pos > jv[:, None]) & (pos < c - 1)  # [m, c] positions decided by est (last one: kept)
-        unsure |= (decide & (est > lo) & (est <= hi)).any(axis=-1)
+            widen, unsure = np.zeros(m, dtype=bool), np.zeros(m, dtype=bool)
+        else:
+            # jv: last sorted position tied with v = the smallest candidate (all non-candidates are <= v)
+            jv = np.count_nonzero(vals == vals[:, :1], axis=-1) - 1  # [m]
+            est_v = est[r[:, 0], jv]  # [m] mass of the tokens with prob <= v
+            widen = (jv == w - 1) | (est_v > hi)  # the boundary is below the candidates (or all of them tie)
+            unsure = ~widen & (est_v > lo)
+        decided = pos > jv[:, None]  # [m, w] the candidates with prob > v, decided by est
+        unsure |= (decided & (pos < w - 1) & (est > lo) & (est <= hi)).any(axis=-1)  # last one: always kept
         done = ~widen & ~unsure
-        kept = ((pos == c - 1) | (est > hi)) & (pos > jv[:, None]) & done[:, None]  # [m, c]
-        rows = np.broadcast_to(pending[:, None], (m, c))
-        keep[rows[kept], ids[kept]] = True
+        ri, ci = np.nonzero(((pos == w - 1) | (est > hi)) & decided & done[:, None])
+        keep[pending[ri], ids[ri, ci]] = True
         fallback.append(pending[unsure])
         pending = pending[widen]
-        c = min(vocab, c * _TOP_P_WIDEN)
+        c *= _TOP_P_WIDEN
     rows = np.concatenate(fallback)
     if rows.size:
         keep[rows] = ~_top_p_drop_reference(probs[rows], top_p)
     return keep
+
+
+_scratch = threading.local()  # per-thread reusable buffer of _top_candidates
+
+
+def _negative_ramp(n: int) -> np.ndarray:  # [n] float64: -1, -2, ..., -n (read-only, cached per thread)
+    ramp = getattr(_scratch, "ramp", None)
+    if ramp is None or len(ramp) != n:
+        ramp = _scratch.ramp = -np.arange(1, n + 1, dtype=np.float64)
+        ramp.flags.writeable = False
+    return ramp
+
+
+def _top_candidates(
+    probs: np.ndarray,  # [m, vocab_size] float64, non-negative, every row with a positive entry
+    c: int,  # 1 <= c <= vocab_size
+) -> tuple[np.ndarray, bool]:  # ([m, w] int64 token ids, complete)
+    """Candidate ids for top-p: the c most likely tokens of each row, by partial selection (no sort).
+
+    complete (w <= c): no row has more than c tokens of positive probability; the candidates are all of
+    them (w = the largest count; a row with fewer is padded with one of its zero-probability ids, repeated).
+    This is the case after top-k, and for near-greedy temperatures (exp underflow): no selection at all.
+
+    Otherwise (w = c): the c largest keys of each row, the key being probs with each 0 replaced by -(1 + id).
+    The zeros (top-k, -inf logits, padding, exp underflow) are thus not tied: equal keys by the thousand are
+    introselect's slow case (~1 ms instead of 0.06 ms for a 49,152-token row). An in-place ``partition`` of
+    the key gives the c-th largest key v of each row; the candidates are the ids with key > v and, of those
+    with key == v (tied probabilities), the lowest ids. Unlike ``np.argpartition`` this allocates no
+    [m, vocab_size] int64 result: the key lives in a per-thread buffer reused across calls (fresh arrays of
+    that size cost more in page faults than the selection itself in a numpy-only process on this project's
+    VM: ~0.5 ms per call measured).
+    """
+    m, vocab = probs.shape
+    positive = probs > 0  # [m, vocab_size]
+    num_positive = np.count_nonzero(positive, axis=-1)  # [m]
+    if num_positive.max() <= c:
+        w = int(num_positive.max())
+        ri, ci = np.divmod(np.flatnonzero(positive), vocab)  # row-major: ids ascending within each row
+        if (num_positive == w).all():
+            return ci.reshape(m, w), True
+        idx = np.repeat(np.argmin(positive, axis=-1)[:, None], w, axis=1)  # [m, w] a zero of each short row
+        idx[ri, np.arange(len(ri)) - (np.cumsum(num_positive) - num_positive)[ri]] = ci
+        return idx, True
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < probs.size:
+        buf = _scratch.buf = np.empty(probs.size, dtype=np.float64)
+    key = buf[: probs.size].reshape(m, vocab)  # [m, vocab_size]
+    if num_positive.min() == vocab:  # no zeros: the key is probs
+        np.copyto(key, probs)
+    else:
+        np.copyto(key, _negative_ramp(vocab))
+        np.copyto(key, probs, where=positive)
+    key.partition(vocab - c, axis=-1)
+    v = key[:, vocab - c, None].copy()  # [m, 1] c-th largest key
+    if (v > 0).all():  # the candidates are positive: key >= v <=> probs >= v
+        ge = probs >= v
+    else:  # the key again (the partition scrambled it)
+        np.copyto(key, _negative_ramp(vocab))
+        np.copyto(key, probs, where=positive)
+        ge = key >= v
+    ri, ci = np.divmod(np.flatnonzero(ge), vocab)  # row-major: ids ascending within each row; >= c per row
+    if len(ri) == m * c:  # exactly c per row: no ties with v beyond the c-th
+        return ci.reshape(m, c), False
+    # ties with v (positive probabilities: the zeros' keys are distinct): all ids above it, the lowest tied ids
+    above = np.where(positive[ri, ci], probs[ri, ci], -1.0 - ci) > v[ri, 0]  # key > v
+    need = c - np.bincount(ri, weights=above, minlength=m).astype(np.int64)  # [m] ties to take
+    tie = ~above
+    tie_rank = np.cumsum(tie) - 1  # rank of each tie among all ties, then within its row
+    tie_rank -= np.concatenate([[0], np.cumsum(np.bincount(ri, weights=tie, minlength=m).astype(np.int64))[:-1]])[ri]
+    return ci[above | (tie & (tie_rank < need[ri]))].reshape(m, c), False
 
 
 def _top_p_drop_reference(
@@ -273,17 +368,38 @@ def normalize_sparse(probs: np.ndarray) -> np.ndarray:
 def topk_draft_distribution(
     probs: np.ndarray,  # [vocab_size] float64, processed draft probabilities of one position
     k: int,
-) -> tuple[np.ndarray, np.ndarray]:  # ([k] int64 token ids, [k] float32 probs)
+) -> tuple[np.ndarray, np.ndarray]:  # ([k'] int64 token ids, [k'] float32 probs), k' = min(k, tokens with p > 0)
     """The sparse q of top-k drafting: the draft's k most likely tokens, renormalised.
 
     The draft must then sample from ``normalize_sparse(returned probs)`` so that q on the wire is exactly
     the distribution it sampled from. Zero-probability entries are dropped (k may shrink).
+
+    Ties: of the tokens tied with the k-th largest probability, the lowest ids are taken; the result is
+    ordered most likely first, equal probabilities by ascending id (the first k of a stable descending sort).
+    Only the edge runs this (the verifier gets ids and q on the wire), so the rule is for reproducibility,
+    not for losslessness. No full-vocabulary sort: the k-th largest value comes from ``np.partition`` over
+    the tokens of positive probability only (after top-k/top-p most of a row is 0, and tens of thousands of
+    equal keys make introselect ~30x slower), then two comparison passes pick the ids.
     """
-    k = max(1, min(k, int(np.count_nonzero(probs > 0))))
-    ids = np.argpartition(probs, len(probs) - k)[len(probs) - k :]
-    ids = ids[np.argsort(-probs[ids], kind="stable")]
+    probs = np.asarray(probs)
+    positive = probs > 0  # [vocab_size]
+    num_positive = int(np.count_nonzero(positive))
+    if num_positive == 0:  # no mass: the argmax, with probability nan (as the full sort gave)
+        ids = np.array([int(np.argmax(probs))], dtype=np.int64)
+    else:
+        cand = None if num_positive == len(probs) else np.flatnonzero(positive)  # [num_positive] ascending ids
+        vals = probs if cand is None else probs[cand]  # [num_positive]
+        k = max(1, min(k, num_positive))
+        if k < num_positive:
+            v = np.partition(vals, num_positive - k)[num_positive - k]  # k-th largest probability
+            above = np.flatnonzero(vals > v)
+            sel = np.concatenate([above, np.flatnonzero(vals == v)[: k - len(above)]])  # ties: lowest ids
+        else:
+            sel = np.arange(num_positive)
+        sel = sel[np.lexsort((sel, -vals[sel]))]  # most likely first, ties by ascending id
+        ids = (sel if cand is None else cand[sel]).astype(np.int64)
     top = probs[ids]
-    return ids.astype(np.int64), (top / top.sum()).astype(np.float32)
+    return ids, (top / top.sum()).astype(np.float32)
 
 
 def dense_draft_probs(

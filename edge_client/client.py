@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import secrets
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from common.detok import IncrementalDetokenizer
-from common.errors import DeadlineError, InvalidRequestError
-from common.stopping import generated_text_for_output
+from common.errors import DeadlineError, InvalidRequestError, SessionNotFoundError, VerifierUnavailableError
+from common.stopping import StopChecker, generated_text_for_output
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
 from edge_client.backend import VerifierBackend
@@ -37,6 +39,8 @@ from edge_client.stats import GenerationStats
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
     from edge_client.drafter import Drafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,10 +51,13 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     finish_reason: FinishReason | None
     stats: GenerationStats
-    session_id: str = ""
+    session_id: str = ""  # the last session (a generation re-opened after a failure has several)
     prompt_token_ids: list[int] = field(default_factory=list)
     bytes_sent: int = 0  # wire bytes edge -> verifier (gRPC backend only)
     bytes_received: int = 0
+    num_failovers: int = 0  # calls moved to another replica after a failure (edge_client.failover)
+    num_unverified_tokens: int = 0  # tokens decoded by the draft alone during a device fallback (not the target's)
+    num_sessions: int = 1  # verifier sessions of this generation (> 1 after a re-open or a device fallback)
 
     def to_json(self) -> dict:
         s = self.stats
@@ -65,7 +72,104 @@ class GenerationResult:
             "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
             "mean_accepted_length": s.mean_accepted_length,
             "elapsed_s": s.elapsed_s,
+            "num_failovers": self.num_failovers,
+            "num_unverified_tokens": self.num_unverified_tokens,
         }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of streamed text (:meth:`EdgeClient.stream_chunks`).
+
+    ``verified``: every token behind the text was checked by the target; False for text of tokens decoded by
+    the draft model alone during a device fallback (text that mixes both counts as unverified).
+    """
+
+    text: str
+    verified: bool = True
+
+
+class _Output:
+    """Committed tokens → text chunks, each flagged verified or not. Text of unverified tokens is never flagged
+    verified, even when it is streamed with later tokens (a held-back start of a stop string, or a character
+    split across tokens)."""
+
+    def __init__(self, tokenizer, stop_strings) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
+        self.unverified_until = 0  # characters of output text (from the start) that may hold unverified text
+
+    def push(self, token_ids: list[int], verified: bool) -> list[Chunk]:
+        start = len(self.detok.text)
+        delta = self.detok.push(token_ids)
+        if not verified:  # their text, and a character they may have begun
+            self.unverified_until = self.detok.decoded_length + 1
+        return self._split(start, delta)
+
+    def finish(self, finish_reason: FinishReason | None) -> list[Chunk]:
+        start = len(self.detok.text)
+        return self._split(start, self.detok.finish(finish_reason))
+
+    def _split(self, start: int, delta: str) -> list[Chunk]:
+        if not delta:
+            return []
+        cut = min(max(0, self.unverified_until - start), len(delta))
+        chunks = [Chunk(delta[:cut], False)] if cut else []
+        if cut < len(delta):
+            chunks.append(Chunk(delta[cut:], True))
+        return chunks
+
+
+def _with_seed(sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` with a seed (a random one when it has none)."""
+    if sampling.seed is not None:
+        return sampling
+    return dataclasses.replace(sampling, seed=secrets.randbits(63))
+
+
+_STOP_ORDER = (FinishReason.EOS, FinishReason.STOP_STRING, FinishReason.LENGTH, FinishReason.CONTEXT)
+_MAX_SESSIONS = 64  # sessions one generation may open (re-opens after failures, returns from device fallback)
+
+
+@dataclass
+class _Run:
+    """State of one generation across its sessions (one, or several after failures)."""
+
+    prompt_ids: list[int]
+    stopping: StoppingCriteria
+    out: _Output
+    committed: list[int] = field(default_factory=list)  # prompt + output, tokens
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: FinishReason | None = None
+    session_ids: list[str] = field(default_factory=list)
+    max_context_tokens: int | None = None  # the verifier's, once a session was opened
+    num_unverified: int = 0
+    edge_stop: StopChecker | None = None  # stop strings over the whole output, once it spans several sessions
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.committed) - len(self.prompt_ids)
+
+    def span_sessions(self, tokenizer) -> None:
+        """The output now spans sessions (or device decoding): check stop strings over all of it on the edge,
+        so that one across a boundary stops the generation as it would have stopped one session."""
+        if self.edge_stop is not None or not self.stopping.stop_strings:
+            return
+        criteria = StoppingCriteria(2**31 - 1, (), self.stopping.stop_strings, ignore_eos=True)
+        self.edge_stop = StopChecker(tokenizer, criteria, (), len(self.prompt_ids), 2**31)
+        if self.num_generated:
+            self.edge_stop.append(self.committed[len(self.prompt_ids):])
+
+    def cut(self, tokens: list[int], reason: FinishReason | None) -> tuple[list[int], FinishReason | None]:
+        """``tokens`` about to be committed (with the stop ``reason`` found for them, if any), cut at a stop
+        string that only the whole output shows; the earliest stop wins, then the stopping rule's order."""
+        if self.edge_stop is None or self.edge_stop.finished:
+            return tokens, reason
+        n, edge_reason = self.edge_stop.append(tokens)
+        if edge_reason is None:
+            return tokens, reason
+        if n < len(tokens) or reason is None:
+            return tokens[:n], edge_reason
+        return tokens, min(reason, edge_reason, key=_STOP_ORDER.index)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -105,15 +209,25 @@ class EdgeClient:
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise
             (:class:`edge_client.policy.ProactiveBet`).
-        timeout_s: deadline of each verify step, s.
+        timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
+        fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":
+            decode with the draft model alone meanwhile, unverified (:mod:`edge_client.fallback`), needs a draft
+            model.
+        reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
+            session (prompt: everything committed so far) goes on verified.
+
+    Resilience (:mod:`edge_client.failover` does the retries of a call on other replicas): a session whose
+    record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
+    committed as its prompt and the same seed, so the output does not change.
 
     Seeded sampling is reproducible for a fixed speculation schedule: a sampled session with a seed runs with
     adaptive γ and proactive drafting off (both depend on timing, and the tokens of speculative sampling depend
     on where blocks end). Greedy output never depends on them.
 
     Raises:
-        InvalidRequestError: num_speculative_tokens < 1, or min_confidence outside [0, 1).
+        InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
+            reconnect_interval_s <= 0.
     """
 
     def __init__(
@@ -128,7 +242,17 @@ class EdgeClient:
         proactive: bool = False,
         timeout_s: float = 60.0,
         open_timeout_s: float = 600.0,
+        fallback: str = "none",
+        reconnect_interval_s: float = 5.0,
     ):
+        from edge_client.fallback import FALLBACK_MODES
+
+        if fallback not in FALLBACK_MODES:
+            raise InvalidRequestError(f"fallback must be one of {', '.join(FALLBACK_MODES)}, got {fallback!r}")
+        if not reconnect_interval_s > 0:
+            raise InvalidRequestError(f"reconnect_interval_s must be > 0, got {reconnect_interval_s}")
+        self.fallback = fallback
+        self.reconnect_interval_s = reconnect_interval_s
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not 0.0 <= min_confidence < 1.0:
@@ -147,22 +271,46 @@ class EdgeClient:
 
     @classmethod
     def connect(
-        cls, address: str, draft_dir: str | Path | None = None, *, draft_top_k: int = 8, connect_timeout_s: float = 10.0,
-        **kwargs,
+        cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *, draft_top_k: int = 8,
+        connect_timeout_s: float = 10.0, retry_policy=None, fallback: str = "none", tls: bool = False,
+        root_certificates=None, api_key: str | None = None, certificate_chain=None, private_key=None, **kwargs,
     ) -> "EdgeClient":
-        """Client for a verifier at ``address`` ("host:port") with the ONNX draft at ``draft_dir`` (default draft).
+        """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft).
+
+        Args:
+            address: "host:port", several ("host:port,host:port" or a list: tried in order, the first preferred)
+                or one load balancer; calls that fail are retried on the next one
+                (:class:`edge_client.failover.FailoverBackend`).
+            connect_timeout_s: connecting to one address, s (when ``retry_policy`` is None).
+            retry_policy: :class:`edge_client.failover.RetryPolicy` (default: its defaults).
+            fallback: "none" or "device" (decode on the device alone while no verifier answers; then the
+                client starts even when none answers now).
+            tls: TLS channels (implied by ``root_certificates`` or a client certificate).
+            root_certificates: PEM (bytes, text or file path) of the CA that signs the verifiers' certificates;
+                None = the system's roots.
+            api_key: sent as ``authorization: Bearer <key>`` on every call; None = ``$SPECDEC_API_KEY`` if set.
+            certificate_chain, private_key: PEM client certificate and key (mutual TLS).
+            **kwargs: :class:`EdgeClient` options.
 
         Raises:
-            ModelNotFoundError: no draft at ``draft_dir``. VerifierUnavailableError: the verifier is unreachable.
+            ModelNotFoundError: no draft at ``draft_dir``. VerifierUnavailableError: no verifier is reachable
+            (with ``fallback="none"``). InvalidRequestError: a malformed address. ValueError: a certificate
+            file unreadable or not PEM.
         """
         from common.paths import default_model_paths, resolve_draft_dir
         from edge_client.drafter import ModelDrafter
-        from edge_client.grpc_backend import GrpcBackend
+        from edge_client.failover import FailoverBackend, RetryPolicy
         from edge_client.onnx_draft import OnnxDraftModel
 
         model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
-        backend = GrpcBackend(address, connect_timeout_s=connect_timeout_s)
-        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k), model.tokenizer, **kwargs)
+        policy = retry_policy or RetryPolicy(connect_timeout_s=connect_timeout_s)
+        from edge_client.credentials import ChannelSecurity
+
+        security = ChannelSecurity.of(tls=tls, root_certificates=root_certificates, api_key=api_key,
+                                      certificate_chain=certificate_chain, private_key=private_key)
+        backend = FailoverBackend(address, policy=policy, connect=fallback == "none", security=security)
+        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k), model.tokenizer, fallback=fallback,
+                   **kwargs)
 
     # ------------------------------------------------------------------ generation
     def stream(
@@ -180,11 +328,34 @@ class EdgeClient:
         chat: bool = True,
     ) -> Iterator[str]:
         """Generate; yield text deltas as tokens are committed. The result is in ``self.last_result`` after.
+        With device fallback, text of unverified tokens comes out too: :meth:`stream_chunks` flags it.
 
         Raises:
             InvalidRequestError, PreconditionError, CapacityError, SessionNotFoundError,
             VerifierUnavailableError, DeadlineError (common.errors).
         """
+        for chunk in self.stream_chunks(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
+        ):
+            yield chunk.text
+
+    def stream_chunks(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        stop_token_ids: list[int] | tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        chat: bool = True,
+    ) -> Iterator[Chunk]:
+        """Generate; yield :class:`Chunk` (text, verified) as tokens are committed: ``verified`` is False for
+        text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`."""
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), ignore_eos)
         try:
@@ -243,10 +414,11 @@ class EdgeClient:
             DeadlineError: no verdict within ``timeout_s``; any SpecdecError the backend set on the future.
         """
         t_sent, done_at = sent
+        timeout_s = max(self.timeout_s, getattr(self.backend, "max_call_s", 0.0))  # the backend's retries fit
         try:
-            verdict = future.result(timeout=self.timeout_s)
+            verdict = future.result(timeout=timeout_s)
         except FutureTimeoutError:
-            raise DeadlineError(f"verify step took longer than {self.timeout_s} s") from None
+            raise DeadlineError(f"verify step took longer than {timeout_s} s") from None
         return verdict, ((done_at[0] if done_at else time.perf_counter()) - t_sent) * 1000
 
     def _policy(self, sampling: SamplingParams, requested_seed: int | None, max_num_speculative_tokens: int
@@ -262,73 +434,166 @@ class EdgeClient:
             bet = ProactiveBet(lambda ids, n, should_stop: self._draft(ids, n, sampling, should_stop))
         return adaptive, bet
 
-    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria) -> Iterator[str]:
-        """One session: the loop of the module docstring; sets ``self.last_result`` when it ends."""
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria
+                  ) -> Iterator[Chunk]:
+        """One generation: the loop of the module docstring over one session — or over several after failures:
+        a session whose record vanished (NOT_FOUND) is re-opened with everything committed as its prompt, and
+        with ``fallback="device"`` an unreachable cloud is bridged by decoding on the device (unverified) until
+        a verifier answers again. Sets ``self.last_result`` when it ends."""
         t0 = time.perf_counter()
-        opened: SessionOpened = self.backend.open_session(
-            prompt_ids, sampling, stopping, self.fingerprint, timeout_s=self.open_timeout_s
-        )
-        requested_seed, sampling = sampling.seed, dataclasses.replace(sampling, seed=opened.seed)
-        committed, stats = list(prompt_ids), GenerationStats()
-        detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_strings)
-        capacity = min(opened.max_context_tokens, len(prompt_ids) + stopping.max_new_tokens)
+        failovers_before = getattr(self.backend, "num_failovers", 0)
+        requested_seed = sampling.seed
+        run = _Run(list(prompt_ids), stopping, _Output(self.tokenizer, stopping.stop_strings),
+                   committed=list(prompt_ids))
+        while run.finish_reason is None:
+            if len(run.session_ids) >= _MAX_SESSIONS:
+                raise VerifierUnavailableError(f"gave up after {_MAX_SESSIONS} sessions for one generation")
+            try:
+                opened = self._open(run, sampling)
+            except (VerifierUnavailableError, DeadlineError) as e:
+                sampling = _with_seed(sampling)  # device decoding and the sessions after it draw with one seed
+                yield from self._on_device(run, sampling, e)
+                continue
+            if sampling.seed is None:  # the first session picks it; a re-opened one keeps it (same draws)
+                sampling = dataclasses.replace(sampling, seed=opened.seed)
+            try:
+                yield from self._verify_session(run, opened, sampling, requested_seed)
+            except SessionNotFoundError as e:  # the record vanished (store restarted empty, expired): re-open
+                log.info("session %s: %s; re-opening it from the %d committed tokens", opened.session_id, e,
+                         len(run.committed))
+                run.span_sessions(self.tokenizer)
+                continue
+            except (VerifierUnavailableError, DeadlineError) as e:  # no verifier within the retry budget
+                yield from self._on_device(run, sampling, e)
+                continue
+            except BaseException:
+                self._close_session(opened.session_id)
+                raise
+            self._close_session(opened.session_id)
+        yield from run.out.finish(run.finish_reason)
+        self.last_result = self._result(run, t0, getattr(self.backend, "num_failovers", 0) - failovers_before)
+
+    def _open(self, run: _Run, sampling: SamplingParams) -> SessionOpened:
+        """Open a session whose prompt is everything committed so far (the prompt, at first)."""
+        rest = dataclasses.replace(run.stopping, max_new_tokens=run.stopping.max_new_tokens - run.num_generated)
+        opened = self.backend.open_session(run.committed, sampling, rest, self.fingerprint,
+                                           timeout_s=self.open_timeout_s)
+        run.session_ids.append(opened.session_id)
+        run.max_context_tokens = opened.max_context_tokens
+        return opened
+
+    def _verify_session(self, run: _Run, opened: SessionOpened, sampling: SamplingParams,
+                        requested_seed: int | None) -> Iterator[Chunk]:
+        """Draft, verify, commit and stream in one session until the generation finishes (``run.finish_reason``
+        set) or a call fails (raised)."""
+        committed, stats = run.committed, run.stats
+        capacity = min(opened.max_context_tokens, len(run.prompt_ids) + run.stopping.max_new_tokens)
         max_num_speculative_tokens = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
         adaptive, bet = self._policy(sampling, requested_seed, max_num_speculative_tokens)
-        finish_reason = None
-        try:
-            for seq in itertools.count(1):
-                room = capacity - len(committed) - 1  # the verdict always adds one token of its own
-                wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
-                block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)), sampling, bet)
-                future, sent = self._send(opened.session_id, seq, committed, block)
-                if bet is not None and len(block) and not future.done():
-                    # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
-                    draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, future.done)
-                verdict, round_trip_ms = self._wait(future, sent)
-                committed.extend(verdict.committed_token_ids)
-                if adaptive is not None:
-                    # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
-                    # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
-                    # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
-                    hidden = hit or stats.num_drafts == 0
-                    adaptive.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
-                                     round_trip_ms, verdict.forward_ms)
-                stats.observe(len(block), verdict, draft_s=draft_s, proactive_hit=hit)
-                delta = detok.push(verdict.committed_token_ids)
-                if delta:
-                    yield delta
-                if verdict.finished:
-                    finish_reason = verdict.finish_reason
-                    break
-            tail = detok.finish(finish_reason)
-            if tail:
-                yield tail
-        finally:
-            try:
-                self.backend.close_session(opened.session_id)
-            except Exception:
-                pass
-        self.last_result = self._result(opened, prompt_ids, committed, finish_reason, stopping, stats, t0)
+        for seq in itertools.count(1):
+            room = capacity - len(committed) - 1  # the verdict always adds one token of its own
+            wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
+            block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)), sampling, bet)
+            future, sent = self._send(opened.session_id, seq, committed, block)
+            if bet is not None and len(block) and not future.done():
+                # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
+                draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, future.done)
+            verdict, round_trip_ms = self._wait(future, sent)
+            tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
+            committed.extend(tokens)
+            if adaptive is not None:
+                # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
+                # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
+                # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
+                hidden = hit or stats.num_drafts == 0
+                adaptive.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
+                                 round_trip_ms, verdict.forward_ms)
+            stats.observe(len(block), verdict, draft_s=draft_s, proactive_hit=hit)
+            yield from run.out.push(tokens, verified=True)
+            if reason is not None:
+                run.finish_reason = reason
+                return
 
-    def _result(self, opened: SessionOpened, prompt_ids: list[int], committed: list[int],
-                finish_reason: FinishReason | None, stopping: StoppingCriteria,
-                stats: GenerationStats, t0: float) -> GenerationResult:
-        """The GenerationResult of a finished session (text cut at the earliest stop, wire bytes if counted);
-        sets the counters known only at the end (``t0``: ``time.perf_counter()`` when the generation began)."""
-        generated = committed[len(prompt_ids):]
+    def _on_device(self, run: _Run, sampling: SamplingParams, error: BaseException) -> Iterator[Chunk]:
+        """No verifier answers: with ``fallback="device"`` decode with the draft alone (same sampling parameters
+        and stopping rule, the draft's own distribution) until a probe of the cloud succeeds or the generation
+        finishes; else raise ``error``. At least one token is decoded per call (progress)."""
+        from edge_client.fallback import CloudProbe, DeviceDecoder
+
+        if self.fallback != "device" or not DeviceDecoder.supports(self.drafter):
+            raise error
+        decoder = DeviceDecoder(self.drafter)
+        run.span_sessions(self.tokenizer)
+        max_context = run.max_context_tokens or decoder.max_context_tokens
+        remaining = run.stopping.max_new_tokens - run.num_generated
+        if len(run.committed) >= max_context:
+            run.finish_reason = FinishReason.CONTEXT
+            return
+        stop = StopChecker(self.tokenizer, dataclasses.replace(run.stopping, max_new_tokens=remaining),
+                           decoder.eos_token_ids(), len(run.committed), max_context)
+        log.info("no verifier answers (%s): decoding on the device with the draft model alone (unverified)",
+                 error)
+        probe = CloudProbe(self._probe_fn(), self.reconnect_interval_s)
+        try:
+            while True:
+                token = decoder.next_token(run.committed, sampling)
+                n, reason = stop.append([token])
+                tokens, reason = run.cut([token], reason)
+                run.committed.extend(tokens)
+                run.num_unverified += len(tokens)
+                yield from run.out.push(tokens, verified=False)
+                if reason is not None:
+                    run.finish_reason = reason
+                    return
+                if probe.ready:
+                    log.info("a verifier answers again: continuing verified (%d tokens were decoded on the device)",
+                             run.num_unverified)
+                    return
+        finally:
+            probe.stop()
+
+    def _probe_fn(self) -> Callable[[], bool]:
+        """True when the cloud answers (the backend's ``probe``, or its health check)."""
+        probe = getattr(self.backend, "probe", None)
+        if probe is not None:
+            return lambda: probe(min(2.0, self.reconnect_interval_s))
+        check = getattr(self.backend, "check_health", None)
+        if check is not None:
+            return lambda: check(2.0)
+        return lambda: True
+
+    def _close_session(self, session_id: str) -> None:
+        try:
+            self.backend.close_session(session_id)
+        except Exception:  # noqa: BLE001 - best effort: an abandoned session expires by TTL
+            pass
+
+    def _result(self, run: _Run, t0: float, num_failovers: int = 0) -> GenerationResult:
+        """The GenerationResult of a finished generation (text cut at the earliest stop, wire bytes of all its
+        sessions if counted); sets the counters known only at the end (``t0``: ``time.perf_counter()`` when the
+        generation began)."""
+        generated = run.committed[len(run.prompt_ids):]
         wire = getattr(self.backend, "wire_stats", None)
-        wire = wire(opened.session_id) if wire else None
+        sent = received = 0
+        if wire is not None:
+            for sid in run.session_ids:
+                st = wire(sid)
+                sent, received = sent + st.bytes_sent, received + st.bytes_received
+        stats = run.stats
         stats.num_generated_tokens = len(generated)
         stats.elapsed_s = time.perf_counter() - t0
         return GenerationResult(
-            text=generated_text_for_output(self.tokenizer, generated, finish_reason, stopping.stop_strings),
+            text=generated_text_for_output(self.tokenizer, generated, run.finish_reason, run.stopping.stop_strings),
             token_ids=generated,
-            finish_reason=finish_reason,
+            finish_reason=run.finish_reason,
             stats=stats,
-            session_id=opened.session_id,
-            prompt_token_ids=list(prompt_ids),
-            bytes_sent=wire.bytes_sent if wire else 0,
-            bytes_received=wire.bytes_received if wire else 0,
+            session_id=run.session_ids[-1] if run.session_ids else "",
+            prompt_token_ids=list(run.prompt_ids),
+            bytes_sent=sent,
+            bytes_received=received,
+            num_failovers=num_failovers,
+            num_unverified_tokens=run.num_unverified,
+            num_sessions=len(run.session_ids),
         )
 
     def close(self) -> None:

@@ -124,6 +124,18 @@ class ModelDrafter:
         self._cached_ids.extend(missing)
         return logits[-1]
 
+    def next_token_logits(self, committed_token_ids: list[int]) -> np.ndarray:
+        """The draft's raw logits [vocab_size] (float32) for the token after ``committed_token_ids`` (non-empty),
+        reusing and then extending the KV cache as :meth:`propose` does (device fallback decoding,
+        :mod:`edge_client.fallback`).
+
+        Raises:
+            ValueError: empty ``committed_token_ids``.
+        """
+        if not committed_token_ids:
+            raise ValueError("committed_token_ids must not be empty")
+        return self._sync(committed_token_ids)
+
     def propose(
         self,
         committed_token_ids: list[int],

@@ -38,6 +38,7 @@ from common.errors import (
     VerifierUnavailableError,
     error_for_status,
 )
+from common.keepalive import client_keepalive_options
 from common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.wire import (
     MAX_MESSAGE_BYTES,
@@ -47,6 +48,7 @@ from common.wire import (
     verdict_from_proto,
 )
 from edge_client.backend import VerifierBackend
+from edge_client.credentials import ChannelSecurity, rate_limited_error
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -55,10 +57,9 @@ log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),  # keep NAT/LB mappings of a WAN link alive, detect dead peers
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    # keep NAT/LB mappings of a WAN link alive, detect dead peers; agrees with the verifier's ping policy
+    # (common/keepalive.py)
+    *client_keepalive_options(),
 ]
 
 AFFINITY_HEADER = "x-specdec-client"  # metadata key an L7 load balancer hashes on (session affinity)
@@ -93,6 +94,23 @@ class _Pending:
 # Stream statuses that concern the connection, not one block: every pending block fails with them.
 _CONNECTION_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                      grpc.StatusCode.UNKNOWN}
+
+# Details of INTERNAL/UNKNOWN statuses that are a broken transport, not the verifier's answer: a stream reset by
+# the peer or a proxy (nginx answers RST_STREAM when its upstream replica dies), a connection closed under it.
+_BROKEN_STREAM_MARKERS = ("rst_stream", "stream removed", "socket closed", "connection reset", "goaway",
+                          "broken pipe", "end of tcp stream", "failed to connect", "upstream", "http2 header with status")
+
+
+def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
+    """True when a status is a transport failure rather than the verifier's verdict on a request: UNAVAILABLE,
+    and INTERNAL/UNKNOWN/CANCELLED statuses whose details name a reset or broken stream (a load balancer's
+    RST_STREAM or HTTP 502 after its upstream died)."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+        d = (details or "").lower()
+        return any(m in d for m in _BROKEN_STREAM_MARKERS)
+    return False
 
 
 _END = object()
@@ -198,9 +216,19 @@ class GrpcBackend(VerifierBackend):
         mode: "stream" (one bidi Verify stream, default: the faster) or "unary" (VerifyBlock per block).
         client_id: sent as the ``x-specdec-client`` metadata header of every call (default: random), so an L7
             gRPC load balancer can hash on it and keep all of this backend's calls on one replica (affinity).
+        tls: TLS channel (implied by ``root_certificates`` or a client certificate).
+        root_certificates: PEM (bytes, text or a file path) of the CA that signs the verifier's certificate;
+            None = the system's roots.
+        api_key: sent as ``authorization: Bearer <key>`` on every call (call credentials on TLS, per-call
+            metadata on plaintext); None = ``$SPECDEC_API_KEY`` if set.
+        certificate_chain, private_key: PEM client certificate and key (mutual TLS).
+        security: a ready :class:`edge_client.credentials.ChannelSecurity` (instead of the five above).
+        channel_options: gRPC channel options (default :data:`CHANNEL_OPTIONS`: message limits, keepalive).
 
     Raises:
-        VerifierUnavailableError: the verifier cannot be reached within ``connect_timeout_s``.
+        VerifierUnavailableError: the verifier cannot be reached within ``connect_timeout_s`` (also: a TLS
+            handshake that fails, e.g. a plaintext server, or a certificate the roots do not sign).
+        ValueError: a certificate file unreadable or not PEM; an API key gRPC metadata cannot carry.
     """
 
     def __init__(
@@ -212,16 +240,26 @@ class GrpcBackend(VerifierBackend):
         open_timeout_s: float = 300.0,
         mode: str = "stream",
         client_id: str | None = None,
+        tls: bool = False,
+        root_certificates=None,
+        api_key: str | None = None,
+        certificate_chain=None,
+        private_key=None,
+        security: ChannelSecurity | None = None,
+        channel_options: list[tuple[str, object]] | None = None,
     ):
         if mode not in ("unary", "stream"):
             raise ValueError(f"mode must be 'unary' or 'stream', got {mode!r}")
         self.address = address
         self.mode = mode
         self.client_id = client_id or uuid.uuid4().hex
-        self._metadata = ((AFFINITY_HEADER, self.client_id),)
+        self.security = security or ChannelSecurity.of(
+            tls=tls, root_certificates=root_certificates, api_key=api_key, certificate_chain=certificate_chain,
+            private_key=private_key)
+        self._metadata = ((AFFINITY_HEADER, self.client_id), *self.security.call_metadata())
         self.call_timeout_s = call_timeout_s
         self.open_timeout_s = open_timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = self.security.channel(address, channel_options or CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -275,6 +313,12 @@ class GrpcBackend(VerifierBackend):
             return VerifierUnavailableError(f"verifier at {self.address} unavailable: {details}")
         if code == grpc.StatusCode.CANCELLED and self._closed:
             return VerifierUnavailableError(f"backend to {self.address} closed")
+        if is_broken_stream(code, details):  # reset/broken stream: the connection failed, not the request
+            return VerifierUnavailableError(f"verifier at {self.address}: broken stream ({code.name}: {details})")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a tenant limit carries its retry hint (retry-after-ms)
+            limited = rate_limited_error(err, details)
+            if limited is not None:
+                return limited
         return error_for_status(code, details)
 
     def _check_open(self) -> None:
@@ -358,6 +402,20 @@ class GrpcBackend(VerifierBackend):
                                         metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._map_error(e) from None
+
+    def check_health(self, timeout_s: float = 2.0, service: str = "specdec.v1.Verifier") -> bool:
+        """True when the verifier (or, through a balancer, some replica) answers ``grpc.health.v1`` SERVING for
+        ``service`` within ``timeout_s`` s; False otherwise (unreachable, NOT_SERVING, no healthy upstream)."""
+        if self._closed:
+            return False
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            response = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
 
     def close_session(self, session_id: str) -> None:
         """Free the session on the verifier (an unknown/expired session is not an error)."""

@@ -26,6 +26,8 @@ __all__ = ["OnnxDraftModel"]
 _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
 _ORT_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+# shared KV buffer mode: the providers it runs on, and where their buffers live (None: numpy, else an ORT device)
+_SHARED_KV_PROVIDERS: dict[str, str | None] = {"CPUExecutionProvider": None, "CUDAExecutionProvider": "cuda"}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -41,6 +43,11 @@ def _default_providers(available: list[str]) -> list[str]:
     return providers
 
 
+def _dims(buffer: Any) -> tuple[int, ...]:
+    """Shape of a shared KV buffer (numpy array or OrtValue)."""
+    return tuple(buffer.shape) if isinstance(buffer, np.ndarray) else tuple(buffer.shape())
+
+
 class OnnxDraftModel:
     """Draft causal LM in ONNX Runtime holding the KV cache of the tokens fed so far (batch 1).
 
@@ -54,9 +61,11 @@ class OnnxDraftModel:
         share_kv_buffer: keep the KV cache in preallocated buffers that GroupQueryAttention updates in place
             (ONNX Runtime's past/present buffer sharing through IOBinding): no per-step copy of the whole cache
             into new ``present`` arrays and O(1) rollback. None (default) = on for GenAI-builder graphs (no
-            ``position_ids`` input: fused GroupQueryAttention) on the CPU provider; off otherwise. Measured on
-            the SmolLM2-135M draft, one core: one-token forward 8.6 vs 9.1 ms after 60 cached tokens, 11.5 vs
-            16.8 ms after 700 (forward + rollback), identical logits.
+            ``position_ids`` input: fused GroupQueryAttention) on the CPU or the CUDA provider; off otherwise.
+            Measured on the SmolLM2-135M draft, one core: one-token forward 8.6 vs 9.1 ms after 60 cached
+            tokens, 11.5 vs 16.8 ms after 700 (forward + rollback), identical logits. On the CUDA provider the
+            buffers are device memory (ORT-allocated OrtValues): the cache never crosses PCIe, only the token
+            ids go in and the logits come out; growing the buffers (doubling, rare) copies through the host.
 
     Attributes:
         vocab_size: width of the logits (may exceed ``len(tokenizer)`` when embeddings are padded).
@@ -117,12 +126,16 @@ class OnnxDraftModel:
         self.max_position_embeddings: int | None = self._config.get("max_position_embeddings")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         if share_kv_buffer is None:
-            share_kv_buffer = not self._has_position_ids and self.providers[0] == "CPUExecutionProvider"
+            share_kv_buffer = not self._has_position_ids and self.providers[0] in _SHARED_KV_PROVIDERS
+        # where shared KV buffers live: None = numpy arrays (bound as views, the CPU provider), else the ORT device
+        # ("cuda") of ORT-allocated buffers
+        self._kv_device: str | None = _SHARED_KV_PROVIDERS.get(self.providers[0])
         if share_kv_buffer and self._has_position_ids:
             raise ValueError("share_kv_buffer needs a GroupQueryAttention graph (no position_ids input)")
         self.share_kv_buffer = bool(share_kv_buffer)
-        self._buffers: list[np.ndarray] = []  # shared mode: [2L] arrays [1, kv_heads, capacity, head_dim]
+        self._buffers: list[Any] = []  # shared mode: [2L] numpy arrays / device OrtValues [1, kv_heads, capacity, head_dim]
         self._binding: Any = None  # shared mode: IOBinding with the buffers bound as past and present
+        self._device_kv_checked = False  # a forward on device KV buffers has succeeded
         vocab = self._logits_width()
         self.vocab_size: int = vocab if vocab is not None else self._probe_vocab_size()
         self.reset()
@@ -222,6 +235,15 @@ class OnnxDraftModel:
             raise ValueError(
                 f"{start} cached + {n} new tokens exceed the draft's context of {self.max_position_embeddings} tokens"
             )
+        if self.share_kv_buffer and self._kv_device is not None and not self._device_kv_checked:
+            try:  # the first forward on device buffers: if the provider cannot run them, carry on without
+                logits = self._forward_shared(ids, start, n)
+                self._device_kv_checked = True
+                return logits
+            except Exception as exc:  # noqa: BLE001 - any ORT failure: fall back to per-step present arrays
+                log.warning("ONNX draft: KV buffers on %s failed (%s); falling back to host KV arrays",
+                            self._kv_device, _first_line(exc))
+                self._leave_shared_mode(start)
         if self.share_kv_buffer:
             return self._forward_shared(ids, start, n)
         feeds = {"input_ids": ids, "attention_mask": np.ones((1, start + n), dtype=np.int64)}
@@ -259,7 +281,7 @@ class OnnxDraftModel:
         """Grow the shared KV buffers (doubling, at least 256 positions) to hold ``total`` positions."""
         import onnxruntime as ort
 
-        capacity = self._buffers[0].shape[2] if self._buffers else 0
+        capacity = _dims(self._buffers[0])[2] if self._buffers else 0
         if total <= capacity:
             return
         new_capacity = max(256, capacity)
@@ -270,18 +292,38 @@ class OnnxDraftModel:
         shape = (1, self.num_kv_heads, new_capacity, self.head_dim)
         buffers = []
         for old in self._buffers or [None] * (2 * self.num_layers):
-            buf = np.zeros(shape, dtype=self._kv_dtype)
-            if old is not None and self.num_cached:
-                buf[:, :, : self.num_cached] = old[:, :, : self.num_cached]
+            if self._kv_device is None:
+                buf = np.zeros(shape, dtype=self._kv_dtype)
+                if old is not None and self.num_cached:
+                    buf[:, :, : self.num_cached] = old[:, :, : self.num_cached]
+            else:  # ORT-allocated device memory: the kept positions travel through the host once per growth
+                host = np.zeros(shape, dtype=self._kv_dtype)
+                if old is not None and self.num_cached:
+                    host[:, :, : self.num_cached] = old.numpy()[:, :, : self.num_cached]
+                buf = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, self._kv_device, 0)
+                buf.update_inplace(host)
             buffers.append(buf)
         self._buffers = buffers
         io = self.session.io_binding()  # KV bound once per growth; forward() rebinds the tokens and logits
         for past_name, present_name, buf in zip(self._past_names, self._output_names[1:], buffers):
-            value = ort.OrtValue.ortvalue_from_numpy(buf)  # a view of the numpy buffer, no copy
+            # numpy: a view of the host buffer, no copy; device: the OrtValue itself
+            value = ort.OrtValue.ortvalue_from_numpy(buf) if isinstance(buf, np.ndarray) else buf
             io.bind_ortvalue_input(past_name, value)
             io.bind_ortvalue_output(present_name, value)
         io.bind_output("logits")  # bound last: get_outputs()[-1], the same slot when rebound
         self._binding = io
+
+    def _leave_shared_mode(self, keep: int) -> None:
+        """Switch to per-step ``present`` arrays, keeping the first ``keep`` cached positions."""
+        past = []
+        for buf in self._buffers or [None] * (2 * self.num_layers):
+            host = buf if isinstance(buf, np.ndarray) else (buf.numpy() if buf is not None else None)
+            past.append(np.ascontiguousarray(host[:, :, :keep]) if host is not None and keep else
+                        np.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=self._kv_dtype))
+        self.share_kv_buffer = False
+        self._buffers, self._binding = [], None
+        self._past = past
+        self.num_cached = keep
 
     def _forward_shared(self, ids: np.ndarray, start: int, n: int) -> np.ndarray:
         """forward() with past_key_values.* and present.* bound to the same preallocated buffers: the

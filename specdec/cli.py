@@ -35,6 +35,9 @@ models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models"
 app.add_typer(models_app, name="models")
 draft_app = typer.Typer(no_args_is_help=True, help="Make draft models for a target")
 app.add_typer(draft_app, name="draft")
+from specdec.keys import keys_app  # noqa: E402 - `specdec keys create|list|revoke` (API keys, docs/security.md)
+
+app.add_typer(keys_app, name="keys")
 
 
 def _quiet_transformers() -> None:
@@ -48,6 +51,21 @@ def _quiet_transformers() -> None:
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+_DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+_DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
+
+
+def _check_device(device: str, dtype: str) -> tuple[str, str]:
+    """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA)."""
+    from cloud_verifier.target import resolve_device, resolve_dtype
+
+    try:
+        dev = resolve_device(device)
+        return str(dev), str(resolve_dtype(dtype, dev)).replace("torch.", "")
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _user_errors():
@@ -136,8 +154,14 @@ def draft_install(
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
-                   network_delay_ms: float = 0.0):
-    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors()."""
+                   network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
+                   security=None, device: str = "auto", dtype: str = "auto"):
+    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors().
+
+    ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.credentials.ChannelSecurity`;
+    None = plaintext, ``$SPECDEC_API_KEY`` if set).
+
+    ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded."""
     _quiet_transformers()
     from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
     from common.vocab import check_vocab_compatible
@@ -162,15 +186,18 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     cleanup = []
     valid = None
     if server:
-        from edge_client.grpc_backend import GrpcBackend
+        from edge_client.failover import FailoverBackend, RetryPolicy
 
-        backend = GrpcBackend(server)
+        # several addresses (or one balancer): calls that fail are retried on the next one; with device fallback
+        # the client starts even when no verifier answers now
+        backend = FailoverBackend(server, policy=RetryPolicy(connect_timeout_s=10.0), connect=fallback == "none",
+                                  security=security)
     else:
         from cloud_verifier.target import TargetRunner
         from cloud_verifier.verifier import Verifier
 
         target_dir = resolve_target_dir(target or defaults.target_dir)
-        runner = TargetRunner(target_dir)
+        runner = TargetRunner(target_dir, device=device, dtype=dtype)  # the embedded verifier's target
         if draft_model is not None:
             valid = check_vocab_compatible(
                 draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
@@ -208,7 +235,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
             proposer = ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
     client = EdgeClient(
         backend, proposer, tokenizer, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
-        min_confidence=min_confidence, proactive=proactive,
+        min_confidence=min_confidence, proactive=proactive, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
     )
 
     def close():
@@ -238,11 +265,27 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
-    server: Optional[str] = typer.Option(None, help="HOST:PORT of a running verifier (default: embedded)"),
+    server: Optional[str] = typer.Option(
+        None, help="HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call "
+        "moves to the next), or a load balancer (default: embedded)"),
+    fallback: str = typer.Option(
+        "none", help="'none' or 'device': when no verifier answers, keep decoding with the draft alone "
+        "(unverified tokens, counted and reported)"),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier's certificate "
+                                           "(implies --tls)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
+                                          help="--server: API key (authorization: Bearer)"),
+    client_cert: Optional[Path] = typer.Option(None, "--client-cert", help="--server: PEM client certificate "
+                                               "(mutual TLS, with --client-key)"),
+    client_key: Optional[Path] = typer.Option(None, "--client-key", help="--server: PEM key of --client-cert"),
     in_process: bool = typer.Option(False, "--in-process", help="Call the verifier directly, without gRPC"),
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
 ):
     """Generate text with speculative decoding, streaming committed text."""
     logging.basicConfig(level=logging.WARNING)
@@ -264,11 +307,32 @@ def generate(
         _fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
     if not 0.0 <= min_confidence < 1.0:
         _fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
+    if not server:  # the embedded verifier's target: no CUDA is one line, before any model loads
+        _check_device(device, dtype)
+    if fallback not in ("none", "device"):
+        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+    if not reconnect_interval_s > 0:
+        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+    if fallback == "device" and (target_only or drafter != "model"):
+        _fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
+    security = None
+    if server:
+        from edge_client.credentials import ChannelSecurity
+
+        try:
+            security = ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key,
+                                          certificate_chain=client_cert, private_key=client_key)
+        except ValueError as e:
+            _fail(str(e))
+    elif tls or ca_cert or client_cert or client_key:
+        _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
     try:
         client, close = build_pipeline(
             target, draft, server=server, in_process=in_process, target_only=target_only,
             draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
             adaptive=adaptive, min_confidence=min_confidence, proactive=proactive, network_delay_ms=network_delay_ms,
+            fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
+            device=device, dtype=dtype,
         )
     except _user_errors() as e:
         _fail(str(e))
@@ -286,6 +350,12 @@ def generate(
         _fail(str(e))
     finally:
         close()
+    if result.num_unverified_tokens:  # never pass the draft's tokens off as the target's
+        typer.echo(
+            f"notice: {result.num_unverified_tokens} of {result.stats.num_generated_tokens} tokens were decoded on "
+            "the device by the draft model alone while no verifier answered: they are not verified by the target",
+            err=True,
+        )
     if as_json:
         typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
     else:
@@ -306,8 +376,22 @@ def serve(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL of the session store (env SPECDEC_REDIS_URL)"),
     target: Optional[str] = typer.Option(None, help="Target HF directory (env SPECDEC_TARGET)"),
     metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics port, 0 = off (env SPECDEC_METRICS_PORT)"),
+    device: Optional[str] = typer.Option(None, help=f"Target device: {_DEVICE_HELP} (env SPECDEC_DEVICE; default auto)"),
+    dtype: Optional[str] = typer.Option(None, help=f"Target weights and KV cache: {_DTYPE_HELP} (env SPECDEC_DTYPE; "
+                                        "default auto)"),
+    tls_cert_file: Optional[str] = typer.Option(None, help="PEM certificate chain: TLS-only port (env "
+                                                "SPECDEC_TLS_CERT_FILE)"),
+    tls_key_file: Optional[str] = typer.Option(None, help="PEM private key of --tls-cert-file (env SPECDEC_TLS_KEY_FILE)"),
+    tls_client_ca_file: Optional[str] = typer.Option(None, help="PEM CA of client certificates: mutual TLS (env "
+                                                     "SPECDEC_TLS_CLIENT_CA_FILE)"),
+    api_keys_file: Optional[str] = typer.Option(None, help="API-key hashes ('specdec keys create'): every call but "
+                                                "health needs a key (env SPECDEC_API_KEYS_FILE)"),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS and API keys "
+                                  "(env SPECDEC_INSECURE=1)"),
 ):
-    """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables)."""
+    """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables).
+
+    Binds 127.0.0.1 unless --host says otherwise; any other address needs TLS and API keys, or --insecure."""
     import asyncio
 
     from cloud_verifier.config import VerifierSettings
@@ -316,7 +400,10 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_transformers()
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
-                                       metrics_port=metrics_port).items() if v is not None}
+                                       metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
+    overrides.update({k: v for k, v in dict(
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
+        api_keys_file=api_keys_file, insecure=True if insecure else None).items() if v is not None})
     from pydantic import ValidationError
 
     try:
@@ -324,6 +411,7 @@ def serve(
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
+    _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line, at once
     try:
         asyncio.run(serve_async(settings))
     except (*_user_errors(), OSError, RuntimeError, ValueError) as e:
@@ -356,44 +444,72 @@ def bench(
     target: Optional[Path] = typer.Option(None),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="Skip HF assisted generation"),
+    temperature: float = typer.Option(0.0, help="Sampling temperature of all three variants (0 = greedy)"),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k of all variants (0 = off)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="Top-p of all variants (1 = off)"),
+    seed: Optional[int] = typer.Option(None, help="Seed of the sampled runs (checks they are reproducible)"),
+    replay: bool = typer.Option(
+        False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
+        "concurrent sessions of one asyncio process against a verifier process on its own cores"),
+    duration_s: Optional[float] = typer.Option(None, "--duration-s", help="--replay: measured window per N, s "
+                                               "(default 20)"),
+    device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype: {_DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Benchmark: target-only vs specdec vs HF assisted generation; or --clients, --gamma-sweep, --edge-cloud."""
+    """Benchmark: target-only vs specdec vs HF assisted generation; or --clients [--replay], --gamma-sweep,
+    --edge-cloud."""
+    from common.types import SamplingParams
     from specdec import bench as bench_mod
 
     logging.basicConfig(level=logging.WARNING)
+    if temperature > 0 and (clients or gamma_sweep or edge_cloud):
+        _fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud)")
     modes = [name for name, on in (("--clients", clients), ("--gamma-sweep", gamma_sweep),
                                    ("--edge-cloud", edge_cloud)) if on]
     if len(modes) > 1:
         _fail(f"{' and '.join(modes)} are separate modes: give one")
     if plot is not None and not gamma_sweep:
         _fail("--plot goes with --gamma-sweep")
+    if replay and not clients:
+        _fail("--replay needs --clients (e.g. --clients 1,16,64)")
+    if duration_s is not None and not replay:
+        _fail("--duration-s goes with --replay")
+    _check_device(device, dtype)
     try:
         client_counts = [int(c) for c in clients.split(",")] if clients else None
     except ValueError:
         _fail(f"--clients must be comma-separated integers, got {clients!r}")
     try:
-        if client_counts:
-            report = bench_mod.run_clients_bench(
-                prompts, client_counts, limit=limit, max_new_tokens=max_new_tokens,
-                num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, progress=not as_json,
-            )
-        elif gamma_sweep:
-            report = bench_mod.run_gamma_sweep(
-                prompts, bench_mod.parse_gamma_sweep(gamma_sweep), limit=limit, max_new_tokens=max_new_tokens,
-                target=target, draft=draft, min_confidence=min_confidence, progress=not as_json, plot=plot,
-            )
-        elif edge_cloud:
-            report = bench_mod.run_edge_cloud_bench(
-                prompts, bench_mod.parse_delays_ms(delays_ms), limit=limit, max_new_tokens=max_new_tokens,
-                num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
-                target=target, draft=draft, progress=not as_json, pin=pin,
-            )
-        else:
-            report = bench_mod.run_bench(
-                prompts, limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-                target=target, draft=draft, hf_assisted=not no_hf, progress=not as_json,
-            )
+        with bench_mod.target_placement(device, dtype):  # the target's device in every mode
+            if replay:
+                report = bench_mod.run_replay_bench(
+                    prompts, client_counts, duration_s=bench_mod.REPLAY_DEFAULT_DURATION_S if duration_s is None else duration_s,
+                    limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+                    target=target, draft=draft, progress=not as_json,
+                )
+            elif client_counts:
+                report = bench_mod.run_clients_bench(
+                    prompts, client_counts, limit=limit, max_new_tokens=max_new_tokens,
+                    num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, progress=not as_json,
+                )
+            elif gamma_sweep:
+                report = bench_mod.run_gamma_sweep(
+                    prompts, bench_mod.parse_gamma_sweep(gamma_sweep), limit=limit, max_new_tokens=max_new_tokens,
+                    target=target, draft=draft, min_confidence=min_confidence, progress=not as_json, plot=plot,
+                )
+            elif edge_cloud:
+                report = bench_mod.run_edge_cloud_bench(
+                    prompts, bench_mod.parse_delays_ms(delays_ms), limit=limit, max_new_tokens=max_new_tokens,
+                    num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
+                    target=target, draft=draft, progress=not as_json, pin=pin,
+                )
+            else:
+                report = bench_mod.run_bench(
+                    prompts, limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+                    target=target, draft=draft, hf_assisted=not no_hf, progress=not as_json,
+                    sampling=SamplingParams(temperature, top_k, top_p, seed),
+                )
     except (*_user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         _fail(str(e))
     if as_json:

@@ -31,7 +31,8 @@ class EmbeddedServer:
     """A verifier gRPC server on 127.0.0.1 (free port) in a background thread with its own event loop.
 
     ``verifier``: serve this verifier (not freed on stop); None = ``Verifier.from_settings(settings)``
-    (default settings), freed on stop. ``grace_s``: shutdown grace period, s.
+    (default settings), freed on stop. ``grace_s``: shutdown grace period, s. ``security``: TLS credentials and
+    API keys of the port (:class:`cloud_verifier.security.ServerSecurity`; None = plaintext, no authentication).
 
     Usage::
 
@@ -40,7 +41,8 @@ class EmbeddedServer:
     """
 
     def __init__(self, verifier: "Verifier | None" = None, settings: "VerifierSettings | None" = None, *,
-                 host: str = "127.0.0.1", grace_s: float = 5.0):
+                 host: str = "127.0.0.1", grace_s: float = 5.0, security=None):
+        self.security = security
         self.verifier = verifier
         self.settings = settings
         self.host = host
@@ -80,7 +82,7 @@ class EmbeddedServer:
             self._loop = asyncio.get_running_loop()
             self._stop_event = asyncio.Event()
             self._server = VerifierServer(self.verifier, host=self.host, port=0, grace_s=self.grace_s,
-                                          owns_verifier=owns)
+                                          owns_verifier=owns, security=self.security)
             try:
                 await self._server.start()
             except BaseException as e:

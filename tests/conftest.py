@@ -192,3 +192,14 @@ def real_pair():
     from specdec.models import prepare_models
 
     return prepare_models(progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- skip policy
+# SPECDEC_REQUIRE_ALL=1 (set by .ci/run): a skipped test fails the run unless its reason is allow-listed
+# (tests/_skip_policy.py). Run with -rs to see every skip reason.
+
+
+def pytest_configure(config):
+    from _skip_policy import pytest_configure as register_skip_policy
+
+    register_skip_policy(config)

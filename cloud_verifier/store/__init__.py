@@ -52,6 +52,7 @@ class SessionRecord:
     finished: bool = False
     finish_reason: FinishReason | None = None
     last_seq: int = 0  # seq of the last committed block
+    tenant_id: str = ""  # tenant that opened the session (its API key's); "" when authentication is off
 
     @property
     def committed_length(self) -> int:
@@ -90,16 +91,19 @@ class SessionStore(abc.ABC):
         finished: bool,
         finish_reason: FinishReason | None,
         now: float,
+        verifier_id: str | None = None,
     ) -> int:
         """Atomic compare-and-append of committed tokens; returns the new committed length (tokens).
 
-        Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens), records
-        ``seq``, ``finished``/``finish_reason`` and ``now`` (unix s) as last-seen, and refreshes the TTL of all
-        the session's keys.
+        Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens) and, when
+        ``verifier_id`` is given, only if that replica still holds the session (a replica that lost it to a
+        claim or gave it up cannot commit); records ``seq``, ``finished``/``finish_reason`` and ``now`` (unix s)
+        as last-seen, and refreshes the TTL of all the session's keys.
 
         Raises:
             SessionNotFoundError: the session is unknown or expired.
-            InvalidRequestError: the stored length differs (a stale or duplicate block); nothing changes.
+            InvalidRequestError: the stored length differs (a stale or duplicate block), or the session is held
+                by another replica than ``verifier_id``; nothing changes.
             PreconditionError: the session already finished; nothing changes.
         """
 
@@ -116,6 +120,12 @@ class SessionStore(abc.ABC):
     def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
         """Make ``verifier_id`` the holder of the session (resume on another replica), atomically moving it
         between the replicas' session sets; refreshes the TTL. False when the session is gone."""
+
+    @abc.abstractmethod
+    def disown(self, session_id: str, verifier_id: str) -> bool:
+        """Give the session up (graceful shutdown of replica ``verifier_id``): it stays in the store, held by no
+        replica (``verifier_id`` ""), so the next block, on any replica, resumes it there. Only if
+        ``verifier_id`` holds it; True when given up."""
 
     @abc.abstractmethod
     def session_ids_of(self, verifier_id: str) -> list[str]:
@@ -142,6 +152,13 @@ def check_tokens(token_ids: list[int]) -> None:
 def copy_record(record: SessionRecord) -> SessionRecord:
     """A copy that shares no mutable list with ``record``."""
     return dataclasses.replace(record, committed_token_ids=list(record.committed_token_ids))
+
+
+def not_owner(session_id: str, verifier_id: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"session {session_id!r} is no longer held by replica {verifier_id!r} (resumed elsewhere or given up): "
+        "stale copy, nothing committed"
+    )
 
 
 def length_mismatch(session_id: str, expected: int, actual: int) -> InvalidRequestError:

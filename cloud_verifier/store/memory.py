@@ -17,6 +17,7 @@ from cloud_verifier.store import (
     finished_error,
     length_mismatch,
     not_found,
+    not_owner,
 )
 
 
@@ -57,12 +58,15 @@ class MemorySessionStore(SessionStore):
             record = self._live(session_id)
             return None if record is None else copy_record(record)
 
-    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now) -> int:
+    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now,
+                         verifier_id=None) -> int:
         check_tokens(token_ids)
         with self._lock:
             record = self._live(session_id)
             if record is None:
                 raise not_found(session_id)
+            if verifier_id is not None and record.verifier_id != verifier_id:
+                raise not_owner(session_id, verifier_id)
             if record.committed_length != expected_length:
                 raise length_mismatch(session_id, expected_length, record.committed_length)
             if record.finished:
@@ -100,6 +104,14 @@ class MemorySessionStore(SessionStore):
             record.verifier_id = verifier_id
             record.last_seen_at = now
             self._refresh(session_id)
+            return True
+
+    def disown(self, session_id: str, verifier_id: str) -> bool:
+        with self._lock:
+            record = self._live(session_id)
+            if record is None or record.verifier_id != verifier_id:
+                return False
+            record.verifier_id = ""
             return True
 
     def session_ids_of(self, verifier_id: str) -> list[str]:

@@ -2,7 +2,7 @@
 
 Key layout (``P`` = prefix, e.g. ``specdec:v1:``)::
 
-    P session:<id>                hash   metadata (sampling/stopping as JSON, times in unix s)
+    P session:<id>                hash   metadata (sampling/stopping as JSON, times in unix s, tenant_id)
     P session:<id>:tokens         string committed token ids (prompt + output), little-endian int32
     P verifier:<vid>:sessions     zset   session ids held by replica <vid>, scored by last-seen (unix s)
 
@@ -28,6 +28,7 @@ from cloud_verifier.store import (
     finished_error,
     length_mismatch,
     not_found,
+    not_owner,
 )
 from common.errors import VerifierUnavailableError
 from common.types import FinishReason, SamplingParams, StoppingCriteria
@@ -95,6 +96,15 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
+# KEYS: session hash, verifier zset.  ARGV: session id, verifier id.
+# Returns 1 given up (held by no replica: verifier_id '') | 0 not found | -3 held by another verifier.
+_DISOWN_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return -3 end
+redis.call('HSET', KEYS[1], 'verifier_id', '')
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
 
 # KEYS: session hash, tokens string, old verifier zset, new verifier zset.
 # ARGV: session id, old verifier id, new verifier id, now, ttl ms.
@@ -153,6 +163,7 @@ class RedisSessionStore(SessionStore):
         self._touch = self.client.register_script(_TOUCH_LUA)
         self._delete = self.client.register_script(_DELETE_LUA)
         self._claim = self.client.register_script(_CLAIM_LUA)
+        self._disown = self.client.register_script(_DISOWN_LUA)
         # session id -> verifier id (the zset key that scripts update); checked by the scripts, refreshed on -3
         self._owner: dict[str, str] = {}
         self._owner_lock = threading.Lock()
@@ -234,6 +245,7 @@ class RedisSessionStore(SessionStore):
             "finished": "1" if record.finished else "0",
             "finish_reason": record.finish_reason.value if record.finish_reason else "",
             "last_seq": record.last_seq,
+            "tenant_id": record.tenant_id,  # immutable: no script rewrites it (claim/disown keep it on resume)
         }
         flat: list = []
         for k, v in fields.items():
@@ -275,9 +287,11 @@ class RedisSessionStore(SessionStore):
             finished=h.get("finished") == "1",
             finish_reason=FinishReason(h["finish_reason"]) if h.get("finish_reason") else None,
             last_seq=int(h.get("last_seq", 0)),
+            tenant_id=h.get("tenant_id", ""),
         )
 
-    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now) -> int:
+    def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now,
+                         verifier_id=None) -> int:
         packed = _pack(token_ids)
         reason = finish_reason.value if (finished and finish_reason is not None) else ""
 
@@ -285,7 +299,13 @@ class RedisSessionStore(SessionStore):
             return [session_id, vid, 4 * int(expected_length), packed, int(seq), "1" if finished else "0",
                     reason, repr(float(now)), self._ttl_ms]
 
-        result = self._run_owned(self._append, session_id, args)
+        if verifier_id is not None:  # only as that replica: the script refuses (-3) when another one holds it
+            result = self._call(self._append, keys=self.keys_of(session_id, verifier_id), args=args(verifier_id))
+            if int(result[0]) == -3:
+                self._forget(session_id)
+                raise not_owner(session_id, verifier_id)
+        else:
+            result = self._run_owned(self._append, session_id, args)
         if result is None:
             raise not_found(session_id)
         status, value = int(result[0]), int(result[1])
@@ -333,6 +353,12 @@ class RedisSessionStore(SessionStore):
                 self._forget(session_id)
                 return False
         return False
+
+    def disown(self, session_id: str, verifier_id: str) -> bool:
+        result = self._call(self._disown, keys=[self.session_key(session_id), self.verifier_key(verifier_id)],
+                            args=[session_id, verifier_id])
+        self._forget(session_id)
+        return result == 1
 
     def session_ids_of(self, verifier_id: str) -> list[str]:
         key = self.verifier_key(verifier_id)

@@ -18,6 +18,11 @@ max_new_tokens and EOS; the report records whether their token ids agree.
 channel) against ONE verifier on loopback gRPC, batched vs the same verifier verifying one block per forward
 pass (``max_batch_size=1``).
 
+:func:`run_replay_bench` (``--replay --clients 1,16,64``) — the verifier under load: draft blocks recorded once from a
+real edge client (cached), replayed by N concurrent sessions of ONE asyncio process against a ``specdec serve``
+process on cores of its own; tokens/s vs the same verifier with one block per forward pass, the kernel limit (N
+single-row forwards vs one N-row forward), verdicts checked against the recording, the verifier's memory.
+
 :func:`run_gamma_sweep` (``--gamma-sweep 1-8``) — one shared target, interleaved per prompt: target-only decoding,
 fixed γ = each value, and adaptive γ with and without confidence truncation; acceptance, τ, draft cost per token
 relative to a target forward, tokens/s and speedup per γ and per category; optional PNG plot
@@ -37,13 +42,14 @@ One module per benchmark (:mod:`.offline`, :mod:`.clients`, :mod:`.gamma_sweep`,
 from __future__ import annotations
 
 # _shared first: importing it sets OMP_WAIT_POLICY before anything here can load torch.
-from ._shared import WARMUP_NEW_TOKENS  # isort: skip
+from ._shared import WARMUP_NEW_TOKENS, target_placement  # isort: skip
 from .clients import CLIENTS_DEFAULT_LIMIT, run_clients_bench
 from .edge_cloud import EDGE_CLOUD_VARIANTS, parse_delays_ms, run_edge_cloud_bench
 from .gamma_sweep import SWEEP_ADAPTIVE_VARIANTS, parse_gamma_sweep, plot_gamma_sweep, run_gamma_sweep
 from .hf_assisted import HF_DRAFT_MODES, draft_pytorch_source
 from .offline import VARIANTS, run_bench
 from .prompts import BenchPrompt, load_prompts
+from .replay import REPLAY_DEFAULT_DURATION_S, run_replay_bench
 from .report import print_report
 from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcessError
 from .verifier_process import _VerifierProcess  # noqa: F401  (the tests start one directly)
@@ -51,6 +57,7 @@ from .verifier_process import _VerifierProcess  # noqa: F401  (the tests start o
 __all__ = [
     "BenchPrompt",
     "CLIENTS_DEFAULT_LIMIT",
+    "REPLAY_DEFAULT_DURATION_S",
     "EDGE_CLOUD_VARIANTS",
     "HF_DRAFT_MODES",
     "SWEEP_ADAPTIVE_VARIANTS",
@@ -68,4 +75,6 @@ __all__ = [
     "run_clients_bench",
     "run_edge_cloud_bench",
     "run_gamma_sweep",
+    "run_replay_bench",
+    "target_placement",
 ]

@@ -3,6 +3,7 @@ greedy agreement and the config fields every report records."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
@@ -22,6 +23,26 @@ _ENV_AT_IMPORT = frozenset(os.environ)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 WARMUP_NEW_TOKENS = 4  # tokens of the untimed warm-up generation of each variant
+
+# Device and dtype of the target in every bench mode (``specdec bench --device/--dtype``): names as in
+# cloud_verifier.target.resolve_device / resolve_dtype. HF assisted generation stays on the CPU in float32.
+_TARGET_PLACEMENT = {"device": "auto", "dtype": "auto"}
+
+
+@contextlib.contextmanager
+def target_placement(device: str = "auto", dtype: str = "auto"):
+    """Run the benches inside the ``with`` body with the target on ``device`` in ``dtype``."""
+    saved = dict(_TARGET_PLACEMENT)
+    _TARGET_PLACEMENT.update(device=device, dtype=dtype)
+    try:
+        yield
+    finally:
+        _TARGET_PLACEMENT.update(saved)
+
+
+def _target_placement() -> dict:
+    """{"device", "dtype"} of the target for TargetRunner(...) (``auto`` allowed)."""
+    return dict(_TARGET_PLACEMENT)
 
 
 @dataclass
@@ -103,7 +124,7 @@ def _load_pair(target_dir: Path, draft_dir: Path):
     from edge_client.onnx_draft import OnnxDraftModel
 
     draft_model = OnnxDraftModel(draft_dir)
-    runner = TargetRunner(target_dir)
+    runner = TargetRunner(target_dir, **_target_placement())
     valid_vocab = check_vocab_compatible(
         draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
     )

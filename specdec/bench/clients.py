@@ -11,7 +11,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ._shared import WARMUP_NEW_TOKENS, _progress_bar, _ratio, _resolve_dirs, _threading_config, _versions
+from ._shared import (WARMUP_NEW_TOKENS, _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config,
+                      _versions)
 from .prompts import BenchPrompt, load_prompts
 
 CLIENTS_DEFAULT_LIMIT = 8  # prompts of run_clients_bench when no limit is given (keeps the run bounded)
@@ -195,7 +196,7 @@ class _ClientsRig:
         self.draft_threads = draft_threads
         self.client_drafter = client_drafter
         self.num_speculative_tokens = num_speculative_tokens
-        self.runner = TargetRunner(target_dir)
+        self.runner = TargetRunner(target_dir, **_target_placement())
         self.verifier = Verifier(self.runner, max_batch_size=max_batch_size, max_sessions=max_sessions)
         self.server = EmbeddedServer(verifier=self.verifier)
         self.address = self.server.start()

@@ -21,6 +21,7 @@ from ._shared import (
     _resolve_dirs,
     _Sample,
     _sample_of,
+    _target_placement,
     _threading_config,
     _time_draft_forward,
     _versions,
@@ -313,7 +314,9 @@ class _EdgeCloudRun:
 
         self.edge_core, self.verifier_core = _pin_plan(pin, notes)
         saved_affinity = os.sched_getaffinity(0) if self.edge_core is not None else None
-        self.server = _VerifierProcess(self.target_dir, self.verifier_core, startup_timeout_s)
+        placement = _target_placement()
+        self.server = _VerifierProcess(self.target_dir, self.verifier_core, startup_timeout_s,
+                                       env={"SPECDEC_DEVICE": placement["device"], "SPECDEC_DTYPE": placement["dtype"]})
         rig = _EdgeRig(self.delays)
         self.t0 = time.perf_counter()
         bar = None

@@ -184,10 +184,21 @@ class _CallCounter:
 
 
 def _generate_hf_assisted(hf_target: Any, draft_pt: Any, ids: list[int], n_new: int, gamma: int,
-                          eos: set[int] | frozenset[int]) -> _Sample:
-    """One greedy HF assisted generation (constant γ, EOS as the verifier's); num_steps = target forward calls."""
+                          eos: set[int] | frozenset[int], sampling: Any = None) -> _Sample:
+    """One HF assisted generation (constant γ, EOS as the verifier's); num_steps = target forward calls.
+
+    ``sampling``: a :class:`common.types.SamplingParams`; None or temperature 0 = greedy. Otherwise
+    ``do_sample=True`` with the same temperature, top-k (0 = off) and top-p, seeded with ``torch.manual_seed``
+    when a seed is given.
+    """
     import torch
 
+    sample_kw: dict[str, Any] = {"do_sample": False}
+    if sampling is not None and not sampling.greedy:
+        sample_kw = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                     "top_p": sampling.top_p}
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
     counter = _CallCounter(hf_target)
     try:
         input_ids = torch.tensor([ids], dtype=torch.long)
@@ -197,7 +208,7 @@ def _generate_hf_assisted(hf_target: Any, draft_pt: Any, ids: list[int], n_new: 
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 assistant_model=draft_pt,
-                do_sample=False,
+                **sample_kw,
                 max_new_tokens=n_new,
                 num_assistant_tokens=gamma,
                 num_assistant_tokens_schedule="constant",

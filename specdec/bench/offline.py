@@ -1,5 +1,6 @@
 """The Spec-Bench-style offline benchmark (:func:`run_bench`): target-only vs specdec vs HF assisted generation,
-greedy, interleaved per prompt, in one process."""
+interleaved per prompt, in one process; greedy by default, or sampled (temperature, top-k, top-p, seed) with the
+same settings for all three variants."""
 
 from __future__ import annotations
 
@@ -103,8 +104,15 @@ def run_bench(
     progress: bool = False,
     hf_draft: str = "dynamic_int8",
     measure_draft_agreement: bool = True,
+    sampling: Any = None,
 ) -> dict:
-    """Spec-Bench-style run: target-only vs specdec vs HF assisted generation, greedy, interleaved per prompt.
+    """Spec-Bench-style run: target-only vs specdec vs HF assisted generation, interleaved per prompt.
+
+    ``sampling``: a :class:`common.types.SamplingParams` applied to all three variants (None = greedy). Greedy runs
+    compare token ids with target-only (``greedy_agreement``); sampled runs cannot be compared token by token, so
+    the report's ``sampled_reproducibility`` re-runs the first prompts with the same seed and checks that each
+    variant of ours gives the same token ids again (null without a seed), and ``logits_processing_ms`` gives the
+    cost of logits processing per position (edge: one row; verifier: a [γ + 1, vocab] block).
 
     Returns ``{"overall": M, "categories": {name: M}, "config": {...}, "greedy_agreement": {...}, "notes": [...]}``
     with M = acceptance_rate, mean_accepted_length, tokens_per_s / speedup_vs_target_only per variant,
@@ -117,7 +125,10 @@ def run_bench(
     Raises:
         FileNotFoundError, InvalidRequestError (prompts), ModelNotFoundError (models), VocabMismatchError.
     """
-    _check_bench_args(max_new_tokens, num_speculative_tokens, hf_draft)
+    from common.types import SamplingParams
+
+    sampling = sampling or SamplingParams()
+    _check_bench_args(max_new_tokens, num_speculative_tokens, hf_draft, sampling)
     questions = load_prompts(prompts, limit)
     target_dir, draft_dir = _resolve_dirs(target, draft)
     notes: list[str] = [
@@ -126,7 +137,7 @@ def run_bench(
         _noise_note(),
     ]
     t_setup = time.perf_counter()
-    rig = _OfflineRig.open(target_dir, draft_dir, num_speculative_tokens)
+    rig = _OfflineRig.open(target_dir, draft_dir, num_speculative_tokens, sampling)
     try:
         if hf_assisted:
             rig.load_hf_assisted(target_dir, draft_dir, notes, hf_draft)
@@ -138,14 +149,19 @@ def run_bench(
         results = _run_interleaved(questions, rig.tokenizer, rig.variants, rig.run_variant, max_new_tokens, progress,
                                    "bench", rig.postfix)
         run_s = time.perf_counter() - t_run
-        fwd1, fwd_block, top1 = rig.measure_costs(results, gamma_eff, measure_draft_agreement)
+        fwd1, fwd_block, top1 = rig.measure_costs(results, gamma_eff, measure_draft_agreement and sampling.greedy)
+        reproducibility = None if sampling.greedy else rig.reproducibility(results, max_new_tokens)
     finally:
         rig.close()
 
     overall = _overall_metrics(results, rig.variants, fwd1, fwd_block, gamma_eff, top1)
     categories = {c: _summarize([r for r in results if r.prompt.category == c], rig.variants)
                   for c in _categories_of(results)}
-    agreement = _greedy_agreement(results, rig.variants, notes)
+    agreement = _greedy_agreement(results, rig.variants, notes) if sampling.greedy else None
+    if not sampling.greedy:
+        overall["logits_processing_ms"] = _logits_processing_ms(sampling, rig.valid_vocab, gamma_eff)
+        notes.append("sampled: outputs are not compared token by token; sampled_reproducibility re-runs the first "
+                     "prompts with the same seed (null without --seed)")
     predicted = _predicted_speedup(overall, gamma_eff, fwd1, fwd_block, notes)
     config = {
         "prompts": str(Path(prompts).expanduser()),
@@ -156,7 +172,9 @@ def run_bench(
         "max_new_tokens": max_new_tokens,
         "num_speculative_tokens": num_speculative_tokens,
         "num_speculative_tokens_effective": gamma_eff,
-        "decoding": "greedy",
+        "decoding": "greedy" if sampling.greedy else "sampled",
+        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                     "seed": sampling.seed},
         "target": str(target_dir),
         "draft": str(draft_dir),
         **rig.config(hf_assisted, hf_draft),
@@ -167,13 +185,30 @@ def run_bench(
         "run_s": round(run_s, 2),
         "predicted_speedup_specdec": predicted,
     }
-    return {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
-            "notes": notes}
+    report = {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
+              "notes": notes}
+    if not sampling.greedy:
+        report["sampled_reproducibility"] = reproducibility
+    return report
 
 
-def _check_bench_args(max_new_tokens: int, num_speculative_tokens: int, hf_draft: str) -> None:
+def _logits_processing_ms(sampling: Any, vocab_size: int, num_speculative_tokens: int) -> dict | None:
+    """ms per position of logits processing with ``sampling`` (specdec.logits_bench), edge and verifier."""
+    try:
+        from specdec.logits_bench import bench_logits_processing
+    except ImportError:
+        return None
+    settings = [(sampling.temperature, sampling.top_k, sampling.top_p)]
+    return bench_logits_processing(vocab_size=vocab_size, num_rows=num_speculative_tokens + 1, settings=settings)
+
+
+def _check_bench_args(max_new_tokens: int, num_speculative_tokens: int, hf_draft: str, sampling: Any) -> None:
     from common.errors import InvalidRequestError
 
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
     if max_new_tokens < 1:
         raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if num_speculative_tokens < 1:
@@ -198,9 +233,10 @@ class _OfflineRig:
     hf_target: Any = None
     draft_pt: Any = None
     draft_pt_desc: str | None = None
+    sampling: Any = None  # common.types.SamplingParams of every variant
 
     @classmethod
-    def open(cls, target_dir: Path, draft_dir: Path, num_speculative_tokens: int) -> _OfflineRig:
+    def open(cls, target_dir: Path, draft_dir: Path, num_speculative_tokens: int, sampling: Any) -> _OfflineRig:
         from cloud_verifier.verifier import Verifier
         from edge_client.client import EdgeClient
         from edge_client.drafter import ModelDrafter
@@ -219,7 +255,8 @@ class _OfflineRig:
                 num_speculative_tokens=num_speculative_tokens,
             ),
         }
-        return cls(runner, verifier, backend, draft_model, valid_vocab, clients, num_speculative_tokens)
+        return cls(runner, verifier, backend, draft_model, valid_vocab, clients, num_speculative_tokens,
+                   sampling=sampling)
 
     @property
     def tokenizer(self) -> Any:
@@ -236,10 +273,24 @@ class _OfflineRig:
     def run_variant(self, v: str, ids: list[int], n_new: int) -> _Sample:
         if v == "hf_assisted":
             return _generate_hf_assisted(self.hf_target, self.draft_pt, ids, n_new, self.num_speculative_tokens,
-                                         self.verifier.eos_token_ids)
+                                         self.verifier.eos_token_ids, self.sampling)
+        sp = self.sampling
         t = time.perf_counter()
-        res = self.clients[v].generate(ids, max_new_tokens=n_new, temperature=0.0)
+        res = self.clients[v].generate(ids, max_new_tokens=n_new, temperature=sp.temperature, top_k=sp.top_k,
+                                       top_p=sp.top_p, seed=sp.seed)
         return _sample_of(res, time.perf_counter() - t)
+
+    def reproducibility(self, results: list[_PromptResult], max_new_tokens: int, num_prompts: int = 2) -> dict | None:
+        """Seeded sampled runs again on the first ``num_prompts`` prompts: ``{variant: {"identical", "of"}}`` for
+        target_only and specdec (HF's sampler is not ours to check); None without a seed."""
+        if self.sampling.seed is None:
+            return None
+        out = {}
+        for v in ("target_only", "specdec"):
+            again = [self.run_variant(v, r.prompt_ids, max_new_tokens).token_ids for r in results[:num_prompts]]
+            same = sum(a == r.samples[v].token_ids for a, r in zip(again, results))
+            out[v] = {"identical": same, "of": len(again)}
+        return out
 
     def postfix(self, results: list[_PromptResult]) -> str:
         m = _summarize(results, self.variants)

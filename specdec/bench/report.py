@@ -15,7 +15,11 @@ def print_report(report: dict, console=None) -> None:
     if console is None:
         console = Console()
         console.width = max(console.width, 140)  # the tables are wide; piped output defaults to 80 columns
-    if "gamma_sweep" in report:
+    if "replay" in report:
+        from .replay import print_replay_report
+
+        print_replay_report(report, console)
+    elif "gamma_sweep" in report:
         _print_gamma_sweep(report, console)
     elif "edge_cloud" in report:
         _print_edge_cloud(report, console)
@@ -74,9 +78,11 @@ def _print_spec_bench(report: dict, console) -> None:
         + (f"; HF assisted τ ≈ {_fmt(o.get('hf_assisted_mean_accepted_length'))}"
            if o.get("hf_assisted_mean_accepted_length") is not None else "")
     )
-    for key, a in report.get("greedy_agreement", {}).items():
+    for key, a in (report.get("greedy_agreement") or {}).items():
         diffs = f" (first diffs: {[m['first_diff'] for m in a['mismatches']]})" if a["mismatches"] else ""
         console.print(f"greedy {key.replace('_', ' ')}: {a['identical']}/{a['of']} identical{diffs}")
+    for key, a in (report.get("sampled_reproducibility") or {}).items():
+        console.print(f"sampled {key.replace('_', ' ')} with the same seed again: {a['identical']}/{a['of']} identical")
 
 
 def _print_gamma_sweep(report: dict, console) -> None:
@@ -116,7 +122,7 @@ def _print_gamma_sweep(report: dict, console) -> None:
         f"target {_fmt(mb.get('target_forward_1_token'), '.1f')} ms, "
         f"draft {_fmt(mb.get('draft_forward_1_token'), '.1f')} ms (ratio {_fmt(mb.get('draft_cost_ratio'), '.3f')})"
     )
-    ok = {k: f"{a['identical']}/{a['of']}" for k, a in report.get("greedy_agreement", {}).items()}
+    ok = {k: f"{a['identical']}/{a['of']}" for k, a in (report.get("greedy_agreement") or {}).items()}
     console.print(f"greedy identical to target-only: {ok}")
     if cfg.get("plot"):
         console.print(f"plot: {cfg['plot']}")
@@ -152,5 +158,5 @@ def _print_edge_cloud(report: dict, console) -> None:
         f"draft one-token forward {_fmt(cfg.get('draft_forward_1_token_ms'), '.1f')} ms vs target "
         f"{_fmt(cfg.get('target_forward_1_token_ms'), '.1f')} ms (ratio {_fmt(cfg.get('draft_cost_ratio'), '.3f')})"
     )
-    bad = {k: a for k, a in report.get("greedy_agreement", {}).items() if a["mismatches"]}
+    bad = {k: a for k, a in (report.get("greedy_agreement") or {}).items() if a["mismatches"]}
     console.print("greedy outputs identical across all variants and delays" if not bad else f"greedy MISMATCH: {bad}")

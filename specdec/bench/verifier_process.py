@@ -1,5 +1,5 @@
-"""The verifier of the edge–cloud bench as a separate process: ``specdec serve`` in a subprocess, pinned to one core,
-ready when its gRPC health says SERVING."""
+"""The verifier of the edge–cloud and replay benches as a separate process: ``specdec serve`` in a subprocess, pinned
+to its own core(s), ready when its gRPC health says SERVING."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pdeathsig_preexec(core: int | None):
-    """preexec_fn of the verifier child: die with the bench process (PR_SET_PDEATHSIG), and pin to ``core``
+def _pdeathsig_preexec(cores: list[int] | None):
+    """preexec_fn of the verifier child: die with the bench process (PR_SET_PDEATHSIG), and pin to ``cores``
     when taskset is not used. libc is looked up here, in the parent: the child only calls into it."""
     import signal
 
@@ -47,9 +47,9 @@ def _pdeathsig_preexec(core: int | None):
                 prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
             except Exception:  # noqa: BLE001
                 pass
-        if core is not None:
+        if cores:
             try:
-                os.sched_setaffinity(0, {core})
+                os.sched_setaffinity(0, set(cores))
             except OSError:
                 pass
 
@@ -57,13 +57,24 @@ def _pdeathsig_preexec(core: int | None):
 
 
 class _VerifierProcess:
-    """``specdec serve`` in a subprocess (127.0.0.1, free port, no metrics, in-process session store, torch
-    threads 1), pinned with ``taskset -c CORE`` (or sched_setaffinity when taskset is missing); ready when its
-    gRPC health says SERVING. Always stop it (:meth:`stop`, bounded waits, SIGKILL as last resort)."""
+    """``specdec serve`` in a subprocess (127.0.0.1, free port, no metrics unless asked, in-process session
+    store, torch threads 1 unless asked), pinned with ``taskset -c CORES`` (or sched_setaffinity when taskset is
+    missing); ready when its gRPC health says SERVING. Always stop it (:meth:`stop`, bounded waits, SIGKILL as
+    last resort)."""
 
-    def __init__(self, target_dir: Path, core: int | None, startup_timeout_s: float = VERIFIER_STARTUP_TIMEOUT_S):
+    def __init__(self, target_dir: Path, core: int | None, startup_timeout_s: float = VERIFIER_STARTUP_TIMEOUT_S,
+                 *, cores: set[int] | None = None, metrics: bool = False, env: dict[str, str] | None = None,
+                 torch_threads: int = 1):
+        """``core``: pin to this core; ``cores``: pin to these cores instead (several); ``metrics``: serve
+        Prometheus /metrics on a free loopback port (``metrics_url``); ``env``: extra environment (e.g.
+        ``SPECDEC_MAX_BATCH_SIZE``, ``SPECDEC_DEVICE``); ``torch_threads``: torch / OpenMP threads."""
         self.target_dir = Path(target_dir)
         self.core = core
+        self.cores = sorted(cores) if cores else ([core] if core is not None else None)
+        self.metrics = metrics
+        self.metrics_url: str | None = None
+        self.extra_env = dict(env or {})
+        self.torch_threads = max(1, int(torch_threads))
         self.startup_timeout_s = startup_timeout_s
         self.proc = None
         self.address: str | None = None
@@ -91,21 +102,25 @@ class _VerifierProcess:
         env = dict(os.environ)
         for k in ("SPECDEC_REDIS_URL", "SPECDEC_HOST", "SPECDEC_PORT", "SPECDEC_METRICS_PORT", "SPECDEC_TARGET"):
             env.pop(k, None)  # no Redis: the in-process session store; the rest comes from the command line
+        threads = str(self.torch_threads)
         env.update(
-            SPECDEC_TORCH_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECDEC_GRACE_PERIOD_S="2",
+            SPECDEC_TORCH_THREADS=threads, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, SPECDEC_GRACE_PERIOD_S="2",
             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p),
         )
+        env.update(self.extra_env)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        taskset = shutil.which("taskset") if self.core is not None else None
+        taskset = shutil.which("taskset") if self.cores else None
         for attempt in range(3):  # a free port can be taken between probing and binding: retry on bind errors
             port = _free_port()
+            metrics_port = _free_port() if self.metrics else 0
             cmd = [sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--metrics-port", "0", "--target", str(self.target_dir)]
+                   "--metrics-port", str(metrics_port), "--target", str(self.target_dir)]
+            self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
             if taskset:
-                cmd = [taskset, "-c", str(self.core)] + cmd
+                cmd = [taskset, "-c", ",".join(str(c) for c in self.cores)] + cmd
                 self.pinned_with = "taskset"
-            elif self.core is not None:
+            elif self.cores:
                 self.pinned_with = "sched_setaffinity"
             self.command = cmd
             fd, name = tempfile.mkstemp(prefix="specdec-bench-verifier-", suffix=".log")
@@ -113,7 +128,7 @@ class _VerifierProcess:
             with os.fdopen(fd, "wb") as log_file:
                 self.proc = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                    cwd=str(_REPO_ROOT), preexec_fn=_pdeathsig_preexec(None if taskset else self.core),
+                    cwd=str(_REPO_ROOT), preexec_fn=_pdeathsig_preexec(None if taskset else self.cores),
                 )
             self.address = f"127.0.0.1:{port}"
             try:
@@ -122,7 +137,7 @@ class _VerifierProcess:
             except VerifierProcessError:
                 tail = self._log_tail()
                 self.stop()
-                if "cannot bind" in tail and attempt < 2:
+                if ("cannot bind" in tail or "cannot serve metrics" in tail) and attempt < 2:
                     continue
                 raise
             except BaseException:

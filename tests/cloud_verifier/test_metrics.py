@@ -60,3 +60,12 @@ def test_metrics_http_endpoint():
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "specdec_spec_decode_num_drafts_total" in body
     assert "specdec_kv_cache_used_bytes" in body
+    # the endpoint serves the values, not only the names (tests/cloud_verifier/test_metrics_values.py checks them
+    # against the clients' stats)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
+    for name in ("specdec_spec_decode_num_drafts_total", "specdec_spec_decode_num_draft_tokens_total",
+                 "specdec_spec_decode_num_accepted_tokens_total", "specdec_kv_cache_used_bytes",
+                 "specdec_kv_cache_capacity_bytes"):
+        assert served[name] == _value(name), name

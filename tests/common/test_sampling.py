@@ -2,24 +2,31 @@
 sampling, sparse (top-k) draft distributions.
 
 Reference for logits processing: transformers.generation.logits_process TemperatureLogitsWarper,
-TopKLogitsWarper, TopPLogitsWarper applied in that order (HF generate's order), then softmax.
+TopKLogitsWarper, TopPLogitsWarper applied in that order (HF generate's order), then softmax. The fast path
+(logits_to_probs: partial selection for top-p) must equal the full-sort reference
+(_logits_to_probs_reference) bit for bit: same kept set, same float64 probabilities.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
+import common.sampling as sampling
 from common.sampling import (
     Stream,
+    _logits_to_probs_reference,
     dense_draft_probs,
     logits_to_probs,
     normalize_sparse,
@@ -186,3 +193,310 @@ def test_dense_draft_probs_and_normalize_sparse():
     assert q[[1, 3, 5]].tolist() == [0, 0, 0]
     wire64 = wire.astype(np.float64)
     np.testing.assert_array_equal(normalize_sparse(wire), wire64 / wire64.sum(axis=1, keepdims=True))
+
+
+# ------------------------------------------------------------------ fast logits processing vs the reference
+# logits_to_probs selects top-p candidates by partial selection and must reproduce _logits_to_probs_reference
+# (full stable argsort) bit for bit, ties and rounding included: the edge and the verifier must keep identical
+# sets. _top_p_drop_reference is the fast path's fallback (the only full sort left); counting the rows it gets
+# shows which inputs the fast path decides itself.
+
+LM_VOCAB = 49152  # SmolLM2's vocabulary
+
+
+def assert_same_as_reference(logits, params: SamplingParams, valid_vocab_size=None) -> np.ndarray:
+    fast = logits_to_probs(logits, params, valid_vocab_size)
+    ref = _logits_to_probs_reference(logits, params, valid_vocab_size)
+    assert fast.shape == ref.shape and fast.dtype == ref.dtype == np.float64
+    np.testing.assert_array_equal(fast > 0, ref > 0)  # the kept set, token for token (readable diff first)
+    np.testing.assert_array_equal(fast.view(np.uint64), ref.view(np.uint64))  # every bit (-0.0 and NaN too)
+    return fast
+
+
+def lm_like_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:  # [rows, vocab] float32
+    """Peaked like SmolLM2's logits: Gaussian body (σ 3.5), top token ~22 above it, a head of 32 tokens."""
+    logits = rng.normal(0.0, 3.5, size=(rows, vocab))
+    head = min(32, vocab)
+    for row in logits:
+        ids = rng.choice(vocab, size=head, replace=False)
+        gaps = np.concatenate([[0.0], rng.exponential(0.6, size=head - 1)])
+        gaps[1] += rng.uniform(0.0, 3.0)
+        row[ids] = 22.0 + rng.normal() - np.cumsum(gaps)
+    return logits.astype(np.float32)
+
+
+@pytest.fixture
+def reference_rows(monkeypatch):
+    """Counts the rows the fast path hands to the reference's full sort (list of row counts per call)."""
+    calls: list[int] = []
+    original = sampling._top_p_drop_reference
+
+    def counting(probs, top_p):
+        calls.append(len(probs))
+        return original(probs, top_p)
+
+    monkeypatch.setattr(sampling, "_top_p_drop_reference", counting)
+    return calls
+
+
+SETTINGS = [  # (temperature, top_k, top_p); top_k None = vocab + 3 (>= vocab: off)
+    (0.7, 0, 0.9),
+    (0.7, 0, 0.95),
+    (0.7, 50, 1.0),
+    (0.7, 50, 0.9),
+    (1.0, 0, 1.0),
+    (1.0, 1, 0.9),  # top_k 1
+    (1.0, None, 0.9),  # top_k >= vocab
+    (1.0, 0, 1e-6),  # top_p near 0: only the most likely token
+    (1.0, 0, 1e-17),  # 1 - top_p rounds to 1.0: everything but the forced most likely token is dropped
+    (0.7, 0, 0.999999),  # top_p near 1: wide nuclei, widening
+    (0.7, 0, 0.5),
+    (1e-4, 0, 0.9),  # near-greedy: one or few tokens of non-zero probability
+    (1e4, 0, 0.9),  # near-uniform: the nucleus is most of the vocabulary
+    (1e4, 0, 0.999999),
+]
+
+
+@pytest.mark.parametrize("vocab", [2, 7, 50, 1000, LM_VOCAB])
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_fast_path_equals_reference_fixed_seeds(vocab, temperature, top_k, top_p):
+    rng = np.random.default_rng([vocab, int(temperature * 1e4), top_k or 0, int(top_p * 1e6)])
+    logits = lm_like_logits(rng, 5, vocab)
+    if vocab >= 7:
+        logits[0, rng.choice(vocab, size=vocab // 3, replace=False)] = -np.inf  # masked tokens
+        logits[1, 1:] = -np.inf  # one finite token
+    params = SamplingParams(temperature=temperature, top_k=vocab + 3 if top_k is None else top_k, top_p=top_p)
+    probs = assert_same_as_reference(logits, params)
+    if vocab >= 7:
+        assert_same_as_reference(logits, params, valid_vocab_size=vocab - 3)
+    if top_p == 1e-6 or top_p == 1e-17 or top_k == 1:
+        assert ((probs > 0).sum(axis=-1) == 1).all()
+
+
+@pytest.mark.parametrize("first_candidates", [1, 2, 3, 64])
+@pytest.mark.parametrize("vocab", [10, 100, 5000])
+def test_fast_path_equals_reference_with_exact_ties(monkeypatch, first_candidates, vocab):
+    """Logits on a coarse grid: every probability is shared by many tokens, so tied blocks straddle the top-k
+    boundary, the top-p boundary and the edge of argpartition's candidate set (small first_candidates force
+    splits of tied blocks and widening)."""
+    monkeypatch.setattr(sampling, "_TOP_P_FIRST_CANDIDATES", first_candidates)
+    rng = np.random.default_rng(vocab * 10 + first_candidates)
+    for step in (1.0, 0.5, 0.25):
+        logits = (rng.integers(-6, 3, size=(6, vocab)) * step).astype(np.float32)
+        logits[0] = 0.0  # one tied block: the boundary falls inside it
+        logits[1, : vocab // 2] = 1.0  # two tied blocks
+        logits[2, rng.choice(vocab, size=vocab // 4, replace=False)] = -np.inf
+        for temperature in (0.5, 1.0, 2.0):
+            for top_k in (0, 1, 2, 3, vocab // 3, vocab - 1, vocab):
+                for top_p in (1e-6, 0.1, 0.25, 0.3, 0.5, 0.75, 0.9, 0.999999, 1.0):
+                    assert_same_as_reference(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+
+
+def test_top_p_tie_rule_drops_lower_ids_first():
+    """Equal probabilities on the top-p boundary: the higher ids are kept (stable ascending sort, prefix dropped)."""
+    logits = np.zeros((1, 4), dtype=np.float32)  # each 0.25 exactly
+
+    def kept(top_p):
+        return np.flatnonzero(logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))[0]).tolist()
+
+    assert kept(0.5) == [2, 3]  # cum 0.25, 0.5 <= 0.5: dropped (the boundary token itself goes)
+    assert kept(0.6) == [1, 2, 3]  # cum 0.5 > 0.4: kept
+    assert kept(0.75) == [1, 2, 3]
+    assert kept(0.76) == [0, 1, 2, 3]
+    assert kept(0.25) == [3]
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.62])
+def test_top_p_tie_rule_in_a_full_vocabulary(reference_rows, top_p):
+    """A head token and a block of 100 tied tokens, the rest ~0; the top-p boundary falls inside the block:
+    exactly the highest-id tied tokens are kept, as in the reference, and by the fast path itself (the first
+    64 candidates split the block arbitrarily, the widened 512 hold it all)."""
+    rng = np.random.default_rng(3)
+    logits = np.full((2, LM_VOCAB), -30.0, dtype=np.float32)
+    logits[:, rng.choice(LM_VOCAB, size=LM_VOCAB // 2, replace=False)] = -31.0
+    tied = np.sort(rng.choice(LM_VOCAB, size=101, replace=False))
+    head, tied = tied[50], np.delete(tied, 50)
+    logits[:, head] = 2.0
+    logits[:, tied] = 0.0
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    probs = assert_same_as_reference(logits, params)
+    kept = np.flatnonzero(probs[0])
+    n_tied = len(kept) - 1  # the head is kept, and some of the block
+    assert probs[0, head] > 0 and 0 < n_tied < 100
+    np.testing.assert_array_equal(kept, np.sort(np.append(tied[100 - n_tied :], head)))  # the highest ids
+    mass_head = np.exp(2.0) / (np.exp(2.0) + 100)  # the nucleus: the fewest tokens reaching top_p, + 1e-7 slack
+    assert mass_head + (n_tied - 1) * (1 - mass_head) / 100 < top_p + 1e-7
+    assert mass_head + n_tied * (1 - mass_head) / 100 >= top_p - 1e-7
+    assert reference_rows == []
+
+
+def test_boundary_decided_by_rounding_goes_to_the_reference(reference_rows):
+    """Eight tokens of probability 1/8 and top_p 0.5: the cumulative mass hits 1 - top_p exactly, so only the
+    reference's own rounding can decide; the fast path must hand that row over and still match."""
+    logits = np.full((1, 1000), -np.inf, dtype=np.float32)
+    logits[0, 100:108] = 0.0
+    probs = assert_same_as_reference(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert np.flatnonzero(probs[0]).tolist() == [104, 105, 106, 107]
+    assert reference_rows == [1]
+
+
+def test_boundary_within_the_reference_rounding_drift(reference_rows):
+    """Adversarial rounding: 49,151 equal tiny probabilities whose low bits make every addition of the
+    reference's sequential cumsum round up (it ends ~9e-13 above the exact mass), and 1 - top_p placed between
+    the exact mass and that float cum. Only the reference's rounding decides (it keeps the last tiny token too);
+    a fast path with a tolerance under the drift decides from the exact mass and drops it."""
+    n_tiny = LM_VOCAB - 1
+    t = 2.0**-16 * (1 + 24585 * 2.0**-52)
+    probs = np.full((1, LM_VOCAB), t)
+    probs[0, 1234] = 1.0 - n_tiny * t  # the head
+    cum = float(np.cumsum(np.full(n_tiny, t))[-1])  # the reference's cum at the last tiny token (id vocab - 1)
+    assert float(Fraction(cum) - Fraction(t) * n_tiny) > 8e-13  # the drift this test is about
+    thresh = cum - 1e-13
+    top_p = 1.0 - thresh
+    assert 1.0 - top_p == thresh
+    drop = sampling._top_p_drop_reference(probs, top_p)
+    assert np.flatnonzero(~drop[0]).tolist() == [1234, LM_VOCAB - 1]  # the head and the highest-id tiny token
+    np.testing.assert_array_equal(sampling._top_p_keep(probs, top_p), ~drop)
+    assert reference_rows == [1, 1]  # the check above, and the fast path's hand-over
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (0.7, 0, 0.95), (1.0, 0, 0.9), (0.7, 50, 0.9)])
+def test_no_full_sort_for_lm_like_logits(reference_rows, temperature, top_k, top_p):
+    """The point of the fast path: realistic rows (a 49,152-token vocabulary, nuclei of a few to a few hundred
+    tokens) are decided by partial selection; none reaches the full sort."""
+    logits = lm_like_logits(np.random.default_rng(11), 9, LM_VOCAB)
+    assert_same_as_reference(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert reference_rows == []
+
+
+@pytest.mark.parametrize("first_candidates", [1, 4, 64])
+def test_widening_until_the_nucleus_is_covered(monkeypatch, reference_rows, first_candidates):
+    """Nuclei wider than the first candidate set (flat heads, top_p near 1) are found by widening, not sorting."""
+    monkeypatch.setattr(sampling, "_TOP_P_FIRST_CANDIDATES", first_candidates)
+    rng = np.random.default_rng(first_candidates)
+    logits = lm_like_logits(rng, 4, LM_VOCAB)
+    logits[1] = rng.normal(0.0, 3.5, size=LM_VOCAB)  # no head: nuclei of ~30 (top_p 0.5) and ~900 tokens (0.9)
+    for top_p in (0.5, 0.9):
+        assert_same_as_reference(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert reference_rows == []
+    assert_same_as_reference(logits, SamplingParams(temperature=1.0, top_p=0.99))  # ~7000 tokens: maybe sorted
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (0.7, 50, 0.95), (1.0, 0, 0.999999)])
+def test_a_row_alone_equals_the_same_row_in_a_block(temperature, top_k, top_p):
+    """The edge processes one row per draft token, the verifier a [γ + 1, vocab] block: same bits per row."""
+    logits = lm_like_logits(np.random.default_rng(5), 9, LM_VOCAB)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    block = logits_to_probs(logits, params)
+    for i in range(len(logits)):
+        np.testing.assert_array_equal(logits_to_probs(logits[i], params)[0].view(np.uint64), block[i].view(np.uint64))
+
+
+def test_memory_layout_does_not_change_the_result():
+    logits = lm_like_logits(np.random.default_rng(6), 5, 3000)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=0.9)
+    expected = assert_same_as_reference(logits, params)
+    transposed = np.asfortranarray(logits)  # same values, column-major
+    strided = np.repeat(logits, 2, axis=1)[:, ::2]  # same values, non-contiguous rows
+    for variant in (transposed, strided, logits.astype(np.float64)):
+        np.testing.assert_array_equal(logits_to_probs(variant, params).view(np.uint64), expected.view(np.uint64))
+        assert_same_as_reference(variant, params)
+
+
+_TEMPERATURES = st.sampled_from([1e-4, 0.1, 0.7, 1.0, 3.0, 1e4]) | st.floats(0.05, 20.0)
+_TOP_PS = st.sampled_from([1e-17, 1e-6, 0.1, 0.5, 0.9, 0.95, 0.999999, 1.0]) | st.floats(1e-6, 1.0)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fast_path_equals_reference_property(data):
+    """Small vocabularies, ties on a grid, -inf, any params, any candidate-set size: bit for bit."""
+    vocab = data.draw(st.integers(1, 300), label="vocab")
+    rows = data.draw(st.integers(1, 5), label="rows")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    scale = data.draw(st.sampled_from([0.01, 1.0, 3.0, 30.0]), label="scale")
+    logits = rng.normal(0.0, scale, size=(rows, vocab))
+    grid = data.draw(st.sampled_from([None, 1.0, 0.25]), label="grid")  # None: no exact ties (continuous)
+    if grid is not None:
+        logits = np.round(logits / (grid * scale)) * grid
+    logits[rng.random((rows, vocab)) < data.draw(st.sampled_from([0.0, 0.2, 0.95]), label="inf_frac")] = -np.inf
+    params = SamplingParams(
+        temperature=data.draw(_TEMPERATURES, label="temperature"),
+        top_k=data.draw(st.integers(0, vocab + 2), label="top_k"),
+        top_p=data.draw(_TOP_PS, label="top_p"),
+    )
+    valid = data.draw(st.none() | st.integers(1, vocab), label="valid_vocab_size")
+    first = data.draw(st.sampled_from([1, 2, 3, 8, 64]), label="first_candidates")
+    original = sampling._TOP_P_FIRST_CANDIDATES
+    sampling._TOP_P_FIRST_CANDIDATES = first
+    try:
+        with np.errstate(invalid="ignore"):  # all -inf rows give NaN in both implementations
+            assert_same_as_reference(logits.astype(np.float32), params, valid)
+    finally:
+        sampling._TOP_P_FIRST_CANDIDATES = original
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    temperature=_TEMPERATURES,
+    top_k=st.sampled_from([0, 0, 1, 20, 50, 1000, LM_VOCAB]),
+    top_p=_TOP_PS,
+    rows=st.integers(1, 9),
+)
+def test_fast_path_equals_reference_property_full_vocabulary(seed, temperature, top_k, top_p, rows):
+    logits = lm_like_logits(np.random.default_rng(seed), rows, LM_VOCAB)
+    assert_same_as_reference(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+
+
+def test_rows_with_different_supports_in_one_block(reference_rows):
+    """A verifier block whose rows keep different numbers of tokens (top-k ties, -inf logits, underflow): the
+    rows are selected together, short rows padded; each row equals the reference and its own edge call."""
+    rng = np.random.default_rng(9)
+    logits = np.full((4, LM_VOCAB), -np.inf, dtype=np.float32)
+    for row, support in enumerate((1, 3, 10, 40)):
+        logits[row, rng.choice(LM_VOCAB, size=support, replace=False)] = rng.normal(0.0, 2.0, size=support)
+    for top_p in (0.3, 0.5, 0.9, 0.999):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        block = assert_same_as_reference(logits, params)
+        for i in range(len(logits)):
+            alone = logits_to_probs(logits[i], params)[0]
+            np.testing.assert_array_equal(alone.view(np.uint64), block[i].view(np.uint64))
+    lm = lm_like_logits(rng, 3, LM_VOCAB)
+    assert_same_as_reference(lm, SamplingParams(temperature=1.0, top_k=20, top_p=0.9))
+    lm[1, :37] = lm[1].max() + 1.0  # 37 tied tokens at the top: top-k 20 keeps all of them, top-p 0.9 34
+    probs = assert_same_as_reference(lm, SamplingParams(temperature=1.0, top_k=20, top_p=0.9))
+    assert np.flatnonzero(probs[1]).tolist() == list(range(3, 37))  # the highest ids of the tied block
+    assert reference_rows == []
+
+
+def _topk_draft_reference(probs: np.ndarray, k: int) -> list[int]:
+    """The spec of topk_draft_distribution's ids: a full stable sort by descending probability (ties: ascending
+    id), the first k of the tokens with positive probability."""
+    order = np.lexsort((np.arange(len(probs)), -probs))
+    return [int(i) for i in order[: max(1, min(k, int((probs > 0).sum())))]]
+
+
+def test_topk_draft_distribution_tie_rule():
+    probs = np.array([0.1, 0.2, 0.2, 0.0, 0.2, 0.3])
+    assert topk_draft_distribution(probs, 2)[0].tolist() == [5, 1]  # of the tied 0.2, the lowest id
+    assert topk_draft_distribution(probs, 3)[0].tolist() == [5, 1, 2]
+    assert topk_draft_distribution(probs, 4)[0].tolist() == [5, 1, 2, 4]
+    assert topk_draft_distribution(probs, 6)[0].tolist() == [5, 1, 2, 4, 0]  # zero-probability ids dropped
+
+
+@pytest.mark.parametrize("vocab", [8, 300, LM_VOCAB])
+def test_topk_draft_distribution_equals_a_full_sort(vocab):
+    rng = np.random.default_rng(vocab)
+    for _ in range(20):
+        logits = np.round(rng.normal(0.0, 2.0, size=(1, vocab)) * 2) / 2  # a grid: ties
+        params = SamplingParams(
+            temperature=float(rng.choice([0.5, 1.0])),
+            top_k=int(rng.choice([0, 5, 50])),
+            top_p=float(rng.choice([0.5, 0.9, 1.0])),
+        )
+        probs = logits_to_probs(logits, params)[0]
+        for k in (1, 4, 8, 64):
+            ids, q = topk_draft_distribution(probs, k)
+            assert ids.tolist() == _topk_draft_reference(probs, k)
+            np.testing.assert_array_equal(q, (probs[ids] / probs[ids].sum()).astype(np.float32))

@@ -1,0 +1,70 @@
+"""Guards against bad numbers from the target: a verify row whose logits cannot be verified never commits.
+
+A target forward pass can yield NaN or +inf logits (an overflow in half precision, a broken kernel, corrupted
+weights or KV cache), or finite logits that turn into no usable distribution after logits processing (e.g.
+logits so large that ``logits / temperature`` overflows). Left alone, greedy verification would commit the
+argmax of a NaN row (an arbitrary id) and sampling would fail deep inside the rejection rule.
+
+:func:`verify_row` checks the row first (NaN, +inf, or a position where no logit is finite: a fault; a few
+``-inf`` logits are fine, they are masked tokens), then runs the rejection rule
+(:func:`common.rejection.verify_block`), which already falls back to the target distribution p when the residual
+norm(max(0, p − q)) has no mass; a distribution with no mass at all, or a token outside the vocabulary, is a
+fault too. A fault raises :class:`~common.errors.TargetOutputError` (INTERNAL, a clear message, nothing
+committed) and counts ``specdec_nonfinite_logits_total``; the batcher releases that session's KV cache so its
+next block rebuilds it from the store. The other rows of the batch are untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cloud_verifier import metrics
+from common.errors import TargetOutputError
+from common.rejection import RejectionResult, verify_block
+from common.types import DraftBlock, SamplingParams
+
+
+def logits_fault(logits: np.ndarray, valid_vocab_size: int | None = None) -> str | None:
+    """Why a row's logits [γ + 1, vocab_size] cannot be verified, or None when they can: NaN, +inf, or a
+    position whose logits (the first ``valid_vocab_size`` columns) are all -inf."""
+    x = np.asarray(logits)
+    if valid_vocab_size is not None and valid_vocab_size < x.shape[-1]:
+        x = x[..., :valid_vocab_size]
+    if np.isfinite(x).all():
+        return None
+    if np.isnan(x).any():
+        return "NaN logits"
+    if np.isposinf(x).any():
+        return "+inf logits"
+    if np.isneginf(x).all(axis=-1).any():
+        return "a position with no finite logit"
+    return None  # some -inf entries (masked tokens) and finite others: a valid distribution
+
+
+def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, seed: int, start_position: int,
+               valid_vocab_size: int, session_id: str = "") -> RejectionResult:
+    """:func:`common.rejection.verify_block` on one row, guarded (see the module docstring).
+
+    ``logits``: [γ + 1, vocab_size]; ``start_position``: the committed length, tokens; ``valid_vocab_size``: ids
+    at or past it are not tokens.
+
+    Raises:
+        TargetOutputError: the row's logits are not finite, processing left no distribution to sample from, or
+            the verdict's token is outside [0, valid_vocab_size) (counted in ``specdec_nonfinite_logits_total``).
+    """
+    reason = logits_fault(logits, valid_vocab_size)
+    if reason is None:
+        try:
+            with np.errstate(all="ignore"):
+                result = verify_block(block, logits, sampling, seed, start_position, valid_vocab_size)
+        except (ValueError, FloatingPointError, IndexError) as e:
+            reason = f"no distribution to sample from after logits processing ({e})"
+        else:
+            if 0 <= result.next_token_id < valid_vocab_size:
+                return result
+            reason = "a token outside the vocabulary"
+    metrics.NONFINITE_LOGITS.inc()
+    raise TargetOutputError(
+        f"the target produced unusable logits for session {session_id}: {reason}; nothing was committed, and the "
+        "session's KV cache is rebuilt before its next block"
+    )

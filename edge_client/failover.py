@@ -1,0 +1,590 @@
+"""Failover in the SDK: several verifier addresses (or one balancer), and retries of the call in flight.
+
+:class:`FailoverBackend` is a :class:`~edge_client.backend.VerifierBackend` over a list of verifier addresses,
+tried in the given order (pick-first: the first that answers is used until it fails), or over one load-balancer
+address. When a call fails with UNAVAILABLE, a reset or broken stream (a balancer's RST_STREAM or HTTP 502 when
+its upstream died), or DEADLINE_EXCEEDED (no verdict within ``attempt_timeout_s``), it is retried — the same
+block, same ``seq``, same committed length — on the next address (or again through the balancer) after a
+bounded, jittered exponential backoff, within a retry budget (:class:`RetryPolicy`). The replica that gets
+the retry resumes the session from the shared store (Redis) by prefilling its committed tokens.
+
+Reconciliation. The replica that failed may have committed the block before it died: the retry, which still
+extends the old committed length, is then refused (INVALID_ARGUMENT: committed length mismatch). The store's
+committed tokens are the truth: the backend reads the session (GetSession) from the replica that refused and
+rebuilds the block's verdict from the tokens after the old committed length (:func:`verdict_from_store`). So a
+block's tokens are counted and streamed exactly once whichever replica committed them.
+
+Late verdicts. Each call has one live attempt; a verdict that arrives for an abandoned attempt (the replica was
+given up after its deadline) is dropped. The store refuses that replica's commit anyway once another replica
+holds the session (compare-and-append with an owner check), and if it committed first, the retry reconciles.
+
+Affinity: all connections of one backend send the same ``x-specdec-client`` metadata (``client_id``), which a
+balancer hashes on (deploy/nginx/nginx.conf): a session stays on one replica until that replica fails.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from common.errors import (
+    DeadlineError,
+    InvalidRequestError,
+    SessionNotFoundError,
+    SpecdecError,
+    VerifierUnavailableError,
+)
+from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
+from edge_client.backend import VerifierBackend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RetryPolicy", "FailoverBackend", "parse_addresses", "verdict_from_store", "is_retryable"]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a failed call is retried.
+
+    Attributes:
+        max_attempts: tries of one call, the first one included (>= 1).
+        initial_backoff_s: backoff cap before the first retry, s; the cap grows by ``multiplier`` per retry up
+            to ``max_backoff_s``; the wait is uniform in [0, cap] ("full jitter").
+        max_backoff_s: largest backoff cap, s.
+        multiplier: growth of the backoff cap per retry (>= 1).
+        budget_s: wall time a call may go on retrying after its first failure, s (the retry budget, with
+            ``max_attempts``).
+        attempt_timeout_s: a verify attempt without a verdict for this long failed (DEADLINE_EXCEEDED), s.
+        connect_timeout_s: connecting to one address, s.
+
+    Raises:
+        ValueError: from :meth:`validate` on a value out of range.
+    """
+
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    budget_s: float = 30.0
+    attempt_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+    def validate(self) -> None:
+        """Raise ValueError when a field is out of range."""
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier}")
+        for name in ("initial_backoff_s", "max_backoff_s", "budget_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("attempt_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def backoff_s(self, retry: int, rng: random.Random) -> float:
+        """The wait before retry number ``retry`` (0 = the first retry), s: uniform in [0, min(max_backoff_s,
+        initial_backoff_s × multiplier^retry)]."""
+        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** max(0, retry))
+        return rng.uniform(0.0, cap)
+
+    @property
+    def max_call_s(self) -> float:
+        """Longest a call can take, retries included, s (a caller's own deadline should not be shorter)."""
+        return self.attempt_timeout_s + self.budget_s + self.max_backoff_s + self.connect_timeout_s
+
+
+def parse_addresses(spec: str | Sequence[str]) -> list[str]:
+    """Verifier addresses from "host:port[,host:port...]" (or a list of them), in order, blanks dropped.
+
+    Raises:
+        InvalidRequestError: no address, or one without a port.
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = [a.strip() for a in items if a and a.strip()]
+    if not out:
+        raise InvalidRequestError(f"no verifier address in {spec!r} (expected HOST:PORT[,HOST:PORT...])")
+    for a in out:
+        if "://" not in a and not a.startswith("unix:") and (":" not in a or not a.rsplit(":", 1)[1].isdigit()):
+            raise InvalidRequestError(f"verifier address {a!r} is not HOST:PORT")
+    return out
+
+
+def is_retryable(err: BaseException) -> bool:
+    """A failure of the path to the verifier, not an answer about the request: UNAVAILABLE (a replica down,
+    draining, or a broken/reset stream, see :func:`edge_client.grpc_backend.is_broken_stream`) and
+    DEADLINE_EXCEEDED."""
+    return isinstance(err, (VerifierUnavailableError, DeadlineError))
+
+
+def verdict_from_store(draft_token_ids: Sequence[int], committed_length: int, committed_token_ids: Sequence[int],
+                       finished: bool, finish_reason: FinishReason | None, seq: int) -> Verdict:
+    """The verdict of a block (``draft_token_ids`` sent at ``committed_length`` tokens) that a replica committed
+    but never answered, rebuilt from the store's committed ids (prompt + output, the source of truth).
+
+    The block committed ``new = committed_token_ids[committed_length:]``: the longest prefix of the block that
+    ``new`` starts with is the accepted part; one more token is the recovered/bonus token (a recovered token
+    never equals the draft token it replaces); fewer means a stop ended the session inside the accepted part.
+
+    Raises:
+        InvalidRequestError: ``new`` is empty or longer than one verdict can commit (the session moved on).
+    """
+    new = [int(t) for t in committed_token_ids[committed_length:]]
+    n = 0
+    while n < min(len(new), len(draft_token_ids)) and new[n] == int(draft_token_ids[n]):
+        n += 1
+    if not new or len(new) > n + 1:
+        raise InvalidRequestError(
+            f"the store holds {len(new)} tokens after committed length {committed_length}, which is not one "
+            f"verdict on a {len(draft_token_ids)}-token block"
+        )
+    next_id = new[n] if len(new) == n + 1 else -1
+    return Verdict(
+        num_accepted=n,
+        next_token_id=next_id,
+        is_bonus=next_id >= 0 and n == len(draft_token_ids) and n > 0,
+        committed_token_ids=new,
+        committed_length=len(committed_token_ids),
+        finished=bool(finished),
+        finish_reason=finish_reason if finished else None,
+        seq=int(seq),
+    )
+
+
+class _Timers:
+    """One thread running callbacks at deadlines (attempt timeouts, backoff waits); cheap per call."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cv = threading.Condition()
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="specdec-failover-timers", daemon=True)
+        self._thread.start()
+
+    def at(self, deadline: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (quick, non-blocking) at ``time.monotonic()`` ``deadline``."""
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, next(self._ids), fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cv.wait(timeout)
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                log.exception("failover timer callback failed")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+
+class _Call:
+    """One verify call (a block) and its attempts."""
+
+    __slots__ = ("session_id", "seq", "committed_length", "block", "future", "lock", "attempt", "handled",
+                 "failures", "first_failure_at", "deadline", "last_error", "attempt_started_at")
+
+    def __init__(self, session_id: str, seq: int, committed_length: int, block: DraftBlock):
+        self.session_id, self.seq, self.committed_length, self.block = session_id, seq, committed_length, block
+        self.future: Future[Verdict] = Future()
+        self.lock = threading.Lock()
+        self.attempt = 0  # number of the live attempt
+        self.handled = 0  # last attempt whose outcome was taken (a later outcome of it is ignored)
+        self.failures = 0
+        self.first_failure_at: float | None = None
+        self.deadline: float | None = None  # monotonic time after which no retry starts, s
+        self.last_error: BaseException | None = None
+        self.attempt_started_at = 0.0  # monotonic time the live attempt was sent, s
+
+
+class FailoverBackend(VerifierBackend):
+    """Verifier backend over several addresses (pick-first, in order) or one balancer, with retries.
+
+    Args:
+        addresses: "host:port[,host:port...]" or a list; the first is preferred. One balancer address works the
+            same way (retries go through it again).
+        policy: the retry policy (:class:`RetryPolicy`).
+        mode: transport of each connection ("stream" or "unary", see :class:`~edge_client.grpc_backend.GrpcBackend`).
+        client_id: affinity id sent as ``x-specdec-client`` on every call, to every address (default: random).
+        connect: connect at construction (raises when no address answers); False: connect at the first call
+            (an SDK with device fallback starts even when the cloud is unreachable).
+        open_timeout_s: deadline of OpenSession (includes a long prompt's prefill), s.
+        seed: seed of the backoff jitter (None: random).
+        backend_factory: makes the connection to one address (default: a GrpcBackend with ``grpc_kwargs``).
+        **grpc_kwargs: passed to each :class:`~edge_client.grpc_backend.GrpcBackend` (e.g. credentials).
+
+    Attributes:
+        num_failovers: calls that failed on one replica or connection (UNAVAILABLE, broken stream, deadline) and
+            were completed after a retry: a replica switch (the next address, or the balancer's next upstream).
+        last_failover_ms: per recovered verify call, its first failure -> its verdict, ms (backoff, reconnect,
+            the new replica's resume by prefill and the verify step).
+        last_retry_ms: per recovered verify call, the retry that succeeded sent -> its verdict, ms.
+
+    Raises:
+        InvalidRequestError: no valid address. ValueError: a bad policy.
+        VerifierUnavailableError: ``connect`` and no address answers within ``policy.connect_timeout_s`` each.
+    """
+
+    def __init__(self, addresses: str | Sequence[str], *, policy: RetryPolicy | None = None, mode: str = "stream",
+                 client_id: str | None = None, connect: bool = True, open_timeout_s: float = 300.0,
+                 seed: int | None = None, backend_factory: Callable[[str], VerifierBackend] | None = None,
+                 **grpc_kwargs):
+        self.addresses = parse_addresses(addresses)
+        self.policy = policy or RetryPolicy()
+        self.policy.validate()
+        self.client_id = client_id or uuid.uuid4().hex
+        self.open_timeout_s = open_timeout_s
+        if backend_factory is None:
+            from edge_client.grpc_backend import GrpcBackend
+
+            def backend_factory(address: str) -> VerifierBackend:
+                return GrpcBackend(address, connect_timeout_s=self.policy.connect_timeout_s, mode=mode,
+                                   client_id=self.client_id, open_timeout_s=open_timeout_s, **grpc_kwargs)
+        self._factory = backend_factory
+        self._lock = threading.RLock()
+        self._index = 0  # address of the current (or next) connection
+        self._backend: VerifierBackend | None = None
+        self._closed = False
+        self._rng = random.Random(seed)
+        self._saved_stats: dict[str, list[int]] = {}  # wire stats of closed connections, per session
+        self._timers = _Timers()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-failover")
+        self.num_failovers = 0
+        self.last_failover_ms: list[float] = []  # per recovered verify call: first failure -> verdict, ms
+        self.last_retry_ms: list[float] = []  # per recovered verify call: the retry that succeeded sent -> verdict, ms
+        if connect:
+            try:
+                self._current()
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ connections
+    @property
+    def address(self) -> str:
+        """The address in use (or tried next)."""
+        return self.addresses[self._index]
+
+    @property
+    def max_call_s(self) -> float:
+        """Longest a verify call can take, retries included, s."""
+        return self.policy.max_call_s
+
+    def _connect_one(self, address: str) -> VerifierBackend:
+        host_port = _host_port(address)
+        if host_port is not None:  # refused or unroutable: fail fast, without gRPC's reconnect backoff
+            try:
+                socket.create_connection(host_port, timeout=self.policy.connect_timeout_s).close()
+            except OSError as e:
+                raise VerifierUnavailableError(
+                    f"cannot reach verifier at {address}: {e.strerror or type(e).__name__}") from None
+        return self._factory(address)
+
+    def _current(self) -> VerifierBackend:
+        """The connection in use; connects to the first address that answers, from the current one on.
+
+        Raises:
+            VerifierUnavailableError: closed, or no address answers.
+        """
+        with self._lock:
+            if self._closed:
+                raise VerifierUnavailableError("verifier backend is closed")
+            if self._backend is not None:
+                return self._backend
+            errors = []
+            n = len(self.addresses)
+            for k in range(n):
+                i = (self._index + k) % n
+                try:
+                    backend = self._connect_one(self.addresses[i])
+                except VerifierUnavailableError as e:
+                    errors.append(str(e))
+                    continue
+                self._index, self._backend = i, backend
+                return backend
+            if n == 1:
+                raise VerifierUnavailableError(errors[0])
+            raise VerifierUnavailableError(f"cannot reach any of {n} verifiers: " + "; ".join(errors))
+
+    def _drop(self, backend: VerifierBackend | None) -> None:
+        """Give up ``backend`` after a failure on it (closing its stream: a replica still working on a block of
+        it drops it if queued); the next call connects to the next address (or again to the balancer)."""
+        if backend is None:
+            return
+        with self._lock:
+            if self._backend is not backend:
+                return
+            self._backend = None
+            self._index = (self._index + 1) % len(self.addresses)
+        self._save_stats(backend)
+        try:
+            backend.close()
+        except Exception:  # noqa: BLE001
+            log.debug("closing a failed connection", exc_info=True)
+
+    def _save_stats(self, backend: VerifierBackend) -> None:
+        stats = getattr(backend, "_stats", None)
+        if not stats:
+            return
+        with self._lock:
+            for sid, st in list(stats.items()):
+                acc = self._saved_stats.setdefault(sid, [0, 0, 0, 0])
+                acc[0] += st.bytes_sent
+                acc[1] += st.bytes_received
+                acc[2] += st.messages_sent
+                acc[3] += st.messages_received
+
+    def wire_stats(self, session_id: str):
+        """Bytes/messages exchanged for ``session_id`` over all connections (see GrpcBackend.wire_stats)."""
+        from edge_client.grpc_backend import WireStats
+
+        with self._lock:
+            acc = list(self._saved_stats.get(session_id, [0, 0, 0, 0]))
+            backend = self._backend
+        fn = getattr(backend, "wire_stats", None)
+        if fn is not None:
+            st = fn(session_id)
+            acc = [acc[0] + st.bytes_sent, acc[1] + st.bytes_received, acc[2] + st.messages_sent,
+                   acc[3] + st.messages_received]
+        return WireStats(*acc)
+
+    def probe(self, timeout_s: float = 2.0) -> bool:
+        """True when some address answers health SERVING now (connecting if needed); a connection that does not
+        is given up, so the next probe tries the next address. Never raises."""
+        try:
+            backend = self._current()
+        except SpecdecError:
+            return False
+        check = getattr(backend, "check_health", None)
+        if check is None or check(timeout_s):
+            return True
+        self._drop(backend)
+        return False
+
+    # ------------------------------------------------------------------ unary calls with retries
+    def _with_retries(self, fn: Callable[[VerifierBackend], object], what: str):
+        """Run ``fn(connection)``, retrying retryable failures on the next connection (policy)."""
+        failures, first_failure, last = 0, None, None
+        while True:
+            backend = None
+            try:
+                backend = self._current()
+                result = fn(backend)
+            except SpecdecError as e:
+                if not is_retryable(e) or self._closed:
+                    raise
+                self._drop(backend)
+                failures, last = failures + 1, e
+                now = time.monotonic()
+                first_failure = first_failure or now
+                if failures >= self.policy.max_attempts or now - first_failure > self.policy.budget_s:
+                    raise _exhausted(what, failures, now - first_failure, last) from None
+                log.info("%s failed (%s); retrying (%d of %d)", what, e, failures, self.policy.max_attempts - 1)
+                time.sleep(self.policy.backoff_s(failures - 1, self._rng))
+                continue
+            if failures:
+                with self._lock:
+                    self.num_failovers += 1
+            return result
+
+    def open_session(self, prompt_token_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
+                     tokenizer_fingerprint: str = "", timeout_s: float | None = None) -> SessionOpened:
+        """OpenSession on the current address, retried on the next ones (a session half-opened on a replica
+        that died expires there by TTL).
+
+        Raises:
+            VerifierUnavailableError: no address answered within the retry budget; the verifier's errors.
+        """
+        return self._with_retries(
+            lambda b: b.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
+                                     timeout_s=timeout_s or self.open_timeout_s), "OpenSession")
+
+    def get_session(self, session_id: str, timeout_s: float = 10.0):
+        """The store's record of a session (wire ``SessionInfo``), from any replica, with retries.
+
+        Raises:
+            SessionNotFoundError: unknown or expired. VerifierUnavailableError: no replica answered.
+        """
+        return self._with_retries(lambda b: b.get_session(session_id, timeout_s=timeout_s), "GetSession")
+
+    def close_session(self, session_id: str) -> None:
+        """Free the session (one try: a session left behind expires by TTL)."""
+        try:
+            self._current().close_session(session_id)
+        except (VerifierUnavailableError, DeadlineError, SessionNotFoundError):
+            pass
+
+    # ------------------------------------------------------------------ verify calls with retries
+    def submit(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Future[Verdict]:
+        """Send one block; the future resolves to its verdict, after retries on other replicas if needed.
+
+        The future raises VerifierUnavailableError when the retry budget is spent, and the verifier's own errors
+        (InvalidRequestError, SessionNotFoundError, PreconditionError, ...) as they are.
+        """
+        call = _Call(session_id, seq, committed_length, block)
+        self._attempt(call)
+        return call.future
+
+    def _attempt(self, call: _Call) -> None:
+        """Start one attempt of ``call`` (never blocks on the network when connected)."""
+        if call.future.done():
+            return
+        try:
+            backend = self._current()
+        except SpecdecError as e:
+            self._pool.submit(self._failed, call, call.attempt, None, e)
+            return
+        with call.lock:
+            call.attempt += 1
+            attempt = call.attempt
+            call.attempt_started_at = time.monotonic()
+        timeout = self.policy.attempt_timeout_s
+        if call.deadline is not None:
+            timeout = max(0.1, min(timeout, call.deadline + self.policy.attempt_timeout_s - time.monotonic()))
+        inner = backend.submit(call.session_id, call.seq, call.committed_length, call.block)
+        self._timers.at(time.monotonic() + timeout, lambda: self._timed_out(call, attempt, backend, timeout))
+        inner.add_done_callback(lambda f: self._inner_done(call, attempt, backend, f))
+
+    def _take(self, call: _Call, attempt: int) -> bool:
+        """Claim the outcome of ``attempt`` (False: the call moved on, or the outcome was taken already)."""
+        with call.lock:
+            if call.future.done() or attempt != call.attempt or call.handled >= attempt:
+                return False
+            call.handled = attempt
+            return True
+
+    def _inner_done(self, call: _Call, attempt: int, backend: VerifierBackend, inner: Future) -> None:
+        if not self._take(call, attempt):
+            return  # a late verdict of an abandoned attempt: never counted or streamed
+        exc = inner.exception()
+        if exc is None:
+            self._resolve(call, inner.result())
+        elif is_retryable(exc):
+            self._pool.submit(self._failed, call, attempt, backend, exc)  # not on the stream's reader thread
+        elif isinstance(exc, InvalidRequestError) and call.failures:
+            self._pool.submit(self._reconcile, call, backend, exc)
+        else:
+            self._fail(call, exc)
+
+    def _timed_out(self, call: _Call, attempt: int, backend: VerifierBackend, timeout_s: float) -> None:
+        if self._take(call, attempt):
+            err = DeadlineError(f"no verdict from {getattr(backend, 'address', '?')} within {timeout_s:.1f} s")
+            self._pool.submit(self._failed, call, attempt, backend, err)
+
+    def _failed(self, call: _Call, attempt: int, backend: VerifierBackend | None, err: BaseException,
+                drop: bool = True) -> None:
+        """A retryable failure of an attempt: give the connection up, back off, retry (or give up)."""
+        if drop:
+            self._drop(backend)
+        now = time.monotonic()
+        with call.lock:
+            call.failures += 1
+            call.last_error = err
+            if call.first_failure_at is None:
+                call.first_failure_at = now
+                call.deadline = now + self.policy.budget_s
+            failures, first = call.failures, call.first_failure_at
+        if self._closed:
+            self._fail(call, VerifierUnavailableError("verifier backend is closed"))
+            return
+        if failures >= self.policy.max_attempts or now > call.deadline:
+            self._fail(call, _exhausted(f"block seq {call.seq} of session {call.session_id}", failures,
+                                        now - first, err))
+            return
+        delay = self.policy.backoff_s(failures - 1, self._rng)
+        log.info("verify of session %s seq %d failed (%s); retrying in %.0f ms", call.session_id, call.seq, err,
+                 delay * 1000)
+        self._timers.at(now + delay, lambda: self._pool.submit(self._attempt, call))
+
+    def _reconcile(self, call: _Call, backend: VerifierBackend, err: InvalidRequestError) -> None:
+        """A retried block was refused: committed already by the replica that failed (rebuild the verdict from
+        the store), or refused for another reason (raise it; a block still in flight there: retry)."""
+        try:
+            info = backend.get_session(call.session_id)
+        except SpecdecError as e:
+            if is_retryable(e):
+                self._failed(call, call.attempt, backend, e)
+            else:
+                self._fail(call, e)
+            return
+        ids = list(info.committed_token_ids)
+        if len(ids) > call.committed_length:
+            from common.wire import finish_reason_from_proto
+
+            try:
+                verdict = verdict_from_store(call.block.draft_token_ids, call.committed_length, ids, info.finished,
+                                             finish_reason_from_proto(info.finish_reason), call.seq)
+            except InvalidRequestError as e:
+                self._fail(call, e)
+                return
+            log.info("session %s seq %d: committed before the failure; verdict rebuilt from the store",
+                     call.session_id, call.seq)
+            self._resolve(call, verdict)
+        elif len(ids) == call.committed_length and "in flight" in str(err):
+            self._failed(call, call.attempt, backend, VerifierUnavailableError(str(err)), drop=False)
+        else:
+            self._fail(call, err)
+
+    def _resolve(self, call: _Call, verdict: Verdict) -> None:
+        if call.failures:
+            with self._lock:
+                self.num_failovers += 1
+                now = time.monotonic()
+                if call.first_failure_at is not None:
+                    self.last_failover_ms.append((now - call.first_failure_at) * 1000)
+                    self.last_retry_ms.append((now - call.attempt_started_at) * 1000)
+        if not call.future.done():
+            call.future.set_result(verdict)
+
+    @staticmethod
+    def _fail(call: _Call, err: BaseException) -> None:
+        if not call.future.done():
+            call.future.set_exception(err)
+
+    def close(self) -> None:
+        """Close the connection and the retry machinery; pending calls fail with VerifierUnavailableError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            self._save_stats(backend)
+            backend.close()
+        self._timers.close()
+        self._pool.shutdown(wait=False)
+
+
+def _exhausted(what: str, failures: int, elapsed_s: float, last: BaseException | None) -> VerifierUnavailableError:
+    return VerifierUnavailableError(
+        f"{what}: no verifier answered after {failures} failed attempts in {elapsed_s:.1f} s (last: {last})"
+    )
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a plain "host:port" / "[v6]:port" address; None for gRPC target URIs (dns:, unix:)."""
+    if "://" in address or address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return None
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)

@@ -1,0 +1,140 @@
+"""Device fallback (hybrid): keep generating with the draft model alone while no verifier can be reached.
+
+With ``fallback="device"`` (:class:`edge_client.client.EdgeClient`, ``specdec generate --fallback device``),
+when no verifier answers within the retry budget, the edge decodes with its draft model alone:
+
+- the draft's own distribution, processed with the session's sampling parameters (temperature, top-k, top-p:
+  :func:`common.sampling.logits_to_probs`; argmax when greedy), sampled with the counter-based stream
+  ``uniform(seed, position, Stream.DRAFT_SAMPLE)`` (reproducible with a seed);
+- the same stopping rule (:class:`common.stopping.StopChecker`: the draft's EOS ids, stop strings,
+  max_new_tokens, the context limit), over the whole output;
+- meanwhile a background thread probes the cloud every ``reconnect_interval_s`` (:class:`CloudProbe`); once it
+  answers, the client opens a new session whose prompt is everything committed so far and goes on verified.
+
+Tokens decoded here are not the target's: the client counts them (``num_unverified_tokens``) and flags their
+text (:class:`edge_client.client.Chunk` ``verified=False``); the CLI prints a notice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Callable
+
+import numpy as np
+
+from common.sampling import Stream, logits_to_probs, sample_from, uniform
+from common.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe"]
+
+FALLBACK_MODES = ("none", "device")
+DEFAULT_CONTEXT_TOKENS = 2048  # context assumed for the draft when neither the verifier nor its config tells
+
+
+class DeviceDecoder:
+    """Plain decoding with the draft model of a :class:`edge_client.drafter.ModelDrafter` (no verification).
+
+    Args:
+        drafter: the client's drafter; it must have ``next_token_logits`` (the ONNX draft model) —
+            :meth:`supports` tells.
+
+    Raises:
+        ValueError: the drafter cannot decode alone (n-gram drafting, target-only decoding).
+    """
+
+    def __init__(self, drafter) -> None:
+        if not self.supports(drafter):
+            raise ValueError("device fallback needs a draft model (not n-gram drafting or target-only decoding)")
+        self.drafter = drafter
+        self.model = drafter.model
+        self.valid_vocab_size = int(drafter.valid_vocab_size)
+
+    @staticmethod
+    def supports(drafter) -> bool:
+        """True when ``drafter`` can decode alone (it exposes the draft model's logits)."""
+        return drafter is not None and callable(getattr(drafter, "next_token_logits", None))
+
+    def eos_token_ids(self) -> set[int]:
+        """The draft's end-of-sequence ids: its config.json / generation_config.json and its tokenizer's."""
+        ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            path = self.model.model_dir / name
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+            except ValueError:
+                eos = None
+            if eos is not None:
+                ids.update(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        tok_eos = getattr(self.model.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        return ids
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The draft's context length, tokens (config.json; DEFAULT_CONTEXT_TOKENS when unknown)."""
+        return int(self.model.max_position_embeddings or DEFAULT_CONTEXT_TOKENS)
+
+    def next_token(self, committed_token_ids: list[int], sampling: SamplingParams) -> int:
+        """The draft's next token after ``committed_token_ids``: argmax when greedy, else a draw from the draft's
+        processed distribution with ``uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``.
+
+        Raises:
+            ValueError: empty ``committed_token_ids``; a sampled session without a seed.
+        """
+        logits = np.asarray(self.drafter.next_token_logits(committed_token_ids))[: self.valid_vocab_size]
+        if sampling.greedy:
+            return int(np.argmax(logits))
+        if sampling.seed is None:
+            raise ValueError("sampled device decoding needs a seed")
+        probs = logits_to_probs(logits[None, :], sampling, self.valid_vocab_size)[0]
+        return int(sample_from(probs, uniform(sampling.seed, len(committed_token_ids), Stream.DRAFT_SAMPLE)))
+
+
+class CloudProbe:
+    """Probes the cloud in a background thread every ``interval_s`` seconds until it answers.
+
+    Args:
+        probe: returns True when a verifier answers (e.g. :meth:`edge_client.failover.FailoverBackend.probe`);
+            exceptions count as False.
+        interval_s: time between probes, s (> 0).
+
+    Raises:
+        ValueError: ``interval_s`` <= 0.
+    """
+
+    def __init__(self, probe: Callable[[], bool], interval_s: float) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"reconnect_interval_s must be > 0, got {interval_s}")
+        self._probe = probe
+        self.interval_s = float(interval_s)
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self.num_probes = 0
+        self._thread = threading.Thread(target=self._run, name="specdec-cloud-probe", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """True once a probe succeeded."""
+        return self._ready.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.num_probes += 1
+            try:
+                ok = bool(self._probe())
+            except Exception:  # noqa: BLE001 - a failing probe is an unreachable cloud
+                log.debug("cloud probe failed", exc_info=True)
+                ok = False
+            if ok:
+                self._ready.set()
+                return
+
+    def stop(self) -> None:
+        """Stop probing (returns at once; the thread ends after its current probe)."""
+        self._stop.set()
