@@ -77,7 +77,7 @@ def test_required_all_turns_unlisted_skips_into_failures(pytester, monkeypatch):
 
 def test_allow_listed_skip_alone_keeps_the_run_green(pytester, monkeypatch):
     monkeypatch.setenv("SPECDEC_REQUIRE_ALL", "1")
-    pytester.makepyfile(test_gpu='''
+    pytester.makepyfile(test_policy_cuda_only='''
 import pytest
 
 @pytest.mark.skipif(True, reason="CUDA not available")
