@@ -298,13 +298,13 @@ class EdgeClient:
             file unreadable or not PEM.
         """
         from common.paths import default_model_paths, resolve_draft_dir
+        from edge_client.credentials import ChannelSecurity
         from edge_client.drafter import ModelDrafter
         from edge_client.failover import FailoverBackend, RetryPolicy
         from edge_client.onnx_draft import OnnxDraftModel
 
         model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
         policy = retry_policy or RetryPolicy(connect_timeout_s=connect_timeout_s)
-        from edge_client.credentials import ChannelSecurity
 
         security = ChannelSecurity.of(tls=tls, root_certificates=root_certificates, api_key=api_key,
                                       certificate_chain=certificate_chain, private_key=private_key)
@@ -313,31 +313,17 @@ class EdgeClient:
                    **kwargs)
 
     # ------------------------------------------------------------------ generation
-    def stream(
-        self,
-        prompt: str | list[int],
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | tuple[str, ...] = (),
-        stop_token_ids: list[int] | tuple[int, ...] = (),
-        ignore_eos: bool = False,
-        chat: bool = True,
-    ) -> Iterator[str]:
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Generate; yield text deltas as tokens are committed. The result is in ``self.last_result`` after.
-        With device fallback, text of unverified tokens comes out too: :meth:`stream_chunks` flags it.
+        Keyword arguments as :meth:`stream_chunks` (max_new_tokens, temperature, top_k, top_p, seed, stop,
+        stop_token_ids, ignore_eos, chat). With device fallback, text of unverified tokens comes out too:
+        :meth:`stream_chunks` flags it.
 
         Raises:
             InvalidRequestError, PreconditionError, CapacityError, SessionNotFoundError,
             VerifierUnavailableError, DeadlineError (common.errors).
         """
-        for chunk in self.stream_chunks(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
-        ):
+        for chunk in self.stream_chunks(prompt, **kwargs):
             yield chunk.text
 
     def stream_chunks(
