@@ -265,39 +265,27 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
     """``handler`` run with :func:`current_tenant` = ``tenant`` (set in the call's own task)."""
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
 
-        async def unary_unary(request, context):
+    def returning(inner):  # unary response: a coroutine
+        async def call(request_or_iterator, context):
             _TENANT.set(tenant)
-            return await inner_uu(request, context)
+            return await inner(request_or_iterator, context)
+        return call
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
-    if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(request_iterator, context):
+    def streaming(inner):  # streamed response: an async generator
+        async def call(request_or_iterator, context):
             _TENANT.set(tenant)
-            return await inner_su(request_iterator, context)
-
-        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
-    if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
-
-        async def unary_stream(request, context):
-            _TENANT.set(tenant)
-            async for response in inner_us(request, context):
+            async for response in inner(request_or_iterator, context):
                 yield response
+        return call
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(request_iterator, context):
-        _TENANT.set(tenant)
-        async for response in inner_ss(request_iterator, context):
-            yield response
-
-    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(returning(handler.unary_unary), **kw)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(returning(handler.stream_unary), **kw)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -21,6 +21,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
+from common.pem import read_pem
+
 if TYPE_CHECKING:
     from cloud_verifier.auth import ApiKeyStore
     from cloud_verifier.config import VerifierSettings
@@ -64,21 +66,6 @@ def check_bind(host: str, *, tls: bool, api_keys: bool, insecure: bool) -> None:
         "SPECDEC_TLS_KEY_FILE and SPECDEC_API_KEYS_FILE (--tls-cert-file --tls-key-file --api-keys-file), bind "
         "127.0.0.1 (--host), or pass --insecure (SPECDEC_INSECURE=1) if the network in front is trusted"
     )
-
-
-def read_pem(path: str | Path, what: str) -> bytes:
-    """The bytes of a PEM file.
-
-    Raises:
-        ValueError: unreadable, or not PEM (one line naming ``what`` and the path).
-    """
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read the {what} {path}: {e.strerror or e}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"the {what} {path} is not a PEM file")
-    return data
 
 
 def server_credentials(cert_file: str | Path, key_file: str | Path,

@@ -20,9 +20,10 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
+
+from common.pem import read_pem
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +32,12 @@ PemSource = bytes | str | os.PathLike | None
 
 
 def _pem(source: PemSource, what: str) -> bytes | None:
-    """PEM bytes from bytes, PEM text, or a file path.
+    """PEM bytes from bytes, PEM text, or a file path; None passes through (:func:`common.pem.read_pem`).
 
     Raises:
         ValueError: the file cannot be read or is not PEM (one line).
     """
-    if source is None:
-        return None
-    if isinstance(source, bytes):
-        data = source
-    elif isinstance(source, str) and "-----BEGIN " in source:
-        data = source.encode()
-    else:
-        try:
-            data = Path(source).read_bytes()
-        except OSError as e:
-            raise ValueError(f"cannot read the {what} {source}: {e.strerror or e}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"the {what} {source if not isinstance(source, bytes) else '(bytes)'} is not PEM")
-    return data
+    return None if source is None else read_pem(source, what)
 
 
 def _host_of(address: str) -> str:
