@@ -4,7 +4,10 @@ Speculative decoding (Leviathan, Kalman & Matias 2023, "Fast Inference from Tran
 Decoding", Algorithm 1): the target scores a draft block of γ tokens x_1..x_γ in one forward pass over
 [last committed token, x_1, ..., x_γ], which gives its distributions p_1..p_{γ+1} at once; the rejection rule
 keeps the longest prefix it accepts and adds one token of the target's own (recovered after a rejection, bonus
-after a full block), so the output is distributed exactly as the target's alone.
+after a full block), so the output is distributed exactly as the target's alone. A ``bonus_drafted`` block
+(:mod:`common.rejection`, "drafted bonus") of n tokens carries its own guess for the bonus position: its row is
+[last committed token, x_1, ..., x_{n-1}] (n positions scored, p_1..p_n), every draft token goes through the
+rejection rule, and a full block adds no token of the target's own.
 
 The verifier batches that step across sessions: continuous batching at verify-step granularity, as in vLLM
 (and SGLang). Blocks keep arriving while a batch runs and join the next one. One step, as this file runs it:
@@ -64,7 +67,8 @@ class Work:
     """One queued unit: a verify step (``block`` is not None) or a prefill chunk.
 
     ``tokens`` are fed at positions ``start_position`` .. ``start_position + len(tokens) - 1`` of the session's
-    KV cache: for a verify step, the last committed token and the γ draft tokens (γ + 1 rows of logits).
+    KV cache: for a verify step, the last committed token and the γ draft tokens (γ + 1 rows of logits), or
+    for a ``bonus_drafted`` block of n tokens the last committed token and its first n − 1 (n rows).
     """
 
     session: Session
@@ -176,7 +180,8 @@ class Batcher:
             InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (another
                 replica committed first, the session expired or finished); this replica's copy is released.
         """
-        tokens = [session.committed[-1], *block.draft_token_ids]
+        drafts = block.draft_token_ids[:-1] if block.bonus_drafted else block.draft_token_ids
+        tokens = [session.committed[-1], *drafts]  # num_scored_positions rows of logits
         work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq)
         return await self._submit(work)
 
@@ -272,7 +277,7 @@ class Batcher:
         start = time.perf_counter()
         rows = [ForwardRow(w.session.kv, w.tokens, w.start_position, "all" if w.block is not None else "none")
                 for w in batch]
-        logits = self.target.forward(rows)  # per verify row: [γ + 1, vocab_size] float32
+        logits = self.target.forward(rows)  # per verify row: [len(tokens), vocab_size] float32
         forward_ms = (time.perf_counter() - start) * 1000
         num_blocks = sum(1 for w in batch if w.block is not None)
         metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(w.tokens) for w in batch))
@@ -297,7 +302,8 @@ class Batcher:
     ) -> Verdict:
         """Rejection rule, stopping, compare-and-append commit and the Verdict of one verify row.
 
-        ``logits``: [γ + 1, vocab_size] of the row; ``queue_ms``/``forward_ms``: the block's wait and the
+        ``logits``: [γ + 1, vocab_size] of the row ([γ, vocab_size] for a bonus_drafted block of γ tokens:
+        :func:`common.rejection.num_scored_positions`); ``queue_ms``/``forward_ms``: the block's wait and the
         forward pass's wall time, ms; ``batch_size``: verify blocks in the forward pass.
 
         Raises:
@@ -307,8 +313,9 @@ class Batcher:
         session, block = work.session, work.block
         record = session.record
         committed_length = record.committed_length
-        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token; a row
-        # with NaN/inf logits raises TargetOutputError (nothing committed): its KV cache is rebuilt next block
+        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token (none
+        # after a full bonus_drafted block); a row with NaN/inf logits raises TargetOutputError (nothing
+        # committed): its KV cache is rebuilt next block
         try:
             result = verify_row(block, logits, record.sampling, record.seed, committed_length,
                                 self.valid_vocab_size, record.session_id)
@@ -317,7 +324,7 @@ class Batcher:
             raise
         n = result.num_accepted
         # stopping: the earliest stop in the candidates wins, nothing after it is committed
-        candidates = [*block.draft_token_ids[:n], result.next_token_id]
+        candidates = [*block.draft_token_ids[:n]] + ([result.next_token_id] if result.next_token_id >= 0 else [])
         num_committed, reason = session.stop.append(candidates)
         committed = candidates[:num_committed]
         finished = reason is not None
@@ -337,11 +344,14 @@ class Batcher:
         record.finished, record.finish_reason = finished, reason
         assert new_length == record.committed_length
         num_accepted = min(n, num_committed)
-        metrics.observe_verdict(len(block.draft_token_ids), num_accepted, len(committed), queue_ms / 1000)
+        gamma = len(block.draft_token_ids)
+        # metrics count speculative positions: a bonus_drafted block's last token stands for the bonus position
+        spec = gamma - 1 if block.bonus_drafted else gamma
+        metrics.observe_verdict(spec, min(num_accepted, spec), len(committed), queue_ms / 1000)
         return Verdict(
             num_accepted=num_accepted,
             next_token_id=result.next_token_id if num_committed > n else -1,
-            is_bonus=num_committed > n and n == len(block.draft_token_ids) and len(block.draft_token_ids) > 0,
+            is_bonus=(not block.bonus_drafted and num_committed > n and n == gamma and gamma > 0),
             committed_token_ids=committed,
             committed_length=record.committed_length,
             finished=finished,

@@ -25,7 +25,7 @@ from common.types import DraftBlock, SamplingParams
 
 
 def logits_fault(logits: np.ndarray, valid_vocab_size: int | None = None) -> str | None:
-    """Why a row's logits [γ + 1, vocab_size] cannot be verified, or None when they can: NaN, +inf, or a
+    """Why a row's logits [positions, vocab_size] cannot be verified, or None when they can: NaN, +inf, or a
     position whose logits (the first ``valid_vocab_size`` columns) are all -inf."""
     x = np.asarray(logits)
     if valid_vocab_size is not None and valid_vocab_size < x.shape[-1]:
@@ -45,8 +45,10 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
                valid_vocab_size: int, session_id: str = "") -> RejectionResult:
     """:func:`common.rejection.verify_block` on one row, guarded (see the module docstring).
 
-    ``logits``: [γ + 1, vocab_size]; ``start_position``: the committed length, tokens; ``valid_vocab_size``: ids
-    at or past it are not tokens.
+    ``logits``: [γ + 1, vocab_size] ([γ, vocab_size] for a ``bonus_drafted`` block:
+    :func:`common.rejection.num_scored_positions`); ``start_position``: the committed length, tokens;
+    ``valid_vocab_size``: ids at or past it are not tokens. The verdict's ``next_token_id`` is -1 only after a
+    ``bonus_drafted`` block accepted whole (no bonus token).
 
     Raises:
         TargetOutputError: the row's logits are not finite, processing left no distribution to sample from, or
@@ -60,7 +62,8 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
         except (ValueError, FloatingPointError, IndexError) as e:
             reason = f"no distribution to sample from after logits processing ({e})"
         else:
-            if 0 <= result.next_token_id < valid_vocab_size:
+            full_drafted = block.bonus_drafted and result.num_accepted == len(block.draft_token_ids)
+            if 0 <= result.next_token_id < valid_vocab_size or (full_drafted and result.next_token_id == -1):
                 return result
             reason = "a token outside the vocabulary"
     metrics.NONFINITE_LOGITS.inc()

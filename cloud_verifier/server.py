@@ -44,6 +44,7 @@ from common.keepalive import server_keepalive_options
 from common.wire import (
     MAX_MESSAGE_BYTES,
     block_from_proto,
+    extend_request_from_proto,
     open_request_from_proto,
     finish_reason_to_proto,
     session_opened_to_proto,
@@ -198,6 +199,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise VerifierUnavailableError("verifier is shutting down")
         prompt, sampling, stopping, fingerprint = open_request_from_proto(request)
         opened = await self.verifier.open_session(prompt, sampling, stopping, fingerprint, **_tenant_kw())
+        return session_opened_to_proto(opened)
+
+    async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:
+        if self.draining:
+            raise VerifierUnavailableError("verifier is shutting down")
+        session_id, committed_length, appended, sampling, stopping = extend_request_from_proto(request)
+        opened = await self.verifier.extend_session(session_id, committed_length, appended, sampling, stopping,
+                                                    **_tenant_kw())
         return session_opened_to_proto(opened)
 
     async def VerifyBlock(self, request: pb.DraftBlock, context) -> pb.Verdict:

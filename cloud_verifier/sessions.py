@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from cloud_verifier import metrics
 from cloud_verifier.store import SessionRecord, SessionStore
 from cloud_verifier.target import SessionKV, TargetRunner
-from common.errors import CapacityError, PreconditionError, SessionNotFoundError, SpecdecError
+from common.errors import CapacityError, InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError
 from common.stopping import StopChecker
 from common.types import SamplingParams, ServedInfo, StoppingCriteria
 
@@ -246,6 +246,90 @@ class SessionTable:
             self._sessions[record.session_id] = session
         self._update_gauges()
         return session
+
+    # ------------------------------------------------------------------ extend (multi-turn sessions)
+    async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
+                     stopping: StoppingCriteria) -> Session:
+        """Continue a finished (or not started) session with the next turn of its conversation: grow its KV
+        cache to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
+        prefill only the new tokens (the last committed token, then ``appended`` but its last, in chunks of
+        ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the turn in the store
+        (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's output starts
+        at the new committed length. ``appended``: validated token ids; ``sampling`` with the seed to draw with.
+
+        Nothing committed changes on any error (positions the prefill wrote lie past the committed length,
+        where the next forward pass overwrites them).
+
+        Raises:
+            ConflictError: ``expected_length`` differs from the session's committed length.
+            PreconditionError: the session is generating (finished = False and output committed).
+            SessionNotFoundError: the session was closed, or expired in the store.
+            CapacityError: no KV budget for the longer session (nothing stays reserved).
+            InvalidRequestError: another replica took the session meanwhile (stale copy: released here).
+            VerifierUnavailableError: shutting down, or the store is unreachable.
+        """
+        from cloud_verifier.store import extend_conflict, generating_error
+
+        record = session.record
+        sid = record.session_id
+        with self._lock:
+            if session.released:
+                raise SessionNotFoundError(f"session {sid!r} was closed")
+            if record.committed_length != expected_length:
+                raise extend_conflict(sid, expected_length, record.committed_length)
+            if not record.finished and record.committed_length != record.prompt_length:
+                raise generating_error(sid)
+            if session.busy:
+                raise PreconditionError(f"session {sid!r} has a block in flight")
+            session.busy = True  # no block can slip in while the turn is prefilled
+        try:
+            start = record.committed_length - 1  # the KV cache holds committed[:-1]
+            new_length = record.committed_length + len(appended)
+            needed = min(self.info.max_context_tokens, new_length + stopping.max_new_tokens)
+            if session.kv.capacity < needed:
+                self._grow(session, needed, start)
+            tokens = [record.committed_token_ids[-1], *appended[:-1]]
+            for begin in range(0, len(tokens), self.prefill_chunk_tokens):
+                await self.prefill_chunk(session, tokens[begin : begin + self.prefill_chunk_tokens], start + begin)
+            now = time.time()
+            self.store.extend(sid, expected_length, appended, sampling, stopping, int(sampling.seed), now,
+                              self.info.verifier_id)
+            record.committed_token_ids.extend(appended)
+            record.prompt_length = new_length
+            record.sampling, record.stopping, record.seed = sampling, stopping, int(sampling.seed)
+            record.finished, record.finish_reason = False, None
+            record.last_seen_at = now
+            session.stop = StopChecker(self.target.tokenizer, stopping, self.eos_token_ids, new_length,
+                                       self.info.max_context_tokens)
+        except (SessionNotFoundError, InvalidRequestError):
+            self.release(sid)  # gone from the store, or held elsewhere: this copy is stale
+            raise
+        finally:
+            with self._lock:
+                session.busy = False
+                session.last_seen = time.time()
+                if session.released:
+                    self.target.free(session.kv)
+                waiters, session.idle_waiters = session.idle_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+        return session
+
+    def _grow(self, session: Session, capacity: int, keep: int) -> None:
+        """Move the session's KV cache to a buffer of ``capacity`` tokens, copying its first ``keep`` positions
+        (the session is marked busy: no forward pass uses its cache meanwhile).
+
+        Raises:
+            CapacityError: the budget has no room for the larger buffer (the old one stays).
+        """
+        kv = self.target.allocate(capacity)
+        old = session.kv.buffer
+        if keep > 0:
+            kv.buffer[:, :, :, :keep].copy_(old[:, :, :, :keep])
+        self.target.free(session.kv)  # empties the old SessionKV object
+        session.kv.buffer = kv.buffer  # the session keeps its SessionKV object (rows may refer to it)
+        self._update_gauges()
 
     # ------------------------------------------------------------------ blocks in flight, release
     @contextlib.contextmanager

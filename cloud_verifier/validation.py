@@ -5,8 +5,9 @@ message) and nothing is reserved or committed for it. :func:`validate_block` run
 order (the first failing one raises):
 
 1. the session can take a block: not finished, no other block of it in flight;
-2. the block extends the session's committed length and its ``seq`` is after the last one;
-3. its length is at most ``max_num_speculative_tokens`` and fits the session's KV capacity;
+2. the block extends the session's committed length and its ``seq`` is the last one + 1;
+3. its length is at most ``max_num_speculative_tokens`` (a ``bonus_drafted`` block: 1 to
+   ``max_num_speculative_tokens + 1``, the same positions scored) and fits the session's KV capacity;
 4. its token ids are in the vocabulary;
 5. its ``draft_probs`` (top-k drafting) have one sparse distribution q per draft token, are distributions, and
    each draft token is in the support of its q (the rejection rule divides by q(x)).
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.errors import InvalidRequestError, PreconditionError
+from common.errors import ContextLengthError, InvalidRequestError, PreconditionError
 from common.sampling import normalize_sparse
 from common.types import DraftBlock, SamplingParams, ServedInfo, StoppingCriteria
 
@@ -76,6 +77,41 @@ def check_open_request(
         raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context of {max_ctx} tokens")
 
 
+def check_extend_request(
+    committed_length: int,
+    appended: list[int],
+    sampling: SamplingParams,
+    stopping: StoppingCriteria,
+    info: ServedInfo,
+    valid_vocab_size: int,
+) -> None:
+    """Check an ExtendSession request against the session's ``committed_length`` (tokens) before anything
+    changes (``appended``: the token ids to append).
+
+    Raises:
+        InvalidRequestError: no appended tokens; an id outside the vocabulary; bad sampling or stopping
+            parameters (a positive temperature below :data:`MIN_TEMPERATURE` included).
+        ContextLengthError: ``committed_length + len(appended)`` reaches ``info.max_context_tokens`` (OUT_OF_RANGE:
+            no room to generate).
+    """
+    if not appended:
+        raise InvalidRequestError("appended_token_ids is empty: at least one token id is needed")
+    check_token_ids(appended, "appended", valid_vocab_size)
+    try:
+        sampling.validate()
+        stopping.validate()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
+    total = committed_length + len(appended)
+    if total >= info.max_context_tokens:
+        raise ContextLengthError(
+            f"conversation of {total} tokens ({committed_length} committed + {len(appended)} appended) leaves no room "
+            f"in the context of {info.max_context_tokens} tokens"
+        )
+
+
 def validate_block(
     session: Session, seq: int, committed_length: int, block: DraftBlock, info: ServedInfo, valid_vocab_size: int
 ) -> None:
@@ -91,7 +127,7 @@ def validate_block(
     check_session_ready(session)
     check_block_position(session, seq, committed_length)
     check_block_length(len(block.draft_token_ids), committed_length, session.kv.capacity,
-                       info.max_num_speculative_tokens)
+                       info.max_num_speculative_tokens, bonus_drafted=block.bonus_drafted)
     check_token_ids(block.draft_token_ids, "draft", valid_vocab_size)
     if block.draft_probs is not None:
         check_draft_probs(block, info.vocab_size)
@@ -113,30 +149,49 @@ def check_session_ready(session: Session) -> None:
 
 
 def check_block_position(session: Session, seq: int, committed_length: int) -> None:
-    """The block extends the session's committed length (tokens) and comes after the last committed block.
+    """The block extends the session's committed length (tokens) and its ``seq`` is the last committed block's
+    plus one (the proto: "Must increase by one per block"). ``last_seq`` is part of the session's record in the
+    store, so the rule holds across replicas: a block retried on another replica after a failure (same seq) is
+    accepted there when the failed replica had not committed it, and refused (then reconciled by the edge from
+    GetSession) when it had.
 
     Raises:
-        InvalidRequestError: committed length differs (stale or duplicate block); seq not after the last one.
+        InvalidRequestError: committed length differs (stale or duplicate block); seq is not the last one + 1
+            (a repeated, older or skipped seq).
     """
     r = session.record
     if committed_length != r.committed_length:
         raise InvalidRequestError(
             f"block extends committed length {committed_length}, but session {r.session_id} has {r.committed_length}"
         )
-    if seq <= r.last_seq:
-        raise InvalidRequestError(f"block seq {seq} is not after the last seq {r.last_seq}")
+    if seq != r.last_seq + 1:
+        raise InvalidRequestError(
+            f"block seq {seq} is not the last seq {r.last_seq} + 1 (seq increases by one per block)"
+        )
 
 
-def check_block_length(gamma: int, committed_length: int, capacity: int, max_num_speculative_tokens: int) -> None:
+def check_block_length(gamma: int, committed_length: int, capacity: int, max_num_speculative_tokens: int,
+                       bonus_drafted: bool = False) -> None:
     """A block of ``gamma`` tokens is at most ``max_num_speculative_tokens`` long and fits the session's KV
     ``capacity`` (tokens: prompt + max_new_tokens, capped by the context) after ``committed_length`` tokens.
 
+    A ``bonus_drafted`` block (its last token drafted for the bonus position, common.rejection) holds 1 to
+    ``max_num_speculative_tokens + 1`` tokens: the target scores ``gamma`` positions, as many as for a classic
+    block of ``gamma - 1``, and that is the length checked against the capacity.
+
     Raises:
-        InvalidRequestError: block too long, or past the session's limit.
+        InvalidRequestError: block too long; an empty bonus_drafted block; past the session's limit.
     """
-    if gamma > max_num_speculative_tokens:
+    if bonus_drafted:
+        if gamma < 1:
+            raise InvalidRequestError("a bonus_drafted block needs at least one draft token")
+        if gamma > max_num_speculative_tokens + 1:
+            raise InvalidRequestError(f"bonus_drafted block of {gamma} tokens is longer than the maximum "
+                                      f"{max_num_speculative_tokens} + 1")
+    elif gamma > max_num_speculative_tokens:
         raise InvalidRequestError(f"block of {gamma} tokens is longer than the maximum {max_num_speculative_tokens}")
-    if committed_length + gamma > capacity:
+    reach = gamma - 1 if bonus_drafted else gamma  # positions scored past the committed length
+    if committed_length + reach > capacity:
         raise InvalidRequestError(
             f"block of {gamma} tokens at committed length {committed_length} passes the session's limit of "
             f"{capacity} tokens (max_new_tokens / context)"

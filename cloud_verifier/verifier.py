@@ -24,9 +24,9 @@ from pathlib import Path
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.limits import TenantLimits
 from cloud_verifier.sessions import SessionTable
-from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore
+from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from cloud_verifier.target import TargetRunner
-from cloud_verifier.validation import check_open_request, validate_block
+from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
 from common.errors import SessionNotFoundError, VerifierUnavailableError
 from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
@@ -225,6 +225,69 @@ class Verifier:
             record = (await self.sessions.open(prompt, sampling, stopping, tenant_id)).record
         return SessionOpened.of(self.info, record.session_id, record.committed_length, record.seed)
 
+    async def extend_session(
+        self,
+        session_id: str,
+        committed_length: int,
+        appended_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        stopping: StoppingCriteria | None = None,
+        tenant_id: str = "",
+    ) -> SessionOpened:
+        """Continue a finished (or not started) session of ``tenant_id`` with the next turn of a conversation:
+        append ``appended_token_ids`` to its committed ids, prefill only those (chunked, interleaved with verify
+        steps; the KV cache of the conversation so far is kept), reset its stopping state (``max_new_tokens``
+        counts from the new committed length) and record the turn in the store, so any replica can resume the
+        conversation. A session this replica does not hold is resumed from the store first.
+
+        Args:
+            committed_length: the session's committed length (tokens) the caller expects: a compare-and-set
+                fence for retries after a failover (a retry whose first attempt was applied fails with
+                ConflictError; GetSession then shows the appended ids).
+            appended_token_ids: [num_appended] token ids (common.chat.continuation_ids), non-empty.
+            sampling: the new turn's logits processing (None: the session's); ``seed`` None keeps the session's
+                seed (draws depend on seed and absolute position only: a seeded turn equals a fresh session
+                over the whole conversation with that seed).
+            stopping: the new turn's stopping criteria (None: the session's).
+
+        Returns:
+            SessionOpened with ``committed_length`` = the new committed length and the seed the turn draws with.
+
+        Raises:
+            SessionNotFoundError: unknown, closed or expired session, or another tenant's (NOT_FOUND).
+            ConflictError: ``committed_length`` differs from the session's (ABORTED); nothing changes.
+            PreconditionError: the session is generating (FAILED_PRECONDITION), or is for another model.
+            ContextLengthError: the conversation would reach the context length (OUT_OF_RANGE).
+            InvalidRequestError: no tokens, ids outside the vocabulary, bad parameters (INVALID_ARGUMENT).
+            CapacityError: no KV budget for the longer session, or none to resume it here.
+            VerifierUnavailableError: shutting down, or the store is unreachable.
+        """
+        self._check_running()
+        appended = [int(t) for t in appended_token_ids]
+        held = self.sessions.held(session_id)
+        if held is None or held.record.committed_length != committed_length:
+            # the store is the truth: a conflict is answered from it, without resuming (moving) the session
+            record = self.store.get(session_id)
+            if record is None or record.tenant_id != tenant_id:
+                raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
+            if record.committed_length != committed_length:
+                raise extend_conflict(session_id, committed_length, record.committed_length)
+        session = await self.sessions.get_or_resume(session_id, tenant_id)
+        if session.busy:
+            await self.sessions.wait_idle(session, self.busy_wait_s)
+        if session.released or (committed_length != session.record.committed_length
+                                 and self.sessions.is_stale(session)):
+            self.sessions.release(session_id)  # the store moved on without this copy: it has the truth
+            session = await self.sessions.get_or_resume(session_id, tenant_id)
+        r = session.record
+        sampling = sampling if sampling is not None else r.sampling
+        if sampling.seed is None:
+            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, r.seed)
+        stopping = stopping if stopping is not None else r.stopping
+        check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
+        session = await self.sessions.extend(session, committed_length, appended, sampling, stopping)
+        return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed)
+
     def get_session(self, session_id: str, tenant_id: str = "") -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
 
@@ -287,7 +350,7 @@ class Verifier:
             if session.released:  # its block's commit was refused (stale copy): the store has the truth
                 session = await self.sessions.get_or_resume(session_id, tenant_id)
         r = session.record
-        if ((committed_length != r.committed_length or seq <= r.last_seq) and not session.busy
+        if ((committed_length != r.committed_length or seq != r.last_seq + 1) and not session.busy
                 and self.sessions.is_stale(session)):
             self.sessions.release(session_id)
             session = await self.sessions.get_or_resume(session_id, tenant_id)

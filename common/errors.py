@@ -36,6 +36,21 @@ class PreconditionError(SpecdecError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ConflictError(SpecdecError):
+    """A compare-and-set failed: the session's committed length is not the one the request expected (ExtendSession
+    after the session moved on, e.g. a retry whose first attempt was applied). Nothing changes; the caller re-reads
+    the session (GetSession) before deciding. ABORTED, as gRPC's status guide prescribes for a failed test-and-set
+    (FAILED_PRECONDITION is for states a retry cannot fix without the client changing something first)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class ContextLengthError(InvalidRequestError):
+    """The request would reach the target's context length (ExtendSession): OUT_OF_RANGE. Nothing changes."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class CapacityError(SpecdecError):
     """No room for the session: KV-cache budget or session limit reached."""
 
@@ -90,7 +105,7 @@ RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidRequestError, SessionNotFoundError, PreconditionError, CapacityError,
-                VerifierUnavailableError, DeadlineError, UnauthenticatedError)
+                VerifierUnavailableError, DeadlineError, UnauthenticatedError, ConflictError, ContextLengthError)
 }
 
 

@@ -11,9 +11,23 @@ Algorithm 1 (also Chen et al. 2023, Algorithm 2). Names map to the paper as foll
 - recovered token         sample of norm(max(0, p_{n+1} − q_{n+1})) after the first rejection
 - bonus token             sample of p_{γ+1} when all γ guesses are accepted
 
-Departure from the paper: uniform draws come from a counter-based stream (common.sampling.uniform) keyed by
-the session seed and the absolute token position, instead of a global RNG, so a session's output does not
-depend on batching or on which replica verifies it.
+Departures from the paper:
+
+- uniform draws come from a counter-based stream (common.sampling.uniform) keyed by the session seed and the
+  absolute token position, instead of a global RNG, so a session's output does not depend on batching or on
+  which replica verifies it.
+- **drafted bonus** (``bonus_drafted=True``, ``DraftBlock.bonus_drafted``): the last of the n draft tokens was
+  drafted for the position Algorithm 1 fills with its bonus token. The target scores n positions
+  ([last committed token, x_1..x_{n-1}] gives p_1..p_n: the forward pass of a classic block of n − 1 drafts),
+  and the rejection rule runs over ALL n draft tokens; there is no bonus token: a full block commits the n
+  draft tokens (``next_token_id = -1``), a rejection at i the recovered token as usual. Then the token at
+  every absolute position t is the same function of (p_t, q_t, the draws at t) —
+  ``uniform(seed, t, ACCEPT)``, ``uniform(seed, t, TARGET_SAMPLE)``, the draft's ``uniform(seed, t,
+  DRAFT_SAMPLE)`` — wherever blocks begin and end, whereas in Algorithm 1 a position is filled by the
+  rejection rule inside a block but sampled straight from p_{γ+1} at the end of a full one. Each position is
+  still exactly Algorithm 1's law: given the prefix, the token is accepted x ~ q with probability
+  min(1, p/q) or drawn from norm(max(0, p − q)), whose mixture is p (Leviathan et al. 2023, Appendix A.1);
+  the position that was the bonus position still yields exactly one token per forward pass.
 
 The verifier calls :func:`verify_block` once per verify row (one session's block); :func:`verify_greedy` and
 :func:`verify_sampled` are its two cases.
@@ -32,23 +46,33 @@ from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 @dataclass(frozen=True)
 class RejectionResult:
     num_accepted: int  # n: accepted prefix length, 0..γ
-    next_token_id: int  # recovered token (n < γ) or bonus token (n == γ)
+    # recovered token (n < γ) or bonus token (n == γ); -1 when a bonus_drafted block is accepted whole
+    next_token_id: int
 
     @property
     def committed(self) -> int:
-        return self.num_accepted + 1
+        """Tokens this verdict commits before stopping: the accepted prefix and the next token (if any)."""
+        return self.num_accepted + (1 if self.next_token_id >= 0 else 0)
+
+
+def num_scored_positions(num_draft_tokens: int, bonus_drafted: bool) -> int:
+    """Positions the target scores for a block (rows of its logits): γ + 1 for a classic block of γ draft
+    tokens (the last row gives the bonus token), n for a bonus_drafted block of n draft tokens."""
+    return num_draft_tokens if bonus_drafted else num_draft_tokens + 1
 
 
 def verify_greedy(
     draft_token_ids: list[int],  # [γ]
-    target_logits: np.ndarray,  # [γ + 1, vocab_size]
+    target_logits: np.ndarray,  # [γ + 1, vocab_size] ([γ, vocab_size] when bonus_drafted)
     valid_vocab_size: int | None = None,
+    bonus_drafted: bool = False,
 ) -> RejectionResult:
     """Greedy (temperature 0) verification: accept while the draft token is the target argmax.
 
     The next token is the target argmax at the first mismatch (recovered) or after the block (bonus), so the
     output is token-identical to target-only greedy decoding. Columns at or past ``valid_vocab_size`` (padded
-    embedding rows) are never chosen.
+    embedding rows) are never chosen. ``bonus_drafted``: the last draft token stands for the bonus position
+    (see the module docstring): a full block has no bonus token (``next_token_id = -1``).
     """
     target_logits = np.asarray(target_logits)
     if valid_vocab_size is not None and valid_vocab_size < target_logits.shape[-1]:
@@ -58,6 +82,8 @@ def verify_greedy(
     for i in range(gamma):
         if int(draft_token_ids[i]) != int(target_argmax[i]):
             return RejectionResult(i, int(target_argmax[i]))
+    if bonus_drafted:
+        return RejectionResult(gamma, -1)
     return RejectionResult(gamma, int(target_argmax[gamma]))
 
 
@@ -67,11 +93,15 @@ def verify_sampled(
     target_probs: np.ndarray,  # [γ + 1, vocab_size] float64, processed (common.sampling.logits_to_probs)
     seed: int,
     start_position: int,  # absolute position of draft_token_ids[0] (= committed length)
+    bonus_drafted: bool = False,  # the last draft token stands for the bonus position: target_probs [γ, vocab]
 ) -> RejectionResult:
     """Speculative sampling (Leviathan et al. 2023, Algorithm 1): lossless w.r.t. target_probs.
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample the recovered token
-    from norm(max(0, p_i − q_i)); after a full block sample the bonus token from p_γ.
+    from norm(max(0, p_i − q_i)); after a full block sample the bonus token from p_γ. With ``bonus_drafted``
+    (the drafted-bonus departure of the module docstring) every one of the γ draft tokens goes through the
+    acceptance test, ``target_probs`` has γ rows, and a full block returns ``next_token_id = -1`` (no bonus
+    token): the token at absolute position t is then a function of (p_t, q_t, the draws at t) alone.
     """
     gamma = len(draft_token_ids)
     vocab = target_probs.shape[-1]
@@ -87,26 +117,38 @@ def verify_sampled(
         if not residual.sum() > 0:  # p == q up to rounding: rejection had ~0 probability; p is exact then
             residual = target_probs[i]
         return RejectionResult(i, sample_from(residual, uniform(seed, position, Stream.TARGET_SAMPLE)))
+    if bonus_drafted:
+        return RejectionResult(gamma, -1)
     bonus = sample_from(target_probs[gamma], uniform(seed, start_position + gamma, Stream.TARGET_SAMPLE))
     return RejectionResult(gamma, bonus)
 
 
 def verify_block(
     block: DraftBlock,  # γ draft token ids (+ sparse draft_probs [γ, k], or None for greedy drafting)
-    target_logits: np.ndarray,  # [γ + 1, vocab_size] raw logits of the target at the block's positions
+    target_logits: np.ndarray,  # [γ + 1, vocab_size] raw logits ([γ, vocab_size] when block.bonus_drafted)
     sampling: SamplingParams,
     seed: int,
     start_position: int,  # absolute position of the first draft token (= committed length), tokens
     valid_vocab_size: int | None = None,  # logits columns at or past it (padding) are never chosen
 ) -> RejectionResult:
-    """One row's verdict: the accepted prefix length n and the token after it (recovered or bonus).
+    """One row's verdict: the accepted prefix length n and the token after it (recovered or bonus; -1 after a
+    full ``bonus_drafted`` block).
 
     Greedy sampling (temperature 0) uses :func:`verify_greedy` on the raw logits; otherwise the logits are
     processed exactly as the draft processed its own (:func:`common.sampling.logits_to_probs`: temperature →
     top-k → top-p) into target_probs [γ + 1, vocab_size] and :func:`verify_sampled` applies Algorithm 1.
-    Block validation (cloud_verifier.validation) must have run: every draft token has q(x) > 0.
+    ``block.bonus_drafted`` selects the drafted-bonus rule (module docstring; logits have γ rows then).
+    Block validation (cloud_verifier.validation) must have run: every draft token has q(x) > 0, and a
+    bonus_drafted block is not empty.
+
+    Raises:
+        ValueError: ``target_logits`` has not :func:`num_scored_positions` rows.
     """
+    rows = num_scored_positions(len(block.draft_token_ids), block.bonus_drafted)
+    if np.shape(target_logits)[0] != rows:
+        raise ValueError(f"target logits have {np.shape(target_logits)[0]} rows for a block scoring {rows} positions")
     if sampling.greedy:
-        return verify_greedy(block.draft_token_ids, target_logits, valid_vocab_size)
-    target_probs = logits_to_probs(target_logits, sampling, valid_vocab_size)  # [γ + 1, vocab_size]
-    return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, seed, start_position)
+        return verify_greedy(block.draft_token_ids, target_logits, valid_vocab_size, block.bonus_drafted)
+    target_probs = logits_to_probs(target_logits, sampling, valid_vocab_size)  # [rows, vocab_size]
+    return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, seed, start_position,
+                          block.bonus_drafted)

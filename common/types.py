@@ -84,11 +84,16 @@ class DraftBlock:
     """γ proposed token ids plus the draft probabilities needed to verify them.
 
     draft_probs None means greedy drafting: q is one-hot on each draft token.
+    bonus_drafted: the last draft token was drafted for the position after the others (the one a classic block
+        fills with the bonus token): the target scores [last committed token, x_1..x_{n-1}], the rejection rule
+        runs over all n tokens and a full block has no bonus token (common.rejection, "drafted bonus"). Needs
+        n >= 1; allows n <= max_num_speculative_tokens + 1 (the same positions scored as a classic block).
     """
 
     draft_token_ids: list[int]  # [γ]
     draft_probs: SparseDraftProbs | None = None
     draft_ms: float = 0.0  # edge time spent drafting, ms
+    bonus_drafted: bool = False
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)
@@ -100,7 +105,8 @@ class Verdict:
 
     num_accepted: accepted prefix length of the block (0..γ).
     next_token_id: recovered token (after a rejection) or bonus token (after a full block); -1 when a stop
-        inside the accepted prefix ended the session before it.
+        inside the accepted prefix ended the session before it, or when a bonus_drafted block was accepted
+        whole (it has no bonus token: its last draft token took that position).
     committed_token_ids: tokens this verdict commits (accepted prefix + next token, cut at the earliest stop).
     committed_length: prompt + output tokens committed after this verdict.
     """

@@ -122,6 +122,33 @@ def session_opened_from_proto(msg: pb.OpenSessionResponse) -> SessionOpened:
     return SessionOpened(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(SessionOpened)})
 
 
+def extend_request_to_proto(
+    session_id: str,
+    committed_length: int,
+    appended_token_ids: list[int],
+    sampling: SamplingParams | None = None,
+    stopping: StoppingCriteria | None = None,
+) -> pb.ExtendSessionRequest:
+    """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept)."""
+    _check_int32(appended_token_ids, "appended token id")
+    msg = pb.ExtendSessionRequest(session_id=session_id, committed_length=int(committed_length),
+                                  appended_token_ids=[int(t) for t in appended_token_ids])
+    if sampling is not None:
+        msg.sampling.CopyFrom(sampling_to_proto(sampling))
+    if stopping is not None:
+        msg.stopping.CopyFrom(stopping_to_proto(stopping))
+    return msg
+
+
+def extend_request_from_proto(
+    msg: pb.ExtendSessionRequest,
+) -> tuple[str, int, list[int], SamplingParams | None, StoppingCriteria | None]:
+    """(session_id, committed_length, appended_token_ids, sampling, stopping); an unset message gives None."""
+    sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None
+    stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else None
+    return msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping
+
+
 # ---------------------------------------------------------------------------------------------- blocks
 
 
@@ -139,6 +166,7 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
         committed_length=int(committed_length),
         draft_token_ids=[int(t) for t in block.draft_token_ids],
         draft_ms=float(block.draft_ms),
+        bonus_drafted=bool(block.bonus_drafted),
     )
     if block.draft_probs is not None:
         ids = np.asarray(block.draft_probs.token_ids)
@@ -183,7 +211,8 @@ def block_from_proto(msg: pb.DraftBlock) -> tuple[str, int, int, DraftBlock]:
         ids = np.array([row.token_ids for row in msg.draft_probs], dtype=np.int64).reshape(gamma, k)
         probs = np.array([row.probs for row in msg.draft_probs], dtype=np.float32).reshape(gamma, k)
         draft_probs = SparseDraftProbs(token_ids=ids, probs=probs)
-    block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms))
+    block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
+                       bonus_drafted=bool(msg.bonus_drafted))
     return msg.session_id, int(msg.seq), int(msg.committed_length), block
 
 
@@ -209,8 +238,9 @@ def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
 def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_length: int) -> Verdict:
     """Rebuild the verdict of a block sent with ``draft_token_ids`` at ``committed_length`` (tokens).
 
-    committed_token_ids = accepted prefix + next token (when not -1), cut to the committed growth reported
-    by the verifier (``msg.committed_length - committed_length``: the earliest stop wins).
+    committed_token_ids = accepted prefix + next token (when not -1: -1 after a stop inside the accepted
+    prefix, or after a bonus_drafted block accepted whole), cut to the committed growth reported by the
+    verifier (``msg.committed_length - committed_length``: the earliest stop wins).
 
     Raises:
         InvalidRequestError: a verdict inconsistent with its block (protocol error).

@@ -27,6 +27,25 @@ class VerifierBackend(abc.ABC):
         timeout_s: float | None = None,
     ) -> SessionOpened: ...
 
+    def extend_session(
+        self,
+        session_id: str,
+        committed_length: int,
+        appended_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        stopping: StoppingCriteria | None = None,
+        timeout_s: float | None = None,
+    ) -> SessionOpened:
+        """Continue a finished session with the next turn of a conversation (specdec.v1 ExtendSession): append
+        ``appended_token_ids`` to its ``committed_length`` committed tokens, prefill only those, keep the KV
+        cache; the answer's ``committed_length`` is the new one. ``sampling``/``stopping`` None keep the
+        session's. Raises SessionNotFoundError (lost or unknown session), ConflictError (committed_length
+        differs), PreconditionError (generating), ContextLengthError, InvalidRequestError, CapacityError,
+        VerifierUnavailableError. Backends without it raise PreconditionError (the caller opens a session)."""
+        from common.errors import PreconditionError
+
+        raise PreconditionError(f"{type(self).__name__} cannot extend sessions")
+
     @abc.abstractmethod
     def submit(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Future[Verdict]:
         """Send one draft block; the future resolves to its verdict (or raises a SpecdecError)."""

@@ -28,8 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from common.chat import render_chat_ids
 from common.detok import IncrementalDetokenizer
-from common.errors import DeadlineError, InvalidRequestError, SessionNotFoundError, VerifierUnavailableError
+from common.errors import (
+    ConflictError,
+    DeadlineError,
+    InvalidRequestError,
+    PreconditionError,
+    SessionNotFoundError,
+    VerifierUnavailableError,
+)
 from common.stopping import StopChecker, generated_text_for_output
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
@@ -38,6 +46,7 @@ from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
 from edge_client.stats import GenerationStats
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
+    from edge_client.conversation import Conversation, KeptSession
     from edge_client.drafter import Drafter
 
 log = logging.getLogger(__name__)
@@ -58,6 +67,8 @@ class GenerationResult:
     num_failovers: int = 0  # calls moved to another replica after a failure (edge_client.failover)
     num_unverified_tokens: int = 0  # tokens decoded by the draft alone during a device fallback (not the target's)
     num_sessions: int = 1  # verifier sessions of this generation (> 1 after a re-open or a device fallback)
+    num_reopened_sessions: int = 0  # sessions re-opened over all committed ids after the verifier lost one
+    #   (NOT_FOUND: expiry, eviction, restart) or could not extend a conversation's session (edge_client.conversation)
 
     def to_json(self) -> dict:
         s = self.stats
@@ -144,6 +155,10 @@ class _Run:
     max_context_tokens: int | None = None  # the verifier's, once a session was opened
     num_unverified: int = 0
     edge_stop: StopChecker | None = None  # stop strings over the whole output, once it spans several sessions
+    first_seq: int = 1  # seq of the current session's next block (after ExtendSession: its last seq + 1)
+    last_seq: int = 0  # seq of the current session's last verified block
+    session_committed: int = 0  # the current session's committed length after its last verdict, tokens
+    num_reopens: int = 0  # sessions re-opened over the committed ids because the verifier lost (or refused) one
 
     @property
     def num_generated(self) -> int:
@@ -173,20 +188,16 @@ class _Run:
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Prompt token ids: through the tokenizer's chat template (one user turn) when it has one and ``chat``.
+    """Prompt token ids: through the tokenizer's chat template (one user turn) when it has one and ``chat``;
+    special-token strings in ``prompt`` stay literal text (:func:`common.chat.render_chat_ids`).
 
     Raises:
         InvalidRequestError: empty prompt.
     """
     if not prompt or not prompt.strip():
         raise InvalidRequestError("empty prompt")
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+    if chat and getattr(tokenizer, "chat_template", None):  # content stays text (common.chat)
+        return render_chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
@@ -209,6 +220,12 @@ class EdgeClient:
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise
             (:class:`edge_client.policy.ProactiveBet`).
+        bonus_drafted: sampled sessions send drafted-bonus blocks (``DraftBlock.bonus_drafted``; "drafted bonus"
+            in :mod:`common.rejection`): γ speculative tokens plus one drafted for the bonus position, all
+            verified by the rejection rule, so the output does not depend on where blocks end (one extra draft
+            forward pass per block; the target's forward is the same size). False: the classic bonus token,
+            and a seeded sampled session turns adaptive γ and proactive drafting off. Greedy sessions always
+            use the classic bonus (their output never depends on block boundaries).
         timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
         fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":
@@ -221,9 +238,14 @@ class EdgeClient:
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
     committed as its prompt and the same seed, so the output does not change.
 
-    Seeded sampling is reproducible for a fixed speculation schedule: a sampled session with a seed runs with
-    adaptive γ and proactive drafting off (both depend on timing, and the tokens of speculative sampling depend
-    on where blocks end). Greedy output never depends on them.
+    What a seed guarantees: the same seed, the same draft and target models and the same sampling parameters
+    give the same tokens whatever the γ schedule (fixed γ, adaptive γ, confidence truncation, proactive
+    drafting), the batching or the replica — drafted-bonus blocks make every token at absolute position t a
+    function of the target's and the draft's distributions there and the seeded draws at t. Statistics count a
+    drafted-bonus block as γ speculative tokens (its last token fills the bonus position): the acceptance rate
+    is over those γ positions and τ is still the tokens committed per verify step. With
+    ``bonus_drafted=False`` a seeded sampled session keeps a timing-free schedule instead (adaptive γ and
+    proactive drafting off; the output then depends on γ). Greedy output never depends on any of them.
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
@@ -240,6 +262,7 @@ class EdgeClient:
         adaptive: bool = False,
         min_confidence: float = 0.0,
         proactive: bool = False,
+        bonus_drafted: bool = True,
         timeout_s: float = 60.0,
         open_timeout_s: float = 600.0,
         fallback: str = "none",
@@ -264,6 +287,7 @@ class EdgeClient:
         self.adaptive = adaptive
         self.min_confidence = min_confidence
         self.proactive = proactive
+        self.bonus_drafted = bonus_drafted
         self.timeout_s = timeout_s
         self.open_timeout_s = open_timeout_s
         self.fingerprint = tokenizer_fingerprint(tokenizer)
@@ -354,6 +378,14 @@ class EdgeClient:
             raise InvalidRequestError("empty prompt")
         yield from self._generate(prompt_ids, sampling, stopping)
 
+    def chat(self, system: str | None = None, **defaults) -> "Conversation":
+        """A multi-turn conversation that keeps its verifier session and both KV caches between turns
+        (:class:`edge_client.conversation.Conversation`: ``send(message)`` streams a reply). ``system``: system
+        message; ``defaults``: generation options of every turn (as :meth:`stream_chunks`)."""
+        from edge_client.conversation import Conversation
+
+        return Conversation(self, system, **defaults)
+
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
         """Generate to the end; return text, token ids, finish reason and stats."""
         for _ in self.stream(prompt, **kwargs):
@@ -378,8 +410,8 @@ class EdgeClient:
             (block, proactive hit, edge time spent drafting it now in s: 0 for a hit).
         """
         block = bet.take(committed, num_speculative_tokens) if bet is not None else None
-        if block is not None:
-            return block, True, 0.0
+        if block is not None:  # a hit (completed now if the verdict cut drafting ahead short)
+            return block, True, bet.last_extend_s
         t0 = time.perf_counter()
         block = self._draft(committed, num_speculative_tokens, sampling)
         return block, False, time.perf_counter() - t0
@@ -409,33 +441,49 @@ class EdgeClient:
 
     def _policy(self, sampling: SamplingParams, requested_seed: int | None, max_num_speculative_tokens: int
                 ) -> tuple[AdaptiveNumSpeculativeTokens | None, ProactiveBet | None]:
-        """The session's adaptive controller and proactive bet (None when off). A seeded sampled session turns
-        both off: it keeps a timing-independent schedule (see the class docstring)."""
-        timing_free = not sampling.greedy and requested_seed is not None
+        """The session's adaptive controller and proactive bet (None when off). With drafted-bonus blocks
+        (:meth:`_drafts_bonus`) both stay on: the output does not depend on the schedule. Without them, a
+        seeded sampled session turns both off: it keeps a timing-independent schedule (class docstring)."""
+        timing_free = not sampling.greedy and requested_seed is not None and not self._drafts_bonus(sampling)
         adaptive = None
         if self.adaptive and not timing_free:
-            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens)
+            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens,
+                                                    drafted_bonus=self._drafts_bonus(sampling))
         bet = None
         if self.proactive and self.drafter is not None and not timing_free:
             bet = ProactiveBet(lambda ids, n, should_stop: self._draft(ids, n, sampling, should_stop))
         return adaptive, bet
 
-    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria
-                  ) -> Iterator[Chunk]:
+    def _drafts_bonus(self, sampling: SamplingParams) -> bool:
+        """Blocks of this session are drafted-bonus blocks: a sampled session with a drafter, unless disabled."""
+        return self.bonus_drafted and not sampling.greedy and self.drafter is not None
+
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
+                  keep: KeptSession | None = None) -> Iterator[Chunk]:
         """One generation: the loop of the module docstring over one session — or over several after failures:
         a session whose record vanished (NOT_FOUND) is re-opened with everything committed as its prompt, and
         with ``fallback="device"`` an unreachable cloud is bridged by decoding on the device (unverified) until
-        a verifier answers again. Sets ``self.last_result`` when it ends."""
+        a verifier answers again. Sets ``self.last_result`` when it ends.
+
+        ``keep`` (a conversation's turn, :mod:`edge_client.conversation`): the first session extends
+        ``keep.opened`` (ExtendSession with ``prompt_ids[keep.committed_length:]``) instead of opening one, and
+        the last session is kept open in ``keep`` for the next turn instead of being closed."""
         t0 = time.perf_counter()
         failovers_before = getattr(self.backend, "num_failovers", 0)
         requested_seed = sampling.seed
         run = _Run(list(prompt_ids), stopping, _Output(self.tokenizer, stopping.stop_strings),
                    committed=list(prompt_ids))
+        if not sampling.greedy and requested_seed is not None and hasattr(self.drafter, "reset"):
+            # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
+            # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
+            # apart), so KV reused from another generation would change q and the seeded draws. Within one
+            # generation the draft feeds the prompt whole, then one token per forward, whatever the schedule.
+            self.drafter.reset()
         while run.finish_reason is None:
             if len(run.session_ids) >= _MAX_SESSIONS:
                 raise VerifierUnavailableError(f"gave up after {_MAX_SESSIONS} sessions for one generation")
             try:
-                opened = self._open(run, sampling)
+                opened = self._open(run, sampling, keep)
             except (VerifierUnavailableError, DeadlineError) as e:
                 sampling = _with_seed(sampling)  # device decoding and the sessions after it draw with one seed
                 yield from self._on_device(run, sampling, e)
@@ -447,6 +495,7 @@ class EdgeClient:
             except SessionNotFoundError as e:  # the record vanished (store restarted empty, expired): re-open
                 log.info("session %s: %s; re-opening it from the %d committed tokens", opened.session_id, e,
                          len(run.committed))
+                run.num_reopens += 1
                 run.span_sessions(self.tokenizer)
                 continue
             except (VerifierUnavailableError, DeadlineError) as e:  # no verifier within the retry budget
@@ -455,17 +504,44 @@ class EdgeClient:
             except BaseException:
                 self._close_session(opened.session_id)
                 raise
-            self._close_session(opened.session_id)
+            if keep is not None and run.session_committed == len(run.committed):  # both sides agree: keep it
+                keep.opened, keep.committed_length, keep.last_seq = opened, len(run.committed), run.last_seq
+            else:
+                self._close_session(opened.session_id)
         yield from run.out.finish(run.finish_reason)
         self.last_result = self._result(run, t0, getattr(self.backend, "num_failovers", 0) - failovers_before)
 
-    def _open(self, run: _Run, sampling: SamplingParams) -> SessionOpened:
-        """Open a session whose prompt is everything committed so far (the prompt, at first)."""
+    def _open(self, run: _Run, sampling: SamplingParams, keep: KeptSession | None = None) -> SessionOpened:
+        """Open a session whose prompt is everything committed so far (the prompt, at first) — or, for the first
+        session of a conversation's turn, extend the kept one with the turn's new tokens. A kept session the
+        verifier lost (NOT_FOUND), or cannot extend (ABORTED, FAILED_PRECONDITION), is replaced by a session
+        over all committed ids with the same seed (same output), counted in ``run.num_reopens``."""
         rest = dataclasses.replace(run.stopping, max_new_tokens=run.stopping.max_new_tokens - run.num_generated)
+        prev = keep.opened if keep is not None and not run.session_ids else None
+        if prev is not None:
+            keep.opened = None  # consumed: whatever happens now, a later turn does not reuse it
+            try:
+                opened = self.backend.extend_session(prev.session_id, keep.committed_length,
+                                                     run.committed[keep.committed_length:], sampling, rest,
+                                                     timeout_s=self.open_timeout_s)
+            except (SessionNotFoundError, ConflictError, PreconditionError) as e:
+                log.info("session %s cannot be extended (%s); re-opening it over the %d committed tokens",
+                         prev.session_id, e, len(run.committed))
+                if not isinstance(e, SessionNotFoundError):
+                    self._close_session(prev.session_id)
+                run.num_reopens += 1
+                if sampling.seed is None:  # same draws as the lost session would have made
+                    sampling = dataclasses.replace(sampling, seed=prev.seed)
+            else:
+                run.session_ids.append(opened.session_id)
+                run.max_context_tokens = opened.max_context_tokens
+                run.first_seq = keep.last_seq + 1
+                return opened
         opened = self.backend.open_session(run.committed, sampling, rest, self.fingerprint,
                                            timeout_s=self.open_timeout_s)
         run.session_ids.append(opened.session_id)
         run.max_context_tokens = opened.max_context_tokens
+        run.first_seq = 1
         return opened
 
     def _verify_session(self, run: _Run, opened: SessionOpened, sampling: SamplingParams,
@@ -476,25 +552,33 @@ class EdgeClient:
         capacity = min(opened.max_context_tokens, len(run.prompt_ids) + run.stopping.max_new_tokens)
         max_num_speculative_tokens = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
         adaptive, bet = self._policy(sampling, requested_seed, max_num_speculative_tokens)
-        for seq in itertools.count(1):
+        # drafted bonus: γ speculative tokens + one for the bonus position, all verified by the rejection rule
+        extra = 1 if self._drafts_bonus(sampling) else 0
+        for seq in itertools.count(run.first_seq):
             room = capacity - len(committed) - 1  # the verdict always adds one token of its own
             wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
-            block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)), sampling, bet)
+            block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)) + extra, sampling, bet)
+            block.bonus_drafted = bool(extra and len(block))  # an empty block is plain decoding
             future, sent = self._send(opened.session_id, seq, committed, block)
             if bet is not None and len(block) and not future.done():
-                # bet on full acceptance: draft the bonus guess + the next block while the verdict travels
+                # bet on full acceptance: draft the bonus guess (none with a drafted bonus) + the next block
+                # while the verdict travels
                 draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, future.done)
             verdict, round_trip_ms = self._wait(future, sent)
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             committed.extend(tokens)
+            run.last_seq, run.session_committed = seq, verdict.committed_length
+            # a drafted-bonus block counts as its γ speculative tokens: its last one fills the bonus position
+            spec = len(block) - 1 if block.bonus_drafted else len(block)
+            spec_verdict = dataclasses.replace(verdict, num_accepted=min(verdict.num_accepted, spec))
             if adaptive is not None:
                 # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
                 # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
                 # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
                 hidden = hit or stats.num_drafts == 0
-                adaptive.observe(len(block), verdict.num_accepted, None if hidden else block.draft_ms,
+                adaptive.observe(spec, spec_verdict.num_accepted, None if hidden else block.draft_ms,
                                  round_trip_ms, verdict.forward_ms)
-            stats.observe(len(block), verdict, draft_s=draft_s, proactive_hit=hit)
+            stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit)
             yield from run.out.push(tokens, verified=True)
             if reason is not None:
                 run.finish_reason = reason
@@ -580,6 +664,7 @@ class EdgeClient:
             num_failovers=num_failovers,
             num_unverified_tokens=run.num_unverified,
             num_sessions=len(run.session_ids),
+            num_reopened_sessions=run.num_reopens,
         )
 
     def close(self) -> None:

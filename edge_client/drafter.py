@@ -10,6 +10,13 @@ docs/architecture.md "Lossless verification"):
   (``common.sampling.logits_to_probs`` with the session's SamplingParams), renormalised; the draft token is
   sampled from exactly that q with the counter-based stream ``uniform(seed, position, Stream.DRAFT_SAMPLE)``,
   ``position`` being the absolute index of the drafted token. q travels as (ids, probs) [γ, k].
+
+The token drafted for absolute position t is a function of the committed prefix before t (through q_t) and of
+``uniform(seed, t, DRAFT_SAMPLE)``, not of where the block began. Sampled sessions send drafted-bonus blocks
+(``DraftBlock.bonus_drafted``, :mod:`common.rejection`): the client asks for γ + 1 tokens, the last one drafted
+for the bonus position, so every output token goes through the rejection rule and a seeded session's output
+does not depend on the γ schedule. Cost: one more draft forward pass per block; when the block is accepted
+whole, the KV of its tokens is kept for the next block (only the last one is fed then).
 """
 
 from __future__ import annotations
@@ -48,8 +55,10 @@ class Drafter(Protocol):
 
         Args:
             committed_token_ids: prompt + committed output ids (non-empty); the block continues them. Proactive
-                drafting passes committed ids + a block still in flight + a bonus guess.
-            num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block).
+                drafting passes committed ids + a block still in flight (+ a bonus guess after a classic
+                block; none after a drafted-bonus block, whose last token is that guess).
+            num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block); for a
+                drafted-bonus block the client asks for its γ + 1 tokens.
             sampling: the session's SamplingParams (a sampling drafter applies the same logits processing
                 the verifier applies to p: ``common.sampling.logits_to_probs``).
             seed: the session seed (a sampling drafter draws with ``common.sampling.uniform(seed, position,

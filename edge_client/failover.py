@@ -24,6 +24,7 @@ balancer hashes on (deploy/nginx/nginx.conf): a session stays on one replica unt
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from common.errors import (
+    ConflictError,
     DeadlineError,
     InvalidRequestError,
     SessionNotFoundError,
@@ -266,6 +268,7 @@ class FailoverBackend(VerifierBackend):
         self._closed = False
         self._rng = random.Random(seed)
         self._saved_stats: dict[str, list[int]] = {}  # wire stats of closed connections, per session
+        self._opened: dict[str, SessionOpened] = {}  # last OpenSessionResponse per session (ExtendSession retries)
         self._timers = _Timers()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-failover")
         self.num_failovers = 0
@@ -414,9 +417,58 @@ class FailoverBackend(VerifierBackend):
         Raises:
             VerifierUnavailableError: no address answered within the retry budget; the verifier's errors.
         """
-        return self._with_retries(
+        opened = self._with_retries(
             lambda b: b.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
                                      timeout_s=timeout_s or self.open_timeout_s), "OpenSession")
+        self._remember(opened)
+        return opened
+
+    def extend_session(self, session_id: str, committed_length: int, appended_token_ids: list[int],
+                       sampling: SamplingParams | None = None, stopping: StoppingCriteria | None = None,
+                       timeout_s: float | None = None) -> SessionOpened:
+        """ExtendSession on the current address, retried on the next ones (the replica that gets the retry
+        resumes the session from the store). Reconciliation: when an attempt failed after the verifier applied
+        the extension (its answer lost), the retry is refused with ConflictError (the committed length moved);
+        the store then shows the committed ids ending with ``appended_token_ids`` at the new length, with no
+        output yet, and that counts as success (answered from the session's last OpenSessionResponse).
+
+        Raises:
+            VerifierUnavailableError: no address answered within the retry budget; the verifier's errors
+            (SessionNotFoundError, ConflictError, PreconditionError, ContextLengthError, ...).
+        """
+        appended = [int(t) for t in appended_token_ids]
+        attempts = [0]
+
+        def call(b: VerifierBackend) -> SessionOpened:
+            attempts[0] += 1
+            try:
+                return b.extend_session(session_id, committed_length, appended, sampling, stopping,
+                                        timeout_s=timeout_s or self.open_timeout_s)
+            except ConflictError:
+                if attempts[0] == 1:
+                    raise
+                info = b.get_session(session_id)
+                known = self._opened.get(session_id)
+                new_length = committed_length + len(appended)
+                if (known is None or info.committed_length != new_length or info.prompt_length != new_length
+                        or list(info.committed_token_ids[committed_length:]) != appended):
+                    raise
+                log.info("session %s: the extension was applied before a failure; reconciled from the store",
+                         session_id)
+                seed = sampling.seed if sampling is not None and sampling.seed is not None else known.seed
+                return dataclasses.replace(known, committed_length=new_length, verifier_id=info.verifier_id,
+                                           seed=seed)
+
+        opened = self._with_retries(call, "ExtendSession")
+        self._remember(opened)
+        return opened
+
+    def _remember(self, opened: SessionOpened) -> None:
+        """Keep the last OpenSessionResponse of a session (reconciling an ExtendSession answers from it)."""
+        with self._lock:
+            self._opened[opened.session_id] = opened
+            while len(self._opened) > 1024:
+                self._opened.pop(next(iter(self._opened)))
 
     def get_session(self, session_id: str, timeout_s: float = 10.0):
         """The store's record of a session (wire ``SessionInfo``), from any replica, with retries.

@@ -43,6 +43,7 @@ from common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCrit
 from common.wire import (
     MAX_MESSAGE_BYTES,
     block_to_proto,
+    extend_request_to_proto,
     open_request_to_proto,
     session_opened_from_proto,
     verdict_from_proto,
@@ -345,6 +346,28 @@ class GrpcBackend(VerifierBackend):
         self._count_sent(opened.session_id, request.ByteSize())
         self._count_received(opened.session_id, response.ByteSize())
         return opened
+
+    def extend_session(
+        self,
+        session_id: str,
+        committed_length: int,
+        appended_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        stopping: StoppingCriteria | None = None,
+        timeout_s: float | None = None,
+    ) -> SessionOpened:
+        """ExtendSession (see :meth:`VerifierBackend.extend_session`); deadline ``timeout_s`` (default
+        ``open_timeout_s``: it prefills)."""
+        self._check_open()
+        request = extend_request_to_proto(session_id, committed_length, appended_token_ids, sampling, stopping)
+        try:
+            response = self._stub.ExtendSession(request, timeout=timeout_s or self.open_timeout_s,
+                                               metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._map_error(e) from None
+        self._count_sent(session_id, request.ByteSize())
+        self._count_received(session_id, response.ByteSize())
+        return session_opened_from_proto(response)
 
     def submit(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Future[Verdict]:
         future: Future[Verdict] = Future()

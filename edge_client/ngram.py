@@ -2,6 +2,13 @@
 n tokens. Needs no model (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` proposer; llama.cpp's
 lookup decoding). Greedy drafting: q is one-hot on each proposed token, so only ids travel and verification is
 lossless for greedy and sampled sessions alike.
+
+Sampled sessions draft token by token: the token proposed for absolute position t is the lookup's first token
+after ``context[:t]`` (the prefix committed, plus the tokens drafted before it in the block), a function of
+that prefix alone. With drafted-bonus blocks (``DraftBlock.bonus_drafted``, :mod:`common.rejection`) this
+keeps a seeded sampled session's output independent of where blocks begin: a continuation copied from the
+match found at the block's start would make the one-hot q at t depend on that start. Greedy sessions copy the
+whole continuation of one match (their output does not depend on the proposal).
 """
 
 from __future__ import annotations
@@ -54,10 +61,23 @@ class NgramDrafter:
         """Draft up to ``num_speculative_tokens`` (γ) tokens by prompt lookup (the
         :class:`edge_client.drafter.Drafter` contract): fewer, or none, when the match is short or absent.
 
-        Greedy drafting: ``draft_probs`` is None (q one-hot). ``sampling`` and ``seed`` are unused; so are
-        ``min_confidence`` (no probabilities to truncate on) and ``should_stop`` (a lookup takes microseconds).
+        Greedy drafting: ``draft_probs`` is None (q one-hot). A greedy ``sampling`` copies the continuation of
+        one match; a sampled one looks up each token after the prefix so far (module docstring: the token at
+        each position is a function of the prefix before it). ``seed`` is unused; so are ``min_confidence``
+        (no probabilities to truncate on) and ``should_stop`` (a lookup takes microseconds).
         ``draft_ms``: the wall time of the call, ms.
         """
         t0 = time.perf_counter()
-        tokens = self.lookup(committed_token_ids, num_speculative_tokens) if num_speculative_tokens > 0 else []
+        if num_speculative_tokens <= 0:
+            tokens: list[int] = []
+        elif sampling.greedy:
+            tokens = self.lookup(committed_token_ids, num_speculative_tokens)
+        else:
+            context, tokens = list(committed_token_ids), []
+            while len(tokens) < num_speculative_tokens:
+                nxt = self.lookup(context, 1)
+                if not nxt:
+                    break
+                tokens.append(nxt[0])
+                context.append(nxt[0])
         return DraftBlock(draft_token_ids=tokens, draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)

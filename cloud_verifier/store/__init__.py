@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.errors import InvalidRequestError, PreconditionError, SessionNotFoundError
+from common.errors import ConflictError, InvalidRequestError, PreconditionError, SessionNotFoundError
 from common.types import FinishReason, SamplingParams, StoppingCriteria
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class SessionRecord:
     session_id: str
     verifier_id: str  # replica holding the session's KV cache
     model_id: str
-    prompt_length: int  # tokens
+    prompt_length: int  # tokens before the current turn's output: the prompt, or the conversation after ExtendSession
     committed_token_ids: list[int]  # prompt + committed output, tokens
     sampling: SamplingParams
     stopping: StoppingCriteria
@@ -108,6 +108,34 @@ class SessionStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def extend(
+        self,
+        session_id: str,
+        expected_length: int,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        stopping: StoppingCriteria,
+        seed: int,
+        now: float,
+        verifier_id: str,
+    ) -> int:
+        """Atomic compare-and-append of a conversation's next turn (ExtendSession); returns the new committed
+        length (tokens).
+
+        Only if the stored committed length equals ``expected_length`` (tokens), replica ``verifier_id`` holds
+        the session, and the session is finished or has no output in its current turn (committed length =
+        ``prompt_length``): appends ``token_ids``, makes the new committed length the ``prompt_length`` (the new
+        turn's output starts there), replaces ``sampling``, ``stopping`` and ``seed``, clears the finish state,
+        keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen and refreshes the TTL.
+
+        Raises:
+            SessionNotFoundError: the session is unknown or expired.
+            ConflictError: the stored length differs (ABORTED); nothing changes.
+            PreconditionError: the session is generating (not finished, output committed); nothing changes.
+            InvalidRequestError: another replica holds the session; nothing changes.
+        """
+
+    @abc.abstractmethod
     def touch(self, session_id: str, now: float) -> bool:
         """Mark activity at ``now`` (unix s) and refresh the TTL; False when the session is gone."""
 
@@ -166,6 +194,18 @@ def length_mismatch(session_id: str, expected: int, actual: int) -> InvalidReque
         f"committed length {expected} does not match session {session_id!r} (committed length {actual}): "
         "stale or duplicate block"
     )
+
+
+def extend_conflict(session_id: str, expected: int, actual: int) -> ConflictError:
+    return ConflictError(
+        f"committed length {expected} does not match session {session_id!r} (committed length {actual}): "
+        "nothing appended; re-read the session (GetSession)"
+    )
+
+
+def generating_error(session_id: str) -> PreconditionError:
+    return PreconditionError(f"session {session_id!r} is generating: only a finished (or not started) session "
+                             "can be extended")
 
 
 def finished_error(session_id: str) -> PreconditionError:

@@ -14,7 +14,9 @@ from cloud_verifier.store import (
     SessionStore,
     check_tokens,
     copy_record,
+    extend_conflict,
     finished_error,
+    generating_error,
     length_mismatch,
     not_found,
     not_owner,
@@ -75,6 +77,26 @@ class MemorySessionStore(SessionStore):
             record.last_seq = int(seq)
             record.finished = bool(finished)
             record.finish_reason = finish_reason if finished else None
+            record.last_seen_at = now
+            self._refresh(session_id)
+            return record.committed_length
+
+    def extend(self, session_id, expected_length, token_ids, sampling, stopping, seed, now, verifier_id) -> int:
+        check_tokens(token_ids)
+        with self._lock:
+            record = self._live(session_id)
+            if record is None:
+                raise not_found(session_id)
+            if record.verifier_id != verifier_id:
+                raise not_owner(session_id, verifier_id)
+            if record.committed_length != expected_length:
+                raise extend_conflict(session_id, expected_length, record.committed_length)
+            if not record.finished and record.committed_length != record.prompt_length:
+                raise generating_error(session_id)
+            record.committed_token_ids.extend(int(t) for t in token_ids)
+            record.prompt_length = record.committed_length
+            record.sampling, record.stopping, record.seed = sampling, stopping, int(seed)
+            record.finished, record.finish_reason = False, None
             record.last_seen_at = now
             self._refresh(session_id)
             return record.committed_length

@@ -25,7 +25,9 @@ from cloud_verifier.store import (
     SessionRecord,
     SessionStore,
     check_tokens,
+    extend_conflict,
     finished_error,
+    generating_error,
     length_mismatch,
     not_found,
     not_owner,
@@ -62,6 +64,28 @@ if redis.call('HGET', KEYS[1], 'finished') == '1' then return {-4, 0} end
 local len = redis.call('APPEND', KEYS[2], ARGV[4])
 redis.call('HSET', KEYS[1], 'last_seq', ARGV[5], 'finished', ARGV[6], 'finish_reason', ARGV[7],
            'last_seen_at', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[9])
+redis.call('PEXPIRE', KEYS[2], ARGV[9])
+redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[9])
+return {0, len}
+"""
+
+# KEYS: session hash, tokens string, verifier zset.
+# ARGV: session id, verifier id, expected byte length, packed tokens, sampling JSON, stopping JSON, seed, now
+# (unix s), ttl ms.
+# Returns {status, value}: {0, new byte length} | {-1, 0} not found | {-2, byte length} mismatch |
+# {-3, 0} held by another verifier | {-5, 0} generating (not finished, output committed in the current turn).
+_EXTEND_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
+if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return {-3, 0} end
+local cur = redis.call('STRLEN', KEYS[2])
+if cur ~= tonumber(ARGV[3]) then return {-2, cur} end
+if redis.call('HGET', KEYS[1], 'finished') ~= '1'
+   and cur ~= 4 * tonumber(redis.call('HGET', KEYS[1], 'prompt_length')) then return {-5, 0} end
+local len = redis.call('APPEND', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], 'prompt_length', len / 4, 'sampling', ARGV[5], 'stopping', ARGV[6], 'seed', ARGV[7],
+           'finished', '0', 'finish_reason', '', 'last_seen_at', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
 redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
@@ -161,6 +185,7 @@ class RedisSessionStore(SessionStore):
         self._create = self.client.register_script(_CREATE_LUA)
         self._append = self.client.register_script(_APPEND_LUA)
         self._touch = self.client.register_script(_TOUCH_LUA)
+        self._extend = self.client.register_script(_EXTEND_LUA)
         self._delete = self.client.register_script(_DELETE_LUA)
         self._claim = self.client.register_script(_CLAIM_LUA)
         self._disown = self.client.register_script(_DISOWN_LUA)
@@ -315,6 +340,25 @@ class RedisSessionStore(SessionStore):
             raise length_mismatch(session_id, expected_length, value // 4)
         if status == -4:
             raise finished_error(session_id)
+        self._forget(session_id)
+        raise not_found(session_id)
+
+    def extend(self, session_id, expected_length, token_ids, sampling, stopping, seed, now, verifier_id) -> int:
+        packed = _pack(token_ids)
+        args = [session_id, verifier_id, 4 * int(expected_length), packed,
+                json.dumps(dataclasses.asdict(sampling)), json.dumps(dataclasses.asdict(stopping)), int(seed),
+                repr(float(now)), self._ttl_ms]
+        status, value = (int(x) for x in self._call(self._extend, keys=self.keys_of(session_id, verifier_id),
+                                                    args=args))
+        if status == 0:
+            return value // 4
+        if status == -3:
+            self._forget(session_id)
+            raise not_owner(session_id, verifier_id)
+        if status == -2:
+            raise extend_conflict(session_id, expected_length, value // 4)
+        if status == -5:
+            raise generating_error(session_id)
         self._forget(session_id)
         raise not_found(session_id)
 

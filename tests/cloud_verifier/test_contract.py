@@ -155,6 +155,8 @@ BLOCK_CASES: dict[str, tuple[Case, grpc.StatusCode, str]] = {
     "seq repeated": (lambda s: raw_block(s.sid, s.seq, s.length, [5]), INVALID, "seq"),
     "seq older": (lambda s: raw_block(s.sid, s.seq - 1, s.length, [5]), INVALID, "seq"),
     "seq zero": (lambda s: raw_block(s.sid, 0, s.length, [5]), INVALID, "seq"),
+    "seq skips one": (lambda s: raw_block(s.sid, s.seq + 2, s.length, [5], [([5, 6], [0.5, 0.5])]), INVALID, "seq"),
+    "seq far ahead": (lambda s: raw_block(s.sid, s.seq + 1000, s.length, [5]), INVALID, "seq"),
     "committed_length behind": (lambda s: raw_block(s.sid, s.seq + 1, s.length - 1, [5]), INVALID, "committed length"),
     "committed_length ahead": (lambda s: raw_block(s.sid, s.seq + 1, s.length + 1, [5]), INVALID, "committed length"),
     "committed_length of the prompt": (lambda s: raw_block(s.sid, s.seq + 1, len(PROMPT), [5]), INVALID,
@@ -300,14 +302,54 @@ def test_duplicate_block_sent_concurrently_commits_once(stub):
     commit_valid(stub, state)
 
 
-@pytest.mark.xfail(strict=True, reason="proto: DraftBlock.seq 'Must increase by one per block'; the verifier only "
-                                       "checks seq > last seq, so a gap is accepted (cloud_verifier.validation."
-                                       "check_block_position)")
-def test_seq_gap_refused(stub):
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_first_block_seq_is_one(stub, transport):
+    """A session's first block has seq 1 (the last seq of a new session is 0): 2 is a gap."""
     state = new_state(stub)
-    commit_valid(stub, state)
-    request = raw_block(state.sid, state.seq + 2, state.length, [5], [([5, 6], [0.5, 0.5])])
-    expect_refused(stub, state, request, INVALID, "seq", "unary")
+    expect_refused(stub, state, raw_block(state.sid, 2, state.length, [5]), INVALID, "seq", transport)
+    commit_valid(stub, state, transport)
+    assert state.seq == 1
+
+
+def test_seq_rule_holds_across_replicas(runner, redis_url):
+    """The last seq travels with the session's record in the store: two replicas on one Redis (real gRPC); after
+    two blocks on replica A, replica B (resuming the session from Redis) refuses a gap and the retry of a block
+    A committed (seq and committed length of the past: what a failover retry of a committed block gets, then
+    reconciled from GetSession by the edge) and accepts the next seq; A, whose copy is now stale, accepts the
+    seq after B's block."""
+    import uuid
+
+    from cloud_verifier.store import RedisSessionStore
+
+    prefix = f"specdec-test:seq-{uuid.uuid4().hex}:"
+    stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]
+    servers = [EmbeddedServer(verifier=Verifier(runner, st, verifier_id=f"seq-{i}",
+                                                max_num_speculative_tokens=MAX_BLOCK, max_batch_wait_ms=1.0),
+                              grace_s=1.0) for i, st in enumerate(stores)]
+    try:
+        addresses = [srv.start(timeout_s=WAIT_S) for srv in servers]
+        with grpc.insecure_channel(addresses[0]) as ch_a, grpc.insecure_channel(addresses[1]) as ch_b:
+            a, b = pb_grpc.VerifierStub(ch_a), pb_grpc.VerifierStub(ch_b)
+            state = new_state(a, max_new_tokens=64)
+            commit_valid(a, state)
+            retry = state.valid_block()  # seq 2, as a failover would resend it
+            commit_valid(a, state)
+            assert (state.seq, info(b, state.sid).committed_length) == (2, state.length)
+            expect_refused(b, state, raw_block(state.sid, state.seq + 2, state.length, [5]), INVALID, "seq", "unary")
+            expect_refused(b, state, retry, INVALID, "committed length", "unary")
+            expect_refused(b, state, raw_block(state.sid, state.seq, state.length, [5]), INVALID, "seq", "stream")
+            commit_valid(b, state)  # seq 3 on replica B
+            assert stores[1].get(state.sid).last_seq == 3
+            expect_refused(a, state, raw_block(state.sid, state.seq + 2, state.length, [5]), INVALID, "seq", "unary")
+            commit_valid(a, state)  # seq 4 back on replica A (stale copy: resumed from the store)
+            assert stores[0].get(state.sid).last_seq == 4
+    finally:
+        for srv in servers:
+            srv.stop(timeout_s=WAIT_S)
+        for st in stores:
+            for key in st.client.scan_iter(match=f"{prefix}*"):
+                st.client.delete(key)
+            st.close()
 
 
 # ---------------------------------------------------------------------------------------------- OpenSession checks

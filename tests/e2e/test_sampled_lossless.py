@@ -31,6 +31,11 @@ Checks (deterministic: fixed seeds; chi-square critical values at significance 1
    Algorithm 1; q the sparse distribution the draft sent): the number accepted minus the sum of these
    probabilities, over its standard deviation, stays within ±Z_ACCEPT.
 
+Both block rules run, each a full set of sessions and checks (the ``runs`` fixture's parameter): classic blocks
+(γ draft tokens, the bonus token sampled from p after a full block) and drafted-bonus blocks
+(``DraftBlock.bonus_drafted``, what the client sends for sampled sessions: γ + 1 draft tokens, the last one
+drafted for the bonus position and verified by the rejection rule like the others; no bonus token).
+
 Negative controls (the same statistics must reject): the first token against the target without top-p, against the
 accepting draft's q and against the rejecting draft's distribution; acceptance against probabilities 6 points
 higher or lower; the joint-law test on synthetic samples drawn from the reference with the same uniform reused at every step
@@ -159,14 +164,16 @@ class Session:
 class Runs:
     sessions: list[Session]
     seconds: float
+    bonus_drafted: bool = False  # the block rule the sessions ran with
 
     @property
     def tokens(self) -> np.ndarray:  # [N, MAX_NEW_TOKENS]
         return np.array([s.tokens for s in self.sessions], dtype=np.int64)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_pair) -> Runs:
+@pytest.fixture(scope="module", params=["classic", "bonus_drafted"])
+def runs(tiny_pair, request) -> Runs:
+    bonus_drafted = request.param == "bonus_drafted"
     runner = TargetRunner(tiny_pair.target_dir)
     backend = LocalBackend(Verifier(runner, max_num_speculative_tokens=GAMMA, max_batch_wait_ms=0.0))
     sessions: list[Session] = []
@@ -178,7 +185,8 @@ def runs(tiny_pair) -> Runs:
         ):
             model = OnnxDraftModel(draft_dir)
             drafter = RecordingDrafter(ModelDrafter(model, draft_top_k=draft_top_k))
-            client = EdgeClient(backend, drafter, model.tokenizer, num_speculative_tokens=GAMMA, timeout_s=60.0)
+            client = EdgeClient(backend, drafter, model.tokenizer, num_speculative_tokens=GAMMA, timeout_s=60.0,
+                                bonus_drafted=bonus_drafted)
             for i in range(n):
                 assert time.monotonic() - t0 < MAX_RUN_S, f"sampling loop too slow: {len(sessions)} sessions"
                 drafter.blocks = []
@@ -189,7 +197,7 @@ def runs(tiny_pair) -> Runs:
                                         res.stats.num_accepted_tokens, res.stats.num_drafts))
     finally:
         backend.close()
-    return Runs(sessions, time.monotonic() - t0)
+    return Runs(sessions, time.monotonic() - t0, bonus_drafted)
 
 
 @pytest.fixture(scope="module")
@@ -343,12 +351,17 @@ def test_runs_exercise_acceptance_rejection_and_several_steps(runs):
     assert min(steps) == 1 and max(steps) == MAX_NEW_TOKENS
     assert any(s.num_accepted == GAMMA for s in by["accepting"])
     # the rejecting draft: nothing accepted, one token per step (two recovered tokens, then a plain decoding
-    # step: the block may not pass max_new_tokens, so the last one is empty)
-    assert all(s.num_accepted == 0 and s.num_drafts == MAX_NEW_TOKENS and len(s.blocks) == 2
+    # step: the block may not pass max_new_tokens, so the last one is empty; with drafted-bonus blocks the
+    # last one holds the drafted-bonus token alone, rejected too: three recovered tokens)
+    num_blocks = MAX_NEW_TOKENS if runs.bonus_drafted else 2
+    assert all(s.num_accepted == 0 and s.num_drafts == MAX_NEW_TOKENS and len(s.blocks) == num_blocks
                for s in by["rejecting"])
     # the sessions differ (seeds are used) and all blocks were top-k drafted (q travels)
     assert len({tuple(s.tokens) for s in runs.sessions}) > len(runs.sessions) // 4
     assert all(b.draft_probs is not None for s in runs.sessions for _, b in s.blocks)
+    # the block rule: drafted-bonus blocks carry γ + 1 draft tokens
+    assert max(len(b) for s in runs.sessions for _, b in s.blocks) == GAMMA + runs.bonus_drafted
+    assert all(b.bonus_drafted == runs.bonus_drafted for s in runs.sessions for _, b in s.blocks)
     print(f"\n{len(runs.sessions)} sessions in {runs.seconds:.1f} s; acceptance {acc_rate:.3f}")
 
 
