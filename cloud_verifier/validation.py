@@ -60,13 +60,7 @@ def check_open_request(
     if not prompt:
         raise InvalidRequestError("empty prompt: at least one token id is needed")
     check_token_ids(prompt, "prompt", valid_vocab_size)
-    try:
-        sampling.validate()
-        stopping.validate()
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
-    if 0 < sampling.temperature < MIN_TEMPERATURE:
-        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
+    check_generation_params(sampling, stopping)
     if tokenizer_fingerprint and info.tokenizer_fingerprint and tokenizer_fingerprint != info.tokenizer_fingerprint:
         raise PreconditionError(
             f"tokenizer fingerprint {tokenizer_fingerprint} does not match the target's "
@@ -75,6 +69,22 @@ def check_open_request(
     max_ctx = info.max_context_tokens
     if len(prompt) >= max_ctx:
         raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context of {max_ctx} tokens")
+
+
+def check_generation_params(sampling: SamplingParams, stopping: StoppingCriteria) -> None:
+    """Check a session's sampling and stopping parameters (OpenSession and ExtendSession).
+
+    Raises:
+        InvalidRequestError: a parameter out of range (SamplingParams/StoppingCriteria.validate), or a positive
+            temperature below :data:`MIN_TEMPERATURE` (use 0 for greedy).
+    """
+    try:
+        sampling.validate()
+        stopping.validate()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
 
 
 def check_extend_request(
@@ -97,13 +107,7 @@ def check_extend_request(
     if not appended:
         raise InvalidRequestError("appended_token_ids is empty: at least one token id is needed")
     check_token_ids(appended, "appended", valid_vocab_size)
-    try:
-        sampling.validate()
-        stopping.validate()
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
-    if 0 < sampling.temperature < MIN_TEMPERATURE:
-        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
+    check_generation_params(sampling, stopping)
     total = committed_length + len(appended)
     if total >= info.max_context_tokens:
         raise ContextLengthError(

@@ -35,6 +35,14 @@ class DelayedBackend(VerifierBackend):
         finally:
             time.sleep(self.downlink_s)
 
+    def extend_session(self, *args, **kwargs):
+        """The inner backend's ExtendSession behind the same delays as :meth:`open_session`."""
+        time.sleep(self.uplink_s)
+        try:
+            return self.inner.extend_session(*args, **kwargs)
+        finally:
+            time.sleep(self.downlink_s)
+
     def submit(self, session_id, seq, committed_length, block) -> Future:
         out: Future = Future()
 

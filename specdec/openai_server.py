@@ -380,12 +380,7 @@ class Engine:
         conversations are closed and the request is tried once more; the second refusal is the answer (429)."""
         if job.cancelled.is_set():
             return
-        if (req.kwargs.get("seed") is not None and req.kwargs.get("temperature", 0.0) > 0
-                and hasattr(self.client.drafter, "reset")):
-            # the int8 draft's numbers depend on how its KV cache was filled (one token vs several per forward:
-            # different kernels), and sampled drafts follow them: a seeded request starts cold, so that the same
-            # request gives the same output whatever ran before it
-            self.client.drafter.reset()
+        # (a seeded sampled request starts from a fresh draft KV cache: EdgeClient._generate resets the drafter)
         for attempt in (1, 2):
             emitted = [False]
             try:
