@@ -220,12 +220,17 @@ class EdgeClient:
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise
             (:class:`edge_client.policy.ProactiveBet`).
-        bonus_drafted: sampled sessions send drafted-bonus blocks (``DraftBlock.bonus_drafted``; "drafted bonus"
-            in :mod:`common.rejection`): γ speculative tokens plus one drafted for the bonus position, all
-            verified by the rejection rule, so the output does not depend on where blocks end (one extra draft
-            forward pass per block; the target's forward is the same size). False: the classic bonus token,
-            and a seeded sampled session turns adaptive γ and proactive drafting off. Greedy sessions always
-            use the classic bonus (their output never depends on block boundaries).
+        bonus_drafted: whether sampled sessions send drafted-bonus blocks (``DraftBlock.bonus_drafted``;
+            "drafted bonus" in :mod:`common.rejection`): γ speculative tokens plus one drafted for the bonus
+            position, all verified by the rejection rule, so the output does not depend on where blocks end
+            (cost: one more draft forward pass per block; the target's forward is the same size). None (default,
+            "auto"): only where block ends depend on timing, i.e. a seeded sampled session with adaptive γ or
+            proactive drafting on; a fixed schedule (fixed γ, no proactive drafting; confidence truncation is a
+            function of the draft's logits, not of timing) and an unseeded session use the classic bonus token
+            (sampled from p at the end of a fully accepted block), which saves that forward pass. True: every
+            sampled session (its output then does not depend on γ or the drafting settings either). False:
+            never; a seeded sampled session then turns adaptive γ and proactive drafting off. Greedy sessions
+            always use the classic bonus (their output never depends on block boundaries).
         timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
         fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":
@@ -238,14 +243,17 @@ class EdgeClient:
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
     committed as its prompt and the same seed, so the output does not change.
 
-    What a seed guarantees: the same seed, the same draft and target models and the same sampling parameters
-    give the same tokens whatever the γ schedule (fixed γ, adaptive γ, confidence truncation, proactive
-    drafting), the batching or the replica — drafted-bonus blocks make every token at absolute position t a
-    function of the target's and the draft's distributions there and the seeded draws at t. Statistics count a
-    drafted-bonus block as γ speculative tokens (its last token fills the bonus position): the acceptance rate
-    is over those γ positions and τ is still the tokens committed per verify step. With
+    What a seed guarantees: the same seed, the same draft and target models, the same sampling parameters and
+    the same drafting settings (γ, adaptive, proactive, min_confidence, bonus_drafted) give the same tokens
+    whatever the timing, the batching or the replica: a timing-dependent schedule (adaptive γ, proactive
+    drafting) runs on drafted-bonus blocks, which make every token at absolute position t a function of the
+    target's and the draft's distributions there and the seeded draws at t, whatever the blocks; a fixed
+    schedule's block ends are themselves a function of those draws. With ``bonus_drafted=True`` the tokens
+    do not depend on the drafting settings either (fixed γ = 2, fixed γ = 4 and adaptive γ agree). Statistics
+    count a drafted-bonus block as γ speculative tokens (its last token fills the bonus position): the
+    acceptance rate is over those γ positions and τ is still the tokens committed per verify step. With
     ``bonus_drafted=False`` a seeded sampled session keeps a timing-free schedule instead (adaptive γ and
-    proactive drafting off; the output then depends on γ). Greedy output never depends on any of them.
+    proactive drafting off). Greedy output never depends on any of them.
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
@@ -262,7 +270,7 @@ class EdgeClient:
         adaptive: bool = False,
         min_confidence: float = 0.0,
         proactive: bool = False,
-        bonus_drafted: bool = True,
+        bonus_drafted: bool | None = None,
         timeout_s: float = 60.0,
         open_timeout_s: float = 600.0,
         fallback: str = "none",
@@ -444,19 +452,26 @@ class EdgeClient:
         """The session's adaptive controller and proactive bet (None when off). With drafted-bonus blocks
         (:meth:`_drafts_bonus`) both stay on: the output does not depend on the schedule. Without them, a
         seeded sampled session turns both off: it keeps a timing-independent schedule (class docstring)."""
-        timing_free = not sampling.greedy and requested_seed is not None and not self._drafts_bonus(sampling)
+        drafts_bonus = self._drafts_bonus(sampling, requested_seed)
+        timing_free = not sampling.greedy and requested_seed is not None and not drafts_bonus
         adaptive = None
         if self.adaptive and not timing_free:
-            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens,
-                                                    drafted_bonus=self._drafts_bonus(sampling))
+            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens, drafted_bonus=drafts_bonus)
         bet = None
         if self.proactive and self.drafter is not None and not timing_free:
             bet = ProactiveBet(lambda ids, n, should_stop: self._draft(ids, n, sampling, should_stop))
         return adaptive, bet
 
-    def _drafts_bonus(self, sampling: SamplingParams) -> bool:
-        """Blocks of this session are drafted-bonus blocks: a sampled session with a drafter, unless disabled."""
-        return self.bonus_drafted and not sampling.greedy and self.drafter is not None
+    def _drafts_bonus(self, sampling: SamplingParams, requested_seed: int | None) -> bool:
+        """Blocks of this session are drafted-bonus blocks: a sampled session with a drafter, when
+        ``bonus_drafted`` is True, or when it is None (auto) and the user fixed the seed and the schedule
+        depends on timing (adaptive γ or proactive drafting): elsewhere the classic bonus token is as
+        reproducible and saves a draft forward pass per block."""
+        if sampling.greedy or self.drafter is None or self.bonus_drafted is False:
+            return False
+        if self.bonus_drafted is None:
+            return requested_seed is not None and (self.adaptive or self.proactive)
+        return True
 
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
                   keep: KeptSession | None = None) -> Iterator[Chunk]:
@@ -553,7 +568,7 @@ class EdgeClient:
         max_num_speculative_tokens = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
         adaptive, bet = self._policy(sampling, requested_seed, max_num_speculative_tokens)
         # drafted bonus: γ speculative tokens + one for the bonus position, all verified by the rejection rule
-        extra = 1 if self._drafts_bonus(sampling) else 0
+        extra = 1 if self._drafts_bonus(sampling, requested_seed) else 0
         for seq in itertools.count(run.first_seq):
             room = capacity - len(committed) - 1  # the verdict always adds one token of its own
             wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens

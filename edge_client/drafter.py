@@ -7,7 +7,8 @@ docs/architecture.md "Lossless verification"):
 - greedy drafting (greedy sessions, or ``draft_top_k <= 1``): each draft token is the argmax of the draft's
   logits; q is one-hot and only token ids travel (``DraftBlock.draft_probs is None``).
 - top-k drafting (sampled sessions): q_i = the k most likely tokens of the draft's processed distribution
-  (``common.sampling.logits_to_probs`` with the session's SamplingParams), renormalised; the draft token is
+  (the session's SamplingParams as ``common.sampling.logits_to_probs`` applies them), renormalised, computed
+  without a full probability row (``common.sampling.draft_topk_distribution``); the draft token is
   sampled from exactly that q with the counter-based stream ``uniform(seed, position, Stream.DRAFT_SAMPLE)``,
   ``position`` being the absolute index of the drafted token. q travels as (ids, probs) [γ, k].
 
@@ -26,7 +27,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from common.sampling import Stream, logits_to_probs, normalize_sparse, sample_from, topk_draft_distribution, uniform
+from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 from edge_client.onnx_draft import OnnxDraftModel
 
@@ -199,8 +200,7 @@ class ModelDrafter:
             if greedy:
                 token = int(np.argmax(logits[: self.valid_vocab_size]))
             else:
-                probs = logits_to_probs(logits[None, :], sampling, self.valid_vocab_size)[0]
-                ids, q = topk_draft_distribution(probs, self.draft_top_k)
+                ids, q = draft_topk_distribution(logits, sampling, self.draft_top_k, self.valid_vocab_size)
                 j = sample_from(normalize_sparse(q), uniform(seed, start + i, Stream.DRAFT_SAMPLE))
                 token = int(ids[j])
                 rows_ids.append(ids)

@@ -3,14 +3,15 @@ and whether to draft the next block before the verdict on the current one arrive
 
 None of the three changes what is committed, in a greedy session or in a seeded sampled one (every block is
 verified by the same rejection rule, whatever its length or the moment it was drafted); they change only how
-fast. For sampled sessions this rests on drafted-bonus blocks (``DraftBlock.bonus_drafted``, "drafted bonus"
-in :mod:`common.rejection`): a block of γ speculative tokens carries γ + 1 draft tokens, the last one drafted
-for the bonus position, and every token goes through the rejection rule, so the token at each absolute
+fast. For a seeded sampled session with adaptive γ or proactive drafting this rests on drafted-bonus
+blocks (``DraftBlock.bonus_drafted``, "drafted bonus" in :mod:`common.rejection`; the client's default there):
+a block of γ speculative tokens carries γ + 1 draft tokens, the last one drafted for the bonus position, and every token goes through the rejection rule, so the token at each absolute
 position is a function of the target's and the draft's distributions there and of the seeded draws at that
 position, not of where blocks end. (With the classic bonus token — sampled straight from p at the end of a
 full block, through the rejection rule inside one — it was not, and a seeded sampled session had to turn
-adaptive γ and proactive drafting off; ``EdgeClient(bonus_drafted=False)`` still does.) The client
-(:class:`edge_client.client.EdgeClient`) switches each one on or off:
+adaptive γ and proactive drafting off; ``EdgeClient(bonus_drafted=False)`` still does. A fixed schedule's block
+ends are a function of the seeded draws, so it keeps the classic bonus by default: one draft forward pass per
+block less.) The client (:class:`edge_client.client.EdgeClient`) switches each one on or off:
 
 - **Adaptive num_speculative_tokens** (``adaptive=True``): :class:`AdaptiveNumSpeculativeTokens` picks γ per
   verify step, 1 ≤ γ ≤ max_num_speculative_tokens, to maximise committed tokens per second.

@@ -2,15 +2,18 @@
 
 Two call shapes, as the two sides make them:
 
-- edge path: the draft's per-token call, one row [1, vocab_size] (edge_client.drafter, once per draft token);
+- edge path: the draft's per-token call (edge_client.drafter, once per draft token): the sparse top-k q straight
+  from one row of raw logits (``draft_topk_distribution``) vs the full-sort reference then
+  ``topk_draft_distribution``;
 - verifier path: one block [γ + 1, vocab_size] (cloud_verifier, once per verify row); reported per position;
-- edge step: the drafter's whole sampled per-token step (logits_to_probs, topk_draft_distribution, one draw).
+- edge step: the drafter's whole sampled per-token step (its q, one draw) vs the step before issue 14.
 
 Logits are real when the default target (SmolLM2-135M-Instruct, ``specdec models prepare``) is in the model
 cache and transformers loads it: one teacher-forced forward over a fixed chat prompt and answer, rows taken
 from the answer's positions. Otherwise (or with ``synthetic=True``) they are synthetic, calibrated on those
 real logits: a Gaussian body (σ 3.5) and a peaked head (the top token about 22 above the median, the next
-ones 0.5-6 below the top). Every timed call is also checked bit for bit against the reference.
+ones 0.5-6 below the top). The verifier's probabilities are checked bit for bit against the reference; the edge's q for the same token
+ids (its probabilities agree to rounding: the draft samples from the q it sends, whatever its last bits).
 
     python -m specdec.logits_bench [--vocab-size 49152] [--rows 5] [--repeats 30] [--synthetic]
 
@@ -31,6 +34,7 @@ import numpy as np
 from common.sampling import (
     Stream,
     _logits_to_probs_reference,
+    draft_topk_distribution,
     logits_to_probs,
     normalize_sparse,
     sample_from,
@@ -104,11 +108,25 @@ def _topk_draft_distribution_before(probs: np.ndarray, k: int) -> tuple[np.ndarr
     return ids.astype(np.int64), (top / top.sum()).astype(np.float32)
 
 
-def _edge_step(process: Callable, topk: Callable, row: np.ndarray, params: SamplingParams, draft_top_k: int) -> int:
-    """The drafter's sampled per-token step (edge_client.drafter): process the row [vocab_size], take the
-    sparse top-k q, draw a draft token from it."""
-    probs = process(row[None, :], params)[0]
-    ids, q = topk(probs, draft_top_k)
+def _edge_q_fast(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The drafter's q of one row [vocab_size] (edge_client.drafter)."""
+    return draft_topk_distribution(row, params, k)
+
+
+def _edge_q_reference(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same q through the full-sort reference row and topk_draft_distribution."""
+    return topk_draft_distribution(_logits_to_probs_reference(row[None, :], params)[0], k)
+
+
+def _edge_q_before(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """q as the drafter computed it before issue 14 (full-sort reference, argpartition top-k)."""
+    return _topk_draft_distribution_before(_logits_to_probs_reference(row[None, :], params)[0], k)
+
+
+def _edge_step(q_of: Callable, row: np.ndarray, params: SamplingParams, draft_top_k: int) -> int:
+    """The drafter's sampled per-token step (edge_client.drafter): the sparse top-k q of the row [vocab_size],
+    one draft token drawn from it."""
+    ids, q = q_of(row, params, draft_top_k)
     return int(ids[sample_from(normalize_sparse(q), uniform(1, 0, Stream.DRAFT_SAMPLE))])
 
 
@@ -142,19 +160,19 @@ def bench_logits_processing(
 ) -> dict:
     """ms per position of logits processing, fast vs the full-sort reference, edge and verifier paths.
 
-    edge: each of the ``num_rows`` rows processed alone ([1, vocab_size], as the drafter calls it),
-    ``repeats`` times each. verifier: the [num_rows, vocab_size] block, ``repeats`` times, time divided by
-    ``num_rows``. edge_step: the drafter's whole sampled per-token step (logits_to_probs,
-    topk_draft_distribution with ``draft_top_k``, one draw) per row, fast vs before issue 14 (the reference
-    and the old topk_draft_distribution). Temperatures must be > 0 (sampled decoding).
+    edge: the drafter's q (``draft_topk_distribution`` with ``draft_top_k``) of each of the ``num_rows`` rows
+    alone, ``repeats`` times each, vs the reference row then ``topk_draft_distribution``. verifier: the
+    [num_rows, vocab_size] block, ``repeats`` times, time divided by ``num_rows``. edge_step: the drafter's
+    whole sampled per-token step (its q, one draw) per row, fast vs before issue 14 (the reference and the old
+    topk_draft_distribution). Temperatures must be > 0 (sampled decoding).
 
     Returns:
         {"vocab_size", "num_rows", "repeats", "logits", "numpy", "python", "settings": [...]}, one entry per
         setting: {"temperature", "top_k", "top_p", "edge": {"fast", "reference"}, "verifier": {"fast",
         "reference"}, "edge_step": {"fast", "before"}, "speedup_edge", "speedup_verifier",
         "speedup_edge_step", "identical"}. Each timing is {"median", "min"} ms per position; speedups are
-        ratios of medians; "identical" is True when every fast result (the probabilities, and the edge
-        step's draft token) equalled the reference's bit for bit.
+        ratios of medians; "identical" is True when every fast result equalled the reference's: the
+        verifier's probabilities bit for bit, the edge's q token ids, and the edge step's draft token.
     """
     logits = None if synthetic else real_logits(num_rows, vocab_size)
     source = "real (default target, one forward)" if logits is not None else "synthetic"
@@ -163,8 +181,6 @@ def bench_logits_processing(
     else:
         stride = max(1, len(logits) // num_rows)  # spread the rows over the answer
         logits = np.ascontiguousarray(logits[::stride][:num_rows])
-    fast_step = (logits_to_probs, topk_draft_distribution)
-    before_step = (_logits_to_probs_reference, _topk_draft_distribution_before)
     results = []
     for temperature, top_k, top_p in settings:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -175,14 +191,15 @@ def bench_logits_processing(
             )
             for rows in [logits, *(logits[i : i + 1] for i in range(num_rows))]
         ) and all(
-            _edge_step(*fast_step, row, params, draft_top_k) == _edge_step(*before_step, row, params, draft_top_k)
+            np.array_equal(_edge_q_fast(row, params, draft_top_k)[0], _edge_q_reference(row, params, draft_top_k)[0])
+            and _edge_step(_edge_q_fast, row, params, draft_top_k) == _edge_step(_edge_q_before, row, params, draft_top_k)
             for row in logits
         )
         entry: dict = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         for path, variants in (
-            ("edge", (("fast", logits_to_probs), ("reference", _logits_to_probs_reference))),
+            ("edge", (("fast", _edge_q_fast), ("reference", _edge_q_reference))),
             ("verifier", (("fast", logits_to_probs), ("reference", _logits_to_probs_reference))),
-            ("edge_step", (("fast", fast_step), ("before", before_step))),
+            ("edge_step", (("fast", _edge_q_fast), ("before", _edge_q_before))),
         ):
             entry[path] = {}
             for name, fn in variants:
@@ -192,9 +209,9 @@ def bench_logits_processing(
                 per_call: list[float] = []
                 for row in logits:  # [vocab_size], as the drafter holds it
                     if path == "edge":
-                        per_call += _time_ms(lambda: fn(row[None, :], params), repeats)
+                        per_call += _time_ms(lambda: fn(row, params, draft_top_k), repeats)
                     else:
-                        per_call += _time_ms(lambda: _edge_step(*fn, row, params, draft_top_k), repeats)
+                        per_call += _time_ms(lambda: _edge_step(fn, row, params, draft_top_k), repeats)
                 entry[path][name] = _summary(per_call, 1)
             slow = entry[path]["before" if path == "edge_step" else "reference"]["median"]
             entry[f"speedup_{path}"] = round(slow / entry[path]["fast"]["median"], 1)

@@ -1,4 +1,6 @@
-"""A seeded sampled generation gives the same tokens whatever the speculation schedule (drafted-bonus blocks).
+"""A seeded sampled generation gives the same tokens whatever the speculation schedule (drafted-bonus blocks,
+``EdgeClient(bonus_drafted=True)``), and the client's default (``bonus_drafted=None``) drafts the bonus exactly
+where the schedule depends on timing (adaptive γ, proactive drafting) and stays reproducible elsewhere.
 
 The real EdgeClient loop with a real ONNX ModelDrafter (top-k drafting) and the real Verifier over the tiny
 Llama pair (conftest ``tiny_pair``), in process (LocalBackend) and over real gRPC on 127.0.0.1 (GrpcBackend +
@@ -80,6 +82,7 @@ def model(tiny_pair):
 
 
 def _client(backend, model, **kw) -> EdgeClient:
+    kw.setdefault("bonus_drafted", True)  # None (the default, "auto") is tested on its own below
     return EdgeClient(backend, ModelDrafter(model, draft_top_k=4), model.tokenizer, **kw)
 
 
@@ -147,7 +150,8 @@ def test_ngram_drafter_same_tokens_whatever_gamma(backend, model):
     outs = []
     for gamma in (2, 5):
         recording = RecordingBackend(backend)
-        client = EdgeClient(recording, NgramDrafter(), model.tokenizer, num_speculative_tokens=gamma)
+        client = EdgeClient(recording, NgramDrafter(), model.tokenizer, num_speculative_tokens=gamma,
+                            bonus_drafted=True)
         res = client.generate(prompt_ids, max_new_tokens=MAX_NEW_TOKENS, temperature=case[2], top_k=case[3],
                               seed=case[1], ignore_eos=True)
         assert all(flag for n, flag in recording.blocks if n) and any(n for n, _ in recording.blocks)
@@ -163,3 +167,27 @@ def test_greedy_sessions_keep_classic_blocks(backend, model, tiny_pair):
     assert res.token_ids == hf_greedy(tiny_pair.target_dir, prompt_ids, 24)
     assert recording.blocks and not any(flag for _, flag in recording.blocks)
     assert max(n for n, _ in recording.blocks) == 4  # γ tokens, no drafted bonus
+
+
+def test_auto_drafts_the_bonus_only_where_timing_sets_the_schedule(backend, model):
+    """``bonus_drafted=None`` (the default): a seeded session with a fixed schedule sends classic blocks and is
+    reproducible run to run; with adaptive γ or proactive drafting it sends drafted-bonus blocks and gives the
+    tokens of ``bonus_drafted=True`` at fixed γ (schedule-independent); an unseeded session sends classic
+    blocks with adaptive γ on (nothing to reproduce)."""
+    case = CASES[0]
+    prompt_ids = encode_prompt(model.tokenizer, case[0])
+    fixed_a, blocks_a = _generate(backend, model, prompt_ids, case, num_speculative_tokens=4, bonus_drafted=None)
+    fixed_b, _ = _generate(backend, model, prompt_ids, case, num_speculative_tokens=4, bonus_drafted=None)
+    assert not any(flag for _, flag in blocks_a) and max(n for n, _ in blocks_a) == 4  # classic: γ tokens
+    assert fixed_a.token_ids == fixed_b.token_ids
+    drafted, _ = _generate(backend, model, prompt_ids, case, num_speculative_tokens=4, bonus_drafted=True)
+    for timing in (dict(adaptive=True), dict(proactive=True, delay_ms=5)):
+        res, blocks = _generate(backend, model, prompt_ids, case, num_speculative_tokens=4, bonus_drafted=None,
+                                **timing)
+        assert all(flag for n, flag in blocks if n), timing
+        assert res.token_ids == drafted.token_ids, timing
+    recording = RecordingBackend(backend)
+    _client(recording, model, num_speculative_tokens=4, adaptive=True, bonus_drafted=None).generate(
+        prompt_ids, max_new_tokens=MAX_NEW_TOKENS, temperature=case[2], top_k=case[3], top_p=case[4],
+        ignore_eos=True)
+    assert recording.blocks and not any(flag for _, flag in recording.blocks)
