@@ -13,10 +13,10 @@ when no verifier answers within the retry budget, the edge decodes with its draf
 
 Tokens decoded here are not the target's: the client counts them (``num_unverified_tokens``) and flags their
 text (:class:`edge_client.client.Chunk` ``verified=False``); the CLI prints a notice. They fall outside what a
-seed guarantees (same tokens whatever the γ schedule, batching or replica: drafted-bonus blocks,
-:mod:`common.rejection`): which positions the draft fills alone depends on when the cloud was unreachable.
-Each of them is still a function of the prefix and the draws at its position, and the verified session
-after a fallback goes on with the same seed and the same drafted-bonus blocks. The draft's KV cache is shared
+seed guarantees (same tokens whatever the timing, batching or replica; docs/architecture.md "What a seed
+guarantees"): which positions the draft fills alone depends on when the cloud was unreachable. Each of them is
+still a function of the prefix and the draws at its position, and the verified session after a fallback goes
+on with the same seed and the same kind of blocks. The draft's KV cache is shared
 with drafting (:meth:`edge_client.drafter.ModelDrafter.next_token_logits` rolls it back to the committed
 prefix, dropping the tokens of a drafted-bonus block that was never verified).
 """
