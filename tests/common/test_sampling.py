@@ -392,6 +392,32 @@ def test_a_row_alone_equals_the_same_row_in_a_block(temperature, top_k, top_p):
         np.testing.assert_array_equal(logits_to_probs(logits[i], params)[0].view(np.uint64), block[i].view(np.uint64))
 
 
+def test_exp64_is_element_for_element():
+    """_exp64 (torch's vectorised exp): a value does not depend on the array's size, offset, layout or thread
+    count (vector body vs scalar tail), and is within an ulp of numpy's libm exp."""
+    import torch
+
+    from common.sampling import _exp64
+
+    x = np.random.default_rng(8).normal(-20.0, 15.0, size=(5, 4099))  # odd width: tails in every row
+    x[0, :7] = [0.0, -745.2, -746.0, 709.0, -np.inf, 1e-300, -1e-300]  # underflow, overflow edge, -inf
+    full = _exp64(x)
+    np.testing.assert_allclose(full, np.exp(x), rtol=4e-16, atol=0)
+    flat = x.ravel()
+    for offset, size in ((0, 1), (3, 5), (7, 17), (1, 4099), (4098, 4100), (13, 9000)):
+        np.testing.assert_array_equal(_exp64(flat[offset:offset + size].copy()).view(np.uint64),
+                                      full.ravel()[offset:offset + size].view(np.uint64))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        np.testing.assert_array_equal(_exp64(x).view(np.uint64), full.view(np.uint64))
+    finally:
+        torch.set_num_threads(threads)
+    out = x.copy()
+    assert _exp64(out, out=out) is out
+    np.testing.assert_array_equal(out.view(np.uint64), full.view(np.uint64))
+
+
 def test_memory_layout_does_not_change_the_result():
     logits = lm_like_logits(np.random.default_rng(6), 5, 3000)
     params = SamplingParams(temperature=0.8, top_k=0, top_p=0.9)
