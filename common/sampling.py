@@ -455,13 +455,13 @@ def draft_topk_distribution(
     k = max(1, min(int(k), n))
     m = float(row.max())
     if params.greedy or not np.isfinite(m):  # NaN anywhere makes the max NaN
-        return topk_draft_distribution(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)
+        return _draft_q_by_full_row(logits, params, k, valid_vocab_size)
     # G: the tokens whose logit is >= the k-th largest, in the reference's top-p order (most likely first,
     # ties: highest id first); top-p keeps a prefix of that order, and q's k tokens are among G's kept ones
     v = np.partition(row, n - k)[n - k] if k < n else row.min()
     g = np.flatnonzero(row >= v)  # [>= k] ascending ids
     if len(g) > _DRAFT_MAX_TIED:  # thousands of equal logits: the reference's full row
-        return topk_draft_distribution(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)
+        return _draft_q_by_full_row(logits, params, k, valid_vocab_size)
     g = g[np.lexsort((-g, -row[g]))]
     scaled_max = np.float64(m) / params.temperature  # the reference's row max of float64(logits) / temperature
     top = np.exp(row[g].astype(np.float64) / params.temperature - scaled_max)  # [len(g)] unnormalised
@@ -480,12 +480,19 @@ def draft_topk_distribution(
     if params.top_p < 1.0:  # token j is kept iff the mass before it is < top_p (the first always)
         keep = min(keep, 1 + int(np.count_nonzero(np.cumsum(probs[:-1]) < params.top_p)))
     if keep == 0:  # everything underflowed: the reference's answer (the argmax)
-        return topk_draft_distribution(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)
+        return _draft_q_by_full_row(logits, params, k, valid_vocab_size)
     kept_ids, kept = g[:keep], probs[:keep]
     order = np.lexsort((kept_ids, -kept))[:k]  # topk_draft_distribution's order: most likely, then lowest id
     ids, q = kept_ids[order].astype(np.int64), kept[order]
     total = q.sum()
     return ids, (q / total).astype(np.float32)
+
+
+def _draft_q_by_full_row(
+    logits: np.ndarray, params: SamplingParams, k: int, valid_vocab_size: int | None
+) -> tuple[np.ndarray, np.ndarray]:  # ([k'] int64 ids, [k'] float32 probs)
+    """draft_topk_distribution's fallback: the full processed row, then its top k."""
+    return topk_draft_distribution(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)
 
 
 def dense_draft_probs(
