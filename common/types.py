@@ -67,6 +67,11 @@ class StoppingCriteria:
             raise ValueError("stop strings must be non-empty")
 
 
+# k of top-k drafting (sampled sessions): q keeps the draft's k most likely tokens, and the wire carries k
+# (id, probability) pairs per draft token.
+DEFAULT_DRAFT_TOP_K = 8
+
+
 @dataclass
 class SparseDraftProbs:
     """Sparse draft distribution q of top-k drafting: the exact distribution the draft sampled from.

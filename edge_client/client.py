@@ -39,7 +39,15 @@ from common.errors import (
     VerifierUnavailableError,
 )
 from common.stopping import StopChecker, generated_text_for_output
-from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
+from common.types import (
+    DEFAULT_DRAFT_TOP_K,
+    DraftBlock,
+    FinishReason,
+    SamplingParams,
+    SessionOpened,
+    StoppingCriteria,
+    Verdict,
+)
 from common.vocab import tokenizer_fingerprint
 from edge_client.backend import VerifierBackend
 from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
@@ -303,8 +311,8 @@ class EdgeClient:
 
     @classmethod
     def connect(
-        cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *, draft_top_k: int = 8,
-        connect_timeout_s: float = 10.0, retry_policy=None, fallback: str = "none", tls: bool = False,
+        cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *,
+        draft_top_k: int = DEFAULT_DRAFT_TOP_K, connect_timeout_s: float = 10.0, retry_policy=None, fallback: str = "none", tls: bool = False,
         root_certificates=None, api_key: str | None = None, certificate_chain=None, private_key=None, **kwargs,
     ) -> "EdgeClient":
         """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft).

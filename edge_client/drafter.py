@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs
 from edge_client.onnx_draft import OnnxDraftModel
 
 __all__ = ["Drafter", "ModelDrafter"]
@@ -102,7 +102,8 @@ class ModelDrafter:
             :func:`common.vocab.check_vocab_compatible`.
     """
 
-    def __init__(self, model: OnnxDraftModel, draft_top_k: int = 8, valid_vocab_size: int | None = None) -> None:
+    def __init__(self, model: OnnxDraftModel, draft_top_k: int = DEFAULT_DRAFT_TOP_K,
+                 valid_vocab_size: int | None = None) -> None:
         self.model = model
         self.draft_top_k = int(draft_top_k)
         if valid_vocab_size is None:

@@ -23,6 +23,8 @@ from typing import Optional
 
 import typer
 
+from common.types import DEFAULT_DRAFT_TOP_K
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"  # Apache-2.0, see data/README.md
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -433,7 +435,7 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
     ensure_default_models(target, draft, server=server, target_only=target_only)
     try:
         return build_pipeline(
-            target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=8,
+            target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=DEFAULT_DRAFT_TOP_K,
             num_speculative_tokens=num_speculative_tokens, adaptive=True, min_confidence=DEFAULT_MIN_CONFIDENCE,
             proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
             device=device, dtype=dtype, connect=connect,

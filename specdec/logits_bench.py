@@ -41,7 +41,7 @@ from common.sampling import (
     topk_draft_distribution,
     uniform,
 )
-from common.types import SamplingParams
+from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams
 
 DEFAULT_SETTINGS: tuple[tuple[float, int, float], ...] = ((0.7, 0, 0.9), (0.7, 50, 1.0), (0.7, 0, 0.95), (1.0, 0, 1.0))
 
@@ -156,7 +156,7 @@ def bench_logits_processing(
     settings: Sequence[tuple[float, int, float]] = DEFAULT_SETTINGS,  # (temperature, top_k, top_p)
     synthetic: bool = False,
     seed: int = 0,
-    draft_top_k: int = 8,  # k of top-k drafting in the edge step (the SDK's default)
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K,  # k of top-k drafting in the edge step (the SDK's default)
 ) -> dict:
     """ms per position of logits processing, fast vs the full-sort reference, edge and verifier paths.
 

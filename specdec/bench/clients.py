@@ -14,6 +14,7 @@ from typing import Any
 from ._shared import (WARMUP_NEW_TOKENS, _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config,
                       _versions)
 from .prompts import BenchPrompt, load_prompts
+from common.types import DEFAULT_DRAFT_TOP_K
 
 CLIENTS_DEFAULT_LIMIT = 8  # prompts of run_clients_bench when no limit is given (keeps the run bounded)
 
@@ -222,7 +223,7 @@ class _ClientsRig:
             self.valid = check_vocab_compatible(model.tokenizer, runner.tokenizer, model.vocab_size, runner.vocab_size)
             self.encoded = [encode_prompt(model.tokenizer, q.prompt, chat=True) for q in self.questions]
         rec = _RecordingBackend(GrpcBackend(self.address))
-        drafter = (ModelDrafter(model, draft_top_k=8, valid_vocab_size=self.valid)
+        drafter = (ModelDrafter(model, draft_top_k=DEFAULT_DRAFT_TOP_K, valid_vocab_size=self.valid)
                    if self.client_drafter == "model" else None)
         c = EdgeClient(rec, drafter, model.tokenizer, num_speculative_tokens=self.num_speculative_tokens)
         c.generate(self.encoded[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), temperature=0.0)  # warm-up

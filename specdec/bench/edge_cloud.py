@@ -28,6 +28,7 @@ from ._shared import (
 )
 from .prompts import BenchPrompt, load_prompts
 from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
+from common.types import DEFAULT_DRAFT_TOP_K
 
 EDGE_CLOUD_VARIANTS = ("cloud_only", "specdec", "specdec_proactive")
 
@@ -227,7 +228,7 @@ class _EdgeRig:
         valid = check_vocab_compatible(
             tokenizer, AutoTokenizer.from_pretrained(str(target_dir)), self.draft_model.vocab_size, target_vocab
         )
-        self.drafter = ModelDrafter(self.draft_model, draft_top_k=8, valid_vocab_size=valid)
+        self.drafter = ModelDrafter(self.draft_model, draft_top_k=DEFAULT_DRAFT_TOP_K, valid_vocab_size=valid)
         self.grpc_backend = GrpcBackend(address)
         for d in self.delays:
             b = self.grpc_backend if d == 0 else DelayedBackend(self.grpc_backend, d)

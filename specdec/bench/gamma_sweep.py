@@ -26,6 +26,7 @@ from ._shared import (
     _versions,
 )
 from .prompts import load_prompts
+from common.types import DEFAULT_DRAFT_TOP_K
 
 SWEEP_ADAPTIVE_VARIANTS = ("adaptive", "adaptive_no_truncation")
 
@@ -292,7 +293,7 @@ class _SweepRig:
             )
         backend = LocalBackend(verifier)
         tokenizer = draft_model.tokenizer
-        drafter = ModelDrafter(draft_model, draft_top_k=8, valid_vocab_size=valid_vocab)
+        drafter = ModelDrafter(draft_model, draft_top_k=DEFAULT_DRAFT_TOP_K, valid_vocab_size=valid_vocab)
         clients: dict[str, EdgeClient] = {"target_only": EdgeClient(backend, None, tokenizer)}
         for g in gammas:
             clients[str(g)] = EdgeClient(backend, drafter, tokenizer, num_speculative_tokens=g)

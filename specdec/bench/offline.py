@@ -27,6 +27,7 @@ from ._shared import (
 )
 from .hf_assisted import HF_DRAFT_MODES, _generate_hf_assisted, _load_hf_models
 from .prompts import load_prompts
+from common.types import DEFAULT_DRAFT_TOP_K
 
 VARIANTS = ("target_only", "specdec", "hf_assisted")
 
@@ -250,7 +251,7 @@ class _OfflineRig:
             "target_only": EdgeClient(backend, None, tokenizer, num_speculative_tokens=num_speculative_tokens),
             "specdec": EdgeClient(
                 backend,
-                ModelDrafter(draft_model, draft_top_k=8, valid_vocab_size=valid_vocab),
+                ModelDrafter(draft_model, draft_top_k=DEFAULT_DRAFT_TOP_K, valid_vocab_size=valid_vocab),
                 tokenizer,
                 num_speculative_tokens=num_speculative_tokens,
             ),
