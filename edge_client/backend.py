@@ -3,15 +3,20 @@
 Implementations: :class:`edge_client.grpc_backend.GrpcBackend` (the real edge–cloud path, gRPC),
 :class:`edge_client.netsim.DelayedBackend` (adds a simulated network delay to another backend) and
 ``specdec.embedded.LocalBackend`` (direct calls into an in-process verifier, for ``--in-process`` and benchmarks of
-the bare loop).
+the bare loop). :class:`SentBlock` is one verify step through any of them (its future and round trip).
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 
+from common.errors import DeadlineError
 from common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCriteria, Verdict
+
+__all__ = ["VerifierBackend", "SentBlock"]
 
 
 class VerifierBackend(abc.ABC):
@@ -61,3 +66,34 @@ class VerifierBackend(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class SentBlock:
+    """One draft block submitted through ``backend`` (:meth:`VerifierBackend.submit`), with its round trip: the
+    time it was sent and the time its answer arrived (a callback registered right after sending).
+
+    Attributes:
+        future: resolves to the block's verdict (or raises a SpecdecError).
+    """
+
+    def __init__(self, backend: VerifierBackend, session_id: str, seq: int, committed_length: int,
+                 block: DraftBlock) -> None:
+        self._backend = backend
+        self._sent_at = time.perf_counter()
+        self.future = backend.submit(session_id, seq, committed_length, block)
+        self._done_at: list[float] = []
+        self.future.add_done_callback(lambda _f: self._done_at.append(time.perf_counter()))
+
+    def wait(self, timeout_s: float) -> tuple[Verdict, float]:
+        """The verdict and its round trip, ms (sent → answer available, not → when we looked), waiting at most
+        ``timeout_s`` s, or the backend's ``max_call_s`` (its retries) when that is longer.
+
+        Raises:
+            DeadlineError: no verdict in time; any SpecdecError the backend set on the future.
+        """
+        timeout_s = max(timeout_s, getattr(self._backend, "max_call_s", 0.0))  # the backend's retries fit
+        try:
+            verdict = self.future.result(timeout=timeout_s)
+        except FutureTimeoutError:
+            raise DeadlineError(f"verify step took longer than {timeout_s} s") from None
+        return verdict, ((self._done_at[0] if self._done_at else time.perf_counter()) - self._sent_at) * 1000

@@ -12,7 +12,9 @@ prefix, send the block, commit the verdict's tokens (accepted prefix + recovered
 text. The verifier applies the stopping rule, so the edge only ever streams committed tokens, cut at the
 earliest stop. The speculation policy (γ per step, drafting ahead while a block is in flight) is
 :mod:`edge_client.policy`; the drafters and their contract are :mod:`edge_client.drafter`; the counters of a
-generation are :mod:`edge_client.stats`.
+generation are :mod:`edge_client.stats`; its state across sessions and its result are
+:mod:`edge_client.generation`; the streamed chunks are :mod:`edge_client.output`; the prompt and the generation
+options are :mod:`edge_client.request`; device fallback is :mod:`edge_client.fallback`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import secrets
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from common.chat import render_chat_ids
-from common.detok import IncrementalDetokenizer
 from common.errors import (
     ConflictError,
     DeadlineError,
@@ -38,175 +34,25 @@ from common.errors import (
     SessionNotFoundError,
     VerifierUnavailableError,
 )
-from common.stopping import StopChecker, generated_text_for_output
-from common.types import (
-    DEFAULT_DRAFT_TOP_K,
-    DraftBlock,
-    FinishReason,
-    SamplingParams,
-    SessionOpened,
-    StoppingCriteria,
-    Verdict,
-)
+from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SessionOpened, StoppingCriteria
 from common.vocab import tokenizer_fingerprint
-from edge_client.backend import VerifierBackend
+from edge_client.backend import SentBlock, VerifierBackend
+from edge_client.generation import GenerationResult, Run, with_seed
+from edge_client.output import Chunk, TextOutput
 from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
-from edge_client.stats import GenerationStats
+from edge_client.request import encode_prompt, generation_params
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
     from edge_client.conversation import Conversation, KeptSession
     from edge_client.drafter import Drafter
 
+__all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
+
+_Output = TextOutput  # the former name of the output splitter, still importable from here
+
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class GenerationResult:
-    """Outcome of one generation (the fields of `specdec generate --json`)."""
-
-    text: str
-    token_ids: list[int]  # generated tokens only
-    finish_reason: FinishReason | None
-    stats: GenerationStats
-    session_id: str = ""  # the last session (a generation re-opened after a failure has several)
-    prompt_token_ids: list[int] = field(default_factory=list)
-    bytes_sent: int = 0  # wire bytes edge -> verifier (gRPC backend only)
-    bytes_received: int = 0
-    num_failovers: int = 0  # calls moved to another replica after a failure (edge_client.failover)
-    num_unverified_tokens: int = 0  # tokens decoded by the draft alone during a device fallback (not the target's)
-    num_sessions: int = 1  # verifier sessions of this generation (> 1 after a re-open or a device fallback)
-    num_reopened_sessions: int = 0  # sessions re-opened over all committed ids after the verifier lost one
-    #   (NOT_FOUND: expiry, eviction, restart) or could not extend a conversation's session (edge_client.conversation)
-
-    def to_json(self) -> dict:
-        s = self.stats
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason.value if self.finish_reason else None,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_drafts": s.num_drafts,
-            "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens,
-            "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
-            "mean_accepted_length": s.mean_accepted_length,
-            "elapsed_s": s.elapsed_s,
-            "num_failovers": self.num_failovers,
-            "num_unverified_tokens": self.num_unverified_tokens,
-        }
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of streamed text (:meth:`EdgeClient.stream_chunks`).
-
-    ``verified``: every token behind the text was checked by the target; False for text of tokens decoded by
-    the draft model alone during a device fallback (text that mixes both counts as unverified).
-    """
-
-    text: str
-    verified: bool = True
-
-
-class _Output:
-    """Committed tokens → text chunks, each flagged verified or not. Text of unverified tokens is never flagged
-    verified, even when it is streamed with later tokens (a held-back start of a stop string, or a character
-    split across tokens)."""
-
-    def __init__(self, tokenizer, stop_strings) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
-        self.unverified_until = 0  # characters of output text (from the start) that may hold unverified text
-
-    def push(self, token_ids: list[int], verified: bool) -> list[Chunk]:
-        start = len(self.detok.text)
-        delta = self.detok.push(token_ids)
-        if not verified:  # their text, and a character they may have begun
-            self.unverified_until = self.detok.decoded_length + 1
-        return self._split(start, delta)
-
-    def finish(self, finish_reason: FinishReason | None) -> list[Chunk]:
-        start = len(self.detok.text)
-        return self._split(start, self.detok.finish(finish_reason))
-
-    def _split(self, start: int, delta: str) -> list[Chunk]:
-        if not delta:
-            return []
-        cut = min(max(0, self.unverified_until - start), len(delta))
-        chunks = [Chunk(delta[:cut], False)] if cut else []
-        if cut < len(delta):
-            chunks.append(Chunk(delta[cut:], True))
-        return chunks
-
-
-def _with_seed(sampling: SamplingParams) -> SamplingParams:
-    """``sampling`` with a seed (a random one when it has none)."""
-    if sampling.seed is not None:
-        return sampling
-    return dataclasses.replace(sampling, seed=secrets.randbits(63))
-
-
-_STOP_ORDER = (FinishReason.EOS, FinishReason.STOP_STRING, FinishReason.LENGTH, FinishReason.CONTEXT)
 _MAX_SESSIONS = 64  # sessions one generation may open (re-opens after failures, returns from device fallback)
-
-
-@dataclass
-class _Run:
-    """State of one generation across its sessions (one, or several after failures)."""
-
-    prompt_ids: list[int]
-    stopping: StoppingCriteria
-    out: _Output
-    committed: list[int] = field(default_factory=list)  # prompt + output, tokens
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: FinishReason | None = None
-    session_ids: list[str] = field(default_factory=list)
-    max_context_tokens: int | None = None  # the verifier's, once a session was opened
-    num_unverified: int = 0
-    edge_stop: StopChecker | None = None  # stop strings over the whole output, once it spans several sessions
-    first_seq: int = 1  # seq of the current session's next block (after ExtendSession: its last seq + 1)
-    last_seq: int = 0  # seq of the current session's last verified block
-    session_committed: int = 0  # the current session's committed length after its last verdict, tokens
-    num_reopens: int = 0  # sessions re-opened over the committed ids because the verifier lost (or refused) one
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.committed) - len(self.prompt_ids)
-
-    def span_sessions(self, tokenizer) -> None:
-        """The output now spans sessions (or device decoding): check stop strings over all of it on the edge,
-        so that one across a boundary stops the generation as it would have stopped one session."""
-        if self.edge_stop is not None or not self.stopping.stop_strings:
-            return
-        criteria = StoppingCriteria(2**31 - 1, (), self.stopping.stop_strings, ignore_eos=True)
-        self.edge_stop = StopChecker(tokenizer, criteria, (), len(self.prompt_ids), 2**31)
-        if self.num_generated:
-            self.edge_stop.append(self.committed[len(self.prompt_ids):])
-
-    def cut(self, tokens: list[int], reason: FinishReason | None) -> tuple[list[int], FinishReason | None]:
-        """``tokens`` about to be committed (with the stop ``reason`` found for them, if any), cut at a stop
-        string that only the whole output shows; the earliest stop wins, then the stopping rule's order."""
-        if self.edge_stop is None or self.edge_stop.finished:
-            return tokens, reason
-        n, edge_reason = self.edge_stop.append(tokens)
-        if edge_reason is None:
-            return tokens, reason
-        if n < len(tokens) or reason is None:
-            return tokens[:n], edge_reason
-        return tokens, min(reason, edge_reason, key=_STOP_ORDER.index)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Prompt token ids: through the tokenizer's chat template (one user turn) when it has one and ``chat``;
-    special-token strings in ``prompt`` stay literal text (:func:`common.chat.render_chat_ids`).
-
-    Raises:
-        InvalidRequestError: empty prompt.
-    """
-    if not prompt or not prompt.strip():
-        raise InvalidRequestError("empty prompt")
-    if chat and getattr(tokenizer, "chat_template", None):  # content stays text (common.chat)
-        return render_chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
 class EdgeClient:
@@ -312,8 +158,9 @@ class EdgeClient:
     @classmethod
     def connect(
         cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *,
-        draft_top_k: int = DEFAULT_DRAFT_TOP_K, connect_timeout_s: float = 10.0, retry_policy=None, fallback: str = "none", tls: bool = False,
-        root_certificates=None, api_key: str | None = None, certificate_chain=None, private_key=None, **kwargs,
+        draft_top_k: int = DEFAULT_DRAFT_TOP_K, connect_timeout_s: float = 10.0, retry_policy=None,
+        fallback: str = "none", tls: bool = False, root_certificates=None, api_key: str | None = None,
+        certificate_chain=None, private_key=None, **kwargs,
     ) -> "EdgeClient":
         """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft).
 
@@ -382,13 +229,9 @@ class EdgeClient:
     ) -> Iterator[Chunk]:
         """Generate; yield :class:`Chunk` (text, verified) as tokens are committed: ``verified`` is False for
         text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`."""
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
-        stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), ignore_eos)
-        try:
-            sampling.validate()
-            stopping.validate()
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        sampling, stopping = generation_params(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("empty prompt")
@@ -432,29 +275,6 @@ class EdgeClient:
         block = self._draft(committed, num_speculative_tokens, sampling)
         return block, False, time.perf_counter() - t0
 
-    def _send(self, session_id: str, seq: int, committed: list[int], block: DraftBlock) -> tuple[Future, tuple]:
-        """Submit ``block``; return its future and its send record (send time, arrival time filled by a callback
-        registered right after sending) for :meth:`_wait`."""
-        t_sent = time.perf_counter()
-        future = self.backend.submit(session_id, seq, len(committed), block)
-        done_at: list[float] = []
-        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
-        return future, (t_sent, done_at)
-
-    def _wait(self, future: Future, sent: tuple) -> tuple[Verdict, float]:
-        """The verdict and its round trip, ms (sent → answer available, not → when we looked).
-
-        Raises:
-            DeadlineError: no verdict within ``timeout_s``; any SpecdecError the backend set on the future.
-        """
-        t_sent, done_at = sent
-        timeout_s = max(self.timeout_s, getattr(self.backend, "max_call_s", 0.0))  # the backend's retries fit
-        try:
-            verdict = future.result(timeout=timeout_s)
-        except FutureTimeoutError:
-            raise DeadlineError(f"verify step took longer than {timeout_s} s") from None
-        return verdict, ((done_at[0] if done_at else time.perf_counter()) - t_sent) * 1000
-
     def _policy(self, sampling: SamplingParams, requested_seed: int | None, max_num_speculative_tokens: int
                 ) -> tuple[AdaptiveNumSpeculativeTokens | None, ProactiveBet | None]:
         """The session's adaptive controller and proactive bet (None when off). With drafted-bonus blocks
@@ -485,17 +305,20 @@ class EdgeClient:
                   keep: KeptSession | None = None) -> Iterator[Chunk]:
         """One generation: the loop of the module docstring over one session — or over several after failures:
         a session whose record vanished (NOT_FOUND) is re-opened with everything committed as its prompt, and
-        with ``fallback="device"`` an unreachable cloud is bridged by decoding on the device (unverified) until
-        a verifier answers again. Sets ``self.last_result`` when it ends.
+        with ``fallback="device"`` an unreachable cloud is bridged by decoding on the device (unverified,
+        :func:`edge_client.fallback.decode_on_device`) until a verifier answers again. Sets
+        ``self.last_result`` when it ends.
 
         ``keep`` (a conversation's turn, :mod:`edge_client.conversation`): the first session extends
         ``keep.opened`` (ExtendSession with ``prompt_ids[keep.committed_length:]``) instead of opening one, and
         the last session is kept open in ``keep`` for the next turn instead of being closed."""
         t0 = time.perf_counter()
+        from edge_client.fallback import decode_on_device
+
         failovers_before = getattr(self.backend, "num_failovers", 0)
         requested_seed = sampling.seed
-        run = _Run(list(prompt_ids), stopping, _Output(self.tokenizer, stopping.stop_strings),
-                   committed=list(prompt_ids))
+        run = Run(list(prompt_ids), stopping, TextOutput(self.tokenizer, stopping.stop_strings),
+                  committed=list(prompt_ids))
         if not sampling.greedy and requested_seed is not None and hasattr(self.drafter, "reset"):
             # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
             # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
@@ -508,8 +331,8 @@ class EdgeClient:
             try:
                 opened = self._open(run, sampling, keep)
             except (VerifierUnavailableError, DeadlineError) as e:
-                sampling = _with_seed(sampling)  # device decoding and the sessions after it draw with one seed
-                yield from self._on_device(run, sampling, e)
+                sampling = with_seed(sampling)  # device decoding and the sessions after it draw with one seed
+                yield from decode_on_device(self, run, sampling, e)
                 continue
             if sampling.seed is None:  # the first session picks it; a re-opened one keeps it (same draws)
                 sampling = dataclasses.replace(sampling, seed=opened.seed)
@@ -522,7 +345,7 @@ class EdgeClient:
                 run.span_sessions(self.tokenizer)
                 continue
             except (VerifierUnavailableError, DeadlineError) as e:  # no verifier within the retry budget
-                yield from self._on_device(run, sampling, e)
+                yield from decode_on_device(self, run, sampling, e)
                 continue
             except BaseException:
                 self._close_session(opened.session_id)
@@ -532,9 +355,10 @@ class EdgeClient:
             else:
                 self._close_session(opened.session_id)
         yield from run.out.finish(run.finish_reason)
-        self.last_result = self._result(run, t0, getattr(self.backend, "num_failovers", 0) - failovers_before)
+        self.last_result = run.result(self.tokenizer, getattr(self.backend, "wire_stats", None), t0,
+                                      getattr(self.backend, "num_failovers", 0) - failovers_before)
 
-    def _open(self, run: _Run, sampling: SamplingParams, keep: KeptSession | None = None) -> SessionOpened:
+    def _open(self, run: Run, sampling: SamplingParams, keep: KeptSession | None = None) -> SessionOpened:
         """Open a session whose prompt is everything committed so far (the prompt, at first) — or, for the first
         session of a conversation's turn, extend the kept one with the turn's new tokens. A kept session the
         verifier lost (NOT_FOUND), or cannot extend (ABORTED, FAILED_PRECONDITION), is replaced by a session
@@ -567,7 +391,7 @@ class EdgeClient:
         run.first_seq = 1
         return opened
 
-    def _verify_session(self, run: _Run, opened: SessionOpened, sampling: SamplingParams,
+    def _verify_session(self, run: Run, opened: SessionOpened, sampling: SamplingParams,
                         requested_seed: int | None) -> Iterator[Chunk]:
         """Draft, verify, commit and stream in one session until the generation finishes (``run.finish_reason``
         set) or a call fails (raised)."""
@@ -582,12 +406,12 @@ class EdgeClient:
             wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
             block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)) + extra, sampling, bet)
             block.bonus_drafted = bool(extra and len(block))  # an empty block is plain decoding
-            future, sent = self._send(opened.session_id, seq, committed, block)
-            if bet is not None and len(block) and not future.done():
+            sent = SentBlock(self.backend, opened.session_id, seq, len(committed), block)
+            if bet is not None and len(block) and not sent.future.done():
                 # bet on full acceptance: draft the bonus guess (none with a drafted bonus) + the next block
                 # while the verdict travels
-                draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, future.done)
-            verdict, round_trip_ms = self._wait(future, sent)
+                draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, sent.future.done)
+            verdict, round_trip_ms = sent.wait(self.timeout_s)
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             committed.extend(tokens)
             run.last_seq, run.session_committed = seq, verdict.committed_length
@@ -607,88 +431,11 @@ class EdgeClient:
                 run.finish_reason = reason
                 return
 
-    def _on_device(self, run: _Run, sampling: SamplingParams, error: BaseException) -> Iterator[Chunk]:
-        """No verifier answers: with ``fallback="device"`` decode with the draft alone (same sampling parameters
-        and stopping rule, the draft's own distribution) until a probe of the cloud succeeds or the generation
-        finishes; else raise ``error``. At least one token is decoded per call (progress)."""
-        from edge_client.fallback import CloudProbe, DeviceDecoder
-
-        if self.fallback != "device" or not DeviceDecoder.supports(self.drafter):
-            raise error
-        decoder = DeviceDecoder(self.drafter)
-        run.span_sessions(self.tokenizer)
-        max_context = run.max_context_tokens or decoder.max_context_tokens
-        remaining = run.stopping.max_new_tokens - run.num_generated
-        if len(run.committed) >= max_context:
-            run.finish_reason = FinishReason.CONTEXT
-            return
-        stop = StopChecker(self.tokenizer, dataclasses.replace(run.stopping, max_new_tokens=remaining),
-                           decoder.eos_token_ids(), len(run.committed), max_context)
-        log.info("no verifier answers (%s): decoding on the device with the draft model alone (unverified)",
-                 error)
-        probe = CloudProbe(self._probe_fn(), self.reconnect_interval_s)
-        try:
-            while True:
-                token = decoder.next_token(run.committed, sampling)
-                n, reason = stop.append([token])
-                tokens, reason = run.cut([token], reason)
-                run.committed.extend(tokens)
-                run.num_unverified += len(tokens)
-                yield from run.out.push(tokens, verified=False)
-                if reason is not None:
-                    run.finish_reason = reason
-                    return
-                if probe.ready:
-                    log.info("a verifier answers again: continuing verified (%d tokens were decoded on the device)",
-                             run.num_unverified)
-                    return
-        finally:
-            probe.stop()
-
-    def _probe_fn(self) -> Callable[[], bool]:
-        """True when the cloud answers (the backend's ``probe``, or its health check)."""
-        probe = getattr(self.backend, "probe", None)
-        if probe is not None:
-            return lambda: probe(min(2.0, self.reconnect_interval_s))
-        check = getattr(self.backend, "check_health", None)
-        if check is not None:
-            return lambda: check(2.0)
-        return lambda: True
-
     def _close_session(self, session_id: str) -> None:
         try:
             self.backend.close_session(session_id)
         except Exception:  # noqa: BLE001 - best effort: an abandoned session expires by TTL
             pass
-
-    def _result(self, run: _Run, t0: float, num_failovers: int = 0) -> GenerationResult:
-        """The GenerationResult of a finished generation (text cut at the earliest stop, wire bytes of all its
-        sessions if counted); sets the counters known only at the end (``t0``: ``time.perf_counter()`` when the
-        generation began)."""
-        generated = run.committed[len(run.prompt_ids):]
-        wire = getattr(self.backend, "wire_stats", None)
-        sent = received = 0
-        if wire is not None:
-            for sid in run.session_ids:
-                st = wire(sid)
-                sent, received = sent + st.bytes_sent, received + st.bytes_received
-        stats = run.stats
-        stats.num_generated_tokens = len(generated)
-        stats.elapsed_s = time.perf_counter() - t0
-        return GenerationResult(
-            text=generated_text_for_output(self.tokenizer, generated, run.finish_reason, run.stopping.stop_strings),
-            token_ids=generated,
-            finish_reason=run.finish_reason,
-            stats=stats,
-            session_id=run.session_ids[-1] if run.session_ids else "",
-            prompt_token_ids=list(run.prompt_ids),
-            bytes_sent=sent,
-            bytes_received=received,
-            num_failovers=num_failovers,
-            num_unverified_tokens=run.num_unverified,
-            num_sessions=len(run.session_ids),
-            num_reopened_sessions=run.num_reopens,
-        )
 
     def close(self) -> None:
         self.backend.close()

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 
 from common.chat import continuation_ids, message_text, render_chat_ids
 from common.errors import InvalidRequestError
-from common.types import SamplingParams, SessionOpened, StoppingCriteria
+from common.types import SessionOpened
+from edge_client.request import check_generation_options, generation_params
 
 if TYPE_CHECKING:
-    from edge_client.client import Chunk, EdgeClient, GenerationResult
+    from edge_client.client import EdgeClient
+    from edge_client.generation import GenerationResult
+    from edge_client.output import Chunk
 
 __all__ = ["Conversation", "KeptSession"]
-
-_GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-                       "ignore_eos")
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Conversation:
     """
 
     def __init__(self, client: "EdgeClient", system: str | None = None, **defaults):
-        self._check_options(defaults)
+        check_generation_options(defaults)
         self.client = client
         self.system = system
         self.defaults = dict(defaults)
@@ -78,13 +78,6 @@ class Conversation:
         self.history_ids: list[int] = []  # committed prompt + replies so far (token ids both KV caches hold)
         self.last_result: GenerationResult | None = None
         self.reset()
-
-    @staticmethod
-    def _check_options(options: dict) -> None:
-        unknown = sorted(set(options) - set(_GENERATION_OPTIONS))
-        if unknown:
-            raise InvalidRequestError(f"unknown generation option(s) {', '.join(unknown)}: use "
-                                      f"{', '.join(_GENERATION_OPTIONS)}")
 
     @property
     def messages(self) -> list[dict]:
@@ -97,7 +90,7 @@ class Conversation:
         return self._keep.opened.session_id if self._keep.opened is not None else None
 
     def send(self, message: str, **kwargs) -> Iterator["Chunk"]:
-        """Add a user message and stream the assistant's reply (:class:`~edge_client.client.Chunk`); afterwards
+        """Add a user message and stream the assistant's reply (:class:`~edge_client.output.Chunk`); afterwards
         ``last_result`` is its GenerationResult and ``messages``/``history_ids`` include the turn. Keyword
         arguments as :meth:`EdgeClient.stream_chunks` (max_new_tokens, temperature, top_k, top_p, seed, stop,
         stop_token_ids, ignore_eos) over the conversation's defaults. Message content is text: special-token
@@ -136,16 +129,8 @@ class Conversation:
         appended = [int(t) for t in appended_token_ids]
         if not appended:
             raise InvalidRequestError("no token ids to send")
-        self._check_options(kwargs)
-        o = {**self.defaults, **kwargs}
-        sampling = SamplingParams(o.get("temperature", 0.0), o.get("top_k", 0), o.get("top_p", 1.0), o.get("seed"))
-        stopping = StoppingCriteria(o.get("max_new_tokens", 256), tuple(o.get("stop_token_ids", ())),
-                                    tuple(o.get("stop", ())), bool(o.get("ignore_eos", False)))
-        try:
-            sampling.validate()
-            stopping.validate()
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        check_generation_options(kwargs)
+        sampling, stopping = generation_params(**{**self.defaults, **kwargs})
         prompt_ids = self.history_ids + appended
         if not self.history_ids:
             self._close_kept()  # a fresh conversation (after reset) never extends an old session

@@ -12,7 +12,7 @@ when no verifier answers within the retry budget, the edge decodes with its draf
   answers, the client opens a new session whose prompt is everything committed so far and goes on verified.
 
 Tokens decoded here are not the target's: the client counts them (``num_unverified_tokens``) and flags their
-text (:class:`edge_client.client.Chunk` ``verified=False``); the CLI prints a notice. They fall outside what a
+text (:class:`edge_client.output.Chunk` ``verified=False``); the CLI prints a notice. They fall outside what a
 seed guarantees (same tokens whatever the timing, batching or replica; docs/architecture.md "What a seed
 guarantees"): which positions the draft fills alone depends on when the cloud was unreachable. Each of them is
 still a function of the prefix and the draws at its position, and the verified session after a fallback goes
@@ -23,19 +23,26 @@ prefix, dropping the tokens of a drafted-bonus block that was never verified).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from common.sampling import Stream, logits_to_probs, sample_from, uniform
-from common.types import SamplingParams
+from common.stopping import StopChecker
+from common.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from edge_client.client import EdgeClient
+    from edge_client.generation import Run
+    from edge_client.output import Chunk
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe"]
+__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe", "decode_on_device", "cloud_probe_fn"]
 
 FALLBACK_MODES = ("none", "device")
 DEFAULT_CONTEXT_TOKENS = 2048  # context assumed for the draft when neither the verifier nor its config tells
@@ -144,3 +151,58 @@ class CloudProbe:
     def stop(self) -> None:
         """Stop probing (returns at once; the thread ends after its current probe)."""
         self._stop.set()
+
+
+def decode_on_device(client: EdgeClient, run: Run, sampling: SamplingParams,
+                     error: BaseException) -> Iterator[Chunk]:
+    """No verifier answers: with ``client.fallback == "device"`` decode with the draft alone (same sampling
+    parameters and stopping rule, the draft's own distribution) until a probe of the cloud succeeds or the
+    generation finishes (``run.finish_reason`` set); yields the chunks of the tokens committed meanwhile (all
+    unverified). At least one token is decoded per call (progress).
+
+    Raises:
+        ``error``: no device fallback (``client.fallback`` is "none", or the drafter cannot decode alone).
+    """
+    if client.fallback != "device" or not DeviceDecoder.supports(client.drafter):
+        raise error
+    decoder = DeviceDecoder(client.drafter)
+    run.span_sessions(client.tokenizer)
+    max_context = run.max_context_tokens or decoder.max_context_tokens
+    remaining = run.stopping.max_new_tokens - run.num_generated
+    if len(run.committed) >= max_context:
+        run.finish_reason = FinishReason.CONTEXT
+        return
+    stop = StopChecker(client.tokenizer, dataclasses.replace(run.stopping, max_new_tokens=remaining),
+                       decoder.eos_token_ids(), len(run.committed), max_context)
+    log.info("no verifier answers (%s): decoding on the device with the draft model alone (unverified)",
+             error)
+    probe = CloudProbe(cloud_probe_fn(client.backend, client.reconnect_interval_s), client.reconnect_interval_s)
+    try:
+        while True:
+            token = decoder.next_token(run.committed, sampling)
+            n, reason = stop.append([token])
+            tokens, reason = run.cut([token], reason)
+            run.committed.extend(tokens)
+            run.num_unverified += len(tokens)
+            yield from run.out.push(tokens, verified=False)
+            if reason is not None:
+                run.finish_reason = reason
+                return
+            if probe.ready:
+                log.info("a verifier answers again: continuing verified (%d tokens were decoded on the device)",
+                         run.num_unverified)
+                return
+    finally:
+        probe.stop()
+
+
+def cloud_probe_fn(backend, reconnect_interval_s: float) -> Callable[[], bool]:
+    """A probe for :class:`CloudProbe`: True when the cloud behind ``backend`` answers (the backend's
+    ``probe``, or its health check; always True for a backend that has neither)."""
+    probe = getattr(backend, "probe", None)
+    if probe is not None:
+        return lambda: probe(min(2.0, reconnect_interval_s))
+    check = getattr(backend, "check_health", None)
+    if check is not None:
+        return lambda: check(2.0)
+    return lambda: True

@@ -1,0 +1,73 @@
+"""What one generation is asked: the prompt's token ids and the sampling/stopping parameters of the SDK's
+generation options (:meth:`edge_client.client.EdgeClient.stream_chunks`, a
+:class:`edge_client.conversation.Conversation`'s turns), built and checked in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from common.chat import render_chat_ids
+from common.errors import InvalidRequestError
+from common.types import SamplingParams, StoppingCriteria
+
+__all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "generation_params"]
+
+# keyword options of a generation (those of generation_params)
+GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
+                      "ignore_eos")
+
+
+def check_generation_options(options: Mapping) -> None:
+    """Raise InvalidRequestError when ``options`` has a key outside :data:`GENERATION_OPTIONS`."""
+    unknown = sorted(set(options) - set(GENERATION_OPTIONS))
+    if unknown:
+        raise InvalidRequestError(f"unknown generation option(s) {', '.join(unknown)}: use "
+                                  f"{', '.join(GENERATION_OPTIONS)}")
+
+
+def generation_params(
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+) -> tuple[SamplingParams, StoppingCriteria]:
+    """The sampling parameters and stopping criteria of one generation, checked.
+
+    Args:
+        max_new_tokens: generated tokens at most (>= 1).
+        temperature: 0 = greedy; top_k: 0 = off; top_p: in (0, 1], 1 = off; seed: None = the verifier picks.
+        stop: stop strings (non-empty); stop_token_ids: token ids that end the generation besides EOS.
+        ignore_eos: do not stop at EOS.
+
+    Raises:
+        InvalidRequestError: a parameter out of range (:meth:`SamplingParams.validate`,
+            :meth:`StoppingCriteria.validate`).
+    """
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), bool(ignore_eos))
+    try:
+        sampling.validate()
+        stopping.validate()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return sampling, stopping
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Prompt token ids: through the tokenizer's chat template (one user turn) when it has one and ``chat``;
+    special-token strings in ``prompt`` stay literal text (:func:`common.chat.render_chat_ids`).
+
+    Raises:
+        InvalidRequestError: empty prompt.
+    """
+    if not prompt or not prompt.strip():
+        raise InvalidRequestError("empty prompt")
+    if chat and getattr(tokenizer, "chat_template", None):  # content stays text (common.chat)
+        return render_chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
