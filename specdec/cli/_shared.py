@@ -1,0 +1,67 @@
+"""What every `specdec` command shares: the typer apps, the environment defaults, one-line errors, device checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"  # Apache-2.0, data/README.md
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# idle OpenMP threads of torch must not busy-wait: on few cores they starve the draft model / other sessions
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# confidence truncation threshold of `generate` (0.3 cut τ from 4.7 to 3.3 with the int8 draft)
+DEFAULT_MIN_CONFIDENCE = 0.1
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models")
+app.add_typer(models_app, name="models")
+draft_app = typer.Typer(no_args_is_help=True, help="Make draft models for a target")
+app.add_typer(draft_app, name="draft")
+from specdec.keys import keys_app  # noqa: E402 - `specdec keys create|list|revoke` (API keys, docs/security.md)
+
+app.add_typer(keys_app, name="keys")
+
+_DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+_DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
+_SERVER_HELP = ("HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call moves to "
+                "the next), or a load balancer (default: an embedded verifier)")
+_FALLBACK_HELP = ("'none' or 'device': when no verifier answers, keep decoding with the draft alone (unverified "
+                  "tokens, counted and reported)")
+
+
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars or warnings from transformers on the CLI (errors still print)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_device(device: str, dtype: str) -> tuple[str, str]:
+    """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA)."""
+    from cloud_verifier.target import resolve_device, resolve_dtype
+
+    try:
+        dev = resolve_device(device)
+        return str(dev), str(resolve_dtype(dtype, dev)).replace("torch.", "")
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _user_errors():
+    from common.errors import SpecdecError
+    from common.paths import ModelNotFoundError
+    from common.vocab import VocabMismatchError
+
+    return (SpecdecError, ModelNotFoundError, VocabMismatchError)

@@ -1,0 +1,134 @@
+"""`specdec bench`: the benchmark modes (default, --clients [--replay], --gamma-sweep, --edge-cloud)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.cli._shared import (
+    DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
+)
+
+
+def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s, device,
+                         dtype) -> list[int] | None:
+    """The client counts of --clients (None without it), or exit with one line on options that do not go
+    together."""
+    if temperature > 0 and (clients or gamma_sweep or edge_cloud):
+        _fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud)")
+    modes = [name for name, on in (("--clients", clients), ("--gamma-sweep", gamma_sweep),
+                                   ("--edge-cloud", edge_cloud)) if on]
+    if len(modes) > 1:
+        _fail(f"{' and '.join(modes)} are separate modes: give one")
+    if plot is not None and not gamma_sweep:
+        _fail("--plot goes with --gamma-sweep")
+    if replay and not clients:
+        _fail("--replay needs --clients (e.g. --clients 1,16,64)")
+    if duration_s is not None and not replay:
+        _fail("--duration-s goes with --replay")
+    _check_device(device, dtype)
+    try:
+        return [int(c) for c in clients.split(",")] if clients else None
+    except ValueError:
+        _fail(f"--clients must be comma-separated integers, got {clients!r}")
+
+
+def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sweep, edge_cloud, delays_ms, adaptive,
+              min_confidence, pin, plot, limit, max_new_tokens, num_speculative_tokens, target, draft, no_hf,
+              sampling, progress) -> dict:
+    """The report of the one benchmark mode the options select."""
+    if replay:
+        return bench_mod.run_replay_bench(
+            prompts, client_counts,
+            duration_s=bench_mod.REPLAY_DEFAULT_DURATION_S if duration_s is None else duration_s,
+            limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+            target=target, draft=draft, progress=progress,
+        )
+    if client_counts:
+        return bench_mod.run_clients_bench(
+            prompts, client_counts, limit=limit, max_new_tokens=max_new_tokens,
+            num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, progress=progress,
+        )
+    if gamma_sweep:
+        return bench_mod.run_gamma_sweep(
+            prompts, bench_mod.parse_gamma_sweep(gamma_sweep), limit=limit, max_new_tokens=max_new_tokens,
+            target=target, draft=draft, min_confidence=min_confidence, progress=progress, plot=plot,
+        )
+    if edge_cloud:
+        return bench_mod.run_edge_cloud_bench(
+            prompts, bench_mod.parse_delays_ms(delays_ms), limit=limit, max_new_tokens=max_new_tokens,
+            num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
+            target=target, draft=draft, progress=progress, pin=pin,
+        )
+    return bench_mod.run_bench(
+        prompts, limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+        target=target, draft=draft, hf_assisted=not no_hf, progress=progress, sampling=sampling,
+    )
+
+
+@app.command()
+def bench(
+    prompts: Path = typer.Option(
+        DEFAULT_PROMPTS, help="Spec-Bench-style jsonl (default: the shipped Spec-Bench development half)"),
+    limit: Optional[int] = typer.Option(None, help="N questions, round-robin across categories"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g",
+                                               help="γ (the largest γ with adaptive γ in --edge-cloud)"),
+    clients: Optional[str] = typer.Option(None, help="Comma-separated concurrent client counts, e.g. 1,4,16"),
+    gamma_sweep: Optional[str] = typer.Option(
+        None, "--gamma-sweep", help="γ sweep, e.g. 1-8 or 1,2,4,8: fixed γ each, adaptive (≤ max) with and without "
+        "confidence truncation, vs target-only"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of the γ sweep (needs matplotlib)"),
+    edge_cloud: bool = typer.Option(
+        False, "--edge-cloud", help="Verifier in a separate process on its own core vs the edge client: cloud-only "
+        "vs specdec (proactive off/on) at each --delays-ms"),
+    delays_ms: str = typer.Option("0,20", "--delays-ms", help="--edge-cloud: simulated one-way delays, ms"),
+    min_confidence: float = typer.Option(
+        DEFAULT_MIN_CONFIDENCE, "--min-confidence",
+        help="Confidence truncation threshold of the adaptive variants (--gamma-sweep, --edge-cloud)"),
+    adaptive: bool = typer.Option(True, "--adaptive/--fixed-gamma", help="--edge-cloud: adaptive γ (≤ -g) or fixed -g"),
+    pin: bool = typer.Option(True, "--pin/--no-pin", help="--edge-cloud: pin edge and verifier to separate cores"),
+    target: Optional[Path] = typer.Option(None),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    no_hf: bool = typer.Option(False, "--no-hf", help="Skip HF assisted generation"),
+    temperature: float = typer.Option(0.0, help="Sampling temperature of all three variants (0 = greedy)"),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k of all variants (0 = off)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="Top-p of all variants (1 = off)"),
+    seed: Optional[int] = typer.Option(None, help="Seed of the sampled runs (checks they are reproducible)"),
+    replay: bool = typer.Option(
+        False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
+        "concurrent sessions of one asyncio process against a verifier process on its own cores"),
+    duration_s: Optional[float] = typer.Option(None, "--duration-s", help="--replay: measured window per N, s "
+                                               "(default 20)"),
+    device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype: {_DTYPE_HELP}"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Benchmark: target-only vs specdec vs HF assisted generation; or --clients [--replay], --gamma-sweep,
+    --edge-cloud."""
+    from common.types import SamplingParams
+    from specdec import bench as bench_mod
+
+    logging.basicConfig(level=logging.WARNING)
+    client_counts = _check_bench_options(
+        temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,
+        replay=replay, duration_s=duration_s, device=device, dtype=dtype)
+    try:
+        with bench_mod.target_placement(device, dtype):  # the target's device in every mode
+            report = _run_mode(
+                bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
+                edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
+                pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
+                num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,
+                sampling=SamplingParams(temperature, top_k, top_p, seed), progress=not as_json,
+            )
+    except (*_user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report, indent=None))
+    else:
+        bench_mod.print_report(report)

