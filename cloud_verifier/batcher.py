@@ -306,9 +306,15 @@ class Batcher:
         :func:`common.rejection.num_scored_positions`); ``queue_ms``/``forward_ms``: the block's wait and the
         forward pass's wall time, ms; ``batch_size``: verify blocks in the forward pass.
 
+        The replica's copy of the session (committed ids, seq, finish state, stopping state) moves only once the
+        store commit succeeded. The KV cache needs no roll-back: positions past the committed length are
+        overwritten by the next forward pass.
+
         Raises:
             InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (this
                 replica's copy is stale): the session is released here, nothing is committed.
+            VerifierUnavailableError: the store did not answer: the verdict is kept as the session's
+                ``unconfirmed`` one, for :meth:`SessionTable.settle` to check against the store.
         """
         session, block = work.session, work.block
         record = session.record
@@ -323,38 +329,57 @@ class Batcher:
             self.sessions.release(record.session_id)
             raise
         n = result.num_accepted
-        # stopping: the earliest stop in the candidates wins, nothing after it is committed
+        # stopping: the earliest stop in the candidates wins, nothing after it is committed. The stopping state
+        # moves with the commit only: a failed commit puts it back, so a retried block is counted once.
+        stop_state = session.stop.checkpoint()
         candidates = [*block.draft_token_ids[:n]] + ([result.next_token_id] if result.next_token_id >= 0 else [])
         num_committed, reason = session.stop.append(candidates)
         committed = candidates[:num_committed]
-        finished = reason is not None
+        verdict = self._verdict(work, result.next_token_id, n, num_committed, committed, reason, queue_ms,
+                                forward_ms, batch_size)
         # the commit: compare-and-append on the committed length
         try:
-            new_length = self.store.append_committed(
-                record.session_id, committed_length, committed, work.seq, finished, reason, time.time(),
+            self.store.append_committed(
+                record.session_id, committed_length, committed, work.seq, verdict.finished, reason, time.time(),
                 verifier_id=self.sessions.info.verifier_id,
             )
         except (InvalidRequestError, SessionNotFoundError, PreconditionError):
             # the store moved on without us (another replica committed, or the session expired/finished):
             # our copy is stale; drop it so the next block resumes from the store
+            session.stop.restore(stop_state)
             self.sessions.release(record.session_id)
             raise
-        record.committed_token_ids.extend(committed)
-        record.last_seq = work.seq
-        record.finished, record.finish_reason = finished, reason
-        assert new_length == record.committed_length
-        num_accepted = min(n, num_committed)
+        except VerifierUnavailableError:
+            # the store did not answer: the commit may or may not have landed (a lost reply). Nothing moves
+            # here; the session's next request settles it from the store (SessionTable.settle)
+            session.stop.restore(stop_state)
+            session.unconfirmed = verdict
+            raise
+        except BaseException:
+            session.stop.restore(stop_state)
+            raise
+        session.confirm(verdict)
         gamma = len(block.draft_token_ids)
         # metrics count speculative positions: a bonus_drafted block's last token stands for the bonus position
         spec = gamma - 1 if block.bonus_drafted else gamma
-        metrics.observe_verdict(spec, min(num_accepted, spec), len(committed), queue_ms / 1000)
+        metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
+        return verdict
+
+    @staticmethod
+    def _verdict(work: Work, next_token_id: int, n: int, num_committed: int, committed: list[int],
+                 reason, queue_ms: float, forward_ms: float, batch_size: int) -> Verdict:
+        """The Verdict of a verify row whose rejection rule accepted ``n`` draft tokens and proposed
+        ``next_token_id`` (-1: none), of which stopping kept ``committed`` (``num_committed`` tokens)."""
+        block = work.block
+        gamma = len(block.draft_token_ids)
+        num_accepted = min(n, num_committed)
         return Verdict(
             num_accepted=num_accepted,
-            next_token_id=result.next_token_id if num_committed > n else -1,
+            next_token_id=next_token_id if num_committed > n else -1,
             is_bonus=(not block.bonus_drafted and num_committed > n and n == gamma and gamma > 0),
             committed_token_ids=committed,
-            committed_length=record.committed_length,
-            finished=finished,
+            committed_length=work.start_position + 1 + len(committed),
+            finished=reason is not None,
             finish_reason=reason,
             queue_ms=queue_ms,
             forward_ms=forward_ms,

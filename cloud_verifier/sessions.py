@@ -36,7 +36,7 @@ from cloud_verifier.store import SessionRecord, SessionStore
 from cloud_verifier.target import SessionKV, TargetRunner
 from common.errors import CapacityError, InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError
 from common.stopping import StopChecker
-from common.types import SamplingParams, ServedInfo, StoppingCriteria
+from common.types import SamplingParams, ServedInfo, StoppingCriteria, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,20 @@ class Session:
     released: bool = False  # closed/expired: KV freed, or to be freed when the block in flight is done
     last_seen: float = field(default_factory=time.time)  # unix time of the last block's end, s
     idle_waiters: list = field(default_factory=list)  # asyncio futures resolved when ``busy`` turns False
+    # a verdict whose store commit got no answer (it may or may not have landed): settled at the next request
+    unconfirmed: Verdict | None = None
 
     @property
     def committed(self) -> list[int]:
         """Committed token ids (prompt + output)."""
         return self.record.committed_token_ids
+
+    def confirm(self, verdict: Verdict) -> None:
+        """Apply a verdict the store committed to this replica's copy of the record (ids, seq, finish state)."""
+        r = self.record
+        r.committed_token_ids.extend(verdict.committed_token_ids)
+        r.last_seq = verdict.seq
+        r.finished, r.finish_reason = verdict.finished, verdict.finish_reason
 
 
 def _owned(session: Session, session_id: str, tenant_id: str | None) -> Session:
@@ -375,6 +384,31 @@ class SessionTable:
         except asyncio.TimeoutError:
             pass
         return not session.busy
+
+    def settle(self, session: Session) -> Verdict | None:
+        """Settle ``session.unconfirmed``, a verdict whose store commit got no answer, from the store: it landed
+        (the store holds its tokens after the copy's committed length, with its seq: applied to the copy, the
+        stopping state included, and returned, so a retry of its block is answered with it), or it did not (the
+        copy is as before the block: None). A store that moved on otherwise (another replica, expiry) makes the
+        copy stale: released (None).
+
+        Raises:
+            VerifierUnavailableError: the store still does not answer (the verdict stays unconfirmed).
+        """
+        verdict = session.unconfirmed
+        if verdict is None:
+            return None
+        record = self.store.get(session.record.session_id)
+        session.unconfirmed = None
+        mine = record is not None and record.verifier_id == self.info.verifier_id
+        if mine and record.committed_token_ids == session.committed + verdict.committed_token_ids \
+                and record.last_seq == verdict.seq:
+            session.stop.append(verdict.committed_token_ids)
+            session.confirm(verdict)
+            return verdict
+        if not (mine and record.committed_token_ids == session.committed):
+            self.release(session.record.session_id)
+        return None
 
     def is_stale(self, session: Session) -> bool:
         """True when the store moved on without this replica's copy of ``session``: another replica holds it,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.limits import TenantLimits
-from cloud_verifier.sessions import SessionTable
+from cloud_verifier.sessions import Session, SessionTable
 from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
@@ -275,6 +275,8 @@ class Verifier:
         session = await self.sessions.get_or_resume(session_id, tenant_id)
         if session.busy:
             await self.sessions.wait_idle(session, self.busy_wait_s)
+        if session.unconfirmed is not None and not session.busy:
+            self.sessions.settle(session)  # the last block's unanswered commit, from the store
         if session.released or (committed_length != session.record.committed_length
                                  and self.sessions.is_stale(session)):
             self.sessions.release(session_id)  # the store moved on without this copy: it has the truth
@@ -333,28 +335,44 @@ class Verifier:
         """
         self._check_running()
         self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
-        session = await self._session_for(session_id, seq, committed_length, tenant_id)
+        session, answered = await self._session_for(session_id, seq, committed_length, tenant_id)
+        if answered is not None:  # a retry of a block whose commit landed but whose answer was lost
+            return answered
         checks = functools.partial(validate_block, session, seq, committed_length, block, self.info,
                                    self.valid_vocab_size)
         with self.sessions.block_in_flight(session, checks):
             return await self.batcher.verify(session, seq, committed_length, block)
 
-    async def _session_for(self, session_id: str, seq: int, committed_length: int, tenant_id: str = ""):
-        """The session a block goes to: held here or resumed from the store; after the previous block of the
-        session has ended (at most ``busy_wait_s``); and resumed afresh from the store when this replica's copy
+    async def _session_for(self, session_id: str, seq: int, committed_length: int,
+                           tenant_id: str = "") -> tuple[Session, Verdict | None]:
+        """The session a block goes to, and the verdict to answer it with when the block is a retry of one whose
+        commit landed although the store's answer was lost (None otherwise). The session: held here or resumed
+        from the store; after the previous block of the session has ended (at most ``busy_wait_s``); its
+        unanswered commit settled from the store; and resumed afresh from the store when this replica's copy
         disagrees with the block because the store moved on without it (the session continued on another
-        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume)."""
+        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume).
+
+        Raises:
+            VerifierUnavailableError: the session has an unanswered commit and the store still does not answer.
+        """
         session = await self.sessions.get_or_resume(session_id, tenant_id)
         if session.busy:
             await self.sessions.wait_idle(session, self.busy_wait_s)
             if session.released:  # its block's commit was refused (stale copy): the store has the truth
+                session = await self.sessions.get_or_resume(session_id, tenant_id)
+        if session.unconfirmed is not None and not session.busy:
+            landed = self.sessions.settle(session)
+            if landed is not None and landed.seq == seq and \
+                    landed.committed_length - len(landed.committed_token_ids) == committed_length:
+                return session, landed
+            if session.released:
                 session = await self.sessions.get_or_resume(session_id, tenant_id)
         r = session.record
         if ((committed_length != r.committed_length or seq != r.last_seq + 1) and not session.busy
                 and self.sessions.is_stale(session)):
             self.sessions.release(session_id)
             session = await self.sessions.get_or_resume(session_id, tenant_id)
-        return session
+        return session, None
 
     def _check_running(self) -> None:
         if not self.batcher.running:

@@ -90,6 +90,16 @@ class IncrementalDecoder:
         """All token ids appended so far (do not mutate)."""
         return self._ids
 
+    def checkpoint(self) -> tuple:
+        """The decoder's state, for :meth:`restore` (O(window) to take: the token list is append-only)."""
+        return len(self._ids), self._start, self._consumed, list(self._boundaries)
+
+    def restore(self, state: tuple) -> None:
+        """Go back to a :meth:`checkpoint` of this decoder: as if the tokens appended since were never seen."""
+        num_ids, self._start, self._consumed, boundaries = state
+        del self._ids[num_ids:]
+        self._boundaries = list(boundaries)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False

@@ -78,6 +78,20 @@ class StopChecker:
             self.max_context_tokens - self.prompt_length - self.num_generated,
         )
 
+    def checkpoint(self) -> tuple:
+        """The stopping state, for :meth:`restore`: a verify step offers its candidates before the store commit,
+        and a commit that fails must leave the session as if the step never ran (a retried block is then counted
+        once, not twice)."""
+        decoder = self._decoder.checkpoint() if self._decoder is not None else None
+        return len(self.generated_token_ids), self._tail, decoder, self.finished, self.finish_reason
+
+    def restore(self, state: tuple) -> None:
+        """Go back to a :meth:`checkpoint` taken on this checker: the tokens appended since are forgotten."""
+        num_generated, self._tail, decoder, self.finished, self.finish_reason = state
+        del self.generated_token_ids[num_generated:]
+        if decoder is not None:
+            self._decoder.restore(decoder)
+
     def append(self, token_ids: Sequence[int]) -> tuple[int, FinishReason | None]:
         """Offer candidate tokens in order (an accepted block + next token).
 

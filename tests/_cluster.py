@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -131,6 +132,7 @@ class PrivateRedis:
     binary: str
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    data_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="specdec-redis-"))  # dump.rdb here
 
     @property
     def url(self) -> str:
@@ -140,7 +142,8 @@ class PrivateRedis:
         import redis
 
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.data_dir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 
@@ -158,6 +161,23 @@ class PrivateRedis:
         if self.proc is not None:
             stop_process(self.proc)
             self.proc = None
+        dump = Path(self.data_dir) / "dump.rdb"
+        if dump.exists():  # a plain stop loses the data, as documented
+            dump.unlink()
+
+    def restart_keeping_data(self, downtime_s: float) -> None:
+        """SHUTDOWN SAVE (every write answered so far is in the dump: no write slips in between), stay down for
+        ``downtime_s`` s, start again on the same port from the dump."""
+        import redis
+
+        try:
+            redis.Redis(port=self.port, socket_timeout=5).shutdown(save=True)
+        except redis.exceptions.ConnectionError:
+            pass  # the server closes the connection as it exits
+        self.proc.wait(timeout=10)
+        self.proc = None
+        time.sleep(downtime_s)
+        self.start()
 
 
 def nginx_binary() -> str | None:

@@ -98,7 +98,9 @@ class SessionStore(abc.ABC):
         Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens) and, when
         ``verifier_id`` is given, only if that replica still holds the session (a replica that lost it to a
         claim or gave it up cannot commit); records ``seq``, ``finished``/``finish_reason`` and ``now`` (unix s)
-        as last-seen, and refreshes the TTL of all the session's keys.
+        as last-seen, and refreshes the TTL of all the session's keys. Idempotent: the same commit again (block
+        ``seq``'s ``token_ids`` are already the stored tail after ``expected_length``: its first answer was lost)
+        returns the committed length as the first call did and appends nothing.
 
         Raises:
             SessionNotFoundError: the session is unknown or expired.

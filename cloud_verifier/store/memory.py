@@ -23,6 +23,14 @@ from cloud_verifier.store import (
 )
 
 
+def _already_applied(record: SessionRecord, expected_length: int, token_ids, seq: int) -> bool:
+    """The commit of block ``seq`` (``token_ids`` after ``expected_length``) is the last one the record holds:
+    a retry of a commit whose answer was lost."""
+    n = len(token_ids)
+    return (record.last_seq == int(seq) and record.committed_length == expected_length + n
+            and record.committed_token_ids[expected_length:] == [int(t) for t in token_ids])
+
+
 class MemorySessionStore(SessionStore):
     """In-process store with the same semantics as Redis, TTL included (lazy expiry by monotonic time)."""
 
@@ -70,6 +78,10 @@ class MemorySessionStore(SessionStore):
             if verifier_id is not None and record.verifier_id != verifier_id:
                 raise not_owner(session_id, verifier_id)
             if record.committed_length != expected_length:
+                if _already_applied(record, expected_length, token_ids, seq):
+                    record.last_seen_at = now
+                    self._refresh(session_id)
+                    return record.committed_length
                 raise length_mismatch(session_id, expected_length, record.committed_length)
             if record.finished:
                 raise finished_error(session_id)

@@ -55,15 +55,23 @@ return 1
 # none), now (unix s), ttl ms.
 # Returns {status, value}: {0, new byte length} | {-1, 0} not found | {-2, byte length} mismatch |
 # {-3, 0} held by another verifier (caller's zset key is stale) | {-4, 0} finished.
+# The same commit sent again (block ARGV[5]'s tokens are the stored tail: its first answer was lost to a timeout,
+# and redis-py or the verifier retried it) is answered {0, byte length} as the first time, nothing appended.
 _APPEND_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
 if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return {-3, 0} end
 local cur = redis.call('STRLEN', KEYS[2])
-if cur ~= tonumber(ARGV[3]) then return {-2, cur} end
-if redis.call('HGET', KEYS[1], 'finished') == '1' then return {-4, 0} end
-local len = redis.call('APPEND', KEYS[2], ARGV[4])
-redis.call('HSET', KEYS[1], 'last_seq', ARGV[5], 'finished', ARGV[6], 'finish_reason', ARGV[7],
-           'last_seen_at', ARGV[8])
+local expected = tonumber(ARGV[3])
+local len = cur
+if cur ~= expected then
+  if cur ~= expected + string.len(ARGV[4]) or redis.call('HGET', KEYS[1], 'last_seq') ~= ARGV[5]
+     or redis.call('GETRANGE', KEYS[2], expected, cur - 1) ~= ARGV[4] then return {-2, cur} end
+else
+  if redis.call('HGET', KEYS[1], 'finished') == '1' then return {-4, 0} end
+  len = redis.call('APPEND', KEYS[2], ARGV[4])
+  redis.call('HSET', KEYS[1], 'last_seq', ARGV[5], 'finished', ARGV[6], 'finish_reason', ARGV[7])
+end
+redis.call('HSET', KEYS[1], 'last_seen_at', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
 redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])

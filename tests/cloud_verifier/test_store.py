@@ -208,8 +208,10 @@ def test_redis_shared_between_replicas(redis_url):
         a.create(_record("s", "va"))
         assert b.append_committed("s", 3, [4], seq=1, finished=False, finish_reason=None, now=1.0) == 4
         assert a.append_committed("s", 4, [5], seq=2, finished=False, finish_reason=None, now=2.0) == 5
+        # the same commit again is answered as the first (its answer may have been lost); another one is not
+        assert b.append_committed("s", 4, [5], seq=2, finished=False, finish_reason=None, now=2.0) == 5
         with pytest.raises(InvalidRequestError):
-            b.append_committed("s", 4, [5], seq=2, finished=False, finish_reason=None, now=2.0)
+            b.append_committed("s", 4, [6], seq=2, finished=False, finish_reason=None, now=2.0)
         # deleted by one replica and re-created under another owner with the same id: a's cache is refreshed
         assert b.delete("s")
         b.create(_record("s", "vb"))
