@@ -20,21 +20,20 @@ holds the session (compare-and-append with an owner check), and if it committed 
 
 Affinity: all connections of one backend send the same ``x-specdec-client`` metadata (``client_id``), which a
 balancer hashes on (deploy/nginx/nginx.conf): a session stays on one replica until that replica fails.
+
+The address list and the connection in use are :mod:`edge_client.connections`; the retry policy, which failures
+are retried and the timers of deadlines and backoff waits are :mod:`edge_client.retry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import logging
 import random
-import socket
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from common.errors import (
@@ -47,85 +46,12 @@ from common.errors import (
 )
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from edge_client.backend import VerifierBackend
+from edge_client.connections import PickFirstConnections, parse_addresses
+from edge_client.retry import RetryPolicy, Timers, exhausted_error, is_retryable
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RetryPolicy", "FailoverBackend", "parse_addresses", "verdict_from_store", "is_retryable"]
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a failed call is retried.
-
-    Attributes:
-        max_attempts: tries of one call, the first one included (>= 1).
-        initial_backoff_s: backoff cap before the first retry, s; the cap grows by ``multiplier`` per retry up
-            to ``max_backoff_s``; the wait is uniform in [0, cap] ("full jitter").
-        max_backoff_s: largest backoff cap, s.
-        multiplier: growth of the backoff cap per retry (>= 1).
-        budget_s: wall time a call may go on retrying after its first failure, s (the retry budget, with
-            ``max_attempts``).
-        attempt_timeout_s: a verify attempt without a verdict for this long failed (DEADLINE_EXCEEDED), s.
-        connect_timeout_s: connecting to one address, s.
-
-    Raises:
-        ValueError: from :meth:`validate` on a value out of range.
-    """
-
-    max_attempts: int = 8
-    initial_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-    multiplier: float = 2.0
-    budget_s: float = 30.0
-    attempt_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-
-    def validate(self) -> None:
-        """Raise ValueError when a field is out of range."""
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.multiplier < 1:
-            raise ValueError(f"multiplier must be >= 1, got {self.multiplier}")
-        for name in ("initial_backoff_s", "max_backoff_s", "budget_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("attempt_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    def backoff_s(self, retry: int, rng: random.Random) -> float:
-        """The wait before retry number ``retry`` (0 = the first retry), s: uniform in [0, min(max_backoff_s,
-        initial_backoff_s × multiplier^retry)]."""
-        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** max(0, retry))
-        return rng.uniform(0.0, cap)
-
-    @property
-    def max_call_s(self) -> float:
-        """Longest a call can take, retries included, s (a caller's own deadline should not be shorter)."""
-        return self.attempt_timeout_s + self.budget_s + self.max_backoff_s + self.connect_timeout_s
-
-
-def parse_addresses(spec: str | Sequence[str]) -> list[str]:
-    """Verifier addresses from "host:port[,host:port...]" (or a list of them), in order, blanks dropped.
-
-    Raises:
-        InvalidRequestError: no address, or one without a port.
-    """
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    out = [a.strip() for a in items if a and a.strip()]
-    if not out:
-        raise InvalidRequestError(f"no verifier address in {spec!r} (expected HOST:PORT[,HOST:PORT...])")
-    for a in out:
-        if "://" not in a and not a.startswith("unix:") and (":" not in a or not a.rsplit(":", 1)[1].isdigit()):
-            raise InvalidRequestError(f"verifier address {a!r} is not HOST:PORT")
-    return out
-
-
-def is_retryable(err: BaseException) -> bool:
-    """A failure of the path to the verifier, not an answer about the request: UNAVAILABLE (a replica down,
-    draining, or a broken/reset stream, see :func:`edge_client.grpc_backend.is_broken_stream`) and
-    DEADLINE_EXCEEDED."""
-    return isinstance(err, (VerifierUnavailableError, DeadlineError))
 
 
 def verdict_from_store(draft_token_ids: Sequence[int], committed_length: int, committed_token_ids: Sequence[int],
@@ -160,43 +86,6 @@ def verdict_from_store(draft_token_ids: Sequence[int], committed_length: int, co
         finish_reason=finish_reason if finished else None,
         seq=int(seq),
     )
-
-
-class _Timers:
-    """One thread running callbacks at deadlines (attempt timeouts, backoff waits); cheap per call."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._cv = threading.Condition()
-        self._ids = itertools.count()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="specdec-failover-timers", daemon=True)
-        self._thread.start()
-
-    def at(self, deadline: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (quick, non-blocking) at ``time.monotonic()`` ``deadline``."""
-        with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._ids), fn))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cv.wait(timeout)
-                if self._closed:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                log.exception("failover timer callback failed")
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
 
 
 class _Call:
@@ -250,7 +139,7 @@ class FailoverBackend(VerifierBackend):
                  client_id: str | None = None, connect: bool = True, open_timeout_s: float = 300.0,
                  seed: int | None = None, backend_factory: Callable[[str], VerifierBackend] | None = None,
                  **grpc_kwargs):
-        self.addresses = parse_addresses(addresses)
+        addresses = parse_addresses(addresses)  # an invalid address is reported before a bad policy
         self.policy = policy or RetryPolicy()
         self.policy.validate()
         self.client_id = client_id or uuid.uuid4().hex
@@ -261,22 +150,19 @@ class FailoverBackend(VerifierBackend):
             def backend_factory(address: str) -> VerifierBackend:
                 return GrpcBackend(address, connect_timeout_s=self.policy.connect_timeout_s, mode=mode,
                                    client_id=self.client_id, open_timeout_s=open_timeout_s, **grpc_kwargs)
-        self._factory = backend_factory
+        self._conns = PickFirstConnections(addresses, backend_factory, self.policy.connect_timeout_s)
+        self.addresses = self._conns.addresses
         self._lock = threading.RLock()
-        self._index = 0  # address of the current (or next) connection
-        self._backend: VerifierBackend | None = None
-        self._closed = False
         self._rng = random.Random(seed)
-        self._saved_stats: dict[str, list[int]] = {}  # wire stats of closed connections, per session
         self._opened: dict[str, SessionOpened] = {}  # last OpenSessionResponse per session (ExtendSession retries)
-        self._timers = _Timers()
+        self._timers = Timers()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-failover")
         self.num_failovers = 0
         self.last_failover_ms: list[float] = []  # per recovered verify call: first failure -> verdict, ms
         self.last_retry_ms: list[float] = []  # per recovered verify call: the retry that succeeded sent -> verdict, ms
         if connect:
             try:
-                self._current()
+                self._conns.current()
             except BaseException:
                 self.close()
                 raise
@@ -285,103 +171,21 @@ class FailoverBackend(VerifierBackend):
     @property
     def address(self) -> str:
         """The address in use (or tried next)."""
-        return self.addresses[self._index]
+        return self._conns.address
 
     @property
     def max_call_s(self) -> float:
         """Longest a verify call can take, retries included, s."""
         return self.policy.max_call_s
 
-    def _connect_one(self, address: str) -> VerifierBackend:
-        host_port = _host_port(address)
-        if host_port is not None:  # refused or unroutable: fail fast, without gRPC's reconnect backoff
-            try:
-                socket.create_connection(host_port, timeout=self.policy.connect_timeout_s).close()
-            except OSError as e:
-                raise VerifierUnavailableError(
-                    f"cannot reach verifier at {address}: {e.strerror or type(e).__name__}") from None
-        return self._factory(address)
-
-    def _current(self) -> VerifierBackend:
-        """The connection in use; connects to the first address that answers, from the current one on.
-
-        Raises:
-            VerifierUnavailableError: closed, or no address answers.
-        """
-        with self._lock:
-            if self._closed:
-                raise VerifierUnavailableError("verifier backend is closed")
-            if self._backend is not None:
-                return self._backend
-            errors = []
-            n = len(self.addresses)
-            for k in range(n):
-                i = (self._index + k) % n
-                try:
-                    backend = self._connect_one(self.addresses[i])
-                except VerifierUnavailableError as e:
-                    errors.append(str(e))
-                    continue
-                self._index, self._backend = i, backend
-                return backend
-            if n == 1:
-                raise VerifierUnavailableError(errors[0])
-            raise VerifierUnavailableError(f"cannot reach any of {n} verifiers: " + "; ".join(errors))
-
-    def _drop(self, backend: VerifierBackend | None) -> None:
-        """Give up ``backend`` after a failure on it (closing its stream: a replica still working on a block of
-        it drops it if queued); the next call connects to the next address (or again to the balancer)."""
-        if backend is None:
-            return
-        with self._lock:
-            if self._backend is not backend:
-                return
-            self._backend = None
-            self._index = (self._index + 1) % len(self.addresses)
-        self._save_stats(backend)
-        try:
-            backend.close()
-        except Exception:  # noqa: BLE001
-            log.debug("closing a failed connection", exc_info=True)
-
-    def _save_stats(self, backend: VerifierBackend) -> None:
-        stats = getattr(backend, "_stats", None)
-        if not stats:
-            return
-        with self._lock:
-            for sid, st in list(stats.items()):
-                acc = self._saved_stats.setdefault(sid, [0, 0, 0, 0])
-                acc[0] += st.bytes_sent
-                acc[1] += st.bytes_received
-                acc[2] += st.messages_sent
-                acc[3] += st.messages_received
-
     def wire_stats(self, session_id: str):
         """Bytes/messages exchanged for ``session_id`` over all connections (see GrpcBackend.wire_stats)."""
-        from edge_client.grpc_backend import WireStats
-
-        with self._lock:
-            acc = list(self._saved_stats.get(session_id, [0, 0, 0, 0]))
-            backend = self._backend
-        fn = getattr(backend, "wire_stats", None)
-        if fn is not None:
-            st = fn(session_id)
-            acc = [acc[0] + st.bytes_sent, acc[1] + st.bytes_received, acc[2] + st.messages_sent,
-                   acc[3] + st.messages_received]
-        return WireStats(*acc)
+        return self._conns.wire_stats(session_id)
 
     def probe(self, timeout_s: float = 2.0) -> bool:
         """True when some address answers health SERVING now (connecting if needed); a connection that does not
         is given up, so the next probe tries the next address. Never raises."""
-        try:
-            backend = self._current()
-        except SpecdecError:
-            return False
-        check = getattr(backend, "check_health", None)
-        if check is None or check(timeout_s):
-            return True
-        self._drop(backend)
-        return False
+        return self._conns.probe(timeout_s)
 
     # ------------------------------------------------------------------ unary calls with retries
     def _with_retries(self, fn: Callable[[VerifierBackend], object], what: str):
@@ -390,17 +194,17 @@ class FailoverBackend(VerifierBackend):
         while True:
             backend = None
             try:
-                backend = self._current()
+                backend = self._conns.current()
                 result = fn(backend)
             except SpecdecError as e:
-                if not is_retryable(e) or self._closed:
+                if not is_retryable(e) or self._conns.closed:
                     raise
-                self._drop(backend)
+                self._conns.drop(backend)
                 failures, last = failures + 1, e
                 now = time.monotonic()
                 first_failure = first_failure or now
                 if failures >= self.policy.max_attempts or now - first_failure > self.policy.budget_s:
-                    raise _exhausted(what, failures, now - first_failure, last) from None
+                    raise exhausted_error(what, failures, now - first_failure, last) from None
                 log.info("%s failed (%s); retrying (%d of %d)", what, e, failures, self.policy.max_attempts - 1)
                 time.sleep(self.policy.backoff_s(failures - 1, self._rng))
                 continue
@@ -481,7 +285,7 @@ class FailoverBackend(VerifierBackend):
     def close_session(self, session_id: str) -> None:
         """Free the session (one try: a session left behind expires by TTL)."""
         try:
-            self._current().close_session(session_id)
+            self._conns.current().close_session(session_id)
         except (VerifierUnavailableError, DeadlineError, SessionNotFoundError):
             pass
 
@@ -501,7 +305,7 @@ class FailoverBackend(VerifierBackend):
         if call.future.done():
             return
         try:
-            backend = self._current()
+            backend = self._conns.current()
         except SpecdecError as e:
             self._pool.submit(self._failed, call, call.attempt, None, e)
             return
@@ -546,7 +350,7 @@ class FailoverBackend(VerifierBackend):
                 drop: bool = True) -> None:
         """A retryable failure of an attempt: give the connection up, back off, retry (or give up)."""
         if drop:
-            self._drop(backend)
+            self._conns.drop(backend)
         now = time.monotonic()
         with call.lock:
             call.failures += 1
@@ -555,12 +359,12 @@ class FailoverBackend(VerifierBackend):
                 call.first_failure_at = now
                 call.deadline = now + self.policy.budget_s
             failures, first = call.failures, call.first_failure_at
-        if self._closed:
+        if self._conns.closed:
             self._fail(call, VerifierUnavailableError("verifier backend is closed"))
             return
         if failures >= self.policy.max_attempts or now > call.deadline:
-            self._fail(call, _exhausted(f"block seq {call.seq} of session {call.session_id}", failures,
-                                        now - first, err))
+            self._fail(call, exhausted_error(f"block seq {call.seq} of session {call.session_id}", failures,
+                                             now - first, err))
             return
         delay = self.policy.backoff_s(failures - 1, self._rng)
         log.info("verify of session %s seq %d failed (%s); retrying in %.0f ms", call.session_id, call.seq, err,
@@ -614,29 +418,7 @@ class FailoverBackend(VerifierBackend):
 
     def close(self) -> None:
         """Close the connection and the retry machinery; pending calls fail with VerifierUnavailableError."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            backend, self._backend = self._backend, None
-        if backend is not None:
-            self._save_stats(backend)
-            backend.close()
+        if not self._conns.close():
+            return
         self._timers.close()
         self._pool.shutdown(wait=False)
-
-
-def _exhausted(what: str, failures: int, elapsed_s: float, last: BaseException | None) -> VerifierUnavailableError:
-    return VerifierUnavailableError(
-        f"{what}: no verifier answered after {failures} failed attempts in {elapsed_s:.1f} s (last: {last})"
-    )
-
-
-def _host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of a plain "host:port" / "[v6]:port" address; None for gRPC target URIs (dns:, unix:)."""
-    if "://" in address or address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-        return None
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or not host:
-        return None
-    return host.strip("[]"), int(port)
