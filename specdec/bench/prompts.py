@@ -1,4 +1,5 @@
-"""Benchmark prompts: the first turn of each question of a Spec-Bench-style jsonl."""
+"""Prompts of a jsonl file: the first turn of each Spec-Bench-style question (benchmarks), or a ``prompt`` field
+(the training prompts of draft distillation)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,30 @@ class BenchPrompt:
     prompt: str  # the first user turn
 
 
+def _first_turn(obj: Any) -> str | None:
+    """The ``prompt`` of a record, else the first of its ``turns``; None when neither is a non-empty string."""
+    if not isinstance(obj, dict):
+        return None
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str) and prompt.strip():
+        return prompt
+    turns = obj.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
+        return turns[0]
+    return None
+
+
 def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[BenchPrompt]:
-    """Questions of a Spec-Bench-style jsonl (question_id, category, turns): the FIRST turn of each.
+    """Questions of a Spec-Bench-style jsonl (question_id, category, turns): the FIRST turn of each; a line with
+    a ``prompt`` field instead (the training prompts of ``specdec draft distill``) is a question of that text.
 
     With ``limit``, N questions are taken round-robin across categories (categories in order of first
     appearance, questions in file order within a category), so a small limit still covers every category.
 
     Raises:
         FileNotFoundError: no such file.
-        InvalidRequestError: a line is not JSON or lacks a non-empty first turn; limit < 1; no questions.
+        InvalidRequestError: a line is not JSON or has neither a non-empty ``prompt`` nor a non-empty first turn;
+            limit < 1; no questions.
     """
     from common.errors import InvalidRequestError
 
@@ -42,11 +58,11 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Benc
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            turns = obj.get("turns") if isinstance(obj, dict) else None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise InvalidRequestError(f"{path}:{lineno}: no non-empty first turn in 'turns'")
+            text = _first_turn(obj)
+            if text is None:
+                raise InvalidRequestError(f"{path}:{lineno}: no non-empty 'prompt' or first turn in 'turns'")
             questions.append(
-                BenchPrompt(obj.get("question_id", lineno), str(obj.get("category") or "uncategorized"), turns[0])
+                BenchPrompt(obj.get("question_id", lineno), str(obj.get("category") or "uncategorized"), text)
             )
     if not questions:
         raise InvalidRequestError(f"{path}: no questions")

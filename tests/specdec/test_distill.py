@@ -17,6 +17,7 @@ from specdec.models import (  # noqa: E402
     save_distilled_artefact,
 )
 from specdec import distill as D  # noqa: E402
+from specdec.bench.prompts import load_prompts  # noqa: E402
 
 PROMPTS = [
     "Name three colours.",
@@ -58,8 +59,9 @@ def tiny(tmp_path_factory, smollm2_tokenizer_dir):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = root / "run"
-    D.generate_target_data(target_dir, out / "data", D.load_prompts(prompts), heldout_frac=0.25, batch_size=4,
-                           chunk_batches=1, max_new_tokens=12, topk=8, gen_dtype="float32", progress=False)
+    D.generate_target_data(target_dir, out / "data", [q.prompt for q in load_prompts(prompts)], heldout_frac=0.25,
+                           batch_size=4, chunk_batches=1, max_new_tokens=12, topk=8, gen_dtype="float32",
+                           progress=False)
     return {"target_dir": target_dir, "prompts": prompts, "out": out}
 
 
