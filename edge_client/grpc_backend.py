@@ -6,26 +6,26 @@ Two transports for draft blocks (``mode``):
   a reader thread resolves the futures in order (verdicts come back in block order; each is checked against
   its block's seq). When the server ends the stream because of one block, that block's future gets the error
   and the blocks sent after it (which the server did not verify) are resent once on a new stream;
-  connection-level failures (UNAVAILABLE, ...) fail every pending block. The next submit opens a new stream.
+  connection-level failures (UNAVAILABLE, ...) fail every pending block. The next submit opens a new stream
+  (:class:`edge_client.verify_stream.VerifyStream`).
 - ``"unary"``: one ``VerifyBlock`` call per block, issued asynchronously with grpc's ``.future()`` API (no
   thread of our own); each block is independent.
 
 Both multiplex on the channel's one HTTP/2 connection, so a verify step costs one network round trip either
-way. Measured on loopback with a no-op verifier (tests/test_server.py::test_backend_modes_latency, 2 CPU
+way. Measured on loopback with a no-op verifier (tests/cloud_verifier/test_server.py::test_backend_modes_latency, 2 CPU
 cores, several runs): stream 0.2–0.5 ms per sequential round trip, unary 0.8–1.7 ms (a unary call costs more
 CPU on both sides, the server's Python included), so stream is the default.
 
 Session affinity: every call carries the ``x-specdec-client`` metadata header (one random id per backend).
 
 Bytes on the wire: serialized message sizes (``ByteSize()``, without gRPC/HTTP/2 framing) are counted per
-session, see :meth:`GrpcBackend.wire_stats`.
+session, see :meth:`GrpcBackend.wire_stats`. Failed calls raise :mod:`common.errors` exceptions
+(:func:`edge_client.grpc_errors.map_rpc_error`).
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import queue
 import threading
 import uuid
 from concurrent.futures import Future
@@ -33,11 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.errors import (
-    SpecdecError,
-    VerifierUnavailableError,
-    error_for_status,
-)
+from common.errors import SpecdecError, VerifierUnavailableError
 from common.keepalive import client_keepalive_options
 from common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from common.wire import (
@@ -49,11 +45,13 @@ from common.wire import (
     verdict_from_proto,
 )
 from edge_client.backend import VerifierBackend
-from edge_client.credentials import ChannelSecurity, rate_limited_error
+from edge_client.credentials import ChannelSecurity
+from edge_client.grpc_errors import is_broken_stream, map_rpc_error
+from edge_client.verify_stream import Pending, VerifyStream
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+__all__ = ["AFFINITY_HEADER", "CHANNEL_OPTIONS", "GrpcBackend", "WireStats", "is_broken_stream"]
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -75,134 +73,6 @@ class WireStats:
     bytes_received: int = 0  # verifier -> edge, bytes
     messages_sent: int = 0
     messages_received: int = 0
-
-
-class _Pending:
-    """A block sent and not yet answered."""
-
-    __slots__ = ("future", "request", "session_id", "seq", "committed_length", "draft_token_ids", "resent")
-
-    def __init__(self, future: Future, request: pb.DraftBlock, committed_length: int, draft_token_ids: list[int]):
-        self.future = future
-        self.request = request
-        self.session_id = request.session_id
-        self.seq = request.seq
-        self.committed_length = committed_length
-        self.draft_token_ids = draft_token_ids
-        self.resent = False
-
-
-# Stream statuses that concern the connection, not one block: every pending block fails with them.
-_CONNECTION_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                     grpc.StatusCode.UNKNOWN}
-
-# Details of INTERNAL/UNKNOWN statuses that are a broken transport, not the verifier's answer: a stream reset by
-# the peer or a proxy (nginx answers RST_STREAM when its upstream replica dies), a connection closed under it.
-_BROKEN_STREAM_MARKERS = ("rst_stream", "stream removed", "socket closed", "connection reset", "goaway",
-                          "broken pipe", "end of tcp stream", "failed to connect", "upstream", "http2 header with status")
-
-
-def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
-    """True when a status is a transport failure rather than the verifier's verdict on a request: UNAVAILABLE,
-    and INTERNAL/UNKNOWN/CANCELLED statuses whose details name a reset or broken stream (a load balancer's
-    RST_STREAM or HTTP 502 after its upstream died)."""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return True
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
-        d = (details or "").lower()
-        return any(m in d for m in _BROKEN_STREAM_MARKERS)
-    return False
-
-
-_END = object()
-
-
-class _VerifyStream:
-    """One bidi Verify call: requests from a queue, verdicts matched to pending blocks in order."""
-
-    def __init__(self, backend: "GrpcBackend"):
-        self.backend = backend
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending: collections.deque[_Pending] = collections.deque()
-        self.lock = threading.Lock()
-        self.dead = False
-        self.call = backend._stub.Verify(self._iter_requests(), timeout=None, metadata=backend._metadata)
-        self.reader = threading.Thread(target=self._read, name="specdec-verify-reader", daemon=True)
-        self.reader.start()
-
-    def _iter_requests(self):
-        while True:
-            item = self.requests.get()
-            if item is _END:
-                return
-            yield item
-
-    def send(self, pending: _Pending) -> bool:
-        """Queue a block; False when the stream is dead (the caller opens a new one)."""
-        with self.lock:
-            if self.dead:
-                return False
-            self.pending.append(pending)
-            self.requests.put(pending.request)
-            return True
-
-    def _read(self) -> None:
-        error: SpecdecError | None = None
-        block_error = False  # the server ended the stream because of the first pending block
-        try:
-            for msg in self.call:
-                with self.lock:
-                    p = self.pending.popleft() if self.pending else None
-                if p is None:
-                    log.error("verdict seq %d with no pending block: dropping the stream", msg.seq)
-                    error = VerifierUnavailableError("protocol error: verdict without a block")
-                    break
-                self.backend._count_received(p.session_id, msg.ByteSize())
-                if msg.seq != p.seq:
-                    p.future.set_exception(VerifierUnavailableError(
-                        f"protocol error: verdict seq {msg.seq} for block seq {p.seq} of session {p.session_id}"
-                    ))
-                    error = VerifierUnavailableError("protocol error: verdicts out of order")
-                    break
-                try:
-                    p.future.set_result(verdict_from_proto(msg, p.draft_token_ids, p.committed_length))
-                except SpecdecError as e:
-                    p.future.set_exception(e)
-        except grpc.RpcError as e:
-            error = self.backend._map_error(e)
-            block_error = e.code() not in _CONNECTION_CODES
-        except Exception as e:  # noqa: BLE001 - never leave futures hanging
-            log.exception("verify stream reader failed")
-            error = VerifierUnavailableError(f"verify stream failed: {e}")
-        with self.lock:
-            self.dead = True
-            pending, self.pending = list(self.pending), collections.deque()
-        self.requests.put(_END)  # release grpc's request-consuming thread
-        if error is None:
-            error = VerifierUnavailableError(f"verify stream to {self.backend.address} ended")
-        if block_error and pending:
-            # The server answers in order and verifies nothing after a failed block: the first pending block
-            # failed; the later ones were not verified and go again on a new stream (once).
-            first, rest = pending[0], pending[1:]
-            first.future.set_exception(error)
-            for p in rest:
-                if p.resent or self.backend._closed:
-                    p.future.set_exception(error)
-                else:
-                    p.resent = True
-                    self.backend._count_sent(p.session_id, p.request.ByteSize())
-                    self.backend._submit_stream(p)
-            return
-        for p in pending:
-            if not p.future.done():
-                p.future.set_exception(error)
-
-    def close(self) -> None:
-        with self.lock:
-            self.dead = True
-        self.requests.put(_END)
-        self.call.cancel()
-        self.reader.join(timeout=5.0)
 
 
 class GrpcBackend(VerifierBackend):
@@ -274,7 +144,7 @@ class GrpcBackend(VerifierBackend):
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._stats: collections.OrderedDict[str, WireStats] = collections.OrderedDict()
         self._stats_lock = threading.Lock()
-        self._stream: _VerifyStream | None = None
+        self._stream: VerifyStream | None = None
         self._stream_lock = threading.Lock()
         self._closed = False
 
@@ -308,19 +178,7 @@ class GrpcBackend(VerifierBackend):
 
     # ------------------------------------------------------------------ errors
     def _map_error(self, err: grpc.RpcError) -> SpecdecError:
-        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-        details = (err.details() if hasattr(err, "details") else None) or str(err)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return VerifierUnavailableError(f"verifier at {self.address} unavailable: {details}")
-        if code == grpc.StatusCode.CANCELLED and self._closed:
-            return VerifierUnavailableError(f"backend to {self.address} closed")
-        if is_broken_stream(code, details):  # reset/broken stream: the connection failed, not the request
-            return VerifierUnavailableError(f"verifier at {self.address}: broken stream ({code.name}: {details})")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a tenant limit carries its retry hint (retry-after-ms)
-            limited = rate_limited_error(err, details)
-            if limited is not None:
-                return limited
-        return error_for_status(code, details)
+        return map_rpc_error(err, self.address, self._closed)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -378,14 +236,14 @@ class GrpcBackend(VerifierBackend):
             future.set_exception(e)
             return future
         self._count_sent(session_id, request.ByteSize())
-        pending = _Pending(future, request, committed_length, list(block.draft_token_ids))
+        pending = Pending(future, request, committed_length, list(block.draft_token_ids))
         if self.mode == "stream":
             self._submit_stream(pending)
         else:
             self._submit_unary(pending)
         return future
 
-    def _submit_unary(self, p: _Pending) -> None:
+    def _submit_unary(self, p: Pending) -> None:
         call = self._stub.VerifyBlock.future(p.request, timeout=self.call_timeout_s, metadata=self._metadata)
 
         def done(call_future) -> None:
@@ -405,13 +263,13 @@ class GrpcBackend(VerifierBackend):
 
         call.add_done_callback(done)
 
-    def _submit_stream(self, p: _Pending) -> None:
+    def _submit_stream(self, p: Pending) -> None:
         for _ in range(2):
             with self._stream_lock:
                 if self._closed:
                     break
                 if self._stream is None or self._stream.dead:
-                    self._stream = _VerifyStream(self)
+                    self._stream = VerifyStream(self)
                 stream = self._stream
             if stream.send(p):
                 return
