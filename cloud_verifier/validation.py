@@ -22,9 +22,10 @@ import numpy as np
 from common.errors import ContextLengthError, InvalidRequestError, PreconditionError
 from common.sampling import normalize_sparse
 from common.types import DraftBlock, SamplingParams, ServedInfo, StoppingCriteria
+from common.wire import check_draft_probs_shape
 
 if TYPE_CHECKING:
-    from cloud_verifier.sessions import Session
+    from cloud_verifier.session_state import Session
 
 PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a sparse draft distribution on the wire
 # smallest positive temperature: below it logits / temperature can overflow float64 (no distribution); 0 = greedy
@@ -54,7 +55,8 @@ def check_open_request(
 
     Raises:
         InvalidRequestError: empty prompt; prompt token id outside the vocabulary; bad sampling or stopping
-            parameters (a positive temperature below :data:`MIN_TEMPERATURE` included); prompt of ``info.max_context_tokens`` tokens or more (no room to generate).
+            parameters (a positive temperature below :data:`MIN_TEMPERATURE` included); prompt of
+            ``info.max_context_tokens`` tokens or more (no room to generate).
         PreconditionError: the tokenizer fingerprint differs from the target's.
     """
     if not prompt:
@@ -84,7 +86,9 @@ def check_generation_params(sampling: SamplingParams, stopping: StoppingCriteria
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     if 0 < sampling.temperature < MIN_TEMPERATURE:
-        raise InvalidRequestError(f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy")
+        raise InvalidRequestError(
+            f"temperature {sampling.temperature:g} is below {MIN_TEMPERATURE:g}: use 0 for greedy"
+        )
 
 
 def check_extend_request(
@@ -208,16 +212,12 @@ def check_draft_probs(block: DraftBlock, vocab_size: int) -> None:
     ≥ 0 and summing to 1 (± ``PROB_SUM_TOLERANCE``), and q(x_i) > 0 for each draft token x_i.
 
     Raises:
-        InvalidRequestError: wrong shape; id outside the vocabulary; not a distribution; a repeated id; a draft
-            token with draft probability 0.
+        InvalidRequestError: wrong shape (:func:`common.wire.check_draft_probs_shape`); id outside the
+            vocabulary; not a distribution; a repeated id; a draft token with draft probability 0.
     """
-    gamma = len(block.draft_token_ids)
     dp = block.draft_probs
     ids, probs = np.asarray(dp.token_ids), np.asarray(dp.probs, dtype=np.float64)
-    if ids.shape != probs.shape or ids.ndim != 2 or ids.shape[0] != gamma:
-        raise InvalidRequestError(
-            f"draft_probs must have one sparse distribution per draft token ({gamma}), got shape {ids.shape}"
-        )
+    check_draft_probs_shape(ids, probs, len(block.draft_token_ids))
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise InvalidRequestError("draft_probs token id outside the vocabulary")
     if not np.all(np.isfinite(probs)) or (probs < 0).any():

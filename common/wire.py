@@ -1,14 +1,18 @@
 """Conversions between the wire messages (specdec.v1, protos/specdec/v1/verifier.proto) and common.types.
 
-Used by both sides: the verifier's gRPC servicer (cloud_verifier.server) and the edge's gRPC backend
-(edge_client.grpc_backend). Structural problems of incoming messages (ragged top-k rows, counts that do not
-match, ids outside int32) raise :class:`~common.errors.InvalidRequestError`; semantic checks (vocabulary,
+Used by both sides: the verifier's gRPC servicer (cloud_verifier.servicer) and the edge's gRPC backend
+(edge_client.grpc_backend). Incoming requests convert to typed results (:class:`OpenRequest`,
+:class:`ExtendRequest`, :class:`BlockRequest`). Structural problems of incoming messages (ragged top-k rows,
+counts that do not match, ids outside int32) raise :class:`~common.errors.InvalidRequestError`; the shape of
+``draft_probs`` has one check for every side, :func:`check_draft_probs_shape`; semantic checks (vocabulary,
 block length, probabilities that are not a distribution) are the verifier's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,6 +91,43 @@ def stopping_from_proto(msg: pb.StoppingCriteria) -> StoppingCriteria:
     )
 
 
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """An OpenSession request (:func:`open_request_from_proto`): prompt token ids, the session's sampling and
+    stopping parameters, and the edge tokenizer's fingerprint ("" = not sent)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    tokenizer_fingerprint: str
+
+
+@dataclass(frozen=True)
+class ExtendRequest:
+    """An ExtendSession request (:func:`extend_request_from_proto`): the session, the committed length (tokens)
+    it must have, the token ids to append; ``sampling``/``stopping`` None = keep the session's."""
+
+    session_id: str
+    committed_length: int
+    appended_token_ids: list[int]
+    sampling: SamplingParams | None
+    stopping: StoppingCriteria | None
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """A draft block as sent (:func:`block_from_proto`): its session, ``seq``, the committed length (tokens) it
+    extends, and the block."""
+
+    session_id: str
+    seq: int
+    committed_length: int
+    block: DraftBlock
+
+
 # ---------------------------------------------------------------------------------------------- sessions
 
 
@@ -107,11 +148,11 @@ def open_request_to_proto(
     )
 
 
-def open_request_from_proto(msg: pb.OpenSessionRequest) -> tuple[list[int], SamplingParams, StoppingCriteria, str]:
-    """(prompt_token_ids, sampling, stopping, tokenizer_fingerprint); missing messages give the defaults."""
+def open_request_from_proto(msg: pb.OpenSessionRequest) -> OpenRequest:
+    """The request's fields; missing sampling/stopping messages give the defaults."""
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else StoppingCriteria()
-    return list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint
+    return OpenRequest(list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint)
 
 
 def session_opened_to_proto(opened: SessionOpened) -> pb.OpenSessionResponse:
@@ -140,13 +181,11 @@ def extend_request_to_proto(
     return msg
 
 
-def extend_request_from_proto(
-    msg: pb.ExtendSessionRequest,
-) -> tuple[str, int, list[int], SamplingParams | None, StoppingCriteria | None]:
-    """(session_id, committed_length, appended_token_ids, sampling, stopping); an unset message gives None."""
+def extend_request_from_proto(msg: pb.ExtendSessionRequest) -> ExtendRequest:
+    """The request's fields; an unset sampling/stopping message gives None."""
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else None
-    return msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping
+    return ExtendRequest(msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -171,11 +210,7 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
     if block.draft_probs is not None:
         ids = np.asarray(block.draft_probs.token_ids)
         probs = np.asarray(block.draft_probs.probs, dtype=np.float32)
-        if ids.shape != probs.shape or ids.ndim != 2 or ids.shape[0] != len(block.draft_token_ids):
-            raise InvalidRequestError(
-                f"draft_probs must be [γ={len(block.draft_token_ids)}, k] ids and probs, got {ids.shape} and "
-                f"{probs.shape}"
-            )
+        check_draft_probs_shape(ids, probs, len(block.draft_token_ids))
         msg.draft_probs.extend(
             pb.SparseDistribution(token_ids=row_ids.tolist(), probs=row_probs.tolist())
             for row_ids, row_probs in zip(ids, probs)
@@ -183,37 +218,62 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
     return msg
 
 
-def block_from_proto(msg: pb.DraftBlock) -> tuple[str, int, int, DraftBlock]:
-    """(session_id, seq, committed_length, block) of a wire draft block.
+def block_from_proto(msg: pb.DraftBlock) -> BlockRequest:
+    """The draft block of a wire message, with its session, seq and committed length.
 
     Raises:
-        InvalidRequestError: draft_probs not one entry per draft token, token_ids/probs lengths that differ,
-            rows of different k (top-k rows must share k), or an empty row.
+        InvalidRequestError: ``draft_probs`` of the wrong shape (:func:`check_draft_probs_shape`).
     """
     draft_ids = list(msg.draft_token_ids)
     draft_probs = None
     if len(msg.draft_probs):
         gamma = len(draft_ids)
-        if len(msg.draft_probs) != gamma:
-            raise InvalidRequestError(
-                f"draft_probs has {len(msg.draft_probs)} entries for {gamma} draft tokens (need one per token, "
-                "or none for greedy drafting)"
-            )
-        k = len(msg.draft_probs[0].token_ids)
-        for i, row in enumerate(msg.draft_probs):
-            if len(row.token_ids) != len(row.probs):
-                raise InvalidRequestError(
-                    f"draft_probs[{i}] has {len(row.token_ids)} token ids and {len(row.probs)} probs"
-                )
-            if len(row.token_ids) != k or k == 0:
-                raise InvalidRequestError(f"draft_probs rows must share one k >= 1 (row 0 has {k}, row {i} "
-                                          f"has {len(row.token_ids)})")
-        ids = np.array([row.token_ids for row in msg.draft_probs], dtype=np.int64).reshape(gamma, k)
-        probs = np.array([row.probs for row in msg.draft_probs], dtype=np.float32).reshape(gamma, k)
+        rows = msg.draft_probs
+        k = check_draft_probs_shape([r.token_ids for r in rows], [r.probs for r in rows], gamma)
+        ids = np.array([row.token_ids for row in rows], dtype=np.int64).reshape(gamma, k)
+        probs = np.array([row.probs for row in rows], dtype=np.float32).reshape(gamma, k)
         draft_probs = SparseDraftProbs(token_ids=ids, probs=probs)
     block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
                        bonus_drafted=bool(msg.bonus_drafted))
-    return msg.session_id, int(msg.seq), int(msg.committed_length), block
+    return BlockRequest(msg.session_id, int(msg.seq), int(msg.committed_length), block)
+
+
+def check_draft_probs_shape(token_ids: np.ndarray | Sequence[Sequence], probs: np.ndarray | Sequence[Sequence],
+                            num_draft_tokens: int) -> int:
+    """Check that sparse draft probabilities are [γ, k]: one row (k token ids, k probabilities) per draft
+    token, every row of one k >= 1. ``token_ids``, ``probs``: arrays [γ, k], or sequences of rows (a wire
+    message's rows, which may be ragged); ``num_draft_tokens``: γ. Returns k (0 for no rows).
+
+    The one shape check of ``draft_probs``: the edge before sending, the wire on receipt and the verifier's
+    block validation (cloud_verifier.validation) all call it.
+
+    Raises:
+        InvalidRequestError: not two-dimensional, or not one row per draft token; a row whose token ids and
+            probabilities differ in number; rows of different k, or k = 0.
+    """
+    id_lengths, prob_lengths = _row_lengths(token_ids), _row_lengths(probs)
+    if id_lengths is None or prob_lengths is None or len(id_lengths) != num_draft_tokens \
+            or len(prob_lengths) != num_draft_tokens:
+        shape = np.shape(token_ids) if id_lengths is None else (len(id_lengths), *id_lengths[:1])
+        raise InvalidRequestError(
+            f"draft_probs must have one sparse distribution per draft token ({num_draft_tokens}), got shape "
+            f"{tuple(shape)} (need one per token, or none for greedy drafting)"
+        )
+    k = id_lengths[0] if id_lengths else 0
+    for i, (num_ids, num_probs) in enumerate(zip(id_lengths, prob_lengths)):
+        if num_ids != num_probs:
+            raise InvalidRequestError(f"draft_probs[{i}] has {num_ids} token ids and {num_probs} probs")
+        if num_ids != k or k == 0:
+            raise InvalidRequestError(f"draft_probs rows must share one k >= 1 (row 0 has {k}, row {i} "
+                                      f"has {num_ids})")
+    return k
+
+
+def _row_lengths(rows: np.ndarray | Sequence[Sequence]) -> list[int] | None:
+    """The length of each row; None for an array that is not two-dimensional."""
+    if isinstance(rows, np.ndarray):
+        return [rows.shape[1]] * rows.shape[0] if rows.ndim == 2 else None
+    return [len(r) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
