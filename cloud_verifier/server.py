@@ -1,15 +1,15 @@
 """gRPC server of the cloud verifier: ``specdec.v1.Verifier`` (grpc.aio) + health + reflection + /metrics.
 
-- :class:`VerifierServicer` converts wire messages (common.wire) and calls a
+- :class:`~cloud_verifier.servicer.VerifierServicer` converts wire messages (common.wire) and calls a
   :class:`cloud_verifier.verifier.Verifier`. Errors raised as :class:`~common.errors.SpecdecError` become the
   RPC's status in one place, :class:`ErrorMappingInterceptor` (never INTERNAL for known errors).
-- ``Verify`` (bidi stream, any sessions): each block is handed to the verifier as soon as it arrives, so blocks
-  of different sessions on one stream are batched together; blocks of one session run one after the other;
-  verdicts come back in block order. A block that fails ends the stream with its status after the verdicts
-  of the blocks before it; nothing is committed for it, and blocks that arrived after it are not verified
-  (they fail fast: the verifier validates a block before it joins a batch). Only an error raised inside a
-  batch (e.g. the session store failing) can leave a later block of another session, already in that batch,
-  committed without its verdict; a client can resynchronize with GetSession.
+- ``Verify`` (bidi stream, any sessions; :mod:`cloud_verifier.verify_stream`): each block is handed to the
+  verifier as soon as it arrives, so blocks of different sessions on one stream are batched together; blocks of
+  one session run one after the other; verdicts come back in block order. A block that fails ends the stream
+  with its status after the verdicts of the blocks before it; nothing is committed for it, and blocks that
+  arrived after it are not verified (they fail fast: the verifier validates a block before it joins a batch).
+  Only an error raised inside a batch (e.g. the session store failing) can leave a later block of another
+  session, already in that batch, committed without its verdict; a client can resynchronize with GetSession.
 - Health (``grpc.health.v1``): "" and "specdec.v1.Verifier" are SERVING while the replica can serve: NOT_SERVING
   while the session store does not answer or the batch loop is stuck (a health task checks every
   ``health_interval_s``), and from the start of a graceful shutdown on; "liveness" is NOT_SERVING only while the
@@ -28,7 +28,6 @@ Entry points: ``await serve(settings)`` (``specdec serve``); :class:`VerifierSer
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import time
@@ -38,25 +37,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cloud_verifier.auth import AuthInterceptor, current_tenant
+from cloud_verifier.auth import AuthInterceptor
+from cloud_verifier.servicer import VerifierServicer, session_info_to_proto
+from cloud_verifier.verify_stream import STREAM_WINDOW
 from common.errors import SpecdecError, VerifierUnavailableError
 from common.keepalive import server_keepalive_options
-from common.wire import (
-    MAX_MESSAGE_BYTES,
-    block_from_proto,
-    extend_request_from_proto,
-    open_request_from_proto,
-    finish_reason_to_proto,
-    session_opened_to_proto,
-    verdict_to_proto,
-)
+from common.wire import MAX_MESSAGE_BYTES
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.config import VerifierSettings
     from cloud_verifier.security import ServerSecurity
-    from cloud_verifier.store import SessionRecord
     from cloud_verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -67,7 +59,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specdec.
 # down, which a restart would not fix).
 LIVENESS_SERVICE = "liveness"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
-STREAM_WINDOW = 64  # blocks read ahead on one Verify stream before back-pressure (HTTP/2 flow control)
+__all__ = ["LIVENESS_SERVICE", "SERVER_OPTIONS", "SERVICE_NAME", "STREAM_WINDOW", "ErrorMappingInterceptor",
+           "VerifierServer", "VerifierServicer", "serve", "session_info_to_proto", "status_of"]
 
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -136,184 +129,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
         return handler
-
-
-# ------------------------------------------------------------------------------------------- servicer
-
-
-def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
-    """The wire form of a session's store record (GetSession)."""
-    return pb.SessionInfo(
-        session_id=record.session_id,
-        model_id=record.model_id,
-        verifier_id=record.verifier_id,
-        committed_length=record.committed_length,
-        prompt_length=record.prompt_length,
-        committed_token_ids=[int(t) for t in record.committed_token_ids],
-        finished=record.finished,
-        finish_reason=finish_reason_to_proto(record.finish_reason if record.finished else None),
-    )
-
-
-def _forget_last(last_of_session: dict, session_id: str, task: asyncio.Task) -> None:
-    """Done callback of a Verify stream's block task: drop it from ``last_of_session`` if it is still there."""
-    if last_of_session.get(session_id) is task:
-        del last_of_session[session_id]
-
-
-def _tenant_kw() -> dict[str, str]:
-    """``{"tenant_id": <the caller's tenant>}`` when the call was authenticated (cloud_verifier.auth), else {}:
-    without authentication every session is the "" tenant's, the Verifier's default."""
-    tenant = current_tenant()
-    return {"tenant_id": tenant} if tenant else {}
-
-
-class _Skipped(VerifierUnavailableError):
-    """A block not verified because an earlier block of its stream failed (never sent to the client)."""
-
-
-class VerifierServicer(pb_grpc.VerifierServicer):
-    """specdec.v1.Verifier over a :class:`cloud_verifier.verifier.Verifier` (errors: raised, mapped by
-    :class:`ErrorMappingInterceptor`)."""
-
-    def __init__(self, verifier: "Verifier"):
-        self.verifier = verifier
-        self._drain = asyncio.Event()
-        self._background: set[asyncio.Task] = set()  # block tasks that outlive an aborted stream
-
-    def begin_drain(self) -> None:
-        """Shutting down: open streams finish their in-flight blocks, then end with UNAVAILABLE."""
-        self._drain.set()
-
-    @property
-    def draining(self) -> bool:
-        return self._drain.is_set()
-
-    def _forget_task(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: blocks whose verdict cannot be sent (stream aborted) log nothing
-
-    async def OpenSession(self, request: pb.OpenSessionRequest, context) -> pb.OpenSessionResponse:
-        if self.draining:
-            raise VerifierUnavailableError("verifier is shutting down")
-        prompt, sampling, stopping, fingerprint = open_request_from_proto(request)
-        opened = await self.verifier.open_session(prompt, sampling, stopping, fingerprint, **_tenant_kw())
-        return session_opened_to_proto(opened)
-
-    async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:
-        if self.draining:
-            raise VerifierUnavailableError("verifier is shutting down")
-        session_id, committed_length, appended, sampling, stopping = extend_request_from_proto(request)
-        opened = await self.verifier.extend_session(session_id, committed_length, appended, sampling, stopping,
-                                                    **_tenant_kw())
-        return session_opened_to_proto(opened)
-
-    async def VerifyBlock(self, request: pb.DraftBlock, context) -> pb.Verdict:
-        if self.draining:
-            raise VerifierUnavailableError("verifier is shutting down")
-        session_id, seq, committed_length, block = block_from_proto(request)
-        verdict = await self.verifier.verify(session_id, seq, committed_length, block, **_tenant_kw())
-        return verdict_to_proto(verdict, seq)
-
-    async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
-        return session_info_to_proto(self.verifier.get_session(request.session_id, **_tenant_kw()))
-
-    async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
-        # another tenant's session is answered as an unknown one (existed=False) and left alone
-        existed = self.verifier.close_session(request.session_id, **_tenant_kw())
-        return pb.CloseSessionResponse(existed=bool(existed))
-
-    async def Verify(self, request_iterator, context):
-        """Blocks in, verdicts out in block order (see the module docstring)."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_WINDOW)  # Task | SpecdecError | None (= end)
-        last_of_session: dict[str, asyncio.Task] = {}
-        stream_tasks: set[asyncio.Task] = set()  # this stream's blocks not answered yet
-        no_failure = float("inf")
-        state = {"failed_at": no_failure, "count": 0}  # failed_at: stream index of the first failed block
-        tenant_kw = _tenant_kw()  # the tenant of the whole stream (cloud_verifier.auth)
-
-        async def run_block(index: int, prev: asyncio.Task | None, session_id, seq, committed_length, block):
-            if prev is not None and not prev.done():
-                await asyncio.wait([prev])  # one block of a session at a time, in stream order
-            if state["failed_at"] < index:  # an earlier block failed: the stream ends, later ones are not verified
-                raise _Skipped()
-            try:
-                return await self.verifier.verify(session_id, seq, committed_length, block, **tenant_kw)
-            except BaseException:
-                # Set synchronously: the verifier validates a block before its first suspension, so a block
-                # failing validation is seen by every block created after it (asyncio runs tasks FIFO).
-                state["failed_at"] = min(state["failed_at"], index)
-                raise
-
-        async def read() -> None:
-            try:
-                async for msg in request_iterator:
-                    if self.draining:
-                        await queue.put(VerifierUnavailableError("verifier is shutting down"))
-                        return
-                    try:
-                        session_id, seq, committed_length, block = block_from_proto(msg)
-                    except SpecdecError as err:
-                        await queue.put(err)
-                        return
-                    state["count"] += 1
-                    task = asyncio.create_task(run_block(
-                        state["count"], last_of_session.get(session_id), session_id, seq, committed_length, block
-                    ))
-                    last_of_session[session_id] = task
-                    # forgotten once answered (unless a later block of the session took its place): a stream that
-                    # lives for many sessions keeps nothing per finished session
-                    task.add_done_callback(functools.partial(_forget_last, last_of_session, session_id))
-                    self._background.add(task)
-                    stream_tasks.add(task)
-                    task.add_done_callback(stream_tasks.discard)
-                    task.add_done_callback(self._forget_task)
-                    await queue.put(task)
-                await queue.put(None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # the stream broke (client gone): end the handler
-                await queue.put(err)
-
-        reader = asyncio.create_task(read())
-        drain_wait: asyncio.Task | None = None
-        get: asyncio.Future | None = None  # the pending queue.get() (cancelled with the stream: no leaked task)
-        try:
-            while True:
-                if queue.empty():
-                    if self.draining and not reader.done():
-                        raise VerifierUnavailableError("verifier is shutting down")
-                    get = asyncio.ensure_future(queue.get())
-                    if drain_wait is None:
-                        drain_wait = asyncio.ensure_future(self._drain.wait())
-                    await asyncio.wait({get, drain_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
-                        continue  # draining: loop to answer what is queued, then end
-                    item = get.result()
-                else:
-                    item = queue.get_nowait()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                verdict = await item
-                yield verdict_to_proto(verdict, verdict.seq)
-        except BaseException:
-            state["failed_at"] = -1  # the stream is over: verify nothing more
-            # cancelled by the client, broken, or failed: its blocks still queued are dropped (nothing committed)
-            # and those in a forward pass end committed wholly (Batcher), so the sessions are free again for the
-            # client's next stream, on this replica or another
-            for task in list(stream_tasks):
-                task.cancel()
-            raise
-        finally:
-            reader.cancel()
-            if drain_wait is not None:
-                drain_wait.cancel()
-            if get is not None and not get.done():
-                get.cancel()
 
 
 # ------------------------------------------------------------------------------------------- server
