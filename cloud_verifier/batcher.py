@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.sessions import Session, SessionTable
+from cloud_verifier.session_state import Session
+from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import SessionStore
 from cloud_verifier.target import ForwardRow, TargetRunner
 from common.errors import (
