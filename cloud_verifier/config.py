@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,7 +56,35 @@ class VerifierSettings(BaseSettings):
     """gRPC port (0 = pick a free port)."""
 
     redis_url: str | None = None
-    """Redis URL of the session store (e.g. ``redis://redis:6379/0``); None = in-process store (one replica)."""
+    """Redis URL of the session store; None = in-process store (one replica). ``redis://[user:pass@]host:port/db``
+    (``rediss://`` TLS); ``redis+sentinel://[user:pass@]h1:p1,h2:p2/service_name[/db]`` (``rediss+sentinel://``):
+    the master the sentinels name; ``redis+cluster://[user:pass@]h1:p1,h2:p2`` (``rediss+cluster://``): a Redis
+    Cluster. Choosing one: docs/session-store.md."""
+
+    redis_sentinel_username: str | None = None
+    """ACL user of the sentinels themselves (the URL's credentials are the data nodes'); None = none."""
+
+    redis_sentinel_password: SecretStr | None = None
+    """Password of the sentinels (``requirepass`` in sentinel.conf); None = none."""
+
+    redis_tls_ca_file: str | None = None
+    """PEM CA bundle that signed the Redis/sentinel certificates of a ``rediss+sentinel://`` or
+    ``rediss+cluster://`` URL (``rediss://`` takes ``?ssl_ca_certs=``); None = the system CAs."""
+
+    redis_socket_timeout_s: float = Field(5.0, gt=0)
+    """Connect and read timeout of one Redis call, seconds."""
+
+    redis_failover_retry_s: float = Field(10.0, ge=0)
+    """Sentinel/Cluster: how long a store call retries (backoff 50 ms doubling to 1 s) while a new master is
+    found, seconds; past it the block is answered UNAVAILABLE (the SDK retries). A standalone Redis: no retry."""
+
+    redis_wait_replicas: int = Field(0, ge=0)
+    """Replicas each commit must reach before its verdict is sent (``WAIT n``); 0 = off (asynchronous
+    replication: a master failover may lose the last commits, docs/session-store.md)."""
+
+    redis_wait_timeout_ms: int = Field(500, ge=1)
+    """How long a commit waits for ``redis_wait_replicas`` acknowledgements, ms (fewer: the commit is
+    unconfirmed, UNAVAILABLE)."""
 
     redis_prefix: str = "specdec:v1:"
     """Namespace prepended to every Redis key of this deployment."""

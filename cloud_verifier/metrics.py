@@ -69,3 +69,13 @@ def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
 # verify rows refused because the target's logits were NaN/inf or left no distribution (cloud_verifier/numerics.py)
 NONFINITE_LOGITS = Counter("specdec_nonfinite_logits", "Verify rows whose target logits were not finite "
                            "(NaN, +inf, no finite logit) or left no distribution to sample from")
+
+# the session store (cloud_verifier/store/redis_connect.py): every command's latency, retries included
+STORE_LATENCY = Histogram(
+    "specdec_store_command_seconds", "Latency of one session-store command (retries after a failover included), s",
+    ["command"], buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
+)
+STORE_FAILOVERS = Counter("specdec_store_failovers", "Store calls that ended on another Redis master than they "
+                          "started with (Sentinel promotion, Cluster failover)")
+STORE_ERRORS = Counter("specdec_store_unavailable", "Store calls given up as unreachable (answered UNAVAILABLE)",
+                       ["command"])

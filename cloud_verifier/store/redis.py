@@ -1,13 +1,23 @@
-"""Session store in Redis, shared by all verifier replicas.
+"""Session store in Redis, shared by all verifier replicas: standalone, under Sentinel or as a Cluster (the URL
+forms and the retry after a failover: ``cloud_verifier/store/redis_connect.py``; the scripts: ``redis_lua.py``).
 
 Key layout (``P`` = prefix, e.g. ``specdec:v1:``)::
 
-    P session:<id>                hash   metadata (sampling/stopping as JSON, times in unix s, tenant_id)
-    P session:<id>:tokens         string committed token ids (prompt + output), little-endian int32
-    P verifier:<vid>:sessions     zset   session ids held by replica <vid>, scored by last-seen (unix s)
+    P{<id>}:meta                  hash   metadata (sampling/stopping as JSON, times in unix s, tenant_id)
+    P{<id>}:tokens                string committed token ids (prompt + output), little-endian int32
+    Pverifier:{<vid>}:sessions    zset   index: session ids held by replica <vid>, scored by unix s (best-effort)
 
-Every key has a TTL (``ttl_s``), refreshed by activity (create, append_committed, touch). Writes are atomic
-Lua scripts; a commit is a compare-and-APPEND on the tokens string (STRLEN must equal 4 × expected length).
+A session's keys share one hash tag (``{<id>}``): one slot, so every script (atomic, all its keys in KEYS)
+runs on a Cluster too, and the same layout serves standalone and Sentinel. The per-replica index is not part
+of any script: it is updated apart (create, claim, disown, delete; refreshed by commits at most every
+``ttl_s`` / 4 per session) and read with a check of each member's holder (:meth:`RedisSessionStore.session_ids_of`),
+so a missed update costs at most a stale or missing entry for a moment, never a wrong holder.
+
+Every key has a TTL (``ttl_s``), refreshed by activity (create, append_committed, touch). A commit is a
+compare-and-APPEND on the tokens string (STRLEN must equal 4 × expected length). With ``wait_replicas`` > 0 a
+write is followed, on the same connection, by ``WAIT wait_replicas wait_timeout_ms``: fewer replicas
+acknowledging raises :class:`~common.errors.VerifierUnavailableError` (the commit is unconfirmed; the verifier
+settles it from the store at the session's next request).
 
 Expiry: a session not touched for ``ttl_s`` seconds disappears (Redis TTL); ``get`` then answers None and
 writes raise :class:`~common.errors.SessionNotFoundError`.
@@ -17,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
+import time
 
 import numpy as np
 
@@ -32,126 +44,13 @@ from cloud_verifier.store import (
     not_found,
     not_owner,
 )
+from cloud_verifier.store import redis_lua as lua
+from cloud_verifier.store.redis_connect import CLUSTER, StoreCaller, connect, parse_redis_url
 from common.errors import VerifierUnavailableError
 from common.types import FinishReason, SamplingParams, StoppingCriteria
 
-# KEYS: session hash, tokens string, verifier zset.  ARGV: session id, hash fields..., packed tokens, ttl ms,
-# last_seen score.  Returns 1 when created, 0 when the id exists.
-_CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local n = tonumber(ARGV[2])
-local fields = {}
-for i = 1, n do fields[i] = ARGV[2 + i] end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('SET', KEYS[2], ARGV[3 + n], 'PX', ARGV[4 + n])
-redis.call('PEXPIRE', KEYS[1], ARGV[4 + n])
-redis.call('ZADD', KEYS[3], ARGV[5 + n], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[4 + n])
-return 1
-"""
-
-# KEYS: session hash, tokens string, verifier zset.
-# ARGV: session id, verifier id, expected byte length, packed tokens, seq, finished (0/1), finish reason ('' =
-# none), now (unix s), ttl ms.
-# Returns {status, value}: {0, new byte length} | {-1, 0} not found | {-2, byte length} mismatch |
-# {-3, 0} held by another verifier (caller's zset key is stale) | {-4, 0} finished.
-# The same commit sent again (block ARGV[5]'s tokens are the stored tail: its first answer was lost to a timeout,
-# and redis-py or the verifier retried it) is answered {0, byte length} as the first time, nothing appended.
-_APPEND_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return {-3, 0} end
-local cur = redis.call('STRLEN', KEYS[2])
-local expected = tonumber(ARGV[3])
-local len = cur
-if cur ~= expected then
-  if cur ~= expected + string.len(ARGV[4]) or redis.call('HGET', KEYS[1], 'last_seq') ~= ARGV[5]
-     or redis.call('GETRANGE', KEYS[2], expected, cur - 1) ~= ARGV[4] then return {-2, cur} end
-else
-  if redis.call('HGET', KEYS[1], 'finished') == '1' then return {-4, 0} end
-  len = redis.call('APPEND', KEYS[2], ARGV[4])
-  redis.call('HSET', KEYS[1], 'last_seq', ARGV[5], 'finished', ARGV[6], 'finish_reason', ARGV[7])
-end
-redis.call('HSET', KEYS[1], 'last_seen_at', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
-redis.call('PEXPIRE', KEYS[2], ARGV[9])
-redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[9])
-return {0, len}
-"""
-
-# KEYS: session hash, tokens string, verifier zset.
-# ARGV: session id, verifier id, expected byte length, packed tokens, sampling JSON, stopping JSON, seed, now
-# (unix s), ttl ms.
-# Returns {status, value}: {0, new byte length} | {-1, 0} not found | {-2, byte length} mismatch |
-# {-3, 0} held by another verifier | {-5, 0} generating (not finished, output committed in the current turn).
-_EXTEND_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return {-3, 0} end
-local cur = redis.call('STRLEN', KEYS[2])
-if cur ~= tonumber(ARGV[3]) then return {-2, cur} end
-if redis.call('HGET', KEYS[1], 'finished') ~= '1'
-   and cur ~= 4 * tonumber(redis.call('HGET', KEYS[1], 'prompt_length')) then return {-5, 0} end
-local len = redis.call('APPEND', KEYS[2], ARGV[4])
-redis.call('HSET', KEYS[1], 'prompt_length', len / 4, 'sampling', ARGV[5], 'stopping', ARGV[6], 'seed', ARGV[7],
-           'finished', '0', 'finish_reason', '', 'last_seen_at', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
-redis.call('PEXPIRE', KEYS[2], ARGV[9])
-redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[9])
-return {0, len}
-"""
-
-# KEYS: session hash, tokens string, verifier zset.  ARGV: session id, verifier id, now, ttl ms.
-# Returns 1 touched | 0 not found | -3 held by another verifier.
-_TOUCH_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return -3 end
-redis.call('HSET', KEYS[1], 'last_seen_at', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[4])
-return 1
-"""
-
-# KEYS: session hash, tokens string, verifier zset.  ARGV: session id, verifier id.
-# Returns 1 deleted | 0 not found | -3 held by another verifier.
-_DELETE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[2])
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  return 0
-end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return -3 end
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[1])
-return 1
-"""
-
-# KEYS: session hash, verifier zset.  ARGV: session id, verifier id.
-# Returns 1 given up (held by no replica: verifier_id '') | 0 not found | -3 held by another verifier.
-_DISOWN_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return -3 end
-redis.call('HSET', KEYS[1], 'verifier_id', '')
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
-
-# KEYS: session hash, tokens string, old verifier zset, new verifier zset.
-# ARGV: session id, old verifier id, new verifier id, now, ttl ms.
-# Returns 1 claimed | 0 not found | -3 the old verifier id is stale.
-_CLAIM_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-if redis.call('HGET', KEYS[1], 'verifier_id') ~= ARGV[2] then return -3 end
-redis.call('HSET', KEYS[1], 'verifier_id', ARGV[3], 'last_seen_at', ARGV[4])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('PEXPIRE', KEYS[4], ARGV[5])
-return 1
-"""
+log = logging.getLogger(__name__)
+_INDEX_CACHE_MAX = 65536  # sessions whose last index refresh is remembered (pruned past it)
 
 
 def _pack(token_ids: list[int]) -> bytes:
@@ -166,102 +65,134 @@ def _unpack(data: bytes) -> list[int]:
 class RedisSessionStore(SessionStore):
     """Session store in Redis (shared by all replicas). See the module docstring for the key layout.
 
-    ``url``: redis URL (``redis://host:6379/0``); ``prefix``: key namespace; ``ttl_s``: seconds (fractions
-    allowed); ``socket_timeout_s``: connect/read timeout of each Redis call, seconds.
+    ``url``: ``SPECDEC_REDIS_URL`` (``redis://host:6379/0``, ``redis+sentinel://...``, ``redis+cluster://...``:
+    :func:`~cloud_verifier.store.redis_connect.parse_redis_url`); ``prefix``: key namespace (no ``{`` or ``}``:
+    the hash tag is the session id); ``ttl_s``: seconds (fractions allowed); ``socket_timeout_s``: connect/read
+    timeout of each Redis call, seconds; ``retry_budget_s``: how long a Sentinel/Cluster call retries while a new
+    master is found, seconds; ``wait_replicas`` / ``wait_timeout_ms``: replicas a write must reach before it
+    counts (0 = off) and how long to wait for them, ms; ``sentinel_username`` / ``sentinel_password`` /
+    ``tls_ca_file``: the sentinels' credentials and the CA bundle of ``rediss+...`` URLs.
 
     Redis errors become :class:`~common.errors.VerifierUnavailableError` (gRPC UNAVAILABLE).
-    Needs a single Redis instance (or a primary): the Lua scripts touch a session's keys and its replica's set.
+
+    Raises:
+        ValueError: a bad URL or prefix, ``ttl_s`` <= 0, ``wait_replicas`` < 0.
     """
 
-    def __init__(self, url: str, prefix: str = "specdec:v1:", ttl_s: float = 600, socket_timeout_s: float = 5.0):
-        import redis
-
+    def __init__(self, url: str, prefix: str = "specdec:v1:", ttl_s: float = 600, socket_timeout_s: float = 5.0,
+                 *, retry_budget_s: float = 10.0, wait_replicas: int = 0, wait_timeout_ms: int = 500,
+                 sentinel_username: str | None = None, sentinel_password: str | None = None,
+                 tls_ca_file: str | None = None):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"redis prefix {prefix!r} must not contain '{{' or '}}' (the session id is the hash tag)")
+        if wait_replicas < 0:
+            raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas}")
         self.url = url
+        self.target = parse_redis_url(url)
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.wait_replicas, self.wait_timeout_ms = int(wait_replicas), int(wait_timeout_ms)
         self._ttl_ms = max(1, int(round(ttl_s * 1000)))
-        self._redis_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-        self.client = redis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            health_check_interval=30,
-            decode_responses=False,
-        )
-        self._create = self.client.register_script(_CREATE_LUA)
-        self._append = self.client.register_script(_APPEND_LUA)
-        self._touch = self.client.register_script(_TOUCH_LUA)
-        self._extend = self.client.register_script(_EXTEND_LUA)
-        self._delete = self.client.register_script(_DELETE_LUA)
-        self._claim = self.client.register_script(_CLAIM_LUA)
-        self._disown = self.client.register_script(_DISOWN_LUA)
-        # session id -> verifier id (the zset key that scripts update); checked by the scripts, refreshed on -3
-        self._owner: dict[str, str] = {}
-        self._owner_lock = threading.Lock()
+        self.client = connect(self.target, socket_timeout_s, sentinel_username=sentinel_username,
+                              sentinel_password=sentinel_password, tls_ca_file=tls_ca_file)
+        self._caller = StoreCaller(self.client, self.target, retry_budget_s)
+        self._scripts = {name: self.client.register_script(getattr(lua, name.upper()))
+                         for name in ("create", "append", "extend", "touch", "delete", "disown", "claim", "get")}
+        self._append = self._scripts["append"]  # a test's reply-dropping proxy spots commits by this sha
+        self._indexed: dict[str, float] = {}  # session id -> monotonic s of its last index refresh
+        self._indexed_lock = threading.Lock()
+
+    def describe(self) -> str:
+        """Which store, for the log (password redacted)."""
+        return f"{self.target.describe()}, prefix {self.prefix!r}"
 
     # ---- keys
     def session_key(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}"
+        return f"{self.prefix}{{{session_id}}}:meta"
 
     def tokens_key(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:tokens"
+        return f"{self.prefix}{{{session_id}}}:tokens"
 
     def verifier_key(self, verifier_id: str) -> str:
-        return f"{self.prefix}verifier:{verifier_id}:sessions"
+        return f"{self.prefix}verifier:{{{verifier_id}}}:sessions"
 
     def keys_of(self, session_id: str, verifier_id: str) -> list[str]:
-        """All keys of a session (hash, tokens, its replica's session set)."""
+        """All keys of a session (hash, tokens) and its replica's index."""
         return [self.session_key(session_id), self.tokens_key(session_id), self.verifier_key(verifier_id)]
 
     # ---- helpers
-    def _call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except self._redis_errors as e:
-            raise VerifierUnavailableError(f"session store unreachable at {self._safe_url()}: {e}") from e
+    def _call(self, command: str, fn, *args, key: str | None = None, **kwargs):
+        return self._caller(command, fn, *args, key=key, **kwargs)
 
     def _safe_url(self) -> str:
-        from urllib.parse import urlsplit
+        return self.target.redacted()
 
-        parts = urlsplit(self.url)
-        host = parts.hostname or ""
-        return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}{parts.path}"
+    def _run(self, name: str, session_id: str, args: list, *, tokens: bool = True, durable: bool = False):
+        """Run script ``name`` over the session's keys (meta, and tokens unless ``tokens`` is False); with
+        ``durable`` and ``wait_replicas`` > 0, WAIT for the replicas on the same connection.
 
-    def _owner_of(self, session_id: str, refresh: bool = False) -> str | None:
-        if not refresh:
-            with self._owner_lock:
-                vid = self._owner.get(session_id)
-            if vid is not None:
-                return vid
-        raw = self._call(self.client.hget, self.session_key(session_id), "verifier_id")
-        with self._owner_lock:
-            if raw is None:
-                self._owner.pop(session_id, None)
-                return None
-            vid = raw.decode()
-            self._owner[session_id] = vid
-            return vid
-
-    def _forget(self, session_id: str) -> None:
-        with self._owner_lock:
-            self._owner.pop(session_id, None)
-
-    def _run_owned(self, script, session_id: str, args_fn):
-        """Run a script that needs the session's replica zset key; retry once if the cached owner is stale.
-
-        Returns the script's result, or None when the session does not exist."""
-        result = None
-        for refresh in (False, True):
-            vid = self._owner_of(session_id, refresh=refresh)
-            if vid is None:
-                return None
-            result = self._call(script, keys=self.keys_of(session_id, vid), args=args_fn(vid))
-            status = result[0] if isinstance(result, list) else result
-            if status != -3:
-                return result
+        Raises:
+            VerifierUnavailableError: the store did not answer, or fewer replicas than ``wait_replicas``
+                acknowledged within ``wait_timeout_ms`` (the write may have landed on the master).
+        """
+        keys = [self.session_key(session_id)] + ([self.tokens_key(session_id)] if tokens else [])
+        script = self._scripts[name]
+        if not (durable and self.wait_replicas):
+            return self._call(name, script, keys=keys, args=args, key=keys[0])
+        result, acked = self._call(name, self._run_waiting, script, keys, args, key=keys[0])
+        if acked < self.wait_replicas:
+            raise VerifierUnavailableError(
+                f"session store write not confirmed by {self.wait_replicas} replica(s) within "
+                f"{self.wait_timeout_ms} ms ({acked} acknowledged): unconfirmed")
         return result
+
+    def _run_waiting(self, script, keys: list[str], args: list):
+        """[script result, replicas that acknowledged]: one pipeline on the connection of the keys' master."""
+        node = self.client
+        if self.target.kind == CLUSTER:
+            node = self.client.get_redis_connection(self.client.get_node_from_key(keys[0]))
+        pipe = node.pipeline(transaction=False)
+        script(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        return pipe.execute()
+
+    def _index(self, session_id: str, add: str | None = None, remove: str | None = None) -> None:
+        """Best-effort update of the per-replica index: add the session to ``add``'s set, remove it from
+        ``remove``'s; never raises (a missed update is repaired by a later commit or pruned on read)."""
+        def update():  # built anew on each try: a failed execute empties the pipeline
+            pipe = self.client.pipeline(transaction=False)
+            if remove is not None and remove != add:
+                pipe.zrem(self.verifier_key(remove), session_id)
+            if add:
+                pipe.zadd(self.verifier_key(add), {session_id: time.time()})
+                pipe.pexpire(self.verifier_key(add), self._ttl_ms)
+            return pipe.execute()
+
+        try:
+            self._call("index", update, key=self.verifier_key(add or remove or ""))
+        except Exception as e:  # noqa: BLE001 - the index is advisory
+            log.debug("session index update of %s skipped: %s", session_id, e)
+        with self._indexed_lock:
+            if add:
+                self._indexed[session_id] = time.monotonic()
+            else:
+                self._indexed.pop(session_id, None)
+
+    def _refresh_index(self, session_id: str, holder) -> None:
+        """After a commit or touch by ``holder``: re-add the session to its index at most every ttl / 4."""
+        holder = holder.decode() if isinstance(holder, bytes) else holder
+        if not holder:
+            return
+        now = time.monotonic()
+        with self._indexed_lock:
+            last = self._indexed.get(session_id)
+            if last is not None and now - last < self.ttl_s / 4:
+                return
+            if len(self._indexed) >= _INDEX_CACHE_MAX:
+                self._indexed = {k: t for k, t in self._indexed.items() if now - t < self.ttl_s}
+        self._index(session_id, add=holder)
 
     # ---- API
     def create(self, record: SessionRecord) -> None:
@@ -284,28 +215,20 @@ class RedisSessionStore(SessionStore):
         for k, v in fields.items():
             flat += [k, str(v)]
         packed = _pack(record.committed_token_ids)
-        args = [record.session_id, len(flat), *flat, packed, self._ttl_ms, repr(float(record.last_seen_at))]
-        created = self._call(self._create, keys=self.keys_of(record.session_id, record.verifier_id), args=args)
-        if not created:
+        args = [record.verifier_id, fields["created_at"], len(flat), *flat, packed, self._ttl_ms]
+        if not self._run("create", record.session_id, args, durable=True):
             raise ValueError(f"session {record.session_id!r} exists")
-        with self._owner_lock:
-            self._owner[record.session_id] = record.verifier_id
+        self._index(record.session_id, add=record.verifier_id)
 
     def get(self, session_id: str) -> SessionRecord | None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.session_key(session_id))
-        pipe.get(self.tokens_key(session_id))
-        raw, tokens = self._call(pipe.execute)
-        if not raw or tokens is None:
-            self._forget(session_id)
+        flat, tokens = self._run("get", session_id, [])
+        if not flat or tokens is None:
             return None
-        h = {k.decode(): v.decode() for k, v in raw.items()}
+        h = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
         sampling = json.loads(h["sampling"])
         stopping = json.loads(h["stopping"])
         stopping["stop_token_ids"] = tuple(stopping.get("stop_token_ids", ()))
         stopping["stop_strings"] = tuple(stopping.get("stop_strings", ()))
-        with self._owner_lock:
-            self._owner[session_id] = h["verifier_id"]
         return SessionRecord(
             session_id=h["session_id"],
             verifier_id=h["verifier_id"],
@@ -327,108 +250,89 @@ class RedisSessionStore(SessionStore):
                          verifier_id=None) -> int:
         packed = _pack(token_ids)
         reason = finish_reason.value if (finished and finish_reason is not None) else ""
-
-        def args(vid: str) -> list:
-            return [session_id, vid, 4 * int(expected_length), packed, int(seq), "1" if finished else "0",
-                    reason, repr(float(now)), self._ttl_ms]
-
-        if verifier_id is not None:  # only as that replica: the script refuses (-3) when another one holds it
-            result = self._call(self._append, keys=self.keys_of(session_id, verifier_id), args=args(verifier_id))
-            if int(result[0]) == -3:
-                self._forget(session_id)
-                raise not_owner(session_id, verifier_id)
-        else:
-            result = self._run_owned(self._append, session_id, args)
-        if result is None:
-            raise not_found(session_id)
-        status, value = int(result[0]), int(result[1])
+        args = [lua.ANY_HOLDER if verifier_id is None else verifier_id, 4 * int(expected_length), packed, int(seq),
+                "1" if finished else "0", reason, repr(float(now)), self._ttl_ms]
+        result = self._run("append", session_id, args, durable=True)
+        status, value = int(result[0]), result[1]
         if status == 0:
-            return value // 4
+            self._refresh_index(session_id, result[2])
+            return int(value) // 4
+        if status == -3:
+            raise not_owner(session_id, verifier_id)
         if status == -2:
-            raise length_mismatch(session_id, expected_length, value // 4)
+            raise length_mismatch(session_id, expected_length, int(value) // 4)
         if status == -4:
             raise finished_error(session_id)
-        self._forget(session_id)
         raise not_found(session_id)
 
     def extend(self, session_id, expected_length, token_ids, sampling, stopping, seed, now, verifier_id) -> int:
         packed = _pack(token_ids)
-        args = [session_id, verifier_id, 4 * int(expected_length), packed,
-                json.dumps(dataclasses.asdict(sampling)), json.dumps(dataclasses.asdict(stopping)), int(seed),
-                repr(float(now)), self._ttl_ms]
-        status, value = (int(x) for x in self._call(self._extend, keys=self.keys_of(session_id, verifier_id),
-                                                    args=args))
+        args = [verifier_id, 4 * int(expected_length), packed, json.dumps(dataclasses.asdict(sampling)),
+                json.dumps(dataclasses.asdict(stopping)), int(seed), repr(float(now)), self._ttl_ms]
+        result = self._run("extend", session_id, args, durable=True)
+        status, value = int(result[0]), result[1]
         if status == 0:
-            return value // 4
+            self._refresh_index(session_id, verifier_id)
+            return int(value) // 4
         if status == -3:
-            self._forget(session_id)
             raise not_owner(session_id, verifier_id)
         if status == -2:
-            raise extend_conflict(session_id, expected_length, value // 4)
+            raise extend_conflict(session_id, expected_length, int(value) // 4)
         if status == -5:
             raise generating_error(session_id)
-        self._forget(session_id)
         raise not_found(session_id)
 
     def touch(self, session_id: str, now: float) -> bool:
-        result = self._run_owned(self._touch, session_id, lambda vid: [session_id, vid, repr(float(now)),
-                                                                      self._ttl_ms])
-        if result == 1:
-            return True
-        self._forget(session_id)
-        return False
+        status, holder = self._run("touch", session_id, [lua.ANY_HOLDER, repr(float(now)), self._ttl_ms])
+        if int(status) == 1:
+            self._refresh_index(session_id, holder)
+        return int(status) == 1
 
     def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
-        if verifier_id is not None:  # only if held by verifier_id: the script checks it
-            result = self._call(self._delete, keys=self.keys_of(session_id, verifier_id),
-                                args=[session_id, verifier_id])
-        else:
-            result = self._run_owned(self._delete, session_id, lambda vid: [session_id, vid])
-        if result == 1 or verifier_id is None:
-            self._forget(session_id)
-        return result == 1
+        status, holder = self._run("delete", session_id, [lua.ANY_HOLDER if verifier_id is None else verifier_id])
+        if int(status) == 1:
+            self._index(session_id, remove=holder.decode())
+        return int(status) == 1
 
     def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
-        for refresh in (False, True):
-            old = self._owner_of(session_id, refresh=refresh)
-            if old is None:
-                return False
-            keys = [self.session_key(session_id), self.tokens_key(session_id), self.verifier_key(old),
-                    self.verifier_key(verifier_id)]
-            result = self._call(self._claim, keys=keys,
-                                args=[session_id, old, verifier_id, repr(float(now)), self._ttl_ms])
-            if result == 1:
-                with self._owner_lock:
-                    self._owner[session_id] = verifier_id
-                return True
-            if result == 0:
-                self._forget(session_id)
-                return False
-        return False
+        status, old = self._run("claim", session_id, [lua.ANY_HOLDER, verifier_id, repr(float(now)), self._ttl_ms],
+                                durable=True)
+        if int(status) != 1:
+            return False
+        old = old.decode() if isinstance(old, bytes) else None
+        self._index(session_id, add=verifier_id, remove=old or None)
+        return True
 
     def disown(self, session_id: str, verifier_id: str) -> bool:
-        result = self._call(self._disown, keys=[self.session_key(session_id), self.verifier_key(verifier_id)],
-                            args=[session_id, verifier_id])
-        self._forget(session_id)
-        return result == 1
+        status, _ = self._run("disown", session_id, [verifier_id], tokens=False)
+        if int(status) == 1:
+            self._index(session_id, remove=verifier_id)
+        return int(status) == 1
 
     def session_ids_of(self, verifier_id: str) -> list[str]:
+        """Ids of the live sessions held by ``verifier_id``: the index's members whose record names that
+        holder (one ZRANGE, then one pipelined HGET per member; members found gone or moved are pruned)."""
         key = self.verifier_key(verifier_id)
-        members = [m.decode() for m in self._call(self.client.zrange, key, 0, -1)]
+        members = [m.decode() for m in self._call("index", self.client.zrange, key, 0, -1, key=key)]
         if not members:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for sid in members:
-            pipe.hget(self.session_key(sid), "verifier_id")
-        owners = self._call(pipe.execute)
+        def holders():
+            pipe = self.client.pipeline(transaction=False)
+            for sid in members:
+                pipe.hget(self.session_key(sid), "verifier_id")
+            return pipe.execute()
+
+        owners = self._call("index", holders)
         live = [sid for sid, owner in zip(members, owners) if owner is not None and owner.decode() == verifier_id]
         live_set = set(live)
         gone = [sid for sid in members if sid not in live_set]
         if gone:  # expired sessions (or moved away): prune the set
-            self._call(self.client.zrem, key, *gone)
+            self._call("index", self.client.zrem, key, *gone, key=key)
         return live
 
     def ping(self) -> bool:
+        """True when the store (the master, under Sentinel; every master, on a Cluster) answers. No retry: the
+        health task asks again at its next tick."""
         try:
             return bool(self.client.ping())
         except Exception:  # noqa: BLE001 - any failure means "not answering"

@@ -1,0 +1,212 @@
+"""Which Redis the session store talks to, and how it gets there again after a failover.
+
+``SPECDEC_REDIS_URL`` forms (:func:`parse_redis_url`):
+
+- ``redis://[user:pass@]host:port[/db]``, ``rediss://`` (TLS), ``unix://``: one Redis (standalone), through
+  redis-py's ``Redis.from_url`` (its query options work).
+- ``redis+sentinel://[user:pass@]h1:p1,h2:p2/service_name[/db]`` and ``rediss+sentinel://`` (TLS to the
+  sentinels and to the master): the master of ``service_name`` as the sentinels know it, through
+  ``Sentinel(...).master_for(...)``. The URL's credentials are the master's (the data nodes'); the sentinels'
+  own are settings (``redis_sentinel_username`` / ``redis_sentinel_password``). Port default 26379.
+- ``redis+cluster://[user:pass@]h1:p1,h2:p2`` and ``rediss+cluster://``: a Redis Cluster (``RedisCluster``),
+  any of its nodes as seeds. Port default 6379; a cluster has no databases (no ``/db``).
+
+:class:`StoreCaller` runs every store command: latency per command (``specdec_store_command_seconds``), and for
+Sentinel and Cluster a bounded retry with backoff on a lost connection, a READONLY answer (a demoted master)
+or a cluster still electing, which finds the new master; ``specdec_store_failovers_total`` counts the calls
+that ended on another master than they started with. Every retried write is idempotent (the compare-and-append
+fences on the committed length and answers the same commit again as the first; create answers its own record
+again). A standalone Redis has no other master to find: its errors are answered at once (redis-py's own
+reconnect aside).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import unquote, urlsplit
+
+from cloud_verifier import metrics
+from common.errors import VerifierUnavailableError
+
+STANDALONE, SENTINEL, CLUSTER = "standalone", "sentinel", "cluster"
+_SCHEMES = {"redis": (STANDALONE, False), "rediss": (STANDALONE, True), "unix": (STANDALONE, False),
+            "redis+sentinel": (SENTINEL, False), "rediss+sentinel": (SENTINEL, True),
+            "redis+cluster": (CLUSTER, False), "rediss+cluster": (CLUSTER, True)}
+_DEFAULT_PORT = {SENTINEL: 26379, CLUSTER: 6379}
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed ``SPECDEC_REDIS_URL``: ``kind`` standalone / sentinel / cluster; ``hosts`` (host, port) seeds
+    (sentinels, cluster nodes; empty for standalone, which keeps ``url`` for ``from_url``)."""
+
+    kind: str
+    url: str
+    tls: bool = False
+    hosts: tuple[tuple[str, int], ...] = ()
+    service_name: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def redacted(self) -> str:
+        """The URL with its password replaced by ``***`` (for logs and error messages)."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        user = parts.username or ""
+        return parts._replace(netloc=f"{user}:***@{netloc}").geturl()
+
+    def describe(self) -> str:
+        """One line for the log: the kind and the redacted URL."""
+        return f"Redis {self.kind} at {self.redacted()}"
+
+
+def _bad(url: str, why: str) -> ValueError:
+    safe = RedisTarget(STANDALONE, url).redacted() if "@" in url else url
+    return ValueError(f"bad SPECDEC_REDIS_URL {safe!r}: {why}")
+
+
+def _hosts(url: str, netloc: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    hostlist = netloc.rsplit("@", 1)[-1]
+    if not hostlist:
+        raise _bad(url, "no host (expected h1:p1,h2:p2)")
+    out = []
+    for item in (i.strip() for i in hostlist.split(",")):
+        if item.startswith("["):  # [ipv6]:port
+            host, _, port = item[1:].partition("]")
+            port = port.removeprefix(":") or str(default_port)
+        else:
+            host, sep, port = item.rpartition(":")
+            if not sep:
+                host, port = item, str(default_port)
+        if not host:
+            raise _bad(url, f"empty host in {item!r}")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise _bad(url, f"port {port!r} of {host!r} is not a number in 1..65535")
+        out.append((host, int(port)))
+    return tuple(out)
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Parse a ``SPECDEC_REDIS_URL`` (forms in the module docstring).
+
+    Raises:
+        ValueError: one line naming what is wrong (scheme, host list, port, service name, db); the password is
+            never in the message.
+    """
+    scheme, sep, _rest = url.partition("://")
+    if not sep or scheme.lower() not in _SCHEMES:
+        raise _bad(url, f"scheme {scheme!r} is not one of {', '.join(sorted(_SCHEMES))}")
+    kind, tls = _SCHEMES[scheme.lower()]
+    if kind == STANDALONE:
+        return RedisTarget(kind, url, tls=tls)
+    parts = urlsplit(url)
+    creds = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
+    user, _, password = creds.partition(":")
+    hosts = _hosts(url, parts.netloc, _DEFAULT_PORT[kind])
+    if parts.query or parts.fragment:
+        raise _bad(url, "query options are not supported here: use the SPECDEC_REDIS_* settings")
+    path = [p for p in parts.path.split("/") if p]
+    service, db = None, 0
+    if kind == SENTINEL:
+        if not path:
+            raise _bad(url, "no service name (expected redis+sentinel://h1:p1,h2:p2/service_name[/db])")
+        service, path = unquote(path[0]), path[1:]
+    if len(path) > 1 or (path and not path[0].isdigit()):
+        raise _bad(url, f"database {'/'.join(path)!r} is not a number")
+    db = int(path[0]) if path else 0
+    if kind == CLUSTER and db != 0:
+        raise _bad(url, "a Redis Cluster has only database 0")
+    return RedisTarget(kind, url, tls=tls, hosts=hosts, service_name=service, db=db,
+                       username=unquote(user) or None, password=unquote(password) if creds and ":" in creds else None)
+
+
+def connect(target: RedisTarget, socket_timeout_s: float, *, sentinel_username: str | None = None,
+            sentinel_password: str | None = None, tls_ca_file: str | None = None):
+    """A redis-py client for ``target`` (``Redis``, a Sentinel ``master_for`` client or ``RedisCluster``),
+    bytes in and out. HA clients have redis-py's own retry off: :class:`StoreCaller` retries with a budget."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    common: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+                                  decode_responses=False)
+    if target.kind == STANDALONE:
+        return redis.Redis.from_url(target.url, health_check_interval=30, **common)
+    tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": tls_ca_file} if target.tls else {}
+    auth = {"username": target.username, "password": target.password}
+    if target.kind == SENTINEL:
+        from redis.sentinel import Sentinel
+
+        sentinel_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+                               username=sentinel_username, password=sentinel_password, **tls)
+        sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, **common, **auth, **tls)
+        return sentinel.master_for(target.service_name, db=target.db, retry=Retry(NoBackoff(), 0),
+                                   health_check_interval=30)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], **common, **auth, **tls)
+
+
+def _retryable() -> tuple[type[BaseException], ...]:
+    import redis.exceptions as rex
+
+    return (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.ClusterDownError, rex.TryAgainError,
+            rex.MasterDownError)
+
+
+class StoreCaller:
+    """Runs store commands against ``client``: latency histogram by command, errors as
+    :class:`VerifierUnavailableError`, and for Sentinel/Cluster targets a retry with exponential backoff
+    (``backoff_s`` doubling up to 1 s, with jitter) for at most ``retry_budget_s`` seconds in all."""
+
+    def __init__(self, client, target: RedisTarget, retry_budget_s: float, backoff_s: float = 0.05):
+        import redis.exceptions as rex
+
+        self.client, self.target = client, target
+        self.retry_budget_s = retry_budget_s if target.kind != STANDALONE else 0.0
+        self.backoff_s = backoff_s
+        self._unavailable = (rex.ConnectionError, rex.TimeoutError, *_retryable())
+
+    def master_of(self, key: str | None) -> str | None:
+        """Where the write for ``key`` goes, from the client's local view (no round trip): the Sentinel pool's
+        master address, the cluster node serving the key's slot; None for standalone."""
+        try:
+            if self.target.kind == SENTINEL:
+                addr = self.client.connection_pool.master_address
+                return None if addr is None else f"{addr[0]}:{addr[1]}"
+            if self.target.kind == CLUSTER and key is not None:
+                return self.client.get_node_from_key(key).name
+        except Exception:  # noqa: BLE001 - a view being rebuilt: unknown
+            return None
+        return None
+
+    def __call__(self, command: str, fn: Callable, *args, key: str | None = None, **kwargs):
+        """``fn(*args, **kwargs)``, timed as ``command``; ``key``: a key the command touches (which master).
+
+        Raises:
+            VerifierUnavailableError: the store did not answer within the retry budget (gRPC UNAVAILABLE).
+        """
+        start = time.monotonic()
+        deadline = start + self.retry_budget_s
+        delay, first = self.backoff_s, self.master_of(key)
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except self._unavailable as e:
+                if time.monotonic() + delay > deadline:
+                    metrics.STORE_ERRORS.labels(command=command).inc()
+                    raise VerifierUnavailableError(
+                        f"session store unreachable ({self.target.describe()}): {type(e).__name__}: {e}") from e
+                time.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(1.0, delay * 2)
+                continue
+            metrics.STORE_LATENCY.labels(command=command).observe(time.monotonic() - start)
+            if first is not None and self.master_of(key) not in (None, first):
+                metrics.STORE_FAILOVERS.inc()  # the write went to another master than before the call
+            return result
