@@ -1,0 +1,29 @@
+"""The ``--replay`` report as a table."""
+
+from __future__ import annotations
+
+
+def print_replay_report(report: dict, console) -> None:
+    """The ``--replay`` report as a rich table (``specdec bench --replay`` without ``--json``)."""
+    from rich.table import Table
+
+    from ..report import _fmt
+
+    t = Table(title="Verifier under load: recorded blocks replayed by one asyncio process "
+                    "(verifier in its own process)")
+    for col in ("N", "tok/s", "serial tok/s", "speedup vs serial", "kernel limit", "kernel limit w/ prefill",
+                "mean batch", "p50 ms", "p99 ms", "errors", "mismatches", "sessions done", "KV after",
+                "RSS idle→after"):
+        t.add_column(col, justify="right")
+    for n, m in report["replay"].items():
+        mem = m.get("memory") or {}
+        idle, after = mem.get("idle") or {}, mem.get("after") or {}
+        rss = (f"{(idle.get('rss_bytes') or 0) / 2**20:.0f}→{(after.get('rss_bytes') or 0) / 2**20:.0f} MiB"
+               if idle.get("rss_bytes") else "—")
+        t.add_row(n, _fmt(m["tokens_per_s"], ".1f"), _fmt((m.get("serial") or {}).get("tokens_per_s"), ".1f"),
+                  _fmt(m["speedup_vs_serial"]), _fmt(m["kernel_limit_speedup"]),
+                  _fmt(m["kernel"]["prefill_share"]["kernel_limit_speedup_with_prefill"]),
+                  _fmt(m["mean_batch_size"]), _fmt(m["verify_latency_ms"]["p50"], ".1f"),
+                  _fmt(m["verify_latency_ms"]["p99"], ".1f"), str(m["errors"]), str(m["mismatches"]),
+                  str(m["sessions_completed"]), _fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
+    console.print(t)

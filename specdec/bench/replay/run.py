@@ -1,0 +1,350 @@
+"""Measuring: the whole ``--replay`` run (recording, verifier processes pinned apart from the load generator, and
+for each N the kernel limit, the batched and the serial replay, the verifier's memory) and its report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .._shared import _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config, _versions
+from ..prompts import load_prompts
+from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
+from .kernel import _prefill_share, measure_kernel_limit
+from .memory import (
+    RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, _poll_peak, _proc_cpu_s, _rss_back, _settled_memory, verifier_memory,
+)
+from .recording import Recording, load_or_record
+from .sessions import _tally_metrics, replay_sessions
+
+REPLAY_DEFAULT_LIMIT = 16  # prompts recorded when no limit is given (round-robin across categories)
+REPLAY_DEFAULT_DURATION_S = 20.0
+REPLAY_WARMUP_S = 3.0  # untimed replay on each verifier process before its first timed run
+# Sessions driving the one-block-per-forward verifier: its throughput does not depend on N (one block per
+# forward pass whatever is queued), two keep it busy during round trips, and a small N reaches steady state
+# at once (N sessions opening together put N prefills in its FIFO queue before any block).
+SERIAL_CLIENTS = 2
+REPLAY_NOTES = [  # how to read the report (its "notes")
+    "tokens_per_s = committed tokens of the verdicts received inside the window / the window (sessions open, "
+    "prefill and close included); the window starts once every session slot has had its first verdict "
+    "(ramp_s: the initial burst of N prefills); speedup_vs_serial = tokens_per_s / that of the same verifier "
+    f"process type with max_batch_size=1 driven by min(N, {SERIAL_CLIENTS}) sessions over the same window "
+    "(one block per forward pass whatever is queued: its throughput does not depend on N)",
+    "kernel_limit_speedup = time of N single-row target forwards of γ+1 tokens / one N-row forward over the "
+    "same contexts, measured in this process on the verifier's cores with its thread count while both "
+    "verifiers are idle; it leaves out prefill, which does not batch (see kernel.prefill_share)",
+    "each verdict is compared with the recorded one (num_accepted, next_token_id, committed_length, "
+    "finished): a difference is a mismatch and abandons the session",
+]
+
+
+def _core_plan(pin: bool, notes: list[str]) -> tuple[set[int] | None, set[int] | None]:
+    """(load generator cores, verifier cores): the first allowed core, and the rest; (None, None) unpinned."""
+    if not pin:
+        notes.append("CPU pinning off: the load generator and the verifier share every core")
+        return None, None
+    if not hasattr(os, "sched_getaffinity"):
+        notes.append("CPU pinning unavailable on this platform: load generator and verifier NOT pinned")
+        return None, None
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        notes.append(f"only {len(allowed)} core allowed: load generator and verifier NOT pinned apart")
+        return None, None
+    return {allowed[0]}, set(allowed[1:])
+
+
+def _check_replay_args(client_counts, duration_s: float, max_new_tokens: int, num_speculative_tokens: int,
+                       max_batch_size: int) -> list[int]:
+    from common.errors import InvalidRequestError
+
+    counts = list(dict.fromkeys(int(c) for c in client_counts))
+    if not counts or min(counts) < 1:
+        raise InvalidRequestError(f"client counts must be >= 1, got {client_counts}")
+    if not duration_s > 0:
+        raise InvalidRequestError(f"--duration-s must be > 0, got {duration_s}")
+    if max_new_tokens < 1 or num_speculative_tokens < 1 or max_batch_size < 1:
+        raise InvalidRequestError("max_new_tokens, num_speculative_tokens and max_batch_size must be >= 1")
+    return counts
+
+
+def run_replay_bench(
+    prompts: Path,
+    client_counts: list[int],
+    *,
+    duration_s: float = REPLAY_DEFAULT_DURATION_S,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    num_speculative_tokens: int = 4,
+    target: Path | None = None,
+    draft: Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_batch_size: int | None = None,
+    warmup_s: float = REPLAY_WARMUP_S,
+    serial: bool = True,
+    pin: bool = True,
+    cache_dir: Path | None = None,
+    progress: bool = False,
+    startup_timeout_s: float = VERIFIER_STARTUP_TIMEOUT_S,
+) -> dict:
+    """Replay recorded draft blocks from N concurrent sessions against a verifier process (package docstring).
+
+    Returns ``{"replay": {"N": {"tokens_per_s", "speedup_vs_serial", "kernel_limit_speedup", "mean_batch_size",
+    "verify_latency_ms": {"p50", "p99"}, "errors", "mismatches", "sessions_completed", "serial": {...},
+    "kernel": {...}, "memory": {...}, ...}}, "recording": {...}, "config": {...}, "notes": [...]}``.
+    ``serial=False`` skips the one-block-per-forward verifier (no ``speedup_vs_serial``). ``device``/``dtype``:
+    the target's (verifiers, recording, kernel limit); None = :func:`~specdec.bench._shared.target_placement`'s.
+    """
+    from cloud_verifier.target import TargetRunner
+
+    counts = _check_replay_args(client_counts, duration_s, max_new_tokens, num_speculative_tokens,
+                                max_batch_size or 1)
+    if max_batch_size is None:  # the batched verifier can take every session's block into one pass (kernel limit)
+        max_batch_size = max(32, max(counts))
+    notes: list[str] = []
+    if limit is None:
+        limit = REPLAY_DEFAULT_LIMIT
+        notes.append(f"no --limit: {limit} prompts (round-robin across categories), recorded once and cached")
+    questions = load_prompts(prompts, limit)
+    target_dir, draft_dir = _resolve_dirs(target, draft)
+    dev, dt, dtype_name = _resolve_placement(device, dtype)
+    t0 = time.perf_counter()
+    runner_box: list = []
+
+    def runner_factory():
+        if not runner_box:
+            runner_box.append(TargetRunner(target_dir, device=str(dev), dtype=dt))
+        return runner_box[0]
+
+    rec = load_or_record(prompts, questions, limit, target_dir, draft_dir, runner_factory,
+                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+                         device=str(dev), dtype=dtype_name, cache_dir=cache_dir, progress=progress)
+    runner = runner_factory()
+    lg_cores, v_cores = _core_plan(pin, notes)
+    v_threads = len(v_cores) if v_cores else max(1, (os.cpu_count() or 2) // 2)
+    batched_proc, serial_proc = _verifier_processes(
+        target_dir, str(dev), dtype_name, max_batch_size, max(256, 2 * max(counts)), serial=serial, v_cores=v_cores,
+        v_threads=v_threads, startup_timeout_s=startup_timeout_s)
+    report, exit_status = _run_counts(
+        counts, rec, runner, batched_proc, serial_proc, duration_s=duration_s, warmup_s=warmup_s, lg_cores=lg_cores,
+        v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, progress=progress)
+    config = _replay_config(
+        prompts, limit, rec, duration_s=duration_s, warmup_s=warmup_s, max_new_tokens=max_new_tokens,
+        num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size, device=str(dev),
+        dtype=dtype_name, lg_cores=lg_cores, v_cores=v_cores, v_threads=v_threads,
+        pinned_with=batched_proc.pinned_with, exit_status=exit_status, target_dir=target_dir, draft_dir=draft_dir,
+        run_s=round(time.perf_counter() - t0, 2))
+    return {"replay": report, "recording": _recording_summary(rec), "config": config, "notes": notes + REPLAY_NOTES}
+
+
+def _verifier_processes(target_dir: Path, device: str, dtype: str, max_batch_size: int, max_sessions: int, *,
+                        serial: bool, v_cores, v_threads: int, startup_timeout_s: float):
+    """(batched verifier, one-block-per-forward verifier or None), not started, both on the verifier cores."""
+    env = {"SPECDEC_DEVICE": device, "SPECDEC_DTYPE": dtype, "SPECDEC_MAX_BATCH_SIZE": str(max_batch_size),
+           "SPECDEC_MAX_SESSIONS": str(max_sessions)}
+    batched_proc = _VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True, env=env,
+                                    torch_threads=v_threads)
+    serial_proc = (_VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True,
+                                    env={**env, "SPECDEC_MAX_BATCH_SIZE": "1"}, torch_threads=v_threads)
+                   if serial else None)
+    return batched_proc, serial_proc
+
+
+def _replay_config(prompts: Path, limit: int, rec: Recording, *, duration_s: float, warmup_s: float,
+                   max_new_tokens: int, num_speculative_tokens: int, max_batch_size: int, device: str, dtype: str,
+                   lg_cores, v_cores, v_threads: int, pinned_with, exit_status: dict, target_dir: Path,
+                   draft_dir: Path, run_s: float) -> dict:
+    return {
+        "prompts": str(Path(prompts).expanduser()),
+        "limit": limit,
+        "num_prompts": len(rec.prompts),
+        "duration_s": duration_s,
+        "warmup_s": warmup_s,
+        "max_new_tokens": max_new_tokens,
+        "num_speculative_tokens": num_speculative_tokens,
+        "max_batch_size": max_batch_size,
+        "device": device,
+        "dtype": dtype,
+        "decoding": "greedy",
+        "transport": "grpc.aio on loopback: one channel and one Verify stream per session slot, one asyncio process",
+        "load_generator_cores": sorted(lg_cores) if lg_cores else None,
+        "verifier_cores": sorted(v_cores) if v_cores else None,
+        "verifier_torch_threads": v_threads,
+        "verifier_pinned_with": pinned_with,
+        "verifier_exit_status": exit_status,
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "cpu_count": os.cpu_count(),
+        "threading": _threading_config(),
+        "versions": _versions(),
+        "run_s": run_s,
+    }
+
+
+def _resolve_placement(device: str | None, dtype: str | None):
+    """(torch device, torch dtype, dtype name) of the target: the arguments, else the bench's placement."""
+    from cloud_verifier.target import resolve_device, resolve_dtype
+
+    placement = _target_placement()
+    dev = resolve_device(device or placement["device"])
+    dt = resolve_dtype(dtype or placement["dtype"], dev)
+    return dev, dt, str(dt).replace("torch.", "")
+
+
+def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _VerifierProcess,
+                serial_proc: _VerifierProcess | None, *, duration_s: float, warmup_s: float, lg_cores, v_cores,
+                v_threads: int, num_speculative_tokens: int, progress: bool) -> tuple[dict, dict]:
+    """(report per N, exit status of each verifier process): this process on the load generator's cores, the
+    verifiers started and warmed up, each N measured, then the verifiers stopped and this process restored."""
+    import torch
+
+    from ..edge_cloud import _set_process_affinity
+
+    saved_affinity = os.sched_getaffinity(0) if lg_cores else None
+    saved_threads = torch.get_num_threads()
+    report: dict[str, dict] = {}
+    bar = None
+    try:
+        if lg_cores:
+            _set_process_affinity(lg_cores)
+        procs = [p for p in (batched_proc, serial_proc) if p is not None]
+        for p in procs:
+            p.start()
+        for p in procs:  # untimed: first forward passes, allocator growth, channels
+            asyncio.run(replay_sessions(p.address, rec.prompts, min(4, max(counts)), warmup_s,
+                                        max_new_tokens=rec.max_new_tokens,
+                                        tokenizer_fingerprint=rec.tokenizer_fingerprint))
+        bar = _progress_bar(progress, len(counts), "replay", "N")
+        for i, n in enumerate(counts):
+            report[str(n)] = _measure_n(
+                n, i, rec, runner, batched_proc, serial_proc, duration_s=duration_s, lg_cores=lg_cores,
+                v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens,
+            )
+            torch.set_num_threads(saved_threads)
+            if bar is not None:
+                bar.set_postfix_str(f"N={n} {report[str(n)]['tokens_per_s'] or 0:.1f} tok/s", refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        exit_status = {}
+        for name, p in (("batched", batched_proc), ("serial", serial_proc)):
+            if p is not None:
+                with contextlib.suppress(Exception):
+                    exit_status[name] = p.stop()
+                p.remove_log()
+        if saved_affinity is not None:
+            _set_process_affinity(saved_affinity)
+        torch.set_num_threads(saved_threads)
+    return report, exit_status
+
+
+def _recording_summary(rec: Recording) -> dict:
+    return {
+        "path": str(rec.path),
+        "cached": rec.cached,
+        "record_s": round(rec.record_s, 2),
+        "num_prompts": len(rec.prompts),
+        "num_blocks": rec.num_steps,
+        "num_output_tokens": sum(len(p.output_token_ids) for p in rec.prompts),
+        "mean_prompt_tokens": round(sum(len(p.prompt_token_ids) for p in rec.prompts) / len(rec.prompts), 1),
+        "mean_accepted_length": _ratio(sum(len(p.output_token_ids) for p in rec.prompts), rec.num_steps),
+    }
+
+
+def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _VerifierProcess,
+               serial_proc: _VerifierProcess | None, *, duration_s: float, lg_cores, v_cores, v_threads: int,
+               num_speculative_tokens: int) -> dict:
+    """Kernel limit, then the batched and the serial replay (order alternating with ``index``), for one N."""
+    import torch
+
+    from ..edge_cloud import _set_process_affinity
+
+    if v_cores:
+        _set_process_affinity(v_cores)
+    torch.set_num_threads(v_threads)
+    try:
+        kernel = measure_kernel_limit(runner, rec.prompts, n, num_speculative_tokens)
+    finally:
+        if lg_cores:
+            _set_process_affinity(lg_cores)
+    kernel["prefill_share"] = _prefill_share(runner, rec, kernel, v_cores, lg_cores, v_threads)
+    order = ["batched", "serial"] if index % 2 == 0 else ["serial", "batched"]
+    out: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    for mode in order:
+        if mode == "serial" and serial_proc is None:
+            continue
+        proc = batched_proc if mode == "batched" else serial_proc
+        clients = n if mode == "batched" else min(n, SERIAL_CLIENTS)
+        out[mode], idle, peak, after = _replay_mode(proc, rec, clients, duration_s)
+        if mode == "batched":
+            memory = {
+                "idle": idle, "peak": peak, "after": after,
+                "kv_back_to_idle": after["kv_cache_used_bytes"] == idle["kv_cache_used_bytes"],
+                "rss_back_to_idle": _rss_back(idle["rss_bytes"], after["rss_bytes"]),
+                "rss_tolerance": f"{RSS_IDLE_TOLERANCE:.0%} of idle or {RSS_IDLE_TOLERANCE_BYTES >> 20} MiB",
+            }
+    return _entry(out, kernel, memory)
+
+
+def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_s: float):
+    """One timed replay by ``clients`` sessions against ``proc``: (its metrics, the verifier's memory idle before,
+    at its peak during, settled after)."""
+    idle = verifier_memory(proc)
+    peak: dict = {}
+    cpu: dict[str, float | None] = {}
+    pid = proc.proc.pid if proc.proc is not None else None
+
+    async def run():
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_peak(proc, peak, stop))
+        try:
+            return await replay_sessions(proc.address, rec.prompts, clients, duration_s,
+                                         max_new_tokens=rec.max_new_tokens,
+                                         tokenizer_fingerprint=rec.tokenizer_fingerprint,
+                                         on_window=lambda what: cpu.__setitem__(what, _proc_cpu_s(pid)))
+        finally:
+            stop.set()
+            await poller
+
+    tally = asyncio.run(run())
+    after = _settled_memory(proc, idle["rss_bytes"])
+    metrics = {"clients": clients, **_tally_metrics(tally)}
+    cpu_s = (cpu["end"] - cpu["start"]) if cpu.get("end") is not None and cpu.get("start") is not None else None
+    metrics["verifier_cpu_s"] = round(cpu_s, 2) if cpu_s is not None else None
+    metrics["tokens_per_verifier_cpu_s"] = _ratio(tally.tokens, cpu_s or 0)
+    return metrics, idle, peak, after
+
+
+def _entry(out: dict, kernel: dict, memory: dict) -> dict:
+    """The report of one N: the batched replay's metrics, the speedups over the serial one and the fractions of
+    the kernel limit they reach."""
+    batched = out["batched"]
+    entry = {
+        "tokens_per_s": batched["tokens_per_s"],
+        "speedup_vs_serial": (_ratio(batched["tokens_per_s"] or 0, out["serial"]["tokens_per_s"] or 0)
+                              if "serial" in out else None),
+        "kernel_limit_speedup": kernel["speedup"],
+        **{k: v for k, v in batched.items() if k != "tokens_per_s"},
+        "kernel": kernel,
+        "memory": memory,
+    }
+    if "serial" in out:
+        entry["serial"] = out["serial"]
+        if entry["speedup_vs_serial"] and kernel["speedup"]:
+            entry["fraction_of_kernel_limit"] = round(entry["speedup_vs_serial"] / kernel["speedup"], 3)
+        # the same ratios per CPU second of the verifier (kernel: of this process): what other jobs on a shared
+        # machine take from the verifier's core drops out
+        cpu_speedup = _ratio(batched["tokens_per_verifier_cpu_s"] or 0,
+                             out["serial"]["tokens_per_verifier_cpu_s"] or 0)
+        entry["speedup_vs_serial_cpu"] = cpu_speedup
+        if cpu_speedup and kernel.get("speedup_cpu"):
+            entry["fraction_of_kernel_limit_cpu"] = round(cpu_speedup / kernel["speedup_cpu"], 3)
+        with_prefill = kernel["prefill_share"]["kernel_limit_speedup_with_prefill"]
+        if cpu_speedup and with_prefill:
+            entry["fraction_of_kernel_limit_with_prefill_cpu"] = round(cpu_speedup / with_prefill, 3)
+    return entry

@@ -1,0 +1,255 @@
+"""Replaying: N concurrent sessions of one asyncio process send recorded blocks to a verifier over gRPC, each
+verdict checked against the recorded one, verdicts counted inside a measured window."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from .._shared import _ratio
+from .recording import RecordedPrompt
+
+
+@dataclass
+class ReplayTally:
+    """What N replayed sessions saw (verdicts counted when received inside the window)."""
+
+    tokens: int = 0
+    verdicts: int = 0
+    batch_size_sum: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    mismatches: int = 0
+    sessions_started: int = 0
+    sessions_completed: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    mismatch_samples: list[dict] = field(default_factory=list)
+    window_s: float = 0.0
+    ramp_s: float = 0.0  # from the start to the window: until every session slot had its first verdict
+    ramp_timed_out: bool = False  # the window started after ramp_timeout_s, some slot still without a verdict
+    drain_s: float = 0.0  # from the end of the window to the last session closed
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(what[:300])
+
+
+def _rpc_error_text(e: BaseException) -> str:
+    code = getattr(e, "code", None)
+    details = getattr(e, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return f"{type(e).__name__}: {e}"
+
+
+async def replay_sessions(address: str, prompts: list[RecordedPrompt], n: int, duration_s: float, *,
+                          max_new_tokens: int, tokenizer_fingerprint: str = "", ramp_timeout_s: float = 300.0,
+                          open_timeout_s: float = 300.0, verify_timeout_s: float = 60.0,
+                          on_window=None) -> ReplayTally:
+    """N concurrent sessions replaying recorded blocks against the verifier at ``address`` (see the module
+    docstring); every session asks for the recording's ``max_new_tokens`` (the recorded finish states depend
+    on it). All N sessions open at once; the measured window of ``duration_s`` s starts when every slot has had
+    its first verdict (the initial burst of N prefills is not steady state), or after ``ramp_timeout_s`` s.
+    Errors and mismatches count from the start. Must run on an asyncio loop; returns when every session is
+    closed. Deadlines are the SDK's defaults (GrpcBackend's OpenSession 300 s, EdgeClient's verify step 60 s):
+    a session past one counts as an error. ``on_window``: called with "start" when the window opens and "end"
+    when it closes (e.g. to read the verifier's CPU time)."""
+    run = _Replay(address, prompts, n, duration_s, max_new_tokens=max_new_tokens,
+                  tokenizer_fingerprint=tokenizer_fingerprint, open_timeout_s=open_timeout_s,
+                  verify_timeout_s=verify_timeout_s, on_window=on_window)
+    watchdog = asyncio.create_task(run.ramp_watchdog(ramp_timeout_s))
+    try:
+        results = await asyncio.gather(*(_Slot(run).run() for _ in range(n)), return_exceptions=True)
+    finally:
+        watchdog.cancel()
+    tally = run.tally
+    for r in results:
+        if isinstance(r, BaseException):
+            tally.error(f"session slot failed: {type(r).__name__}: {r}")
+    end = run.loop.time()
+    tally.window_s = duration_s if run.start is not None else 0.0
+    tally.drain_s = max(0.0, end - run.end) if run.start is not None else 0.0
+    return tally
+
+
+class _Replay:
+    """What the N session slots share: the tally, the measured window, the next recorded prompt to open."""
+
+    def __init__(self, address: str, prompts: list[RecordedPrompt], n: int, duration_s: float, *,
+                 max_new_tokens: int, tokenizer_fingerprint: str, open_timeout_s: float, verify_timeout_s: float,
+                 on_window):
+        self.address, self.prompts, self.n, self.duration_s = address, prompts, n, duration_s
+        self.max_new_tokens, self.tokenizer_fingerprint = max_new_tokens, tokenizer_fingerprint
+        self.open_timeout_s, self.verify_timeout_s, self.on_window = open_timeout_s, verify_timeout_s, on_window
+        self.loop = asyncio.get_running_loop()
+        self.tally = ReplayTally()
+        self.next_index = 0
+        self.t_start = self.loop.time()
+        self.start: float | None = None  # the window, once every slot has had its first verdict
+        self.end = float("inf")
+        self.ready = 0  # slots that have had their first verdict
+
+    def open_window(self, timed_out: bool = False) -> None:
+        if self.start is None:
+            self.start = self.loop.time()
+            self.end = self.start + self.duration_s
+            self.tally.ramp_s = self.start - self.t_start
+            self.tally.ramp_timed_out = timed_out
+            if self.on_window is not None:
+                self.on_window("start")
+                self.loop.call_later(self.duration_s, self.on_window, "end")
+
+    async def ramp_watchdog(self, ramp_timeout_s: float) -> None:
+        await asyncio.sleep(ramp_timeout_s)
+        self.open_window(timed_out=True)
+
+    def next_prompt(self) -> RecordedPrompt:
+        i = self.next_index
+        self.next_index += 1
+        return self.prompts[i % len(self.prompts)]
+
+    def first_verdict(self) -> None:
+        self.ready += 1
+        if self.ready == self.n:
+            self.open_window()
+
+    def in_window(self) -> bool:
+        return self.start is not None and self.loop.time() <= self.end
+
+
+class _Slot:
+    """One session slot: its channel and Verify stream; sessions one after the other until the window ends."""
+
+    def __init__(self, replay: _Replay):
+        self.r = replay
+        self.stub = None
+        self.call = None  # the Verify stream, kept across sessions (a new one after an error)
+        self.had_verdict = False
+
+    async def run(self) -> None:
+        import grpc
+
+        from edge_client.grpc_backend import CHANNEL_OPTIONS
+        from specdec.v1 import verifier_pb2_grpc as pb_grpc
+
+        channel = grpc.aio.insecure_channel(self.r.address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.VerifierStub(channel)
+        try:
+            while self.r.loop.time() < self.r.end:
+                await self._session(self.r.next_prompt())
+        finally:
+            if self.call is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.call.done_writing(), 5.0)
+                    await asyncio.wait_for(self.call.read(), 5.0)  # EOF: the server ended the stream
+                self.call.cancel()
+            await channel.close()
+
+    async def _session(self, p: RecordedPrompt) -> None:
+        """Open a session for ``p``, replay its blocks, close it; errors are counted, not raised."""
+        import grpc
+
+        from common.types import SamplingParams, StoppingCriteria
+        from common.wire import open_request_to_proto
+        from specdec.v1 import verifier_pb2 as pb
+
+        r, tally = self.r, self.r.tally
+        request = open_request_to_proto(p.prompt_token_ids, SamplingParams(),
+                                        StoppingCriteria(max_new_tokens=r.max_new_tokens), r.tokenizer_fingerprint)
+        try:
+            opened = await self.stub.OpenSession(request, timeout=r.open_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            tally.error(f"OpenSession: {_rpc_error_text(e)}")
+            await asyncio.sleep(0.05)
+            return
+        tally.sessions_started += 1
+        sid = opened.session_id
+        opened_ok = opened.committed_length == len(p.prompt_token_ids)
+        if not opened_ok:
+            tally.error(f"OpenSession: committed_length {opened.committed_length} != prompt length "
+                        f"{len(p.prompt_token_ids)}")
+        try:
+            if opened_ok and await self._steps(p, sid) and r.start is not None:
+                tally.sessions_completed += 1
+        except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as e:
+            tally.error(f"Verify: {_rpc_error_text(e)}")
+            if self.call is not None:
+                self.call.cancel()
+            self.call = None
+        finally:
+            try:
+                await self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=r.verify_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                tally.error(f"CloseSession: {_rpc_error_text(e)}")
+
+    async def _steps(self, p: RecordedPrompt, sid: str) -> bool:
+        """Send the recorded blocks one verdict after the other; True when all were sent and matched, False when
+        the window ended first or a verdict differs from the recorded one (a mismatch)."""
+        import grpc
+
+        from specdec.v1 import verifier_pb2 as pb
+
+        r, tally = self.r, self.r.tally
+        for step in p.steps:
+            if r.loop.time() >= r.end:
+                return False
+            if self.call is None:
+                self.call = self.stub.Verify()
+            msg = pb.DraftBlock(session_id=sid, seq=step.seq, committed_length=step.committed_length,
+                                draft_token_ids=step.draft_token_ids)
+            t0 = time.perf_counter()
+            v = await asyncio.wait_for(_exchange(self.call, msg), r.verify_timeout_s)
+            t1 = time.perf_counter()
+            if v is grpc.aio.EOF:
+                raise RuntimeError("the Verify stream ended without a verdict")
+            if not self.had_verdict:
+                self.had_verdict = True
+                r.first_verdict()
+            elif r.in_window():
+                tally.verdicts += 1
+                tally.tokens += v.committed_length - step.committed_length
+                tally.batch_size_sum += v.batch_size
+                tally.latencies_s.append(t1 - t0)
+            got = (v.num_accepted, v.next_token_id, v.committed_length, v.finished)
+            if got != step.expected() or v.seq != step.seq:
+                tally.mismatches += 1
+                if len(tally.mismatch_samples) < 5:
+                    tally.mismatch_samples.append({"question_id": p.question_id, "seq": step.seq,
+                                                   "expected": list(step.expected()), "got": list(got)})
+                return False
+        return True
+
+
+async def _exchange(call, msg):
+    """Send one block on the Verify stream and read its verdict."""
+    await call.write(msg)
+    return await call.read()
+
+
+def _tally_metrics(t: ReplayTally) -> dict:
+    import numpy as np
+
+    lat = np.array(t.latencies_s) * 1000 if t.latencies_s else None
+    return {
+        "tokens_per_s": _ratio(t.tokens, t.window_s),
+        "mean_batch_size": _ratio(t.batch_size_sum, t.verdicts),
+        "verify_latency_ms": {
+            "p50": round(float(np.percentile(lat, 50)), 2) if lat is not None else None,
+            "p99": round(float(np.percentile(lat, 99)), 2) if lat is not None else None,
+        },
+        "errors": t.errors,
+        "mismatches": t.mismatches,
+        "sessions_started": t.sessions_started,
+        "sessions_completed": t.sessions_completed,
+        "num_tokens": t.tokens,
+        "num_verdicts": t.verdicts,
+        "window_s": t.window_s,
+        "ramp_s": round(t.ramp_s, 2),
+        **({"ramp_timed_out": True} if t.ramp_timed_out else {}),
+        "drain_s": round(t.drain_s, 2),
+        **({"error_samples": t.error_samples} if t.error_samples else {}),
+        **({"mismatch_samples": t.mismatch_samples} if t.mismatch_samples else {}),
+    }
