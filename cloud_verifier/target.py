@@ -21,7 +21,6 @@ and backs the fast path in tests.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,19 +303,3 @@ class TargetRunner:
             return self.model(input_ids=ids).logits[0].float().cpu().numpy()
         finally:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-
-
-def time_forward(runner: TargetRunner, num_tokens: int, past_tokens: int = 100, repeats: int = 5) -> float:
-    """Median wall time of a single-row forward of ``num_tokens`` tokens after ``past_tokens``, ms (benchmarks)."""
-    kv = runner.allocate(past_tokens + num_tokens)
-    try:
-        ids = [1] * (past_tokens + num_tokens)
-        runner.forward([ForwardRow(kv, ids[:past_tokens], 0, "none")]) if past_tokens else None
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            runner.forward([ForwardRow(kv, ids[past_tokens:], past_tokens, "all")])
-            times.append((time.perf_counter() - t) * 1000)
-        return float(np.median(times))
-    finally:
-        runner.free(kv)

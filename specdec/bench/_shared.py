@@ -208,5 +208,27 @@ def _time_draft_forward(model, past_tokens: int = 100, repeats: int = 9) -> floa
         model.reset()
 
 
+def time_forward(runner, num_tokens: int, past_tokens: int = 100, repeats: int = 5) -> float:
+    """Median wall time of a single-row forward of the target (:class:`cloud_verifier.target.TargetRunner`) of
+    ``num_tokens`` tokens after ``past_tokens`` cached tokens, ms."""
+    import numpy as np
+
+    from cloud_verifier.target import ForwardRow
+
+    kv = runner.allocate(past_tokens + num_tokens)
+    try:
+        ids = [1] * (past_tokens + num_tokens)
+        if past_tokens:
+            runner.forward([ForwardRow(kv, ids[:past_tokens], 0, "none")])
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            runner.forward([ForwardRow(kv, ids[past_tokens:], past_tokens, "all")])
+            times.append((time.perf_counter() - t) * 1000)
+        return float(np.median(times))
+    finally:
+        runner.free(kv)
+
+
 def _categories_of(results: list[_PromptResult]) -> list[str]:
     return list(dict.fromkeys(r.prompt.category for r in results))

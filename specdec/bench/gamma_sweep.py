@@ -24,6 +24,7 @@ from ._shared import (
     _threading_config,
     _time_draft_forward,
     _versions,
+    time_forward,
 )
 from .prompts import load_prompts
 from common.types import DEFAULT_DRAFT_TOP_K
@@ -140,9 +141,9 @@ def run_gamma_sweep(
     """γ sweep, greedy, in one process sharing ONE target (TargetRunner/Verifier behind the in-process
     LocalBackend): per prompt, interleaved (the order rotates from prompt to prompt), target-only decoding,
     fixed γ for each γ in ``gammas`` (no confidence truncation, no proactive drafting), and adaptive γ
-    (``EdgeClient(adaptive=True, num_speculative_tokens=adaptive_max_num_speculative_tokens or max(gammas))``) with confidence
-    truncation at ``min_confidence`` ("adaptive") and without ("adaptive_no_truncation"). One ModelDrafter
-    serves every variant; its draft KV cache is reset before each generation so each pays the same draft
+    (``EdgeClient(adaptive=True, num_speculative_tokens=adaptive_max_num_speculative_tokens or max(gammas))``)
+    with confidence truncation at ``min_confidence`` ("adaptive") and without ("adaptive_no_truncation"). One
+    ModelDrafter serves every variant; its draft KV cache is reset before each generation so each pays the same draft
     prefill.
 
     Returns ``{"gamma_sweep": {"1": M, ..., "adaptive": M, "adaptive_no_truncation": M}, "target_only":
@@ -242,7 +243,8 @@ def _check_sweep_args(gammas: list[int], max_new_tokens: int, min_confidence: fl
         raise InvalidRequestError(f"--min-confidence must be in [0, 1), got {min_confidence}")
     amax = int(adaptive_max_num_speculative_tokens or max(gammas))
     if amax < 1:
-        raise InvalidRequestError(f"adaptive_max_num_speculative_tokens must be >= 1, got {adaptive_max_num_speculative_tokens}")
+        raise InvalidRequestError(
+            f"adaptive_max_num_speculative_tokens must be >= 1, got {adaptive_max_num_speculative_tokens}")
     if plot is not None:
         _check_plot_available()
     return gammas, amax
@@ -330,8 +332,6 @@ class _SweepRig:
 
     def microbench(self) -> tuple[float, float]:
         """(target, draft) one-token forward ms after 100 cached tokens, medians of 9."""
-        from cloud_verifier.target import time_forward
-
         fwd1 = time_forward(self.runner, 1, past_tokens=100, repeats=9)
         draft_fwd1 = _time_draft_forward(self.draft_model, past_tokens=100, repeats=9)
         self.drafter.reset()

@@ -24,6 +24,7 @@ from ._shared import (
     _sample_of,
     _threading_config,
     _versions,
+    time_forward,
 )
 from .hf_assisted import HF_DRAFT_MODES, _generate_hf_assisted, _load_hf_models
 from .prompts import load_prompts
@@ -164,10 +165,24 @@ def run_bench(
         notes.append("sampled: outputs are not compared token by token; sampled_reproducibility re-runs the first "
                      "prompts with the same seed (null without --seed)")
     predicted = _predicted_speedup(overall, gamma_eff, fwd1, fwd_block, notes)
-    config = {
+    config = _bench_config(
+        prompts, limit, len(results), sampling, max_new_tokens=max_new_tokens,
+        num_speculative_tokens=num_speculative_tokens, gamma_eff=gamma_eff, target_dir=target_dir,
+        draft_dir=draft_dir, rig_config=rig.config(hf_assisted, hf_draft), setup_s=setup_s, run_s=run_s,
+        predicted=predicted)
+    sampled = {} if sampling.greedy else {"sampled_reproducibility": reproducibility}
+    return {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
+            "notes": notes, **sampled}
+
+
+def _bench_config(prompts: Path, limit: int | None, num_prompts: int, sampling: Any, *, max_new_tokens: int,
+                  num_speculative_tokens: int, gamma_eff: int, target_dir: Path, draft_dir: Path, rig_config: dict,
+                  setup_s: float, run_s: float, predicted: Any) -> dict:
+    """The report's ``config``: what was run, on what, and how long it took."""
+    return {
         "prompts": str(Path(prompts).expanduser()),
         "limit": limit,
-        "num_prompts": len(results),
+        "num_prompts": num_prompts,
         "selection": "round-robin across categories" if limit is not None else "all, file order",
         "turn": "first turn of each question, chat template",
         "max_new_tokens": max_new_tokens,
@@ -178,7 +193,7 @@ def run_bench(
                      "seed": sampling.seed},
         "target": str(target_dir),
         "draft": str(draft_dir),
-        **rig.config(hf_assisted, hf_draft),
+        **rig_config,
         "cpu_count": os.cpu_count(),
         "threading": _threading_config(),
         "versions": _versions(),
@@ -186,11 +201,6 @@ def run_bench(
         "run_s": round(run_s, 2),
         "predicted_speedup_specdec": predicted,
     }
-    report = {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
-              "notes": notes}
-    if not sampling.greedy:
-        report["sampled_reproducibility"] = reproducibility
-    return report
 
 
 def _logits_processing_ms(sampling: Any, vocab_size: int, num_speculative_tokens: int) -> dict | None:
@@ -304,8 +314,6 @@ class _OfflineRig:
                       measure_draft_agreement: bool) -> tuple[float, float, dict | None]:
         """(target one-token forward ms, (γ+1)-token forward ms, draft top-1 agreement or None): single row, 100
         past tokens."""
-        from cloud_verifier.target import time_forward
-
         fwd1 = time_forward(self.runner, 1, past_tokens=100, repeats=9)
         fwd_block = time_forward(self.runner, gamma_eff + 1, past_tokens=100, repeats=9)
         top1 = None
