@@ -1,0 +1,210 @@
+"""The engine: generations of one EdgeClient run one at a time on a worker thread, their chunks passed to the event
+loop, and conversations kept for reuse (LRU)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common.errors import CapacityError
+from common.types import FinishReason
+
+from .request import GenRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONVERSATIONS = 8  # kept conversations (LRU)
+
+
+@dataclass
+class Outcome:
+    """What a generation produced, for the response body."""
+
+    text: str
+    num_completion_tokens: int
+    finish_reason: str
+    specdec: dict
+    conversation_reused: bool = False
+    num_prompt_tokens: int = 0
+
+
+def _finish_reason(reason: FinishReason | None) -> str:
+    return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
+
+
+def _outcome(result, num_prompt_tokens: int, reused: bool) -> Outcome:
+    s = result.stats
+    return Outcome(
+        text=result.text,
+        num_completion_tokens=len(result.token_ids),
+        finish_reason=_finish_reason(result.finish_reason),
+        specdec={
+            "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,
+            "mean_accepted_length": s.mean_accepted_length,
+            "num_unverified_tokens": result.num_unverified_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "elapsed_s": s.elapsed_s,
+            "conversation_reused": reused,
+        },
+        conversation_reused=reused,
+        num_prompt_tokens=num_prompt_tokens,
+    )
+
+
+def _close_quietly(conv) -> None:
+    try:
+        conv.close()
+    except Exception:  # noqa: BLE001 - best effort: an abandoned verifier session expires by TTL
+        pass
+
+
+@dataclass
+class _Job:
+    """A generation run on the engine's worker thread, its chunks passed to the event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Engine:
+    """Runs generations of one :class:`EdgeClient`, one at a time (see the module docstring), and keeps
+    conversations for reuse.
+
+    Args:
+        client: the EdgeClient (draft + backend); owned: closed by :meth:`close` with ``on_close``.
+        model_id: the id ``/v1/models`` lists and requests name.
+        max_conversations: kept conversations (LRU); 0 turns reuse off.
+    """
+
+    def __init__(self, client, model_id: str, *, max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+                 on_close: Callable[[], None] | None = None):
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_id = model_id
+        self.max_conversations = max_conversations
+        self.on_close = on_close
+        self.created = int(time.time())
+        self._conversations: OrderedDict[int, Any] = OrderedDict()  # id → Conversation, oldest first
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-edge-serve")
+        self.num_reused = 0
+
+    # -- conversations (touched on the worker thread only)
+
+    def _take_conversation(self, prompt_ids: list[int]):
+        """The kept conversation whose history_ids are the longest proper prefix of ``prompt_ids`` (removed from
+        the LRU while in use), or None."""
+        best_key, best_len = None, 0
+        for key, conv in self._conversations.items():
+            hist = conv.history_ids
+            if best_len < len(hist) < len(prompt_ids) and prompt_ids[:len(hist)] == list(hist):
+                best_key, best_len = key, len(hist)
+        return self._conversations.pop(best_key) if best_key is not None else None
+
+    def _keep_conversation(self, conv) -> None:
+        if self.max_conversations <= 0:
+            conv.close()
+            return
+        self._conversations[id(conv)] = conv
+        while len(self._conversations) > self.max_conversations:
+            _close_quietly(self._conversations.popitem(last=False)[1])
+
+    # -- generation
+
+    def _run(self, job: _Job, req: GenRequest) -> None:
+        """Worker thread: one generation, its chunks and then ("done", Outcome) or ("error", exc) to ``job``.
+
+        Kept conversations hold verifier sessions (and their KV cache): when the verifier refuses a session
+        for capacity or a tenant's session limit (RESOURCE_EXHAUSTED) before anything was streamed, the kept
+        conversations are closed and the request is tried once more; the second refusal is the answer (429)."""
+        if job.cancelled.is_set():
+            return
+        # (a seeded sampled request starts from a fresh draft KV cache: EdgeClient._generate resets the drafter)
+        for attempt in (1, 2):
+            emitted = [False]
+            try:
+                self._generate(job, req, emitted, reuse=attempt == 1)
+                return
+            except CapacityError as e:
+                if attempt == 1 and not emitted[0] and self._conversations:
+                    log.info("verifier refused a session (%s): closing %d kept conversations, trying again", e,
+                             len(self._conversations))
+                    self._close_conversations()
+                    continue
+                job.put(("error", e))
+                return
+            except BaseException as e:  # noqa: BLE001 - answered to the request
+                job.put(("error", e))
+                return
+
+    def _generate(self, job: _Job, req: GenRequest, emitted: list[bool], reuse: bool) -> None:
+        conv, reused = None, False
+        try:
+            if req.chat and self.max_conversations > 0 and hasattr(self.client, "chat"):
+                conv = self._take_conversation(req.prompt_ids) if reuse else None
+                reused = conv is not None
+                if conv is None:
+                    conv = self.client.chat()
+                    chunks = conv.send_ids(req.prompt_ids, **req.kwargs)
+                else:
+                    chunks = conv.send_ids(req.prompt_ids[len(conv.history_ids):], **req.kwargs)
+            else:
+                chunks = self.client.stream_chunks(req.prompt_ids, **req.kwargs)
+            complete = True
+            try:
+                for chunk in chunks:
+                    if job.cancelled.is_set():
+                        complete = False
+                        break
+                    if chunk.text:
+                        emitted[0] = True
+                        job.put(("chunk", chunk.text))
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()
+        except BaseException:
+            if conv is not None:
+                _close_quietly(conv)
+            raise
+        if not complete:
+            if conv is not None:
+                _close_quietly(conv)
+            return
+        result = conv.last_result if conv is not None else self.client.last_result
+        if reused:
+            self.num_reused += 1
+        if conv is not None:
+            self._keep_conversation(conv)
+        job.put(("done", _outcome(result, len(req.prompt_ids), reused)))
+
+    def _close_conversations(self) -> None:
+        while self._conversations:
+            _close_quietly(self._conversations.popitem(last=False)[1])
+
+    def submit(self, req: GenRequest) -> _Job:
+        """Queue ``req`` on the worker thread; its items arrive on the returned job's queue."""
+        job = _Job(asyncio.get_running_loop())
+        self._worker.submit(self._run, job, req)
+        return job
+
+    def close(self) -> None:
+        """Stop the worker (a generation in progress finishes), close the kept conversations and ``on_close``."""
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._close_conversations()
+        if self.on_close is not None:
+            self.on_close()
+
+
+async def next_item(job: _Job):
+    """The next item of ``job``: ("chunk", text), then ("done", Outcome) or ("error", exception)."""
+    return await job.queue.get()

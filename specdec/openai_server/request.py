@@ -1,0 +1,222 @@
+"""Request conversion: an OpenAI request body checked (parameters supported or neutral, the model served) and
+turned into prompt token ids and the generation's keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ApiError
+
+DEFAULT_MAX_TOKENS = 256  # max_tokens when a request gives none (OpenAI: up to the context; a device endpoint
+# keeps it bounded)
+
+# accepted and without effect on the output
+_HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+             "prompt_cache_key", "safety_identifier"}
+# supported (the endpoint's own parameters)
+_CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+                "stream", "top_k", "n", "ignore_eos"}
+_COMPLETION_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "top_k",
+                      "n", "ignore_eos"}
+# would change the output and are not supported: refused unless given their neutral value
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+}
+
+
+
+@dataclass
+class GenRequest:
+    """A validated request: prompt token ids and the generation's keyword arguments."""
+
+    prompt_ids: list[int]
+    kwargs: dict
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _check_params(body: dict, supported: set[str]) -> None:
+    for name, value in body.items():
+        if name in supported or name in _HARMLESS:
+            continue
+        neutral = _NEUTRAL.get(name)
+        if neutral is not None and neutral(value):
+            continue
+        if neutral is not None:
+            raise ApiError(400, f"parameter '{name}' is not supported by this endpoint (it would change the "
+                           "output): leave it out", param=name, code="unsupported_parameter")
+        raise ApiError(400, f"unknown or unsupported parameter '{name}'", param=name, code="unsupported_parameter")
+
+
+def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
+                       param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ApiError(400, f"'{name}' must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}",
+                       param=name)
+    return kind(value)
+
+
+def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
+    n = _number(body, "n", 1, int, 1)
+    if n != 1:
+        raise ApiError(400, f"n = {n} is not supported: one choice per request (n = 1)", param="n",
+                       code="unsupported_parameter")
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = body.get("max_tokens"), "max_tokens"
+    max_tokens = _number({name: max_tokens}, name, DEFAULT_MAX_TOKENS, int, 1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise ApiError(400, "'stop' must be a non-empty string or a list of at most 16 of them", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None:
+        seed &= (1 << 63) - 1  # the sessions' seed is an unsigned 63-bit integer; OpenAI's may be negative
+    stream = body.get("stream", False) or False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    ignore_eos = body.get("ignore_eos", False) or False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+    kwargs = dict(
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+        top_k=_number(body, "top_k", 0, int, 0),
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )
+    if kwargs["top_p"] == 0.0:
+        raise ApiError(400, "'top_p' must be > 0", param="top_p")
+    return kwargs, stream, bool(options.get("include_usage"))
+
+
+def parse_messages(messages) -> list[dict]:
+    """OpenAI chat messages → ``[{"role", "content"}]`` with text content (parts of type text joined).
+
+    Raises:
+        ApiError(400): not a non-empty list, a role other than system/developer/user/assistant, a content part
+            that is not text, or a field that would change the output (``name``, ``tool_calls``).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role {role!r} is not supported (system, developer, user, assistant)",
+                           param="messages")
+        for extra in ("name", "tool_calls", "function_call", "audio"):
+            if m.get(extra):
+                raise ApiError(400, f"messages[{i}].{extra} is not supported", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def render_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt ids of a chat through the tokenizer's chat template, message content as literal text
+    (:func:`common.chat.render_chat_ids`: special-token strings typed in a message are not parsed)."""
+    from common.chat import render_chat_ids as render
+
+    return [int(t) for t in render(tokenizer, messages, add_generation_prompt=True)]
+
+
+def check_body(body: Any, supported: set[str], model_id: str) -> dict:
+    """``body`` when it is a JSON object of supported (or neutral) parameters naming the served model.
+
+    Raises:
+        ApiError: 400 (not an object, a parameter refused, no model), 404 (another model).
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_params(body, supported)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required", param="model")
+    if model != model_id:
+        raise ApiError(404, f"the model '{model}' does not exist; this endpoint serves '{model_id}'",
+                       param="model", code="model_not_found")
+    return body
+
+
+def chat_request(body: dict, tokenizer) -> GenRequest:
+    """The generation of a ``/v1/chat/completions`` body (checked by :func:`check_body`)."""
+    messages = parse_messages(body.get("messages"))
+    kwargs, stream, include_usage = _generation_kwargs(body, chat=True)
+    try:
+        prompt_ids = render_chat_ids(tokenizer, messages)
+    except (ValueError, TypeError) as e:  # the template refused the messages (e.g. roles out of order)
+        raise ApiError(400, f"cannot render the messages: {e}", param="messages") from None
+    return GenRequest(prompt_ids, kwargs, stream, include_usage, chat=True)
+
+
+def completion_request(body: dict, tokenizer) -> GenRequest:
+    """The generation of a ``/v1/completions`` body (checked by :func:`check_body`): a prompt string (tokenized
+    as is, no chat template) or a list of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        prompt_ids = [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+        prompt_ids = list(prompt)
+    else:
+        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per "
+                       "request)", param="prompt")
+    kwargs, stream, include_usage = _generation_kwargs(body, chat=False)
+    return GenRequest(prompt_ids, kwargs, stream, include_usage, chat=False)
