@@ -49,7 +49,8 @@ def default_cache_dir() -> Path:
 
 
 def default_model_paths(cache_dir: str | os.PathLike | None = None) -> ModelPaths:
-    """Where ``specdec models prepare`` (:func:`specdec.models.prepare_models`) puts (or put) the default pair; nothing is checked or created."""
+    """Where ``specdec models prepare`` (:func:`specdec.models.prepare_models`) puts (or put) the default pair;
+    nothing is checked or created."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return ModelPaths(target_dir=root / TARGET_DIR_NAME, draft_dir=root / DRAFT_DIR_NAME)
 

@@ -33,7 +33,6 @@ import numpy as np
 
 from common.sampling import (
     Stream,
-    _logits_to_probs_reference,
     draft_topk_distribution,
     logits_to_probs,
     normalize_sparse,
@@ -42,6 +41,7 @@ from common.sampling import (
     uniform,
 )
 from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams
+from specdec.logits_reference import logits_to_probs_reference
 
 DEFAULT_SETTINGS: tuple[tuple[float, int, float], ...] = ((0.7, 0, 0.9), (0.7, 50, 1.0), (0.7, 0, 0.95), (1.0, 0, 1.0))
 
@@ -115,12 +115,12 @@ def _edge_q_fast(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.nd
 
 def _edge_q_reference(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The same q through the full-sort reference row and topk_draft_distribution."""
-    return topk_draft_distribution(_logits_to_probs_reference(row[None, :], params)[0], k)
+    return topk_draft_distribution(logits_to_probs_reference(row[None, :], params)[0], k)
 
 
 def _edge_q_before(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
     """q as the drafter computed it before issue 14 (full-sort reference, argpartition top-k)."""
-    return _topk_draft_distribution_before(_logits_to_probs_reference(row[None, :], params)[0], k)
+    return _topk_draft_distribution_before(logits_to_probs_reference(row[None, :], params)[0], k)
 
 
 def _edge_step(q_of: Callable, row: np.ndarray, params: SamplingParams, draft_top_k: int) -> int:
@@ -187,7 +187,7 @@ def bench_logits_processing(
         identical = all(
             np.array_equal(
                 logits_to_probs(rows, params).view(np.uint64),
-                _logits_to_probs_reference(rows, params).view(np.uint64),
+                logits_to_probs_reference(rows, params).view(np.uint64),
             )
             for rows in [logits, *(logits[i : i + 1] for i in range(num_rows))]
         ) and all(
@@ -198,7 +198,7 @@ def bench_logits_processing(
         entry: dict = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         for path, variants in (
             ("edge", (("fast", _edge_q_fast), ("reference", _edge_q_reference))),
-            ("verifier", (("fast", logits_to_probs), ("reference", _logits_to_probs_reference))),
+            ("verifier", (("fast", logits_to_probs), ("reference", logits_to_probs_reference))),
             ("edge_step", (("fast", _edge_q_fast), ("before", _edge_q_before))),
         ):
             entry[path] = {}

@@ -3,8 +3,8 @@ sampling, sparse (top-k) draft distributions.
 
 Reference for logits processing: transformers.generation.logits_process TemperatureLogitsWarper,
 TopKLogitsWarper, TopPLogitsWarper applied in that order (HF generate's order), then softmax. The fast path
-(logits_to_probs: partial selection for top-p) must equal the full-sort reference
-(_logits_to_probs_reference) bit for bit: same kept set, same float64 probabilities.
+(logits_to_probs: partial selection for top-p, common.top_p) must equal the full-sort reference
+(specdec.logits_reference.logits_to_probs_reference) bit for bit: same kept set, same float64 probabilities.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import common.sampling as sampling
+import common.top_p as top_p_module
 from common.sampling import (
     Stream,
-    _logits_to_probs_reference,
     dense_draft_probs,
     logits_to_probs,
     normalize_sparse,
@@ -35,6 +34,7 @@ from common.sampling import (
     uniform,
 )
 from common.types import SamplingParams, SparseDraftProbs
+from specdec.logits_reference import logits_to_probs_reference
 
 
 def hf_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -196,7 +196,7 @@ def test_dense_draft_probs_and_normalize_sparse():
 
 
 # ------------------------------------------------------------------ fast logits processing vs the reference
-# logits_to_probs selects top-p candidates by partial selection and must reproduce _logits_to_probs_reference
+# logits_to_probs selects top-p candidates by partial selection and must reproduce logits_to_probs_reference
 # (full stable argsort) bit for bit, ties and rounding included: the edge and the verifier must keep identical
 # sets. _top_p_drop_reference is the fast path's fallback (the only full sort left); counting the rows it gets
 # shows which inputs the fast path decides itself.
@@ -206,7 +206,7 @@ LM_VOCAB = 49152  # SmolLM2's vocabulary
 
 def assert_same_as_reference(logits, params: SamplingParams, valid_vocab_size=None) -> np.ndarray:
     fast = logits_to_probs(logits, params, valid_vocab_size)
-    ref = _logits_to_probs_reference(logits, params, valid_vocab_size)
+    ref = logits_to_probs_reference(logits, params, valid_vocab_size)
     assert fast.shape == ref.shape and fast.dtype == ref.dtype == np.float64
     np.testing.assert_array_equal(fast > 0, ref > 0)  # the kept set, token for token (readable diff first)
     np.testing.assert_array_equal(fast.view(np.uint64), ref.view(np.uint64))  # every bit (-0.0 and NaN too)
@@ -229,13 +229,13 @@ def lm_like_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarra
 def reference_rows(monkeypatch):
     """Counts the rows the fast path hands to the reference's full sort (list of row counts per call)."""
     calls: list[int] = []
-    original = sampling._top_p_drop_reference
+    original = top_p_module._top_p_drop_reference
 
     def counting(probs, top_p):
         calls.append(len(probs))
         return original(probs, top_p)
 
-    monkeypatch.setattr(sampling, "_top_p_drop_reference", counting)
+    monkeypatch.setattr(top_p_module, "_top_p_drop_reference", counting)
     return calls
 
 
@@ -279,7 +279,7 @@ def test_fast_path_equals_reference_with_exact_ties(monkeypatch, first_candidate
     """Logits on a coarse grid: every probability is shared by many tokens, so tied blocks straddle the top-k
     boundary, the top-p boundary and the edge of argpartition's candidate set (small first_candidates force
     splits of tied blocks and widening)."""
-    monkeypatch.setattr(sampling, "_TOP_P_FIRST_CANDIDATES", first_candidates)
+    monkeypatch.setattr(top_p_module, "_TOP_P_FIRST_CANDIDATES", first_candidates)
     rng = np.random.default_rng(vocab * 10 + first_candidates)
     for step in (1.0, 0.5, 0.25):
         logits = (rng.integers(-6, 3, size=(6, vocab)) * step).astype(np.float32)
@@ -354,9 +354,9 @@ def test_boundary_within_the_reference_rounding_drift(reference_rows):
     thresh = cum - 1e-13
     top_p = 1.0 - thresh
     assert 1.0 - top_p == thresh
-    drop = sampling._top_p_drop_reference(probs, top_p)
+    drop = top_p_module._top_p_drop_reference(probs, top_p)
     assert np.flatnonzero(~drop[0]).tolist() == [1234, LM_VOCAB - 1]  # the head and the highest-id tiny token
-    np.testing.assert_array_equal(sampling._top_p_keep(probs, top_p), ~drop)
+    np.testing.assert_array_equal(top_p_module._top_p_keep(probs, top_p), ~drop)
     assert reference_rows == [1, 1]  # the check above, and the fast path's hand-over
 
 
@@ -372,7 +372,7 @@ def test_no_full_sort_for_lm_like_logits(reference_rows, temperature, top_k, top
 @pytest.mark.parametrize("first_candidates", [1, 4, 64])
 def test_widening_until_the_nucleus_is_covered(monkeypatch, reference_rows, first_candidates):
     """Nuclei wider than the first candidate set (flat heads, top_p near 1) are found by widening, not sorting."""
-    monkeypatch.setattr(sampling, "_TOP_P_FIRST_CANDIDATES", first_candidates)
+    monkeypatch.setattr(top_p_module, "_TOP_P_FIRST_CANDIDATES", first_candidates)
     rng = np.random.default_rng(first_candidates)
     logits = lm_like_logits(rng, 4, LM_VOCAB)
     logits[1] = rng.normal(0.0, 3.5, size=LM_VOCAB)  # no head: nuclei of ~30 (top_p 0.5) and ~900 tokens (0.9)
@@ -397,7 +397,7 @@ def test_exp64_is_element_for_element():
     count (vector body vs scalar tail), and is within an ulp of numpy's libm exp."""
     import torch
 
-    from common.sampling import _exp64
+    from common.logits import _exp64
 
     x = np.random.default_rng(8).normal(-20.0, 15.0, size=(5, 4099))  # odd width: tails in every row
     x[0, :7] = [0.0, -745.2, -746.0, 709.0, -np.inf, 1e-300, -1e-300]  # underflow, overflow edge, -inf
@@ -453,13 +453,13 @@ def test_fast_path_equals_reference_property(data):
     )
     valid = data.draw(st.none() | st.integers(1, vocab), label="valid_vocab_size")
     first = data.draw(st.sampled_from([1, 2, 3, 8, 64]), label="first_candidates")
-    original = sampling._TOP_P_FIRST_CANDIDATES
-    sampling._TOP_P_FIRST_CANDIDATES = first
+    original = top_p_module._TOP_P_FIRST_CANDIDATES
+    top_p_module._TOP_P_FIRST_CANDIDATES = first
     try:
         with np.errstate(invalid="ignore"):  # all -inf rows give NaN in both implementations
             assert_same_as_reference(logits.astype(np.float32), params, valid)
     finally:
-        sampling._TOP_P_FIRST_CANDIDATES = original
+        top_p_module._TOP_P_FIRST_CANDIDATES = original
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -1,7 +1,7 @@
 """common.sampling from several threads: the top-p fast path keeps per-thread scratch buffers (a key buffer and
 a ramp of negative ids, threading.local), and the verifier's target thread, the edge's drafting thread and
 test threads all call it. Each thread starts with empty scratch and with vocabularies of different sizes one
-after another; the result must equal the full-sort reference (common.sampling._logits_to_probs_reference)
+after another; the result must equal the full-sort reference (specdec.logits_reference.logits_to_probs_reference)
 every time.
 """
 
@@ -11,8 +11,9 @@ import threading
 
 import numpy as np
 
-from common.sampling import _logits_to_probs_reference, logits_to_probs
+from common.sampling import logits_to_probs
 from common.types import SamplingParams
+from specdec.logits_reference import logits_to_probs_reference
 
 
 def _rows(vocab: int, seed: int) -> np.ndarray:
@@ -25,7 +26,7 @@ def _rows(vocab: int, seed: int) -> np.ndarray:
 def _check(vocab: int, seed: int) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9)
     logits = _rows(vocab, seed)
-    np.testing.assert_array_equal(logits_to_probs(logits, params), _logits_to_probs_reference(logits, params))
+    np.testing.assert_array_equal(logits_to_probs(logits, params), logits_to_probs_reference(logits, params))
 
 
 def test_top_p_in_fresh_threads_and_changing_vocabularies():
