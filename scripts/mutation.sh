@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Mutation testing of the core with mutmut 3 (docs/testing.md, "Mutation testing"). Not in CI (~20-30 min on 2 cores).
 #
-# Scope (pyproject.toml [tool.mutmut] + the name filter below): common/rejection.py, common/sampling.py,
-# common/stopping.py, cloud_verifier/validation.py, cloud_verifier/numerics.py, and of cloud_verifier/batcher.py
-# the verdict of the verify step, Batcher._apply_verdict. Each mutant runs only the tests that executed its function
-# (mutmut's per-function test mapping from a first, instrumented run of the selected test files).
+# Scope (pyproject.toml [tool.mutmut] + the name filter below): common/rejection.py, the sampling maths
+# (common/sampling.py, logits.py, top_p.py, draft_topk.py), common/stopping.py, cloud_verifier/validation.py,
+# cloud_verifier/numerics.py, and of cloud_verifier/batcher.py the verdict of the verify step, Batcher._apply_verdict.
+# Each mutant runs only the tests that executed its function (mutmut's per-function test mapping from a first,
+# instrumented run of the selected test files).
 #
 # Runs in a fresh copy of the tree (default a new /tmp/specdec-mutation.* directory; SPECDEC_MUTATION_DIR to choose),
 # so the working tree gets no mutants/ directory and edits made meanwhile do not mix into the run.

@@ -5,9 +5,9 @@ code of its test run) in the current directory. A mutant counts as killed when i
 or it ran into the CPU-time limit (SIGXCPU: -24, 24, 152; an endless loop is a detected change too); every
 other state (survived 0, no tests 33/5, not checked None, suspicious, segfault) counts against the score.
 ``batcher.py`` is in scope only through ``Batcher._apply_verdict`` (the verdict of the verify step);
-``sampling.py`` without its two ``*_reference`` functions (test oracles: the plain implementations the fast path
-is checked against, used by tests only). ``--patterns`` prints the mutant-name patterns, one a line (for
-``mutmut run``).
+the sampling maths (``sampling.py``, ``logits.py``, ``top_p.py``, ``draft_topk.py``) without the test oracles
+(the plain implementations the fast path is checked against). ``--patterns`` prints the mutant-name patterns, one
+a line (for ``mutmut run``).
 
 Prints each survivor (name and status), then, as its last line, one JSON object:
 ``{"modules": {"common/rejection.py": {"killed": k, "total": n}, ...}}``.
@@ -22,12 +22,20 @@ from pathlib import Path
 
 # module -> mutant-name patterns in scope (mutmut names: "<module>.x_<function>__mutmut_<i>", methods
 # "<module>.xǁ<Class>ǁ<method>__mutmut_<i>")
-SAMPLING_FUNCTIONS = ["x_uniform", "x_logits_to_probs", "x__scale", "x__top_p_keep", "x__negative_ramp",
-                      "x__top_candidates", "x_sample_from", "x_normalize_sparse", "x_topk_draft_distribution",
-                      "x_dense_draft_probs"]  # not the test oracles _logits_to_probs_reference, _top_p_drop_reference
+# the sampling maths, by module (the plain full-sort implementations the fast path is checked against are out of
+# scope: logits_to_probs_reference lives in specdec/logits_reference.py, _top_p_drop_reference is a fallback)
+SAMPLING_FUNCTIONS = {
+    "common/sampling.py": ("common.sampling", ["x_uniform", "x_sample_from", "x_normalize_sparse",
+                                               "x_dense_draft_probs"]),
+    "common/logits.py": ("common.logits", ["x_logits_to_probs", "x__scale"]),
+    "common/top_p.py": ("common.top_p", ["x__top_p_keep", "x__top_p_round", "x__negative_ramp",
+                                         "x__top_candidates"]),
+    "common/draft_topk.py": ("common.draft_topk", ["x_topk_draft_distribution"]),
+}
 SCOPE = {
     "common/rejection.py": ["common.rejection.*"],
-    "common/sampling.py": [f"common.sampling.{f}__mutmut_*" for f in SAMPLING_FUNCTIONS],
+    **{path: [f"{module}.{f}__mutmut_*" for f in functions]
+       for path, (module, functions) in SAMPLING_FUNCTIONS.items()},
     "common/stopping.py": ["common.stopping.*"],
     "cloud_verifier/validation.py": ["cloud_verifier.validation.*"],
     "cloud_verifier/numerics.py": ["cloud_verifier.numerics.*"],
