@@ -29,7 +29,7 @@ ONNX layout (``model.onnx``), B = batch, S = new tokens, P = past tokens, L = la
              present.{i}.key / .value     float32 [B, num_kv_heads, P + S, head_dim]
 
 Tests that monkeypatch a setting or helper patch the submodule that uses it (e.g.
-``specdec.models.onnx_export.FP32_TOLERANCE``), not this package.
+``specdec.models.onnx_check.FP32_TOLERANCE``), not this package.
 """
 
 from __future__ import annotations
@@ -70,12 +70,11 @@ from .distilled import (
     target_fingerprint,
 )
 from .gguf import GGUF_FILE, GGUF_PACKAGE, find_smollm2_gguf, prepare_target_from_gguf
+from .onnx_check import FP32_TOLERANCE, ExportCheckError
 from .onnx_export import (
     DRAFT_BUILDERS,
-    FP32_TOLERANCE,
     OPSET,
     DraftBuildError,
-    ExportCheckError,
     export_onnx_draft,
     genai_builder_available,
 )

@@ -1,4 +1,4 @@
-"""The distilled draft (issue 5): install a distilled FR-Spec draft from a small artefact + the target's tensors.
+"""The distilled draft: install a distilled FR-Spec draft from a small artefact + the target's tensors.
 
 The artefact (see ``specdec.distill``) holds only what the target does not: the draft's decoder layers, its final
 norm and its head vocabulary (token ids), float16. The draft reuses the target's (tied) embedding matrix both as
@@ -34,16 +34,8 @@ from common.paths import (
 
 from ._util import _atomic_dir, _offline_env, _onnx_bytes, _Progress, _write_marker
 from .gguf import prepare_target_from_gguf
-from .onnx_export import (
-    FP32_TOLERANCE,
-    OPSET,
-    ExportCheckError,
-    _check_fp32,
-    _export_fp32,
-    _kv_shape,
-    _ort_run,
-    _ort_session,
-)
+from .onnx_check import FP32_TOLERANCE, ExportCheckError, _check_fp32, _kv_shape, _ort_run, _ort_session
+from .onnx_export import OPSET, _export_fp32
 from .quantize import _quantize_int8
 
 log = logging.getLogger(__name__)

@@ -187,9 +187,9 @@ def test_export_is_idempotent(tiny_pair):
 
 
 def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, monkeypatch):
-    from specdec.models import onnx_export  # the module whose code reads it
+    from specdec.models import onnx_check  # the module whose code reads it
 
-    monkeypatch.setattr(onnx_export, "FP32_TOLERANCE", 0.0)
+    monkeypatch.setattr(onnx_check, "FP32_TOLERANCE", 0.0)
     out = tmp_path / "bad"
     with pytest.raises(ExportCheckError, match="max \\|logit diff\\|"):
         export_onnx_draft(tiny_pair.target_dir, out, quantize_int8=False, progress=False)
