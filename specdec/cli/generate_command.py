@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
 )
@@ -91,7 +92,8 @@ def generate(
     top_p: float = typer.Option(1.0, help="1.0 = off"),
     seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
-    draft_top_k: int = typer.Option(8, help="k of top-k drafting for sampled sessions (1 = greedy drafting)"),
+    draft_top_k: int = typer.Option(DEFAULT_DRAFT_TOP_K, help="k of top-k drafting for sampled sessions (1 = greedy "
+                                    "drafting)"),
     drafter: str = typer.Option("model", help="'model' (ONNX draft) or 'ngram' (prompt lookup, no model)"),
     adaptive: bool = typer.Option(True, "--adaptive/--fixed-gamma", help="Choose γ per step (≤ -g) from measurements"),
     min_confidence: float = typer.Option(
