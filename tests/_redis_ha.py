@@ -23,6 +23,23 @@ def binaries() -> tuple[str, str] | None:
     return (server, cli) if server and cli else None
 
 
+def _cluster_port() -> int:
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def _client(port: int, timeout_s: float = 0.5):
     import redis
 
@@ -60,8 +77,8 @@ class _Procs:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-redis-ha-")))
     nodes: list[Node] = field(default_factory=list)
 
-    def _start(self, args: list[str], name: str) -> Node:
-        port = free_port()
+    def _start(self, args: list[str], name: str, port: int | None = None) -> Node:
+        port = port or free_port()
         log = open(self.workdir / f"{name}-{port}.log", "wb")
         proc = subprocess.Popen([self.server, *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", str(self.workdir)],
@@ -180,7 +197,7 @@ class ClusterSet(_Procs):
             port_conf = f"nodes-{i}-{time.monotonic_ns()}.conf"
             self._start(["--cluster-enabled", "yes", "--cluster-config-file", port_conf, "--cluster-node-timeout",
                          str(self.node_timeout_ms), "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay",
-                         "0"], f"node{i}")
+                         "0"], f"node{i}", port=_cluster_port())
         out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                               "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
                              capture_output=True, text=True, timeout=60)
