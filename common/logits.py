@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from common.top_p import _top_p_keep
@@ -75,6 +77,16 @@ def logits_to_probs(
     return probs
 
 
+@functools.lru_cache(maxsize=1)
+def _torch():
+    """torch when it is installed (the verifier, a full install), else None: looked up once per process."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
 def _exp64(
     x: np.ndarray,  # float64, any shape
     out: np.ndarray | None = None,  # float64, C-contiguous, same shape (may be x itself)
@@ -83,9 +95,13 @@ def _exp64(
     on CPUs without AVX-512: about 0.5 ms for a 49,152-token row against 0.1 ms). Each value depends on its
     element only, not on the array's size, layout, offset or torch's thread count (tests/common/test_sampling.py
     checks it), so a row's probabilities do not depend on the rows around it; values are within an ulp of
-    libm's. Both :func:`logits_to_probs` and its reference use it (they stay bit-identical)."""
-    import torch
+    libm's. Both :func:`logits_to_probs` and its reference use it (they stay bit-identical).
 
+    Without torch (an edge install, ``specdec[edge]``) numpy's exp, also element for element: the draft's q only
+    has to be the distribution the draft sampled from, never bit-identical to the verifier's p."""
+    torch = _torch()
+    if torch is None:
+        return np.exp(x, out=out) if out is not None else np.exp(np.asarray(x, dtype=np.float64))
     src = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
     if out is None:
         return torch.exp(src).numpy()

@@ -69,7 +69,7 @@ class OnnxDraftModel:
 
     Attributes:
         vocab_size: width of the logits (may exceed ``len(tokenizer)`` when embeddings are padded).
-        tokenizer: the HF tokenizer saved with the draft.
+        tokenizer: the tokenizer saved with the draft (:class:`edge_client.tokenizer.EdgeTokenizer`).
         num_cached: tokens whose keys/values are held (the next token fed gets position ``num_cached``).
         num_layers, num_kv_heads, head_dim: KV-cache geometry read from the session's inputs.
         max_position_embeddings: the draft's context length from config.json (None when unknown).
@@ -88,7 +88,8 @@ class OnnxDraftModel:
         share_kv_buffer: bool | None = None,
     ) -> None:
         import onnxruntime as ort
-        from transformers import AutoTokenizer
+
+        from edge_client.tokenizer import load_tokenizer
 
         self.model_dir = resolve_draft_dir(model_dir)
         path = self.model_dir / ONNX_FILE
@@ -124,7 +125,8 @@ class OnnxDraftModel:
                 f"{self.model_dir}: config.json lacks {exc} (needed for the KV-cache geometry)"
             ) from None
         self.max_position_embeddings: int | None = self._config.get("max_position_embeddings")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # tokenizers + the directory's files, not transformers: an edge install has no torch/transformers
+        self.tokenizer = load_tokenizer(self.model_dir)
         if share_kv_buffer is None:
             share_kv_buffer = not self._has_position_ids and self.providers[0] in _SHARED_KV_PROVIDERS
         # where shared KV buffers live: None = numpy arrays (bound as views, the CPU provider), else the ORT device

