@@ -334,6 +334,8 @@ class RedisSessionStore(SessionStore):
         """True when the store (the master, under Sentinel; every master, on a Cluster) answers. No retry: the
         health task asks again at its next tick."""
         try:
+            if self.target.kind == CLUSTER:  # PING goes to one node by default: ask every master
+                return bool(self.client.ping(target_nodes=self.client.PRIMARIES))
             return bool(self.client.ping())
         except Exception:  # noqa: BLE001 - any failure means "not answering"
             return False

@@ -161,3 +161,34 @@ def test_reaper_reaps_abandoned_sessions(cluster, tiny_pair):
     finally:
         verifier.shutdown()
         store.close()
+
+
+def test_master_sigkill_ping_and_commits_follow(cluster):
+    """A master SIGKILLed (last in this module: the cluster keeps 3 masters, one without a replica): ping is
+    False while its slots have no master (the health task's NOT_SERVING), the replica is promoted by the
+    cluster itself, ping is True again and commits to its slots go on, counted as a store failover."""
+    from prometheus_client import REGISTRY
+
+    store = _store(cluster)
+    try:
+        master = next(n for n in cluster.nodes if cluster.role(n) == "master")
+        replica = cluster.replica_of(master)
+        ids = [uuid.uuid4().hex for _ in range(32)]
+        for sid in ids:
+            store.create(_record(sid))
+        on_it = [sid for sid in ids if store.client.get_node_from_key(store.session_key(sid)).port == master.port]
+        assert on_it and store.ping()
+        before = REGISTRY.get_sample_value("specdec_store_failovers_total") or 0.0
+        t0 = time.monotonic()
+        master.kill()
+        assert wait_until(lambda: not store.ping(), 10.0, step_s=0.05)
+        # a commit to the dead master's slots waits (bounded retry) until the replica took over
+        assert store.append_committed(on_it[0], 3, [4], seq=1, finished=False, finish_reason=None, now=2.0) == 4
+        print(f"\n[cluster] master SIGKILL -> first commit on its slots {time.monotonic() - t0:.2f} s")
+        assert cluster.role(replica) == "master"
+        assert wait_until(store.ping, 10.0, step_s=0.1)
+        for sid in on_it[1:]:
+            assert store.append_committed(sid, 3, [4], seq=1, finished=False, finish_reason=None, now=2.0) == 4
+        assert (REGISTRY.get_sample_value("specdec_store_failovers_total") or 0.0) > before
+    finally:
+        store.close()
