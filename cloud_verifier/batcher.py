@@ -4,10 +4,8 @@ Speculative decoding (Leviathan, Kalman & Matias 2023, "Fast Inference from Tran
 Decoding", Algorithm 1): the target scores a draft block of γ tokens x_1..x_γ in one forward pass over
 [last committed token, x_1, ..., x_γ], which gives its distributions p_1..p_{γ+1} at once; the rejection rule
 keeps the longest prefix it accepts and adds one token of the target's own (recovered after a rejection, bonus
-after a full block), so the output is distributed exactly as the target's alone. A ``bonus_drafted`` block
-(:mod:`common.rejection`, "drafted bonus") of n tokens carries its own guess for the bonus position: its row is
-[last committed token, x_1, ..., x_{n-1}] (n positions scored, p_1..p_n), every draft token goes through the
-rejection rule, and a full block adds no token of the target's own.
+after a full block), so the output is distributed exactly as the target's alone. A bonus_drafted block (see
+:mod:`common.rejection`) is scored over ``block.num_scored_positions`` rows.
 
 The verifier batches that step across sessions: continuous batching at verify-step granularity, as in vLLM
 (and SGLang). Blocks keep arriving while a batch runs and join the next one. One step, as this file runs it:
@@ -181,8 +179,7 @@ class Batcher:
             InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (another
                 replica committed first, the session expired or finished); this replica's copy is released.
         """
-        drafts = block.draft_token_ids[:-1] if block.bonus_drafted else block.draft_token_ids
-        tokens = [session.committed[-1], *drafts]  # num_scored_positions rows of logits
+        tokens = [session.committed[-1], *block.scored_draft_token_ids]  # block.num_scored_positions rows
         work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq)
         return await self._submit(work)
 
@@ -304,7 +301,7 @@ class Batcher:
         """Rejection rule, stopping, compare-and-append commit and the Verdict of one verify row.
 
         ``logits``: [γ + 1, vocab_size] of the row ([γ, vocab_size] for a bonus_drafted block of γ tokens:
-        :func:`common.rejection.num_scored_positions`); ``queue_ms``/``forward_ms``: the block's wait and the
+        ``block.num_scored_positions``); ``queue_ms``/``forward_ms``: the block's wait and the
         forward pass's wall time, ms; ``batch_size``: verify blocks in the forward pass.
 
         The replica's copy of the session (committed ids, seq, finish state, stopping state) moves only once the
@@ -360,9 +357,7 @@ class Batcher:
             session.stop.restore(stop_state)
             raise
         session.confirm(verdict)
-        gamma = len(block.draft_token_ids)
-        # metrics count speculative positions: a bonus_drafted block's last token stands for the bonus position
-        spec = gamma - 1 if block.bonus_drafted else gamma
+        spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
         return verdict
 

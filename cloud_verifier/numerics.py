@@ -46,7 +46,7 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
     """:func:`common.rejection.verify_block` on one row, guarded (see the module docstring).
 
     ``logits``: [γ + 1, vocab_size] ([γ, vocab_size] for a ``bonus_drafted`` block:
-    :func:`common.rejection.num_scored_positions`); ``start_position``: the committed length, tokens;
+    ``block.num_scored_positions``); ``start_position``: the committed length, tokens;
     ``valid_vocab_size``: ids at or past it are not tokens. The verdict's ``next_token_id`` is -1 only after a
     ``bonus_drafted`` block accepted whole (no bonus token).
 
@@ -62,8 +62,8 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
         except (ValueError, FloatingPointError, IndexError) as e:
             reason = f"no distribution to sample from after logits processing ({e})"
         else:
-            full_drafted = block.bonus_drafted and result.num_accepted == len(block.draft_token_ids)
-            if 0 <= result.next_token_id < valid_vocab_size or (full_drafted and result.next_token_id == -1):
+            accepted_whole = block.bonus_drafted and result.num_accepted == len(block.draft_token_ids)
+            if 0 <= result.next_token_id < valid_vocab_size or (accepted_whole and result.next_token_id == -1):
                 return result
             reason = "a token outside the vocabulary"
     metrics.NONFINITE_LOGITS.inc()

@@ -198,7 +198,7 @@ def check_block_length(gamma: int, committed_length: int, capacity: int, max_num
                                       f"{max_num_speculative_tokens} + 1")
     elif gamma > max_num_speculative_tokens:
         raise InvalidRequestError(f"block of {gamma} tokens is longer than the maximum {max_num_speculative_tokens}")
-    reach = gamma - 1 if bonus_drafted else gamma  # positions scored past the committed length
+    reach = DraftBlock([0] * gamma, bonus_drafted=bonus_drafted).num_scored_positions - 1  # past the committed length
     if committed_length + reach > capacity:
         raise InvalidRequestError(
             f"block of {gamma} tokens at committed length {committed_length} passes the session's limit of "

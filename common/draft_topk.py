@@ -1,5 +1,5 @@
 """The sparse q of top-k drafting (sampled sessions, the edge side): the draft's k most likely tokens,
-renormalised, from a processed row (:func:`topk_draft_distribution`) or straight from raw logits without a full
+renormalised, from a processed row (:func:`draft_topk_from_probs`) or straight from raw logits without a full
 probability row (:func:`draft_topk_distribution`). Exported by :mod:`common.sampling` as well.
 """
 
@@ -13,7 +13,7 @@ from common.types import SamplingParams
 _DRAFT_MAX_TIED = 4096  # draft_topk_distribution: more tokens tied at its k-th largest logit go the reference's way
 
 
-def topk_draft_distribution(
+def draft_topk_from_probs(
     probs: np.ndarray,  # [vocab_size] float64, processed draft probabilities of one position
     k: int,
 ) -> tuple[np.ndarray, np.ndarray]:  # ([k'] int64 token ids, [k'] float32 probs), k' = min(k, tokens with p > 0)
@@ -57,7 +57,7 @@ def draft_topk_distribution(
     valid_vocab_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # ([k'] int64 token ids, [k'] float32 probs), 1 <= k' <= k
     """The sparse q of top-k drafting straight from raw logits: what
-    ``topk_draft_distribution(logits_to_probs(logits, params, valid_vocab_size)[0], k)`` gives, without a
+    ``draft_topk_from_probs(logits_to_probs(logits, params, valid_vocab_size)[0], k)`` gives, without a
     full-vocabulary probability row.
 
     Only the k most likely tokens of the processed distribution are needed, and top-p keeps a prefix of the
@@ -111,7 +111,7 @@ def draft_topk_distribution(
     if keep == 0:  # everything underflowed: the reference's answer (the argmax)
         return _draft_q_by_full_row(logits, params, k, valid_vocab_size)
     kept_ids, kept = g[:keep], probs[:keep]
-    order = np.lexsort((kept_ids, -kept))[:k]  # topk_draft_distribution's order: most likely, then lowest id
+    order = np.lexsort((kept_ids, -kept))[:k]  # draft_topk_from_probs's order: most likely, then lowest id
     ids, q = kept_ids[order].astype(np.int64), kept[order]
     total = q.sum()
     return ids, (q / total).astype(np.float32)
@@ -121,4 +121,4 @@ def _draft_q_by_full_row(
     logits: np.ndarray, params: SamplingParams, k: int, valid_vocab_size: int | None
 ) -> tuple[np.ndarray, np.ndarray]:  # ([k'] int64 ids, [k'] float32 probs)
     """draft_topk_distribution's fallback: the full processed row, then its top k."""
-    return topk_draft_distribution(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)
+    return draft_topk_from_probs(logits_to_probs(logits[None, :], params, valid_vocab_size)[0], k)

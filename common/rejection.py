@@ -16,7 +16,7 @@ Departures from the paper:
 - uniform draws come from a counter-based stream (common.sampling.uniform) keyed by the session seed and the
   absolute token position, instead of a global RNG, so a session's output does not depend on batching or on
   which replica verifies it.
-- **drafted bonus** (``bonus_drafted=True``, ``DraftBlock.bonus_drafted``): the last of the n draft tokens was
+- **bonus_drafted blocks** (``DraftBlock.bonus_drafted``): the last of the n draft tokens was
   drafted for the position Algorithm 1 fills with its bonus token. The target scores n positions
   ([last committed token, x_1..x_{n-1}] gives p_1..p_n: the forward pass of a classic block of n − 1 drafts),
   and the rejection rule runs over ALL n draft tokens; there is no bonus token: a full block commits the n
@@ -53,12 +53,6 @@ class RejectionResult:
     def committed(self) -> int:
         """Tokens this verdict commits before stopping: the accepted prefix and the next token (if any)."""
         return self.num_accepted + (1 if self.next_token_id >= 0 else 0)
-
-
-def num_scored_positions(num_draft_tokens: int, bonus_drafted: bool) -> int:
-    """Positions the target scores for a block (rows of its logits): γ + 1 for a classic block of γ draft
-    tokens (the last row gives the bonus token), n for a bonus_drafted block of n draft tokens."""
-    return num_draft_tokens if bonus_drafted else num_draft_tokens + 1
 
 
 def verify_greedy(
@@ -99,7 +93,7 @@ def verify_sampled(
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample the recovered token
     from norm(max(0, p_i − q_i)); after a full block sample the bonus token from p_γ. With ``bonus_drafted``
-    (the drafted-bonus departure of the module docstring) every one of the γ draft tokens goes through the
+    (the bonus_drafted departure of the module docstring) every one of the γ draft tokens goes through the
     acceptance test, ``target_probs`` has γ rows, and a full block returns ``next_token_id = -1`` (no bonus
     token): the token at absolute position t is then a function of (p_t, q_t, the draws at t) alone.
     """
@@ -137,14 +131,14 @@ def verify_block(
     Greedy sampling (temperature 0) uses :func:`verify_greedy` on the raw logits; otherwise the logits are
     processed exactly as the draft processed its own (:func:`common.sampling.logits_to_probs`: temperature →
     top-k → top-p) into target_probs [γ + 1, vocab_size] and :func:`verify_sampled` applies Algorithm 1.
-    ``block.bonus_drafted`` selects the drafted-bonus rule (module docstring; logits have γ rows then).
+    ``block.bonus_drafted`` selects the bonus_drafted rule (module docstring; logits have γ rows then).
     Block validation (cloud_verifier.validation) must have run: every draft token has q(x) > 0, and a
     bonus_drafted block is not empty.
 
     Raises:
-        ValueError: ``target_logits`` has not :func:`num_scored_positions` rows.
+        ValueError: ``target_logits`` has not ``block.num_scored_positions`` rows.
     """
-    rows = num_scored_positions(len(block.draft_token_ids), block.bonus_drafted)
+    rows = block.num_scored_positions
     if np.shape(target_logits)[0] != rows:
         raise ValueError(f"target logits have {np.shape(target_logits)[0]} rows for a block scoring {rows} positions")
     if sampling.greedy:

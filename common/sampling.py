@@ -4,7 +4,7 @@ Both sides call :func:`logits_to_probs` with the same :class:`~common.types.Samp
 distribution (draft_probs, q) and the target distribution (target_probs, p) are processed identically
 (temperature, then top-k, then top-p, as HF transformers' logits warpers order them). Its home is
 :mod:`common.logits` (the exact top-p step: :mod:`common.top_p`); the sparse q of top-k drafting,
-:func:`topk_draft_distribution` and :func:`draft_topk_distribution`, lives in :mod:`common.draft_topk`. All three
+:func:`draft_topk_from_probs` and :func:`draft_topk_distribution`, lives in :mod:`common.draft_topk`. All three
 are exported here too.
 
 Randomness is counter-based (Philox, Salmon et al. 2011, as in numpy/JAX/cuRAND): a draw is a pure
@@ -18,12 +18,12 @@ import enum
 
 import numpy as np
 
-from common.draft_topk import draft_topk_distribution, topk_draft_distribution
+from common.draft_topk import draft_topk_distribution, draft_topk_from_probs
 from common.logits import logits_to_probs
 from common.types import SparseDraftProbs
 
 __all__ = ["Stream", "dense_draft_probs", "draft_topk_distribution", "logits_to_probs", "normalize_sparse",
-           "sample_from", "topk_draft_distribution", "uniform"]
+           "sample_from", "draft_topk_from_probs", "uniform"]
 
 
 class Stream(enum.IntEnum):

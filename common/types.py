@@ -89,10 +89,8 @@ class DraftBlock:
     """γ proposed token ids plus the draft probabilities needed to verify them.
 
     draft_probs None means greedy drafting: q is one-hot on each draft token.
-    bonus_drafted: the last draft token was drafted for the position after the others (the one a classic block
-        fills with the bonus token): the target scores [last committed token, x_1..x_{n-1}], the rejection rule
-        runs over all n tokens and a full block has no bonus token (common.rejection, "drafted bonus"). Needs
-        n >= 1; allows n <= max_num_speculative_tokens + 1 (the same positions scored as a classic block).
+    bonus_drafted: the last draft token was drafted for the bonus position (:mod:`common.rejection` explains
+        the rule). Needs n >= 1; allows n <= max_num_speculative_tokens + 1.
     """
 
     draft_token_ids: list[int]  # [γ]
@@ -102,6 +100,24 @@ class DraftBlock:
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)
+
+    @property
+    def scored_draft_token_ids(self) -> list[int]:
+        """The draft tokens fed to the target after the last committed token: all of them, or all but the last
+        of a bonus_drafted block (its last token stands at the position the last row scores)."""
+        return self.draft_token_ids[:-1] if self.bonus_drafted else self.draft_token_ids
+
+    @property
+    def num_scored_positions(self) -> int:
+        """Positions the target scores for the block (rows of its logits): γ + 1 for a classic block of γ draft
+        tokens (the last row gives the bonus token), n for a bonus_drafted block of n draft tokens."""
+        return len(self.scored_draft_token_ids) + 1
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Speculative positions the block fills (γ, as counted by acceptance metrics and adaptive γ): its
+        draft tokens, less a bonus_drafted block's last one, which fills the bonus position."""
+        return len(self.scored_draft_token_ids) if self.bonus_drafted else len(self.draft_token_ids)
 
 
 @dataclass

@@ -74,17 +74,12 @@ class EdgeClient:
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise
             (:class:`edge_client.policy.ProactiveBet`).
-        bonus_drafted: whether sampled sessions send drafted-bonus blocks (``DraftBlock.bonus_drafted``;
-            "drafted bonus" in :mod:`common.rejection`): γ speculative tokens plus one drafted for the bonus
-            position, all verified by the rejection rule, so the output does not depend on where blocks end
-            (cost: one more draft forward pass per block; the target's forward is the same size). None (default,
-            "auto"): only where block ends depend on timing, i.e. a seeded sampled session with adaptive γ or
-            proactive drafting on; a fixed schedule (fixed γ, no proactive drafting; confidence truncation is a
-            function of the draft's logits, not of timing) and an unseeded session use the classic bonus token
-            (sampled from p at the end of a fully accepted block), which saves that forward pass. True: every
-            sampled session (its output then does not depend on γ or the drafting settings either). False:
-            never; a seeded sampled session then turns adaptive γ and proactive drafting off. Greedy sessions
-            always use the classic bonus (their output never depends on block boundaries).
+        bonus_drafted: whether sampled sessions send bonus_drafted blocks (``DraftBlock.bonus_drafted``; the
+            rule and why it exists: :mod:`common.rejection`; cost: one more draft forward pass per block).
+            None (default, "auto"): only where block ends depend on timing, i.e. a seeded sampled session with
+            adaptive γ or proactive drafting on; other sessions use the classic bonus token. True: every
+            sampled session. False: never; a seeded sampled session then turns adaptive γ and proactive
+            drafting off. Greedy sessions always use the classic bonus token.
         timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
         fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":
@@ -99,15 +94,10 @@ class EdgeClient:
 
     What a seed guarantees: the same seed, the same draft and target models, the same sampling parameters and
     the same drafting settings (γ, adaptive, proactive, min_confidence, bonus_drafted) give the same tokens
-    whatever the timing, the batching or the replica: a timing-dependent schedule (adaptive γ, proactive
-    drafting) runs on drafted-bonus blocks, which make every token at absolute position t a function of the
-    target's and the draft's distributions there and the seeded draws at t, whatever the blocks; a fixed
-    schedule's block ends are themselves a function of those draws. With ``bonus_drafted=True`` the tokens
-    do not depend on the drafting settings either (fixed γ = 2, fixed γ = 4 and adaptive γ agree). Statistics
-    count a drafted-bonus block as γ speculative tokens (its last token fills the bonus position): the
-    acceptance rate is over those γ positions and τ is still the tokens committed per verify step. With
-    ``bonus_drafted=False`` a seeded sampled session keeps a timing-free schedule instead (adaptive γ and
-    proactive drafting off). Greedy output never depends on any of them.
+    whatever the timing, the batching or the replica (docs/architecture.md, "What a seed guarantees"); with
+    ``bonus_drafted=True`` they do not depend on the drafting settings either. Statistics count a block's
+    ``num_speculative_tokens``: the acceptance rate is over those positions and τ is the tokens committed
+    per verify step. Greedy output never depends on any of them.
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
@@ -277,21 +267,21 @@ class EdgeClient:
 
     def _policy(self, sampling: SamplingParams, requested_seed: int | None, max_num_speculative_tokens: int
                 ) -> tuple[AdaptiveNumSpeculativeTokens | None, ProactiveBet | None]:
-        """The session's adaptive controller and proactive bet (None when off). With drafted-bonus blocks
-        (:meth:`_drafts_bonus`) both stay on: the output does not depend on the schedule. Without them, a
+        """The session's adaptive controller and proactive bet (None when off). With bonus_drafted blocks
+        (:meth:`_bonus_drafted`) both stay on: the output does not depend on the schedule. Without them, a
         seeded sampled session turns both off: it keeps a timing-independent schedule (class docstring)."""
-        drafts_bonus = self._drafts_bonus(sampling, requested_seed)
-        timing_free = not sampling.greedy and requested_seed is not None and not drafts_bonus
+        bonus_drafted = self._bonus_drafted(sampling, requested_seed)
+        timing_free = not sampling.greedy and requested_seed is not None and not bonus_drafted
         adaptive = None
         if self.adaptive and not timing_free:
-            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens, drafted_bonus=drafts_bonus)
+            adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens, bonus_drafted=bonus_drafted)
         bet = None
         if self.proactive and self.drafter is not None and not timing_free:
             bet = ProactiveBet(lambda ids, n, should_stop: self._draft(ids, n, sampling, should_stop))
         return adaptive, bet
 
-    def _drafts_bonus(self, sampling: SamplingParams, requested_seed: int | None) -> bool:
-        """Blocks of this session are drafted-bonus blocks: a sampled session with a drafter, when
+    def _bonus_drafted(self, sampling: SamplingParams, requested_seed: int | None) -> bool:
+        """Blocks of this session are bonus_drafted blocks: a sampled session with a drafter, when
         ``bonus_drafted`` is True, or when it is None (auto) and the user fixed the seed and the schedule
         depends on timing (adaptive γ or proactive drafting): elsewhere the classic bonus token is as
         reproducible and saves a draft forward pass per block."""
@@ -399,24 +389,23 @@ class EdgeClient:
         capacity = min(opened.max_context_tokens, len(run.prompt_ids) + run.stopping.max_new_tokens)
         max_num_speculative_tokens = min(self.num_speculative_tokens, opened.max_num_speculative_tokens)
         adaptive, bet = self._policy(sampling, requested_seed, max_num_speculative_tokens)
-        # drafted bonus: γ speculative tokens + one for the bonus position, all verified by the rejection rule
-        extra = 1 if self._drafts_bonus(sampling, requested_seed) else 0
+        # bonus_drafted: γ speculative tokens + one for the bonus position (common.rejection)
+        bonus_drafted = self._bonus_drafted(sampling, requested_seed)
         for seq in itertools.count(run.first_seq):
             room = capacity - len(committed) - 1  # the verdict always adds one token of its own
             wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
-            block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)) + extra, sampling, bet)
-            block.bonus_drafted = bool(extra and len(block))  # an empty block is plain decoding
+            block, hit, draft_s = self._next_block(committed, max(0, min(wanted, room)) + bonus_drafted, sampling, bet)
+            block.bonus_drafted = bool(bonus_drafted and len(block))  # an empty block is plain decoding
             sent = SentBlock(self.backend, opened.session_id, seq, len(committed), block)
             if bet is not None and len(block) and not sent.future.done():
-                # bet on full acceptance: draft the bonus guess (none with a drafted bonus) + the next block
+                # bet on full acceptance: draft the bonus guess (none after a bonus_drafted block) + the next
                 # while the verdict travels
                 draft_s += bet.place(committed, block, max_num_speculative_tokens, capacity, sent.future.done)
             verdict, round_trip_ms = sent.wait(self.timeout_s)
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             committed.extend(tokens)
             run.last_seq, run.session_committed = seq, verdict.committed_length
-            # a drafted-bonus block counts as its γ speculative tokens: its last one fills the bonus position
-            spec = len(block) - 1 if block.bonus_drafted else len(block)
+            spec = block.num_speculative_tokens
             spec_verdict = dataclasses.replace(verdict, num_accepted=min(verdict.num_accepted, spec))
             if adaptive is not None:
                 # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;

@@ -13,11 +13,9 @@ docs/architecture.md "Lossless verification"):
   ``position`` being the absolute index of the drafted token. q travels as (ids, probs) [γ, k].
 
 The token drafted for absolute position t is a function of the committed prefix before t (through q_t) and of
-``uniform(seed, t, DRAFT_SAMPLE)``, not of where the block began. Sampled sessions send drafted-bonus blocks
-(``DraftBlock.bonus_drafted``, :mod:`common.rejection`): the client asks for γ + 1 tokens, the last one drafted
-for the bonus position, so every output token goes through the rejection rule and a seeded session's output
-does not depend on the γ schedule. Cost: one more draft forward pass per block; when the block is accepted
-whole, the KV of its tokens is kept for the next block (only the last one is fed then).
+``uniform(seed, t, DRAFT_SAMPLE)``, not of where the block began. For a bonus_drafted block
+(``DraftBlock.bonus_drafted``, :mod:`common.rejection`; the client decides when) the client asks for γ + 1
+tokens; when it is accepted whole, the KV of its tokens is kept for the next block (only the last one is fed).
 """
 
 from __future__ import annotations
@@ -57,9 +55,9 @@ class Drafter(Protocol):
         Args:
             committed_token_ids: prompt + committed output ids (non-empty); the block continues them. Proactive
                 drafting passes committed ids + a block still in flight (+ a bonus guess after a classic
-                block; none after a drafted-bonus block, whose last token is that guess).
+                block; none after a bonus_drafted block, whose last token is that guess).
             num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block); for a
-                drafted-bonus block the client asks for its γ + 1 tokens.
+                bonus_drafted block the client asks for its γ + 1 tokens.
             sampling: the session's SamplingParams (a sampling drafter applies the same logits processing
                 the verifier applies to p: ``common.sampling.logits_to_probs``).
             seed: the session seed (a sampling drafter draws with ``common.sampling.uniform(seed, position,
@@ -171,7 +169,8 @@ class ModelDrafter:
             seed: the session seed (key of the DRAFT_SAMPLE stream); unused for greedy drafting.
 
         Returns:
-            DraftBlock with γ draft ids (fewer when truncated or stopped); ``draft_probs`` None for greedy drafting, else SparseDraftProbs with
+            DraftBlock with γ draft ids (fewer when truncated or stopped); ``draft_probs`` None for greedy
+            drafting, else SparseDraftProbs with
             ids int64 [γ, k] and probs float32 [γ, k] (each row the exact q the token was sampled from; rows
             are padded with zero-probability ids only when some q has fewer than k tokens); ``draft_ms`` the
             wall time of the call, ms.

@@ -18,7 +18,7 @@ guarantees"): which positions the draft fills alone depends on when the cloud wa
 still a function of the prefix and the draws at its position, and the verified session after a fallback goes
 on with the same seed and the same kind of blocks. The draft's KV cache is shared
 with drafting (:meth:`edge_client.drafter.ModelDrafter.next_token_logits` rolls it back to the committed
-prefix, dropping the tokens of a drafted-bonus block that was never verified).
+prefix, dropping the tokens of a bonus_drafted block that was never verified).
 """
 
 from __future__ import annotations

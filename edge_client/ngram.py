@@ -5,7 +5,7 @@ lossless for greedy and sampled sessions alike.
 
 Sampled sessions draft token by token: the token proposed for absolute position t is the lookup's first token
 after ``context[:t]`` (the prefix committed, plus the tokens drafted before it in the block), a function of
-that prefix alone. With drafted-bonus blocks (``DraftBlock.bonus_drafted``, :mod:`common.rejection`) this
+that prefix alone. With bonus_drafted blocks (``DraftBlock.bonus_drafted``, :mod:`common.rejection`) this
 keeps a seeded sampled session's output independent of where blocks begin: a continuation copied from the
 match found at the block's start would make the one-hot q at t depend on that start. Greedy sessions copy the
 whole continuation of one match (their output does not depend on the proposal).

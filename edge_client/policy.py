@@ -3,15 +3,9 @@ and whether to draft the next block before the verdict on the current one arrive
 
 None of the three changes what is committed, in a greedy session or in a seeded sampled one (every block is
 verified by the same rejection rule, whatever its length or the moment it was drafted); they change only how
-fast. For a seeded sampled session with adaptive γ or proactive drafting this rests on drafted-bonus
-blocks (``DraftBlock.bonus_drafted``, "drafted bonus" in :mod:`common.rejection`; the client's default there):
-a block of γ speculative tokens carries γ + 1 draft tokens, the last one drafted for the bonus position, and every token goes through the rejection rule, so the token at each absolute
-position is a function of the target's and the draft's distributions there and of the seeded draws at that
-position, not of where blocks end. (With the classic bonus token — sampled straight from p at the end of a
-full block, through the rejection rule inside one — it was not, and a seeded sampled session had to turn
-adaptive γ and proactive drafting off; ``EdgeClient(bonus_drafted=False)`` still does. A fixed schedule's block
-ends are a function of the seeded draws, so it keeps the classic bonus by default: one draft forward pass per
-block less.) The client (:class:`edge_client.client.EdgeClient`) switches each one on or off:
+fast. For a seeded sampled session with adaptive γ or proactive drafting this rests on bonus_drafted blocks
+(``DraftBlock.bonus_drafted``; the rule: :mod:`common.rejection`; when the client uses them:
+:class:`edge_client.client.EdgeClient`). The client switches each one on or off:
 
 - **Adaptive num_speculative_tokens** (``adaptive=True``): :class:`AdaptiveNumSpeculativeTokens` picks γ per
   verify step, 1 ≤ γ ≤ max_num_speculative_tokens, to maximise committed tokens per second.
@@ -22,7 +16,7 @@ block less.) The client (:class:`edge_client.client.EdgeClient`) switches each o
   drafter has no probabilities and ignores it). The client only passes its setting through.
 - **Proactive drafting** (``proactive=True``): :class:`ProactiveBet` drafts the next block while the current
   one is in flight, betting that it is fully accepted and that the bonus token is the one the draft predicts
-  (a drafted-bonus block has no bonus token: the bet is only that all its tokens are accepted).
+  (a bonus_drafted block has no bonus token: the bet is only that all its tokens are accepted).
 
 Adaptive γ and proactive drafting depend on timing; the output does not (see above), so a seeded session gives
 the same tokens with them on or off, for any γ.
@@ -37,9 +31,9 @@ and its expected wall time, measured on the edge, is
 
     T(γ) = γ · t_draft + t_verify(γ) + t_rtt,   t_verify(γ) = a + b · γ   (target forward, fitted online)
 
-With drafted-bonus blocks γ counts the speculative positions only (the block carries γ + 1 draft tokens; its
+With bonus_drafted blocks γ counts the speculative positions only (the block carries γ + 1 draft tokens; its
 last position yields exactly one token, as the bonus position does), so E[tokens | γ] is unchanged and the
-draft term becomes (γ + 1) · t_draft (``drafted_bonus=True``).
+draft term becomes (γ + 1) · t_draft (``bonus_drafted=True``).
 
 γ* = argmax_{1 ≤ γ ≤ γ_max} E[tokens | γ] / T(γ). All quantities are exponential moving averages of what
 the client measures: per-position acceptance counts, draft ms per token, the verifier's forward ms per block
@@ -68,7 +62,7 @@ class AdaptiveNumSpeculativeTokens:
         max_num_speculative_tokens: upper bound on γ, >= 1 (the client's setting, capped by the verifier's).
         ema: weight of a new observation in the moving averages (0 < ema <= 1).
         warmup_steps: steps at max_num_speculative_tokens before adapting.
-        drafted_bonus: blocks carry one draft token more than γ (drafted-bonus blocks): the draft runs γ + 1
+        bonus_drafted: blocks carry one draft token more than γ (bonus_drafted blocks): the draft runs γ + 1
             steps per block. :meth:`observe` still takes γ (speculative positions) and the accepted count
             among them.
 
@@ -79,7 +73,7 @@ class AdaptiveNumSpeculativeTokens:
     max_num_speculative_tokens: int
     ema: float = 0.1
     warmup_steps: int = 3
-    drafted_bonus: bool = False
+    bonus_drafted: bool = False
     accept: list[float] = field(default_factory=list)  # α_i estimates, per position
     draft_ms_per_token: float = 0.0
     rtt_ms: float = 0.0  # round trip minus target forward (network + queueing), ms
@@ -103,7 +97,7 @@ class AdaptiveNumSpeculativeTokens:
         Args:
             num_speculative_tokens: length of the block sent, tokens.
             num_accepted: draft tokens the verifier accepted (0..num_speculative_tokens).
-            draft_ms: edge time spent drafting the block (γ + 1 tokens with ``drafted_bonus``), ms; None when
+            draft_ms: edge time spent drafting the block (γ + 1 tokens with ``bonus_drafted``), ms; None when
                 that time was hidden and is no
                 per-token cost (drafted ahead behind an earlier round trip, or the first block, whose time
                 includes the draft's prefill of the whole prompt).
@@ -120,7 +114,7 @@ class AdaptiveNumSpeculativeTokens:
             elif i == num_accepted:
                 self.accept[i] = (1 - self.ema) * self.accept[i]
                 break
-        drafted = n + 1 if self.drafted_bonus else n
+        drafted = n + 1 if self.bonus_drafted else n
         if drafted > 0 and draft_ms is not None:
             self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / drafted, first)
         self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)
@@ -146,7 +140,7 @@ class AdaptiveNumSpeculativeTokens:
     def expected_ms(self, num_speculative_tokens: int) -> float:
         """T(γ): expected wall time of a verify step with a block of γ tokens, ms."""
         n = num_speculative_tokens
-        drafted = n + 1 if self.drafted_bonus else n
+        drafted = n + 1 if self.bonus_drafted else n
         return drafted * self.draft_ms_per_token + self.verify_base_ms + n * self.verify_ms_per_token + self.rtt_ms
 
     def next_num_speculative_tokens(self) -> int:
@@ -214,13 +208,13 @@ class ProactiveBet:
     ``committed + block``: the first is the bonus guess, the other ``n`` the next block. At the next step,
     :meth:`take` returns that block when the committed ids are exactly ``committed + block + [guess]`` (the
     bet won: the round trip was spent drafting, not waiting), and None otherwise (the bet is dropped and the
-    client drafts from the committed ids as usual). A drafted-bonus block (``block.bonus_drafted``) already
+    client drafts from the committed ids as usual). A bonus_drafted block (``block.bonus_drafted``) already
     holds the draft's guess for the bonus position and a full verdict adds no token: the bet is then that the
     committed ids become exactly ``committed + block``, and the ``n`` tokens drafted after it (the next
-    drafted-bonus block, its own last token included) are the prepared block. Either way the prepared block
+    bonus_drafted block, its own last token included) are the prepared block. Either way the prepared block
     holds the tokens the client would have drafted from those committed ids (same drafter, same positions,
-    same seeded draws), so taking it changes the speed only, never the output. Drafting ahead stops at the first token after the verdict
-    arrives (``should_stop``), so a lost bet delays the next block by at most one draft forward pass.
+    same seeded draws), so taking it changes the speed only, never the output. Drafting ahead stops at the
+    first token after the verdict arrives (``should_stop``), so a lost bet delays the next block by at most one draft forward pass.
 
     Verification stays lossless: the verifier checks whatever block it gets against the committed prefix the
     block extends; the bet only decides which block that is. Drafting ahead is an ordinary call of the drafter
@@ -268,7 +262,7 @@ class ProactiveBet:
         Args:
             committed_token_ids: the committed ids the block in flight extends.
             block: the block in flight (non-empty); when ``block.bonus_drafted`` no bonus guess is drafted
-                and the prepared block is a drafted-bonus block too (``max_num_speculative_tokens + 1`` tokens
+                and the prepared block is a bonus_drafted block too (``max_num_speculative_tokens + 1`` tokens
                 at most).
             max_num_speculative_tokens: longest block to prepare (speculative tokens γ), tokens.
             capacity: prompt + output tokens the session may reach (max_new_tokens and the verifier's context
@@ -280,7 +274,7 @@ class ProactiveBet:
         """
         bet = list(committed_token_ids) + list(block.draft_token_ids)
         if block.bonus_drafted:
-            # no guess to draft: the next drafted-bonus block after the bet, γ <= the room a verdict leaves
+            # no guess to draft: the next bonus_drafted block after the bet, γ <= the room a verdict leaves
             room = capacity - len(bet) - 1
             if room < 0:
                 return 0.0

@@ -30,7 +30,7 @@ class GenerationStats:
     elapsed_s: float = 0.0  # wall time of the whole generation (session open to close), s
     draft_s: float = 0.0  # edge time spent in the draft model, s (drafting ahead while a block travels included)
     target_forward_s: float = 0.0  # verifier time in target forward passes, s (a batched pass split per row)
-    accepted_per_position: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
     num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and sent as they were
 
     def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False) -> None:
@@ -55,10 +55,10 @@ class GenerationStats:
         self.draft_s += draft_s
         self.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
         self.num_proactive_hits += int(proactive_hit)
-        if len(self.accepted_per_position) < block_len:
-            self.accepted_per_position.extend([0] * (block_len - len(self.accepted_per_position)))
+        if len(self.num_accepted_tokens_per_pos) < block_len:
+            self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):
-            self.accepted_per_position[i] += 1
+            self.num_accepted_tokens_per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

@@ -30,7 +30,7 @@ SAMPLING_FUNCTIONS = {
     "common/logits.py": ("common.logits", ["x_logits_to_probs", "x__scale"]),
     "common/top_p.py": ("common.top_p", ["x__top_p_keep", "x__top_p_round", "x__negative_ramp",
                                          "x__top_candidates"]),
-    "common/draft_topk.py": ("common.draft_topk", ["x_topk_draft_distribution"]),
+    "common/draft_topk.py": ("common.draft_topk", ["x_draft_topk_from_probs"]),
 }
 SCOPE = {
     "common/rejection.py": ["common.rejection.*"],

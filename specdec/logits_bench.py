@@ -4,16 +4,16 @@ Two call shapes, as the two sides make them:
 
 - edge path: the draft's per-token call (edge_client.drafter, once per draft token): the sparse top-k q straight
   from one row of raw logits (``draft_topk_distribution``) vs the full-sort reference then
-  ``topk_draft_distribution``;
+  ``draft_topk_from_probs``;
 - verifier path: one block [γ + 1, vocab_size] (cloud_verifier, once per verify row); reported per position;
-- edge step: the drafter's whole sampled per-token step (its q, one draw) vs the step before issue 14.
+- edge step: the drafter's whole sampled per-token step (its q, one draw) vs the step it replaced (full-row top-k).
 
 Logits are real when the default target (SmolLM2-135M-Instruct, ``specdec models prepare``) is in the model
 cache and transformers loads it: one teacher-forced forward over a fixed chat prompt and answer, rows taken
 from the answer's positions. Otherwise (or with ``synthetic=True``) they are synthetic, calibrated on those
 real logits: a Gaussian body (σ 3.5) and a peaked head (the top token about 22 above the median, the next
-ones 0.5-6 below the top). The verifier's probabilities are checked bit for bit against the reference; the edge's q for the same token
-ids (its probabilities agree to rounding: the draft samples from the q it sends, whatever its last bits).
+ones 0.5-6 below the top). The verifier's probabilities are checked bit for bit against the reference; the
+edge's q for the same token ids (its probabilities agree to rounding: the draft samples from the q it sends, whatever its last bits).
 
     python -m specdec.logits_bench [--vocab-size 49152] [--rows 5] [--repeats 30] [--synthetic]
 
@@ -37,7 +37,7 @@ from common.sampling import (
     logits_to_probs,
     normalize_sparse,
     sample_from,
-    topk_draft_distribution,
+    draft_topk_from_probs,
     uniform,
 )
 from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams
@@ -98,9 +98,9 @@ def real_logits(num_rows: int, vocab_size: int) -> np.ndarray | None:  # [num_ro
     return np.ascontiguousarray(logits)
 
 
-def _topk_draft_distribution_before(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """common.sampling.topk_draft_distribution before issue 14 (argpartition over the whole row), for the
-    edge-step comparison only: after top-p most of the row is 0, and those ties make it take ~1-2 ms."""
+def _draft_topk_from_probs_before(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """common.sampling.draft_topk_from_probs as it was before the partial selection (argpartition over the
+    whole row), for the edge-step comparison only: after top-p most of the row is 0, and those ties make it take ~1-2 ms."""
     k = max(1, min(k, int(np.count_nonzero(probs > 0))))
     ids = np.argpartition(probs, len(probs) - k)[len(probs) - k :]
     ids = ids[np.argsort(-probs[ids], kind="stable")]
@@ -114,13 +114,13 @@ def _edge_q_fast(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.nd
 
 
 def _edge_q_reference(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The same q through the full-sort reference row and topk_draft_distribution."""
-    return topk_draft_distribution(logits_to_probs_reference(row[None, :], params)[0], k)
+    """The same q through the full-sort reference row and draft_topk_from_probs."""
+    return draft_topk_from_probs(logits_to_probs_reference(row[None, :], params)[0], k)
 
 
 def _edge_q_before(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """q as the drafter computed it before issue 14 (full-sort reference, argpartition top-k)."""
-    return _topk_draft_distribution_before(logits_to_probs_reference(row[None, :], params)[0], k)
+    """q as the drafter computed it before the partial selection (full-sort reference, argpartition top-k)."""
+    return _draft_topk_from_probs_before(logits_to_probs_reference(row[None, :], params)[0], k)
 
 
 def _edge_step(q_of: Callable, row: np.ndarray, params: SamplingParams, draft_top_k: int) -> int:
@@ -161,10 +161,10 @@ def bench_logits_processing(
     """ms per position of logits processing, fast vs the full-sort reference, edge and verifier paths.
 
     edge: the drafter's q (``draft_topk_distribution`` with ``draft_top_k``) of each of the ``num_rows`` rows
-    alone, ``repeats`` times each, vs the reference row then ``topk_draft_distribution``. verifier: the
+    alone, ``repeats`` times each, vs the reference row then ``draft_topk_from_probs``. verifier: the
     [num_rows, vocab_size] block, ``repeats`` times, time divided by ``num_rows``. edge_step: the drafter's
-    whole sampled per-token step (its q, one draw) per row, fast vs before issue 14 (the reference and the old
-    topk_draft_distribution). Temperatures must be > 0 (sampled decoding).
+    whole sampled per-token step (its q, one draw) per row, fast vs the full-row step (the reference and the old
+    draft_topk_from_probs). Temperatures must be > 0 (sampled decoding).
 
     Returns:
         {"vocab_size", "num_rows", "repeats", "logits", "numpy", "python", "settings": [...]}, one entry per
@@ -192,7 +192,8 @@ def bench_logits_processing(
             for rows in [logits, *(logits[i : i + 1] for i in range(num_rows))]
         ) and all(
             np.array_equal(_edge_q_fast(row, params, draft_top_k)[0], _edge_q_reference(row, params, draft_top_k)[0])
-            and _edge_step(_edge_q_fast, row, params, draft_top_k) == _edge_step(_edge_q_before, row, params, draft_top_k)
+            and _edge_step(_edge_q_fast, row, params, draft_top_k)
+            == _edge_step(_edge_q_before, row, params, draft_top_k)
             for row in logits
         )
         entry: dict = {"temperature": temperature, "top_k": top_k, "top_p": top_p}

@@ -1,4 +1,4 @@
-"""Drafted-bonus blocks (``DraftBlock.bonus_drafted = 7``) over real gRPC: the length rule, the verdict's meaning
+"""bonus_drafted blocks (``DraftBlock.bonus_drafted = 7``) over real gRPC: the length rule, the verdict's meaning
 of next_token_id = -1, and greedy exactness against target-only decoding.
 
 A real verifier (tiny target, sessions in a real Redis) behind EmbeddedServer on 127.0.0.1; raw
@@ -6,12 +6,12 @@ A real verifier (tiny target, sessions in a real Redis) behind EmbeddedServer on
 
 - a bonus_drafted block with 0 draft tokens, or with more than max_num_speculative_tokens + 1, is
   INVALID_ARGUMENT and commits nothing; one of exactly max + 1 tokens is verified (a classic block of max + 1
-  is still refused); the KV-capacity check counts the positions a drafted-bonus block scores (n − 1 past the
+  is still refused); the KV-capacity check counts the positions a bonus_drafted block scores (n − 1 past the
   committed length);
-- greedy: a drafted-bonus block made of the target's own greedy tokens is accepted whole with
+- greedy: a bonus_drafted block made of the target's own greedy tokens is accepted whole with
   next_token_id = -1 and is_bonus false, the committed tokens are target-only decoding's; the same tokens as a
   classic block end with the target's bonus token; a wrong last token is rejected and replaced by the target's
-  (the drafted-bonus position goes through the rejection rule).
+  (the bonus_drafted position goes through the rejection rule).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def committed(stub, sid) -> list[int]:
 
 @pytest.mark.parametrize("ids,needle", [([], "at least one"), ([5] * (MAX_BLOCK + 2), "+ 1")],
                          ids=["empty", "max+2"])
-def test_drafted_bonus_length_rule_refused(stub, ids, needle):
+def test_bonus_drafted_length_rule_refused(stub, ids, needle):
     sid, length = open_session(stub)
     before = committed(stub, sid)
     with pytest.raises(grpc.RpcError) as e:
@@ -93,7 +93,7 @@ def test_drafted_bonus_length_rule_refused(stub, ids, needle):
     assert e.value.code() == INVALID, e.value.details()
     assert needle in e.value.details()
     assert committed(stub, sid) == before  # nothing committed
-    # the session still works: the same seq with a valid drafted-bonus block of max + 1 tokens
+    # the session still works: the same seq with a valid bonus_drafted block of max + 1 tokens
     v = stub.VerifyBlock(block(sid, 1, length, [5] * (MAX_BLOCK + 1)), timeout=WAIT_S)
     assert v.seq == 1 and v.committed_length > length
 
@@ -106,8 +106,8 @@ def test_classic_block_of_max_plus_one_still_refused(stub):
     assert committed(stub, sid) == PROMPT
 
 
-def test_drafted_bonus_capacity_counts_scored_positions(stub, reference):
-    # capacity = prompt + 2: a drafted-bonus block of 3 scores positions up to length + 2 (fits), 4 does not
+def test_bonus_drafted_capacity_counts_scored_positions(stub, reference):
+    # capacity = prompt + 2: a bonus_drafted block of 3 scores positions up to length + 2 (fits), 4 does not
     sid, length = open_session(stub, max_new_tokens=2)
     with pytest.raises(grpc.RpcError) as e:
         stub.VerifyBlock(block(sid, 1, length, reference[:3] + [7]), timeout=WAIT_S)
@@ -117,7 +117,7 @@ def test_drafted_bonus_capacity_counts_scored_positions(stub, reference):
     assert v.finished and committed(stub, sid) == PROMPT + reference[:2]  # cut at max_new_tokens
 
 
-def test_greedy_drafted_bonus_full_block_and_exactness(stub, reference):
+def test_greedy_bonus_drafted_full_block_and_exactness(stub, reference):
     n = MAX_BLOCK + 1
     sid, length = open_session(stub)
     v = stub.VerifyBlock(block(sid, 1, length, reference[:n]), timeout=WAIT_S)

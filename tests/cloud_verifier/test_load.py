@@ -411,7 +411,7 @@ def test_spec_decode_counters_equal_the_clients_verdicts(tiny_pair, runner):
     assert after["specdec_spec_decode_num_accepted_tokens_total"] - \
         before["specdec_spec_decode_num_accepted_tokens_total"] == sum(s.num_accepted_tokens for s in stats)
     for k in range(max_gamma + 1):
-        want = sum(s.accepted_per_position[k] for s in stats if len(s.accepted_per_position) > k)
+        want = sum(s.num_accepted_tokens_per_pos[k] for s in stats if len(s.num_accepted_tokens_per_pos) > k)
         assert after[(_PER_POS, k)] - before[(_PER_POS, k)] == want, f"position {k}"
     assert sum(s.num_accepted_tokens for s in stats) > 0 and sum(s.num_draft_tokens for s in stats) > \
         sum(s.num_accepted_tokens for s in stats)  # both accepting and rejecting drafts ran

@@ -39,7 +39,7 @@ def test_metrics_follow_verification(tiny_pair):
         assert d("specdec_spec_decode_num_draft_tokens_total") == s.num_draft_tokens
         assert d("specdec_spec_decode_num_accepted_tokens_total") == s.num_accepted_tokens
         assert _value("specdec_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) - pos0 == \
-            s.accepted_per_position[0]
+            s.num_accepted_tokens_per_pos[0]
         assert d("specdec_batch_size_count") >= s.num_drafts
         assert d("specdec_target_forward_seconds_count") >= s.num_drafts
         assert d("specdec_queue_wait_seconds_count") == s.num_drafts

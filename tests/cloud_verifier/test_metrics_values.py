@@ -97,10 +97,10 @@ def test_counter_values_equal_the_clients_stats_and_stay_flat_when_idle(tiny_pai
     assert d("specdec_spec_decode_num_draft_tokens_total") == sum(s.num_draft_tokens for s in stats)
     assert d("specdec_spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
     assert d("specdec_generation_tokens_total") == sum(s.num_generated_tokens for s in stats)
-    width = max(len(s.accepted_per_position) for s in stats)
+    width = max(len(s.num_accepted_tokens_per_pos) for s in stats)
     for pos in range(width):
         assert d("specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == sum(
-            s.accepted_per_position[pos] for s in stats if pos < len(s.accepted_per_position)), pos
+            s.num_accepted_tokens_per_pos[pos] for s in stats if pos < len(s.num_accepted_tokens_per_pos)), pos
     assert d("specdec_queue_wait_seconds_count") == sum(s.num_drafts for s in stats)
     # every verify step ran in some forward pass; the concurrent ones may have shared passes
     assert d("specdec_batch_size_sum") == sum(s.num_drafts for s in stats)

@@ -94,7 +94,7 @@ def test_vocabulary_edges_are_tokens():
             RejectionResult(0, winner)
 
 
-def test_drafted_bonus_full_block_is_not_a_fault():
+def test_bonus_drafted_full_block_is_not_a_fault():
     """-1 is the verdict's token only after a bonus_drafted block accepted whole; anywhere else it is a fault."""
     logits = np.full((2, V), -5.0, np.float32)
     logits[0, 3] = logits[1, 4] = 5.0

@@ -1,4 +1,4 @@
-"""Issue 11: only the right clients, over an encrypted channel, each seeing only its own sessions.
+"""Only the right clients, over an encrypted channel, each seeing only its own sessions.
 
 Real grpc.aio servers on 127.0.0.1 around the real Verifier (tiny random Llama with the SmolLM2 tokenizer), real
 TLS (a throw-away CA made with `cryptography`), real API-key files, real Redis servers (password, TLS), real

@@ -225,7 +225,7 @@ def test_draft_probs_sum_message_rounds_to_four_decimals():
         val.check_draft_probs(block_with([5], [([5, 6], [0.5, 0.50173])]), PADDED)
 
 
-# ---------------------------------------------------------------------------------------------- drafted bonus
+# ---------------------------------------------------------------------------------------------- bonus_drafted
 
 
 def test_block_length_of_a_bonus_drafted_block():

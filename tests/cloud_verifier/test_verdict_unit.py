@@ -209,12 +209,12 @@ def test_stale_copy_commits_nothing_and_is_released(runner, ref):
     assert counted == (0, 0, 0, 0)
 
 
-def test_drafted_bonus_full_block(runner, ref):
+def test_bonus_drafted_full_block(runner, ref):
     """A bonus_drafted block accepted whole commits its tokens and no bonus token (next_token_id -1,
     is_bonus False)."""
     prompt, tokens = ref
     if "bonus_drafted" not in DraftBlock.__dataclass_fields__:
-        pytest.skip("no drafted-bonus blocks in this tree")
+        pytest.skip("no bonus_drafted blocks in this tree")
 
     async def body(verifier, store):
         opened = await verifier.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=32,

@@ -1,5 +1,5 @@
 """``draft_topk_distribution`` (the edge's top-k drafting q straight from raw logits) against the reference
-composition ``topk_draft_distribution(logits_to_probs(...))``: the same token ids in the same order, q equal up
+composition ``draft_topk_from_probs(logits_to_probs(...))``: the same token ids in the same order, q equal up
 to float rounding, on random logits with ties, -inf, tiny and huge temperatures, top-k, top-p near 0 and 1,
 and a padded vocabulary. Breaking its tie rule (lowest ids first at the top-p boundary instead of the
 reference's highest) or its top-p test (<= instead of <) fails ``test_matches_the_reference``."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.sampling import draft_topk_distribution, logits_to_probs, topk_draft_distribution
+from common.sampling import draft_topk_distribution, logits_to_probs, draft_topk_from_probs
 from common.types import SamplingParams
 
 VOCAB = 4096
@@ -48,7 +48,7 @@ def test_matches_the_reference(kind, temperature, top_k, top_p, k, valid):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     for _ in range(5):
         logits = _logits(rng, kind)
-        ref_ids, ref_q = topk_draft_distribution(logits_to_probs(logits[None], params, valid)[0], k)
+        ref_ids, ref_q = draft_topk_from_probs(logits_to_probs(logits[None], params, valid)[0], k)
         ids, q = draft_topk_distribution(logits, params, k, valid)
         assert ids.dtype == np.int64 and q.dtype == np.float32
         np.testing.assert_array_equal(ids, ref_ids)
@@ -73,7 +73,7 @@ def test_non_finite_rows_and_greedy_follow_the_reference():
     bad = logits.copy()
     bad[3] = np.nan
     for row, params in ((bad, SamplingParams(temperature=0.7)), (logits, SamplingParams(temperature=0.0))):
-        ref_ids, ref_q = topk_draft_distribution(logits_to_probs(row[None], params)[0], 8)
+        ref_ids, ref_q = draft_topk_from_probs(logits_to_probs(row[None], params)[0], 8)
         ids, q = draft_topk_distribution(row, params, 8)
         np.testing.assert_array_equal(ids, ref_ids)
         np.testing.assert_array_equal(q, ref_q)
@@ -87,7 +87,7 @@ def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
     logits = np.full(VOCAB, -1e4, dtype=np.float32)
     logits[[10, 20, 30, 40]] = 1.0
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.5)
-    ref_ids, _ = topk_draft_distribution(logits_to_probs(logits[None], params)[0], 4)
+    ref_ids, _ = draft_topk_from_probs(logits_to_probs(logits[None], params)[0], 4)
     ids, q = draft_topk_distribution(logits, params, 4)
     assert ids.tolist() == ref_ids.tolist() == [30, 40]
     np.testing.assert_array_equal(q, [0.5, 0.5])

@@ -35,7 +35,7 @@ from common.sampling import (
     dense_draft_probs,
     normalize_sparse,
     sample_from,
-    topk_draft_distribution,
+    draft_topk_from_probs,
     uniform,
 )
 from common.types import SparseDraftProbs
@@ -190,7 +190,7 @@ def _draft_next(prefix: list[int]) -> np.ndarray:
 def _sparse_q(state: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Top-k draft distribution of a state (-1 = empty prefix): ids [k] int64, wire probs [k] float32, and the
     float64 distribution the edge samples from (normalize_sparse of the wire probs)."""
-    ids, probs = topk_draft_distribution(Q0 if state < 0 else Q[state], k)
+    ids, probs = draft_topk_from_probs(Q0 if state < 0 else Q[state], k)
     return ids, probs, normalize_sparse(probs)
 
 

@@ -1,4 +1,4 @@
-"""Drafted-bonus blocks (common.rejection, ``DraftBlock.bonus_drafted``): certain outcomes, independence of the
+"""bonus_drafted blocks (common.rejection, ``DraftBlock.bonus_drafted``): certain outcomes, independence of the
 output from where blocks end, and statistical losslessness under top-k and top-p.
 
 Model. A Markov "language" over SV = 8 tokens: raw target and draft logits depend on the previous token only;
@@ -6,7 +6,7 @@ both sides process them with the same SamplingParams (temperature → top-k → 
 target's processed law is P0 / P[prev] and target-only sampling gives (c0, c1) ~ P0 · P[c0]. The edge drafts
 with top-k drafting (k = 3: q is the draft's processed top 3, renormalised) and the real counter-based streams
 (``uniform(seed, t, DRAFT_SAMPLE)``); the verifier is :func:`common.rejection.verify_block` on raw logits rows
-[last committed, x_1..x_{n-1}] (drafted bonus) or [last committed, x_1..x_γ] (classic). The loop commits
+[last committed, x_1..x_{n-1}] (bonus_drafted) or [last committed, x_1..x_γ] (classic). The loop commits
 accepted + next token (when not -1), as the client does.
 
 Checked:
@@ -15,10 +15,10 @@ Checked:
   (negative control: its outputs depend on the schedule);
 - losslessness (Leviathan et al. 2023, Appendix A.1 per position): c0 ~ P0, (c0, c1) ~ P0·P, c2 ~ P0·P·P by
   total-variation distance under a multinomial-noise bound and chi-square (helpers of test_rejection.py), with
-  γ alternating 1 and 2 per seed so the drafted-bonus position falls on c1 or c2 and a second block follows;
+  γ alternating 1 and 2 per seed so the bonus_drafted position falls on c1 or c2 and a second block follows;
   for a top-k and a top-p SamplingParams;
 - negative controls fail the same checks: accepting every draft token (output ~ q), resampling from p after a
-  rejection, and committing the drafted-bonus token without its acceptance test (the bug this rule must avoid).
+  rejection, and committing the bonus_drafted token without its acceptance test (the bug this rule must avoid).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import functools
 import numpy as np
 import pytest
 
-from common.rejection import RejectionResult, num_scored_positions, verify_block, verify_greedy, verify_sampled
+from common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
 from common.sampling import Stream, dense_draft_probs, logits_to_probs, normalize_sparse, sample_from, uniform
-from common.sampling import topk_draft_distribution
+from common.sampling import draft_topk_from_probs
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 from test_rejection import check
 
@@ -45,7 +45,7 @@ PARAMS = {
 # --------------------------------------------------------------------------------------- certain outcomes
 
 
-def test_greedy_drafted_bonus_full_block_has_no_bonus_token():
+def test_greedy_bonus_drafted_full_block_has_no_bonus_token():
     logits = np.full((3, 6), -5.0, dtype=np.float32)
     for i, a in enumerate([1, 2, 3]):
         logits[i, a] = 5.0
@@ -55,21 +55,22 @@ def test_greedy_drafted_bonus_full_block_has_no_bonus_token():
     assert verify_greedy([1, 2], logits) == RejectionResult(2, 3)  # classic: the same rows give a bonus token
 
 
-def test_sampled_drafted_bonus_certain_outcomes():
+def test_sampled_bonus_drafted_certain_outcomes():
     p = np.zeros((2, 4))
     p[0, 1] = p[1, 2] = 1.0  # the target is certain at both positions
     ok = verify_sampled([1, 2], None, p, seed=5, start_position=10, bonus_drafted=True)
     assert ok == RejectionResult(2, -1)
     bad = verify_sampled([1, 3], None, p, seed=5, start_position=10, bonus_drafted=True)
-    assert bad == RejectionResult(1, 2)  # the drafted-bonus token is tested like any other: rejected, recovered
+    assert bad == RejectionResult(1, 2)  # the bonus_drafted token is tested like any other: rejected, recovered
 
 
-def test_verify_block_checks_the_rows_of_a_drafted_bonus_block():
+def test_verify_block_checks_the_rows_of_a_bonus_drafted_block():
     sp = SamplingParams(temperature=1.0)
     block = DraftBlock([1, 2, 3], bonus_drafted=True)
-    assert num_scored_positions(3, True) == 3 and num_scored_positions(3, False) == 4
+    assert DraftBlock([1, 2, 3], bonus_drafted=True).num_scored_positions == 3
+    assert DraftBlock([1, 2, 3]).num_scored_positions == 4
     with pytest.raises(ValueError):
-        verify_block(block, np.zeros((4, 6), np.float32), sp, 0, 10)  # classic rows for a drafted-bonus block
+        verify_block(block, np.zeros((4, 6), np.float32), sp, 0, 10)  # classic rows for a bonus_drafted block
     res = verify_block(block, np.zeros((3, 6), np.float32), sp, 0, 10)
     assert 0 <= res.num_accepted <= 3
 
@@ -99,7 +100,7 @@ def target_probs(mode: str, state: int) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def draft_q(mode: str, state: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Top-k drafting after ``state``: ids [k'], wire probs [k'] float32, the float64 q the edge samples from."""
-    ids, probs = topk_draft_distribution(logits_to_probs(DRAFT_LOGITS[_row(state)], PARAMS[mode])[0], K)
+    ids, probs = draft_topk_from_probs(logits_to_probs(DRAFT_LOGITS[_row(state)], PARAMS[mode])[0], K)
     return ids, probs, normalize_sparse(probs)
 
 
@@ -119,9 +120,9 @@ def draft(out: list[int], n: int, mode: str, seed: int) -> DraftBlock:
 
 
 def scored_logits(out: list[int], block: DraftBlock) -> np.ndarray:
-    """The target's raw logits rows for the block: [last committed, x_1, ...] (num_scored_positions rows)."""
+    """The target's raw logits rows for the block: [last committed, x_1, ...] (block.num_scored_positions rows)."""
     fed = ([out[-1]] if out else [-1]) + list(block.draft_token_ids)
-    fed = fed[: num_scored_positions(len(block), block.bonus_drafted)]
+    fed = fed[: block.num_scored_positions]
     return np.stack([TARGET_LOGITS[_row(s)] for s in fed])
 
 
@@ -163,7 +164,7 @@ N_SEEDS, N_OUT = 150, 12
 
 def _schedules(seed: int) -> dict:
     rng = np.random.default_rng(seed + 7)
-    random_gammas = rng.integers(0, 5, size=64)  # γ = 0 (only the drafted-bonus token) up to 4
+    random_gammas = rng.integers(0, 5, size=64)  # γ = 0 (only the bonus_drafted token) up to 4
     return {
         "γ=1": lambda step: 1,
         "γ=2": lambda step: 2,
@@ -173,7 +174,7 @@ def _schedules(seed: int) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(PARAMS))
-def test_drafted_bonus_output_does_not_depend_on_block_boundaries(mode):
+def test_bonus_drafted_output_does_not_depend_on_block_boundaries(mode):
     differs = 0
     for seed in range(N_SEEDS):
         outs = {name: generate(seed, mode, N_OUT, sched, bonus_drafted=True) for name, sched in _schedules(seed).items()}
@@ -195,7 +196,7 @@ def verify_accept_all(block, logits, sp, seed, start):
 
 
 def verify_resample_from_p(block, logits, sp, seed, start):
-    """Negative control (b): the drafted-bonus rule, but after a rejection the token is drawn from p, not from
+    """Negative control (b): the bonus_drafted rule, but after a rejection the token is drawn from p, not from
     the residual norm(max(0, p − q))."""
     probs = logits_to_probs(logits, sp)
     for i, x in enumerate(block.draft_token_ids):
@@ -207,7 +208,7 @@ def verify_resample_from_p(block, logits, sp, seed, start):
 
 
 def verify_last_unchecked(block, logits, sp, seed, start):
-    """Negative control (c): the drafted-bonus token committed without its acceptance test (as if it were a
+    """Negative control (c): the bonus_drafted token committed without its acceptance test (as if it were a
     bonus token the target had sampled)."""
     n = len(block)
     res = verify_block(DraftBlock(block.draft_token_ids[:-1], _rows(block.draft_probs, n - 1), bonus_drafted=False),
@@ -227,7 +228,7 @@ VERIFIERS = {"verify_block": verify_block, "accept_all": verify_accept_all,
 
 @functools.lru_cache(maxsize=None)
 def runs(verify_name: str, mode: str, n: int) -> np.ndarray:
-    """[n, 3] committed tokens of seeds 0..n-1; γ = 1 for even seeds, 2 for odd ones (the drafted-bonus
+    """[n, 3] committed tokens of seeds 0..n-1; γ = 1 for even seeds, 2 for odd ones (the bonus_drafted
     position is c1 or c2; a second block follows a first one accepted whole)."""
     verify = VERIFIERS[verify_name]
     return np.array([generate(seed, mode, 3, lambda step, g=1 + seed % 2: g, True, verify) for seed in range(n)])
@@ -247,7 +248,7 @@ def checks(c: np.ndarray, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(PARAMS))
-def test_drafted_bonus_is_lossless(mode):
+def test_bonus_drafted_is_lossless(mode):
     c = runs("verify_block", mode, N_LARGE)
     small, large = checks(c[:N_SMALL], mode), checks(c, mode)
     for name, res in large.items():
@@ -263,5 +264,5 @@ def test_negative_controls_fail_the_same_check(control):
     large = checks(runs(control, mode, 8_000), mode)
     failed = [name for name, res in large.items() if not res.passed and res.tv > 2 * res.tv_bound]
     assert failed, (control, large)
-    if control == "last_unchecked":  # c0 is never a drafted-bonus token here: the error is where it should be
+    if control == "last_unchecked":  # c0 is never a bonus_drafted token here: the error is where it should be
         assert large["first"].passed and not large["pair"].passed, large

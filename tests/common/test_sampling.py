@@ -30,7 +30,7 @@ from common.sampling import (
     logits_to_probs,
     normalize_sparse,
     sample_from,
-    topk_draft_distribution,
+    draft_topk_from_probs,
     uniform,
 )
 from common.types import SamplingParams, SparseDraftProbs
@@ -169,16 +169,16 @@ def test_sample_from_raises_without_mass():
         sample_from(np.zeros(4), 0.3)
 
 
-def test_topk_draft_distribution():
+def test_draft_topk_from_probs():
     probs = np.array([0.05, 0.4, 0.0, 0.1, 0.3, 0.15])
-    ids, q = topk_draft_distribution(probs, 3)
+    ids, q = draft_topk_from_probs(probs, 3)
     assert ids.dtype == np.int64 and q.dtype == np.float32
     assert ids.tolist() == [1, 4, 5]  # most likely first
     np.testing.assert_allclose(q, np.array([0.4, 0.3, 0.15]) / 0.85, rtol=1e-6)
     assert abs(float(normalize_sparse(q).sum()) - 1.0) < 1e-12
-    ids, q = topk_draft_distribution(probs, 100)  # k past the support shrinks to the non-zero tokens
+    ids, q = draft_topk_from_probs(probs, 100)  # k past the support shrinks to the non-zero tokens
     assert sorted(ids.tolist()) == [0, 1, 3, 4, 5] and (q > 0).all()
-    ids, q = topk_draft_distribution(probs, 1)
+    ids, q = draft_topk_from_probs(probs, 1)
     assert ids.tolist() == [1] and q.tolist() == [1.0]
 
 
@@ -497,22 +497,22 @@ def test_rows_with_different_supports_in_one_block(reference_rows):
 
 
 def _topk_draft_reference(probs: np.ndarray, k: int) -> list[int]:
-    """The spec of topk_draft_distribution's ids: a full stable sort by descending probability (ties: ascending
+    """The spec of draft_topk_from_probs's ids: a full stable sort by descending probability (ties: ascending
     id), the first k of the tokens with positive probability."""
     order = np.lexsort((np.arange(len(probs)), -probs))
     return [int(i) for i in order[: max(1, min(k, int((probs > 0).sum())))]]
 
 
-def test_topk_draft_distribution_tie_rule():
+def test_draft_topk_from_probs_tie_rule():
     probs = np.array([0.1, 0.2, 0.2, 0.0, 0.2, 0.3])
-    assert topk_draft_distribution(probs, 2)[0].tolist() == [5, 1]  # of the tied 0.2, the lowest id
-    assert topk_draft_distribution(probs, 3)[0].tolist() == [5, 1, 2]
-    assert topk_draft_distribution(probs, 4)[0].tolist() == [5, 1, 2, 4]
-    assert topk_draft_distribution(probs, 6)[0].tolist() == [5, 1, 2, 4, 0]  # zero-probability ids dropped
+    assert draft_topk_from_probs(probs, 2)[0].tolist() == [5, 1]  # of the tied 0.2, the lowest id
+    assert draft_topk_from_probs(probs, 3)[0].tolist() == [5, 1, 2]
+    assert draft_topk_from_probs(probs, 4)[0].tolist() == [5, 1, 2, 4]
+    assert draft_topk_from_probs(probs, 6)[0].tolist() == [5, 1, 2, 4, 0]  # zero-probability ids dropped
 
 
 @pytest.mark.parametrize("vocab", [8, 300, LM_VOCAB])
-def test_topk_draft_distribution_equals_a_full_sort(vocab):
+def test_draft_topk_from_probs_equals_a_full_sort(vocab):
     rng = np.random.default_rng(vocab)
     for _ in range(20):
         logits = np.round(rng.normal(0.0, 2.0, size=(1, vocab)) * 2) / 2  # a grid: ties
@@ -523,6 +523,6 @@ def test_topk_draft_distribution_equals_a_full_sort(vocab):
         )
         probs = logits_to_probs(logits, params)[0]
         for k in (1, 4, 8, 64):
-            ids, q = topk_draft_distribution(probs, k)
+            ids, q = draft_topk_from_probs(probs, k)
             assert ids.tolist() == _topk_draft_reference(probs, k)
             np.testing.assert_array_equal(q, (probs[ids] / probs[ids].sum()).astype(np.float32))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.sampling import Stream, sample_from, topk_draft_distribution, uniform
+from common.sampling import Stream, sample_from, draft_topk_from_probs, uniform
 
 
 @pytest.mark.parametrize("seed, position, stream", [(0, 0, Stream.ACCEPT), (5, 7, Stream.TARGET_SAMPLE),
@@ -39,17 +39,17 @@ def test_sample_from_without_mass_message():
         sample_from(np.zeros(4), 0.5)
 
 
-def test_topk_draft_distribution_of_a_row_without_mass():
+def test_draft_topk_from_probs_of_a_row_without_mass():
     """No token of positive probability: the argmax (id 0 of an all-zero row) with probability NaN, as the
     full sort gave; the types are the wire's (int64 ids, float32 probs)."""
     with np.errstate(invalid="ignore"):  # 0 / 0: the NaN
-        ids, probs = topk_draft_distribution(np.zeros(6), 3)
+        ids, probs = draft_topk_from_probs(np.zeros(6), 3)
     assert ids.tolist() == [0] and ids.dtype == np.int64
     assert probs.shape == (1,) and np.isnan(probs[0]) and probs.dtype == np.float32
     with np.errstate(invalid="ignore"):
-        ids, probs = topk_draft_distribution(np.asarray([0.0, 0.0, -0.0, 0.0, 0.0]), 2)
+        ids, probs = draft_topk_from_probs(np.asarray([0.0, 0.0, -0.0, 0.0, 0.0]), 2)
     assert ids.tolist() == [0]
-    ids, probs = topk_draft_distribution(np.asarray([0.0, 0.0, 1.0, 0.0]), 3)  # one token of mass
+    ids, probs = draft_topk_from_probs(np.asarray([0.0, 0.0, 1.0, 0.0]), 3)  # one token of mass
     assert ids.tolist() == [2] and probs.tolist() == [1.0]
 
 

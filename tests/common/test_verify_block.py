@@ -1,5 +1,5 @@
 """common.rejection at its edges: verify_block's wiring, the exact acceptance boundary, the residual guard,
-drafted-bonus blocks, and RejectionResult.committed.
+bonus_drafted blocks, and RejectionResult.committed.
 
 The reference here is written from Leviathan et al. 2023, Algorithm 1 directly: p is a plain numpy softmax of
 logits / temperature (top-k and top-p off, so no warper is involved), q is the one-hot or sparse draft
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.rejection import RejectionResult, num_scored_positions, verify_block, verify_greedy, verify_sampled
+from common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
 from common.sampling import Stream, uniform
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 
@@ -54,8 +54,11 @@ def one_hot(ids) -> np.ndarray:
 
 
 def test_num_scored_positions_and_committed():
-    assert [num_scored_positions(n, False) for n in (0, 1, 4)] == [1, 2, 5]
-    assert [num_scored_positions(n, True) for n in (1, 4)] == [1, 4]
+    assert [DraftBlock([7] * n).num_scored_positions for n in (0, 1, 4)] == [1, 2, 5]
+    assert [DraftBlock([7] * n, bonus_drafted=True).num_scored_positions for n in (1, 4)] == [1, 4]
+    assert [DraftBlock([7] * n).num_speculative_tokens for n in (0, 4)] == [0, 4]
+    assert [DraftBlock([7] * n, bonus_drafted=True).num_speculative_tokens for n in (1, 4)] == [0, 3]
+    assert DraftBlock([5, 6, 7], bonus_drafted=True).scored_draft_token_ids == [5, 6]
     assert RejectionResult(3, 7).committed == 4
     assert RejectionResult(3, 0).committed == 4  # token id 0 is a token
     assert RejectionResult(3, -1).committed == 3
@@ -159,7 +162,7 @@ def test_residual_without_mass_falls_back_to_p():
     assert got == RejectionResult(0, x if t * (0.25 * u + 0.5) < 0.25 * u else 6)
 
 
-def test_drafted_bonus_full_block_has_no_bonus_token():
+def test_bonus_drafted_full_block_has_no_bonus_token():
     p = np.zeros((2, V))
     p[0, 3] = p[1, 4] = 1.0
     assert verify_sampled([3, 4], None, p, 5, 0, bonus_drafted=True) == RejectionResult(2, -1)

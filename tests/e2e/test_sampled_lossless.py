@@ -32,7 +32,7 @@ Checks (deterministic: fixed seeds; chi-square critical values at significance 1
    probabilities, over its standard deviation, stays within ±Z_ACCEPT.
 
 Both block rules run, each a full set of sessions and checks (the ``runs`` fixture's parameter): classic blocks
-(γ draft tokens, the bonus token sampled from p after a full block) and drafted-bonus blocks
+(γ draft tokens, the bonus token sampled from p after a full block) and bonus_drafted blocks
 (``DraftBlock.bonus_drafted``, what the client sends for sampled sessions: γ + 1 draft tokens, the last one
 drafted for the bonus position and verified by the rejection rule like the others; no bonus token).
 
@@ -351,15 +351,15 @@ def test_runs_exercise_acceptance_rejection_and_several_steps(runs):
     assert min(steps) == 1 and max(steps) == MAX_NEW_TOKENS
     assert any(s.num_accepted == GAMMA for s in by["accepting"])
     # the rejecting draft: nothing accepted, one token per step (two recovered tokens, then a plain decoding
-    # step: the block may not pass max_new_tokens, so the last one is empty; with drafted-bonus blocks the
-    # last one holds the drafted-bonus token alone, rejected too: three recovered tokens)
+    # step: the block may not pass max_new_tokens, so the last one is empty; with bonus_drafted blocks the
+    # last one holds the bonus_drafted token alone, rejected too: three recovered tokens)
     num_blocks = MAX_NEW_TOKENS if runs.bonus_drafted else 2
     assert all(s.num_accepted == 0 and s.num_drafts == MAX_NEW_TOKENS and len(s.blocks) == num_blocks
                for s in by["rejecting"])
     # the sessions differ (seeds are used) and all blocks were top-k drafted (q travels)
     assert len({tuple(s.tokens) for s in runs.sessions}) > len(runs.sessions) // 4
     assert all(b.draft_probs is not None for s in runs.sessions for _, b in s.blocks)
-    # the block rule: drafted-bonus blocks carry γ + 1 draft tokens
+    # the block rule: bonus_drafted blocks carry γ + 1 draft tokens
     assert max(len(b) for s in runs.sessions for _, b in s.blocks) == GAMMA + runs.bonus_drafted
     assert all(b.bonus_drafted == runs.bonus_drafted for s in runs.sessions for _, b in s.blocks)
     print(f"\n{len(runs.sessions)} sessions in {runs.seconds:.1f} s; acceptance {acc_rate:.3f}")

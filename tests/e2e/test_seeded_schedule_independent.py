@@ -1,4 +1,4 @@
-"""A seeded sampled generation gives the same tokens whatever the speculation schedule (drafted-bonus blocks,
+"""A seeded sampled generation gives the same tokens whatever the speculation schedule (bonus_drafted blocks,
 ``EdgeClient(bonus_drafted=True)``), and the client's default (``bonus_drafted=None``) drafts the bonus exactly
 where the schedule depends on timing (adaptive γ, proactive drafting) and stays reproducible elsewhere.
 
@@ -115,13 +115,13 @@ def test_same_tokens_whatever_the_schedule(backend, grpc_address, model, case):
     tokens = {name: res.token_ids for name, (res, _) in results.items()}
     assert all(len(t) == MAX_NEW_TOKENS for t in tokens.values())
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens
-    # the schedules really differ, every block was a drafted-bonus block, and both outcomes happened
+    # the schedules really differ, every block was a bonus_drafted block, and both outcomes happened
     lengths = {name: [n for n, _ in blocks] for name, (_, blocks) in results.items()}
-    assert max(lengths["γ=2"]) == 3 and max(lengths["γ=4"]) == 5  # γ + the drafted-bonus token
+    assert max(lengths["γ=2"]) == 3 and max(lengths["γ=4"]) == 5  # γ + the bonus_drafted token
     assert len(set(map(tuple, lengths.values()))) == len(lengths), lengths  # five different block sequences
     for name, (res, blocks) in results.items():
         assert all(flag for n, flag in blocks if n), name
-        if "confidence" not in name:  # min_confidence 0.3 cuts most blocks to the drafted-bonus token alone
+        if "confidence" not in name:  # min_confidence 0.3 cuts most blocks to the bonus_drafted token alone
             assert 0 < res.stats.num_accepted_tokens < res.stats.num_draft_tokens, (name, res.stats)
     steps = {name: res.stats.num_drafts for name, (res, _) in results.items()}
     print(f"\n{case[1]}: steps {steps}; proactive hits "
@@ -130,7 +130,7 @@ def test_same_tokens_whatever_the_schedule(backend, grpc_address, model, case):
 
 def test_classic_bonus_depends_on_the_schedule(backend, model):
     """Negative control: the same seeds with the classic bonus token (sampled straight from p at the end of a
-    full block) give different tokens for γ = 2 and γ = 4 — what the drafted bonus removes."""
+    full block) give different tokens for γ = 2 and γ = 4 — what the bonus_drafted removes."""
     differs = 0
     for case in CASES:
         prompt_ids = encode_prompt(model.tokenizer, case[0])
@@ -142,7 +142,7 @@ def test_classic_bonus_depends_on_the_schedule(backend, model):
 
 
 def test_ngram_drafter_same_tokens_whatever_gamma(backend, model):
-    """Prompt lookup in a sampled session: drafted-bonus blocks, same tokens for γ = 2 and 5. (The tiny target's
+    """Prompt lookup in a sampled session: bonus_drafted blocks, same tokens for γ = 2 and 5. (The tiny target's
     sampled output rarely repeats itself, so proposals come from the prompt; the unit test
     tests/edge_client/test_policy_bonus_drafted.py checks that proposals depend on the prefix only.)"""
     case = CASES[2]
@@ -166,12 +166,12 @@ def test_greedy_sessions_keep_classic_blocks(backend, model, tiny_pair):
         prompt_ids, max_new_tokens=24, ignore_eos=True)
     assert res.token_ids == hf_greedy(tiny_pair.target_dir, prompt_ids, 24)
     assert recording.blocks and not any(flag for _, flag in recording.blocks)
-    assert max(n for n, _ in recording.blocks) == 4  # γ tokens, no drafted bonus
+    assert max(n for n, _ in recording.blocks) == 4  # γ tokens, no bonus_drafted
 
 
 def test_auto_drafts_the_bonus_only_where_timing_sets_the_schedule(backend, model):
     """``bonus_drafted=None`` (the default): a seeded session with a fixed schedule sends classic blocks and is
-    reproducible run to run; with adaptive γ or proactive drafting it sends drafted-bonus blocks and gives the
+    reproducible run to run; with adaptive γ or proactive drafting it sends bonus_drafted blocks and gives the
     tokens of ``bonus_drafted=True`` at fixed γ (schedule-independent); an unseeded session sends classic
     blocks with adaptive γ on (nothing to reproduce)."""
     case = CASES[0]

@@ -64,7 +64,7 @@ def test_generation_stats_observe():
     s.observe(3, _verdict(3), proactive_hit=True)
     s.observe(0, _verdict(0))
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 7, 5)
-    assert s.accepted_per_position == [2, 2, 1, 0]
+    assert s.num_accepted_tokens_per_pos == [2, 2, 1, 0]
     assert s.num_proactive_hits == 1 and s.draft_s == 0.5
     assert s.target_forward_s == pytest.approx(0.010 + 0.010 + 0.010)
     assert s.acceptance_rate == pytest.approx(5 / 7) and s.mean_accepted_length == pytest.approx(1 + 5 / 3)

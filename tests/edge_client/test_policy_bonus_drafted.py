@@ -1,5 +1,5 @@
-"""The speculation policy with drafted-bonus blocks (``DraftBlock.bonus_drafted``): the proactive bet drafts no
-bonus guess and prepares a drafted-bonus block; adaptive γ counts the extra draft step (no models)."""
+"""The speculation policy with bonus_drafted blocks (``DraftBlock.bonus_drafted``): the proactive bet drafts no
+bonus guess and prepares a bonus_drafted block; adaptive γ counts the extra draft step (no models)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from common.types import SamplingParams
 from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
 
 
-def test_proactive_bet_on_a_drafted_bonus_block():
+def test_proactive_bet_on_a_bonus_drafted_block():
     calls = []
 
     def propose(ids, n, should_stop):
@@ -17,22 +17,22 @@ def test_proactive_bet_on_a_drafted_bonus_block():
         return DraftBlock([50, 51, 52, 53, 54][:n], draft_ms=2.0)
 
     bet = ProactiveBet(propose)
-    sent = DraftBlock([3, 4, 5], bonus_drafted=True)  # γ = 2 + the drafted-bonus token
+    sent = DraftBlock([3, 4, 5], bonus_drafted=True)  # γ = 2 + the bonus_drafted token
     bet.place([1, 2], sent, max_num_speculative_tokens=2, capacity=100, should_stop=lambda: False)
-    assert calls == [([1, 2, 3, 4, 5], 3)]  # no bonus guess: the next block (γ = 2 + its drafted bonus)
-    # won: the block in flight accepted whole (no bonus token); the prepared block is a drafted-bonus block
+    assert calls == [([1, 2, 3, 4, 5], 3)]  # no bonus guess: the next block (γ = 2 + its bonus_drafted)
+    # won: the block in flight accepted whole (no bonus token); the prepared block is a bonus_drafted block
     block = bet.take([1, 2, 3, 4, 5], 3)
     assert block.draft_token_ids == [50, 51, 52] and block.bonus_drafted
     # the classic bet on the same committed ids would have wanted a guessed bonus token after them
     bet.place([1, 2], sent, max_num_speculative_tokens=2, capacity=100, should_stop=lambda: False)
     assert bet.take([1, 2, 3, 4, 5, 50], 3) is None
-    # cut to a shorter block: still a drafted-bonus block
+    # cut to a shorter block: still a bonus_drafted block
     bet.place([1, 2], sent, max_num_speculative_tokens=2, capacity=100, should_stop=lambda: False)
     short = bet.take([1, 2, 3, 4, 5], 2)
     assert short.draft_token_ids == [50, 51] and short.bonus_drafted
 
 
-def test_proactive_bet_drafted_bonus_capacity():
+def test_proactive_bet_bonus_drafted_capacity():
     calls = []
 
     def propose(ids, n, should_stop):
@@ -43,15 +43,15 @@ def test_proactive_bet_drafted_bonus_capacity():
     sent = DraftBlock([3, 4], bonus_drafted=True)
     # capacity 6 after 2 + 2 tokens: a verdict leaves room for γ = 1, so 2 tokens are drafted ahead
     bet.place([1, 2], sent, max_num_speculative_tokens=4, capacity=6, should_stop=lambda: False)
-    # capacity 5: room for γ = 0, the drafted-bonus token alone; capacity 4: the bet would end the session
+    # capacity 5: room for γ = 0, the bonus_drafted token alone; capacity 4: the bet would end the session
     bet.place([1, 2], sent, max_num_speculative_tokens=4, capacity=5, should_stop=lambda: False)
     bet.place([1, 2], sent, max_num_speculative_tokens=4, capacity=4, should_stop=lambda: False)
     assert calls == [2, 1]
 
 
-def test_adaptive_counts_the_drafted_bonus_step():
+def test_adaptive_counts_the_bonus_drafted_step():
     plain = AdaptiveNumSpeculativeTokens(4)
-    drafted = AdaptiveNumSpeculativeTokens(4, drafted_bonus=True)
+    drafted = AdaptiveNumSpeculativeTokens(4, bonus_drafted=True)
     for a in (plain, drafted):
         a.observe(3, 3, draft_ms=12.0, round_trip_ms=20.0, forward_ms=10.0)  # γ = 3 (4 tokens drafted if drafted)
     assert plain.draft_ms_per_token == 4.0 and drafted.draft_ms_per_token == 3.0

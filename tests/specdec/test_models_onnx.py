@@ -422,14 +422,14 @@ def test_topk_drafting_uses_the_shared_sampling_maths(tiny_draft):
     """The first draft token is exactly ids[sample_from(normalize_sparse(q), uniform(seed, pos, DRAFT))] with q
     = draft_topk_distribution of the draft's logits: the reference composition's ids, its q up to rounding."""
     from common.sampling import (Stream, draft_topk_distribution, logits_to_probs, normalize_sparse, sample_from,
-                                 topk_draft_distribution, uniform)
+                                 draft_topk_from_probs, uniform)
 
     params = SamplingParams(temperature=1.0, seed=3)
     prompt = _ids(6, seed=7)
     tiny_draft.reset()
     logits = tiny_draft.forward(prompt)[-1]
     ids, q = draft_topk_distribution(logits, params, 4, 49152)
-    ref_ids, ref_q = topk_draft_distribution(logits_to_probs(logits[None], params, 49152)[0], 4)
+    ref_ids, ref_q = draft_topk_from_probs(logits_to_probs(logits[None], params, 49152)[0], 4)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(q, ref_q, rtol=1e-6)
     expected = int(ids[sample_from(normalize_sparse(q), uniform(3, len(prompt), Stream.DRAFT_SAMPLE))])
