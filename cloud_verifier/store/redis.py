@@ -331,11 +331,14 @@ class RedisSessionStore(SessionStore):
         return live
 
     def ping(self) -> bool:
-        """True when the store (the master, under Sentinel; every master, on a Cluster) answers. No retry: the
-        health task asks again at its next tick."""
+        """True when the store (the master, under Sentinel; every master, on a Cluster) answers, and, with
+        ``wait_replicas`` on standalone/Sentinel, when the master has that many replicas connected (else every
+        commit would be unconfirmed). No retry: the health task asks again at its next tick."""
         try:
             if self.target.kind == CLUSTER:  # PING goes to one node by default: ask every master
                 return bool(self.client.ping(target_nodes=self.client.PRIMARIES))
+            if self.wait_replicas:
+                return int(self.client.info("replication").get("connected_slaves", 0)) >= self.wait_replicas
             return bool(self.client.ping())
         except Exception:  # noqa: BLE001 - any failure means "not answering"
             return False
