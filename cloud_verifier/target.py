@@ -4,7 +4,9 @@ All rows of a batch (draft blocks of different sessions, prefill chunks) are fla
 T tokens, so the projections and MLPs of every row run as one matmul with no padding (the "ragged" or
 "packed" batching of vLLM / ORCA). Attention runs per row against that row's own KV cache, through a custom
 attention function registered with HF transformers' ``AttentionInterface`` (:mod:`cloud_verifier.attention`):
-the model is any HF causal LM whose attention layers use that interface (Llama, Mistral, Qwen2, SmolLM, ...).
+the model is any HF causal LM whose attention layers use that interface and whose layers all hold a KV cache
+(:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite,
+SmolLM, ... are tested).
 
 KV cache: each session owns a preallocated buffer ``[num_layers, 2, num_kv_heads, capacity, head_dim]``
 reserved at open time from a token budget (admission control: a session that does not fit is refused rather
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cloud_verifier.architectures import apply_logits_transforms, check_target_architecture, self_check
 from cloud_verifier.attention import ATTN_IMPLEMENTATION, RaggedBatch, register_attention
 from common.errors import CapacityError
 
@@ -144,9 +147,13 @@ class TargetRunner:
             (:func:`resolve_dtype`; "auto" = bfloat16 on CUDA, float32 on CPU). float32 by default: exactness
             tests compare fp32.
         num_threads: torch intra-op threads (None = torch's default).
+        check_architecture: after loading, compare a 12-token ragged forward with the HF reference
+            (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
+        cloud_verifier.architectures.UnsupportedArchitectureError (a ValueError): an architecture the ragged
+            forward cannot run (one line naming what is missing).
         ValueError: unknown device or dtype, or CUDA asked for where there is none.
     """
 
@@ -157,6 +164,7 @@ class TargetRunner:
         device: str = "cpu",
         dtype: torch.dtype | str = torch.float32,
         num_threads: int | None = None,
+        check_architecture: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +178,7 @@ class TargetRunner:
         register_attention()
         self.model_dir = Path(model_dir)
         self.config = AutoConfig.from_pretrained(model_dir)
+        check_target_architecture(self.config)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device)
@@ -188,6 +197,8 @@ class TargetRunner:
         self._forwards_since_trim = 0  # forward passes since release_idle_memory last trimmed the heap
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
+        if check_architecture:
+            self_check(self)
 
     # ---------------------------------------------------------------- KV cache budget
     @property
@@ -291,13 +302,15 @@ class TargetRunner:
         if not want:
             return [None] * len(rows)
         index = torch.tensor(want, dtype=torch.long, device=self.device)
-        logits = self._lm_head(hidden[0].index_select(0, index)).float().cpu().numpy()  # [num_wanted, vocab_size]
+        logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index)))
+        logits = logits.float().cpu().numpy()  # [num_wanted, vocab_size]
         return [None if span is None else logits[span[0] : span[1]] for span in spans]
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> np.ndarray:  # [len, vocab_size] float32
-        """Logits of the unmodified HF model (SDPA attention, no cache) for a whole sequence: the reference."""
-        self.model.set_attn_implementation("sdpa")
+        """Logits of the unmodified HF model (SDPA attention, or eager where the model has no SDPA path, e.g.
+        Gemma 2's soft-capping; no cache) for a whole sequence: the reference."""
+        self.model.set_attn_implementation("sdpa" if self.model._supports_sdpa else "eager")
         try:
             ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
             return self.model(input_ids=ids).logits[0].float().cpu().numpy()

@@ -194,8 +194,13 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
 
 
 def _check_fp32_or_raise(src: Path, fp32_path: Path, model: Any, tokenizer: Any, report: dict[str, Any]) -> None:
-    """Record :func:`_check_fp32` of the fp32 graph in ``report``; ExportCheckError beyond FP32_TOLERANCE."""
-    res = _check_fp32(_ort_session(fp32_path), model, tokenizer)
+    """Record :func:`_check_fp32` of the fp32 graph in ``report``; ExportCheckError beyond FP32_TOLERANCE, or
+    when ONNX Runtime cannot load or run the graph (one line: the runtime's first)."""
+    try:
+        res = _check_fp32(_ort_session(fp32_path), model, tokenizer)
+    except Exception as exc:  # noqa: BLE001 - ORT's own error types (InvalidArgument, Fail, ...) share no base
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ExportCheckError(f"ONNX Runtime cannot run the exported graph of {src}: {first}") from exc
     report["fp32_check"] = res
     if not res["max_abs_diff"] <= FP32_TOLERANCE:
         raise ExportCheckError(

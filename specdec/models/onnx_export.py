@@ -26,6 +26,7 @@ from ._util import _atomic_dir, _offline_env, _onnx_bytes, _Progress, _write_mar
 from .onnx_check import ExportCheckError  # noqa: F401 - raised by export_onnx_draft (through the check)
 from .onnx_check import _check_fp32_or_raise, _check_int8, _io_names, _kv_shape
 from .quantize import INT8_METHODS, _fold_initializer_transposes, _quantize_int8
+from .windows import genai_input_dir, layer_windows
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ def _onnx_wrapper(model: Any) -> Any:
     from transformers import DynamicCache
 
     num_layers = model.config.num_hidden_layers
+    windows = layer_windows(model.config)
+    window = next((w for w in windows if w), None)
+    mixed = window is not None and None in windows
 
     class OnnxCausalLM(torch.nn.Module):
         def __init__(self) -> None:
@@ -57,13 +61,19 @@ def _onnx_wrapper(model: Any) -> Any:
             # "no padding" skips for sdpa) would otherwise be frozen into the trace.
             kv_idx = torch.arange(kv_len, device=input_ids.device)
             q_idx = kv_idx[kv_len - seq :]
-            allowed = (kv_idx[None, :] <= q_idx[:, None])[None, None, :, :] & (attention_mask[:, None, None, :] > 0)
-            dtype = self.model.dtype
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min
-            )
+            causal = kv_idx[None, :] <= q_idx[:, None]
+            padding = attention_mask[:, None, None, :] > 0
+            mask = _additive(causal[None, None] & padding, self.model.dtype)
+            if window:  # sliding-window layers: keys i - window < j <= i, HF's convention
+                local = _additive((causal & (kv_idx[None, :] > q_idx[:, None] - window))[None, None] & padding,
+                                  self.model.dtype)
+                # mixed layers take HF's per-layer-type mapping; uniform windows (Mistral, Phi-3) one mask
+                mask = {"full_attention": mask, "sliding_attention": local} if mixed else local
+            # full-length layers for windowed models too (a config would make sliding layers keep only the
+            # window; the runner's layout has every present.{i} past + new tokens long, the mask applies the window)
             cache = DynamicCache(
-                [(past[2 * i], past[2 * i + 1]) for i in range(num_layers)], config=self.model.config
+                [(past[2 * i], past[2 * i + 1]) for i in range(num_layers)],
+                config=None if window else self.model.config,
             )
             out = self.model(
                 input_ids=input_ids,
@@ -78,6 +88,13 @@ def _onnx_wrapper(model: Any) -> Any:
             return (out.logits, *present)
 
     return OnnxCausalLM().eval()
+
+
+def _additive(allowed: Any, dtype: Any) -> Any:
+    """An additive attention mask: 0 where ``allowed`` (bool), the dtype's minimum elsewhere."""
+    import torch
+
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _export_fp32(model: Any, onnx_path: Path) -> None:
@@ -147,9 +164,14 @@ def _export_fp32_genai(hf_dir: Path, out_dir: Path, timeout_s: float = 1800.0) -
     """
     if not genai_builder_available():
         raise DraftBuildError("onnxruntime-genai is not installed (pip install --no-deps onnxruntime-genai)")
+    from transformers import AutoConfig
+
     cache = Path(tempfile.mkdtemp(prefix="builder-cache-", dir=out_dir.parent))
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
-           "-p", "fp32", "-e", "cpu", "-c", str(cache)]
+    src = genai_input_dir(hf_dir, AutoConfig.from_pretrained(hf_dir), cache)
+    # windowed_kv_cache=false: sliding-window layers keep a full-length KV cache like the others (the runner's
+    # layout: every present.{i} is past + new tokens long); the window is applied by local_window_size
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out_dir),
+           "-p", "fp32", "-e", "cpu", "-c", str(cache), "--extra_options", "windowed_kv_cache=false"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
@@ -264,7 +286,7 @@ def _export_steps(
 
     if check:
         bar.step("checking fp32 ONNX vs PyTorch")
-        _check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
+        used = _check_or_fall_back(src, model, tokenizer, fp32_dir, used, builder, report)
         bar.advance()
 
     if quantize_int8:
@@ -280,6 +302,40 @@ def _export_steps(
     bar.step("saving config and tokenizer")
     _save_draft_files(tmp, src, model, tokenizer, report, t0)
     bar.advance()
+
+
+def _check_or_fall_back(
+    src: Path, model: Any, tokenizer: Any, fp32_dir: Path, used: str, builder: str, report: dict[str, Any]
+) -> str:
+    """Check the fp32 graph; with ``builder="auto"``, a GenAI graph that fails the check (an architecture detail
+    the builder gets wrong, or a geometry its kernels refuse) is replaced by a torch.onnx one, checked in turn.
+    Returns the builder of the graph that passed.
+
+    Raises:
+        ExportCheckError: the graph kept fails the check.
+    """
+    try:
+        _check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
+        return used
+    except ExportCheckError as exc:
+        if used != "genai" or builder != "auto":
+            raise
+        log.warning("GenAI builder graph failed its check (%s); exporting with torch.onnx", exc)
+        report["genai_check_error"] = str(exc)[:500]
+        report["genai_builder_failed"] = True  # re-trying on every prepare would fail again
+    _clear_dir(fp32_dir)
+    used = _build_fp32_graph(src, model, fp32_dir, "torch", report)
+    _check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
+    return used
+
+
+def _clear_dir(path: Path) -> None:
+    """Remove everything inside ``path`` (kept itself)."""
+    for leftover in path.iterdir():
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
 
 
 def _load_source_model(src: Path, report: dict[str, Any]) -> tuple[Any, Any]:
@@ -332,11 +388,7 @@ def _try_genai_builder(src: Path, fp32_dir: Path, builder: str, report: dict[str
         report["genai_builder_error"] = str(exc)
         # installed but failed for this model: re-trying on every prepare would fail again
         report["genai_builder_failed"] = genai_builder_available()
-        for leftover in fp32_dir.iterdir():  # whatever the failed builder wrote
-            if leftover.is_dir():
-                shutil.rmtree(leftover)
-            else:
-                leftover.unlink()
+        _clear_dir(fp32_dir)  # whatever the failed builder wrote
         return None
 
 

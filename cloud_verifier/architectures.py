@@ -1,0 +1,114 @@
+"""Which HF causal-LM architectures the target runner can run, and the logits transforms past the LM head.
+
+The ragged forward (:mod:`cloud_verifier.attention`) replaces only attention and calls the decoder and the LM head
+itself, so it supports a model when (1) its attention layers route through transformers' ``AttentionInterface``
+(the model class sets ``_supports_attention_backend``), (2) every layer is an attention layer with a KV cache
+(full or sliding-window; no recurrent, convolutional or linear-attention layers), and (3) whatever the
+``ForCausalLM`` wrapper does to the LM head's output is one of :func:`apply_logits_transforms`' steps. (1) and
+(2) are checked from the config before the weights load (:func:`check_target_architecture`); (3), and anything
+else a model might do differently, by :func:`self_check`, which compares a short ragged forward (prefill, a
+decode block and a rolled-back block) with the unmodified HF model. Either raises one line naming what is
+missing, at ``specdec serve`` (or embedded verifier) start-up.
+
+Tested end to end (tests/e2e/test_architectures.py): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3,
+Granite.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from cloud_verifier.target import TargetRunner
+
+__all__ = ["UnsupportedArchitectureError", "apply_logits_transforms", "check_target_architecture", "self_check"]
+
+KV_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types the ragged KV cache can hold
+SELF_CHECK_TOKENS = 12  # prefill 8, a decode block of 4, 2 of them rolled back and re-fed
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The target model's architecture cannot run in the ragged verifier (one line naming what is missing)."""
+
+
+def check_target_architecture(config: Any) -> None:
+    """Refuse, before loading weights, a config whose model the ragged runner cannot run.
+
+    Raises:
+        UnsupportedArchitectureError: not a causal LM transformers knows, a model class whose attention does
+            not go through ``AttentionInterface``, or layers without a KV cache (``config.layer_types``).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    name = _arch_name(config)
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"target architecture {name}: transformers has no causal-LM class for model_type "
+            f"{getattr(config, 'model_type', '?')!r}"
+        ) from None
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedArchitectureError(
+            f"target architecture {name}: {model_class.__name__} does not route attention through transformers' "
+            "AttentionInterface, which the verifier's ragged attention needs"
+        )
+    other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t not in KV_LAYER_TYPES})
+    if other:
+        raise UnsupportedArchitectureError(
+            f"target architecture {name}: layers of type {', '.join(other)} have no KV cache the verifier can "
+            f"hold (supported: {', '.join(KV_LAYER_TYPES)})"
+        )
+
+
+def apply_logits_transforms(config: Any, logits: Any) -> Any:
+    """What HF's ``ForCausalLM.forward`` does to the LM head's output [..., vocab]: Granite's ``logits_scaling``
+    (divide), Gemma 2/3's ``final_logit_softcapping`` (c * tanh(logits / c)); anything else: unchanged."""
+    import torch
+
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling:
+        logits = logits / scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def self_check(runner: "TargetRunner") -> float:
+    """Compare the ragged forward with the HF reference on :data:`SELF_CHECK_TOKENS` tokens: a prefill row, a
+    decode block, a rolled-back block overwritten by the right tokens. Returns the max abs logit difference.
+
+    Raises:
+        UnsupportedArchitectureError: the difference exceeds the dtype's tolerance (1e-3 relative in float32,
+            5e-2 in 16-bit types, of the reference's largest logit, at least 1): the runner would not reproduce
+            the target's output.
+    """
+    import torch
+
+    from cloud_verifier.target import ForwardRow, SessionKV
+
+    ids = (np.arange(SELF_CHECK_TOKENS, dtype=np.int64) * 7919 + 11) % max(1, min(runner.vocab_size, 32000))
+    ids = ids.tolist()
+    ref = runner.reference_logits(ids)
+    shape = (runner.num_layers, 2, runner.num_kv_heads, SELF_CHECK_TOKENS, runner.head_dim)
+    kv = SessionKV(torch.zeros(shape, dtype=runner.dtype, device=runner.device))  # outside the sessions' budget
+    first = runner.forward([ForwardRow(kv, ids[:8], 0, "all")])[0]
+    runner.forward([ForwardRow(kv, [0, 1, 2, 3], 8, "none")])  # a rejected block: rolled back below
+    rest = runner.forward([ForwardRow(kv, ids[8:], 8, "all")])[0]
+    diff = float(np.abs(np.concatenate([first, rest]) - ref).max())
+    rel = 1e-3 if runner.dtype == torch.float32 else 5e-2
+    tolerance = rel * max(1.0, float(np.abs(ref).max()))
+    if not diff <= tolerance:
+        raise UnsupportedArchitectureError(
+            f"target architecture {_arch_name(runner.config)}: the verifier's forward differs from the HF "
+            f"reference by {diff:.3g} (tolerance {tolerance:.3g}); something this model does is not supported"
+        )
+    return diff
+
+
+def _arch_name(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or [type(config).__name__]
+    return str(archs[0])

@@ -1,0 +1,146 @@
+"""The architecture matrix: every causal-LM family the verifier and the draft exporter claim, as a tiny random
+model (tests/_architectures.py), end to end. Per architecture:
+
+- the verifier's ragged forward equals the HF reference (a prefill chunk and a decode block of two sessions in
+  one batch, a rejected block rolled back, sequences longer than the sliding windows);
+- greedy speculative decoding (the model's own ONNX export as the draft) is token-identical to target-only
+  decoding and to HF ``generate``;
+- the draft exports to ONNX (the GenAI builder where it handles the architecture, torch.onnx otherwise) and the
+  draft runner's logits (KV cache kept across calls, rolled back) match PyTorch.
+
+Architectures the verifier cannot run are refused at load time with one line naming what is missing. Each model
+is built and exported once per test session.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from _architectures import ARCHITECTURES, REFUSED, make_tiny_model
+from _reference import hf_greedy
+from cloud_verifier.architectures import UnsupportedArchitectureError
+from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.verifier import Verifier
+from common.paths import EXPORT_REPORT
+from edge_client.client import EdgeClient
+from edge_client.drafter import ModelDrafter
+from edge_client.onnx_draft import OnnxDraftModel
+from specdec.embedded import LocalBackend
+from specdec.models import FP32_TOLERANCE, export_onnx_draft
+
+# The graph builder each architecture's draft gets with builder="auto" (GenAI where its builder handles it).
+EXPECTED_BUILDER = {arch: "genai" for arch in ARCHITECTURES}
+EXPECTED_BUILDER["gemma3"] = "torch"  # GenAI 0.18's builder reads a flat rope_parameters (KeyError 'rope_type')
+PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 357, 4564, 2517, 28, 2145, 2016, 260]  # 14 ids, BOS first
+NEW_TOKENS = 40  # prompt + output = 54 positions: past the 16-token windows
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory, smollm2_tokenizer_dir):
+    """arch -> (HF dir, ONNX fp32 draft dir), built on first use (cached for the session)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    root = tmp_path_factory.mktemp("architectures")
+    built: dict[str, tuple] = {}
+
+    def get(arch: str, export: bool = True):
+        if arch not in built:
+            hf_dir = make_tiny_model(arch, root / arch, tokenizer)
+            onnx_dir = None
+            if export:
+                onnx_dir = export_onnx_draft(hf_dir, root / f"{arch}-onnx", quantize_int8=False, progress=False)
+            built[arch] = (hf_dir, onnx_dir)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runners(arch_models):
+    cache: dict[str, TargetRunner] = {}
+
+    def get(arch: str) -> TargetRunner:
+        if arch not in cache:
+            cache[arch] = TargetRunner(arch_models(arch)[0], kv_cache_budget_tokens=4096)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_ragged_forward_matches_hf_reference(runners, arch):
+    runner = runners(arch)
+    rng = np.random.default_rng(1)
+    a = rng.integers(3, 40000, 60).tolist()
+    b = rng.integers(3, 40000, 45).tolist()
+    ref_a, ref_b = runner.reference_logits(a), runner.reference_logits(b)
+    kv_a, kv_b = runner.allocate(64), runner.allocate(64)
+    try:
+        # session a prefills 40 tokens (the SDPA path) while session b prefills 20 (the small path)
+        out = runner.forward([ForwardRow(kv_a, a[:40], 0), ForwardRow(kv_b, b[:20], 0)])
+        got_a, got_b = [out[0]], [out[1]]
+        # a draft block of b rejected after 2 tokens: its last 3 positions are overwritten by the next rows
+        out = runner.forward([ForwardRow(kv_b, b[20:22] + [7, 8, 9], 20), ForwardRow(kv_a, a[40:44], 40)])
+        got_b.append(out[0][:2])
+        got_a.append(out[1])
+        out = runner.forward([ForwardRow(kv_a, a[44:], 44), ForwardRow(kv_b, b[22:], 22)])
+        got_a.append(out[0])
+        got_b.append(out[1])
+    finally:
+        runner.free(kv_a)
+        runner.free(kv_b)
+    for got, ref in ((got_a, ref_a), (got_b, ref_b)):
+        got = np.concatenate(got)
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_speculative_identical_to_target_only_and_hf(arch_models, runners, arch):
+    hf_dir, onnx_dir = arch_models(arch)
+    backend = LocalBackend(Verifier(runners(arch), max_num_speculative_tokens=8))
+    try:
+        model = OnnxDraftModel(onnx_dir)
+        spec = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4)
+        res = spec.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        plain = EdgeClient(backend, None, model.tokenizer).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        backend.close()
+    assert res.token_ids == plain.token_ids == hf_greedy(hf_dir, PROMPT, NEW_TOKENS)
+    assert res.stats.acceptance_rate > 0.8  # the draft is the target itself, in ONNX
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_draft_export_matches_pytorch(arch_models, arch):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, onnx_dir = arch_models(arch)
+    report = json.loads((onnx_dir / EXPORT_REPORT).read_text())
+    assert report["builder"] == EXPECTED_BUILDER[arch], report.get("genai_builder_error") or report.get(
+        "genai_check_error")
+    assert report["fp32_check"]["max_abs_diff"] <= FP32_TOLERANCE
+    ids = np.random.default_rng(2).integers(3, 40000, 50).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    draft = OnnxDraftModel(onnx_dir)
+    got = [draft.forward(ids[:30])]
+    got += [draft.forward([t]) for t in ids[30:35]]
+    draft.rollback(33)  # two rejected tokens
+    got = np.concatenate([np.concatenate(got)[:33], draft.forward(ids[33:])])
+    assert np.abs(got - ref).max() <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_unsupported_architecture_refused_in_one_line(arch_models, arch):
+    hf_dir, _ = arch_models(arch, export=False)
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        TargetRunner(hf_dir)
+    message = str(info.value)
+    assert REFUSED[arch] in message and "\n" not in message
+    assert isinstance(info.value, ValueError)  # `specdec serve` prints ValueErrors as one `error:` line
