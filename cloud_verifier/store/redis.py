@@ -171,7 +171,7 @@ class RedisSessionStore(SessionStore):
             return pipe.execute()
 
         try:
-            self._call("index", update, key=self.verifier_key(add or remove or ""))
+            update()  # no retry: an advisory update must not hold a create or claim through a failover
         except Exception as e:  # noqa: BLE001 - the index is advisory
             log.debug("session index update of %s skipped: %s", session_id, e)
         with self._indexed_lock:
