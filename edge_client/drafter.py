@@ -117,6 +117,17 @@ class ModelDrafter:
         self.model.reset()
         self._cached_ids = []
 
+    def room(self, num_committed: int) -> int:
+        """Draft tokens that fit after ``num_committed`` committed tokens within the draft's context
+        (``max_position_embeddings``; unbounded when unknown): feeding the committed prefix and γ - 1 draft tokens
+        uses num_committed + γ - 1 positions. 0 past the window: a draft shorter than the target stops drafting
+        there (blocks of 0 draft tokens, the target decoding alone; lossless either way), where re-encoding a
+        slid window would cost a full re-prefill per block."""
+        context = self.model.max_position_embeddings
+        if not context:
+            return 1 << 30
+        return max(0, int(context) - int(num_committed) + 1)
+
     def _sync(self, committed_token_ids: list[int]) -> np.ndarray:
         """Bring the KV cache to ``committed[:-1]`` (+ nothing) and feed from there; return last-row logits."""
         if self.model.num_cached != len(self._cached_ids):  # the model was used behind our back
@@ -184,7 +195,8 @@ class ModelDrafter:
         num_tokens = int(num_speculative_tokens)
         if num_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        if num_tokens == 0:
+        num_tokens = min(num_tokens, self.room(len(committed_token_ids)))
+        if num_tokens == 0:  # also past the draft's context: plain decoding (the target's token alone) from here
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
