@@ -215,6 +215,9 @@ class VerifierServer:
         sec = self.security
         log.info("transport: %s; %s", ("mutual TLS" if sec.mutual_tls else "TLS") if sec and sec.tls else "plaintext",
                  f"API keys ({len(sec.api_keys.tenants)} tenants)" if sec and sec.api_keys else "no authentication")
+        target = getattr(self.verifier, "target", None)
+        if getattr(target, "device", None) is not None:  # where the forward passes run (the store is logged too)
+            log.info("target on %s, %s", target.device, str(target.dtype).replace("torch.", ""))
         return port
 
     async def _health_loop(self) -> None:

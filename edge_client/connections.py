@@ -25,15 +25,24 @@ def parse_addresses(spec: str | Sequence[str]) -> list[str]:
     """Verifier addresses from "host:port[,host:port...]" (or a list of them), in order, blanks dropped.
 
     Raises:
-        InvalidRequestError: no address, or one without a port.
+        InvalidRequestError: no address, one without a host or a port, a port out of range, or a URL
+            (``http://...``: gRPC target URIs such as ``dns:///host:port`` pass).
     """
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out = [a.strip() for a in items if a and a.strip()]
     if not out:
         raise InvalidRequestError(f"no verifier address in {spec!r} (expected HOST:PORT[,HOST:PORT...])")
     for a in out:
-        if "://" not in a and not a.startswith("unix:") and (":" not in a or not a.rsplit(":", 1)[1].isdigit()):
+        scheme = a.split("://", 1)[0].lower() if "://" in a else ""
+        if scheme in ("http", "https", "grpc", "grpcs"):  # a URL, not a gRPC target: it would never connect
+            raise InvalidRequestError(f"verifier address {a!r} is a URL: give HOST:PORT (no scheme; TLS is --tls)")
+        if scheme or a.startswith("unix:"):
+            continue
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
             raise InvalidRequestError(f"verifier address {a!r} is not HOST:PORT")
+        if not 0 < int(port) < 65536:
+            raise InvalidRequestError(f"verifier address {a!r}: port {port} is not in [1, 65535]")
     return out
 
 

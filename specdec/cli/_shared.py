@@ -14,11 +14,33 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # idle OpenMP threads of torch must not busy-wait: on few cores they starve the draft model / other sessions
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# gRPC core's own log lines (handshake failures, one per retry) are no message for a user: the CLI names the cause
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # confidence truncation threshold of `generate` (0.3 cut τ from 4.7 to 3.3 with the int8 draft)
 DEFAULT_MIN_CONFIDENCE = 0.1
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding")
+
+
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        typer.echo(f"specdec {version('specdec')}")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        typer.echo("specdec (not installed)")
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                        help="Print the version and exit")) -> None:
+    """specdec: edge-cloud speculative decoding"""
+
+
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models")
 app.add_typer(models_app, name="models")
 draft_app = typer.Typer(no_args_is_help=True, help="Make draft models for a target")

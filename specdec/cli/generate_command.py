@@ -14,17 +14,19 @@ from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
 )
+from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 
 
 def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos,
                             num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
                             dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
-                            client_cert, client_key):
+                            client_cert, client_key, target=None, draft=None):
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
-    first, a typo should not cost a model load."""
+    first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
         _fail("empty prompt")
+    check_server(server)
     from common.types import SamplingParams, StoppingCriteria
 
     try:
@@ -40,17 +42,19 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         _fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
     if not 0.0 <= min_confidence < 1.0:
         _fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
-    if not server:  # the embedded verifier's target: no CUDA is one line, before any model loads
-        _check_device(device, dtype)
+    if not server:
+        check_device_names(device, dtype)
     if fallback not in ("none", "device"):
         _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
     if not reconnect_interval_s > 0:
         _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
         _fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
+    check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     if not server:
         if tls or ca_cert or client_cert or client_key:
             _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
+        _check_device(device, dtype)  # the embedded verifier's target: no CUDA is one line, before any model loads
         return None
     from edge_client.credentials import ChannelSecurity
 
@@ -135,7 +139,7 @@ def generate(
         network_delay_ms=network_delay_ms, draft_top_k=draft_top_k, min_confidence=min_confidence, server=server,
         device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
-        client_cert=client_cert, client_key=client_key)
+        client_cert=client_cert, client_key=client_key, target=target, draft=draft)
     ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter)
     try:
         client, close = build_pipeline(

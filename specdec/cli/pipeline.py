@@ -8,6 +8,7 @@ import typer
 
 from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import DEFAULT_MIN_CONFIDENCE, _check_device, _fail, _quiet_transformers, _user_errors
+from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 
 
 def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
@@ -88,6 +89,21 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
     return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
 
 
+def _raise_preflight(preflight, wait_s: float | None) -> None:
+    """Raise VerifierUnavailableError with the probe's reason once it has one (waiting ``wait_s`` s at most;
+    None = until it ends)."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from common.errors import VerifierUnavailableError
+
+    try:
+        reason = preflight.result(timeout=wait_s)
+    except FutureTimeout:
+        return
+    if reason:
+        raise VerifierUnavailableError(reason)
+
+
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
@@ -108,6 +124,14 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     from edge_client.onnx_draft import OnnxDraftModel
 
     _check_pipeline_args(num_speculative_tokens, drafter)
+    preflight = None
+    if server:  # why no verifier can serve (a TLS mismatch, nothing listening), found while the draft loads
+        from edge_client.connections import parse_addresses
+        from specdec.cli.checks import start_preflight
+
+        preflight = start_preflight(parse_addresses(server), security,
+                                    unreachable_is_error=fallback == "none" and connect is not False)
+        _raise_preflight(preflight, wait_s=0.3)  # a near verifier answers in ms: no draft load before the error
     defaults = default_model_paths()
     draft_model = None
     tokenizer = None
@@ -116,6 +140,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
         tokenizer = draft_model.tokenizer
     cleanup = []
     valid = None
+    if preflight is not None:
+        _raise_preflight(preflight, wait_s=None)
     if server:
         from edge_client.failover import FailoverBackend, RetryPolicy
 
@@ -166,6 +192,8 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
         _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and target_only:
         _fail("--fallback device needs the draft model (not --target-only)")
+    check_server(server)
+    check_model_dirs(target, None if target_only else draft)
     security = None
     if server:
         from edge_client.credentials import ChannelSecurity
@@ -177,6 +205,7 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
     else:
         if tls or ca_cert:
             _fail("--tls and --ca-cert go with --server")
+        check_device_names(device, dtype)
         _check_device(device, dtype)
     ensure_default_models(target, draft, server=server, target_only=target_only)
     try:

@@ -12,6 +12,7 @@ from specdec.cli._shared import (
     _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _check_device, _fail, _quiet_transformers, _user_errors,
     app,
 )
+from specdec.cli.checks import check_device_names, check_port_free, check_readable
 from specdec.cli.pipeline import _edge_client
 
 
@@ -45,16 +46,15 @@ def edge_serve(
     when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
     --api-key (or --api-keys-file), or --insecure."""
     logging.basicConfig(level=logging.WARNING)
-    from cloud_verifier.security import is_loopback
+    from edge_client.credentials import is_loopback_address
 
-    if not is_loopback(host) and not (api_key or api_keys_file) and not insecure:
+    if not is_loopback_address(f"[{host.strip('[]')}]:0") and not (api_key or api_keys_file) and not insecure:
         _fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
-    if not 0 <= port <= 65535:
-        _fail(f"--port must be in [0, 65535], got {port}")
     if max_conversations < 0:
         _fail(f"--max-conversations must be >= 0, got {max_conversations}")
-    if api_keys_file is not None and not api_keys_file.is_file():
-        _fail(f"--api-keys-file {api_keys_file}: no such file")
+    check_readable(api_keys_file, "--api-keys-file")
+    check_readable(ca_cert, "--ca-cert")
+    check_port_free(host, port)  # before the models load: a used port is one line at once, not uvicorn's
     from specdec.openai_server import Engine, key_checker, serve as serve_http
 
     client, close = _edge_client(
@@ -108,7 +108,6 @@ def serve(
     import asyncio
 
     from cloud_verifier.config import VerifierSettings
-    from cloud_verifier.server import serve as serve_async
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_transformers()
@@ -124,7 +123,16 @@ def serve(
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
-    _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line, at once
+    check_port_free(settings.host, settings.port, "--port")
+    if settings.metrics_port:
+        check_port_free(settings.host, settings.metrics_port, "--metrics-port")
+    for flag, path in (("--tls-cert-file", settings.tls_cert_file), ("--tls-key-file", settings.tls_key_file),
+                       ("--tls-client-ca-file", settings.tls_client_ca_file),
+                       ("--api-keys-file", settings.api_keys_file)):
+        check_readable(path, flag)
+    check_device_names(settings.device, settings.dtype)
+    _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line
+    from cloud_verifier.server import serve as serve_async
     try:
         asyncio.run(serve_async(settings))
     except (*_user_errors(), OSError, RuntimeError, ValueError) as e:

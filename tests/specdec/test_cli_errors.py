@@ -1,0 +1,147 @@
+"""Errors as a user meets them, through the CLI in a subprocess: one ``error: ...`` line that says what to do,
+exit status 2, fast (before any model loads; bounds generous for a loaded 2-core machine).
+
+Argument errors (address form, missing directories, used ports), TLS mismatches named as such (a bare TLS gRPC
+server of this process: the handshake is all the client reaches), the verifier lost mid-run, --help/--version.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from _pki import make_pki
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST_S = 3.0  # an argument error: python, typer and the check, nothing else
+
+
+def _specdec(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
+
+
+def _one_error(args, expected: str, bound_s: float = FAST_S, **kw) -> str:
+    rc, _, err, elapsed = _specdec(*args, **kw)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err  # one line, no traceback, no gRPC log
+    assert expected in lines[0], lines[0]
+    assert elapsed < bound_s, f"{elapsed:.2f} s: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture
+def used_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_help_and_version_are_fast():
+    rc, out, _, elapsed = _specdec("--help")
+    assert rc == 0 and "generate" in out and elapsed < FAST_S
+    rc, out, _, elapsed = _specdec("--version")
+    assert rc == 0 and out.startswith("specdec ") and elapsed < FAST_S
+
+
+@pytest.mark.parametrize("server, expected", [
+    ("localhost", "'localhost' is not HOST:PORT"),
+    ("http://localhost:50051", "is a URL: give HOST:PORT"),
+    ("127.0.0.1:99999", "port 99999 is not in [1, 65535]"),
+    (":50051", "is not HOST:PORT"),
+])
+def test_malformed_server(server, expected):
+    _one_error(["generate", "--server", server, "hi"], expected)
+
+
+def test_missing_model_directories(tmp_path):
+    _one_error(["generate", "--target", str(tmp_path / "nope"), "hi"], "no HF causal-LM directory")
+    _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nope"), "hi"], "no ONNX draft")
+    _one_error(["chat", "--target", str(tmp_path / "nope")], "no HF causal-LM directory")
+
+
+def test_bad_device_name():
+    _one_error(["generate", "--device", "tpu", "hi"], "unknown device 'tpu'")
+
+
+def test_port_in_use(used_port):
+    _one_error(["serve", "--port", str(used_port), "--metrics-port", "0"], f"--port {used_port}: the port is in use")
+    _one_error(["serve", "--port", "0", "--metrics-port", str(used_port)], f"--metrics-port {used_port}")
+    _one_error(["edge-serve", "--port", str(used_port), "--server", "127.0.0.1:1"],
+               f"--port {used_port}: the port is in use")
+
+
+def test_serve_tls_files_missing(tmp_path):
+    _one_error(["serve", "--port", "0", "--metrics-port", "0", "--tls-cert-file", str(tmp_path / "c.pem"),
+                "--tls-key-file", str(tmp_path / "k.pem")], "no such file")
+
+
+def test_nothing_listens(tiny_pair):
+    _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "hi"],
+               "cannot reach verifier at 127.0.0.1:1: connection refused")
+
+
+@pytest.fixture(scope="module")
+def tls_servers(tmp_path_factory):
+    """(pki, TLS address, plaintext address) of a bare gRPC server (no services)."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    creds = grpc.ssl_server_credentials([(pki.read("server_key"), pki.read("server_cert"))])
+    tls_port = server.add_secure_port("127.0.0.1:0", creds)
+    plain_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield pki, f"127.0.0.1:{tls_port}", f"127.0.0.1:{plain_port}"
+    server.stop(None)
+
+
+def test_tls_mismatches_are_named(tls_servers, tiny_pair):
+    pki, tls_address, plain_address = tls_servers
+    draft = ["--draft", str(tiny_pair.draft_dir)]
+    _one_error(["generate", "--server", tls_address, *draft, "hi"], "the verifier at " + tls_address +
+               " speaks TLS: add --tls")
+    _one_error(["generate", "--server", tls_address, "--tls", *draft, "hi"],
+               "the verifier's certificate is not trusted: pass --ca-cert FILE")
+    _one_error(["generate", "--server", tls_address, "--ca-cert", str(pki.other_ca_cert), *draft, "hi"],
+               "is not signed by the --ca-cert given")
+    _one_error(["generate", "--server", plain_address, "--ca-cert", str(pki.ca_cert), *draft, "hi"],
+               "does not speak TLS: drop --tls")
+    _one_error(["chat", "--server", tls_address, *draft], "speaks TLS: add --tls")
+
+
+def test_verifier_lost_mid_run(tiny_pair):
+    """The verifier stops mid-generation: the documented `error: cannot reach verifier at ...`, exit 2."""
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from specdec.embedded import EmbeddedServer
+
+    embedded = EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=0.5)
+    address = embedded.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "generate", "--server", address, "--draft", str(tiny_pair.draft_dir),
+         "--max-new-tokens", "400", "--ignore-eos", "--fixed-gamma", "-g", "1", "--network-delay-ms", "30",
+         "--no-proactive", "Tell a long story."],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # text is streaming
+        embedded.stop()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach verifier at {address}"), err
