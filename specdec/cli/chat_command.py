@@ -56,13 +56,22 @@ class _HistoryChat:
 
 def _reply(conv, message: str, kwargs: dict) -> None:
     """Stream one reply, then its statistics line on stderr; a refused request (e.g. the conversation outgrew the
-    context) prints one line and keeps the conversation."""
+    context) prints one line and keeps the conversation; so does Ctrl-C, which stops the reply (the turn is
+    dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is)."""
     from common.errors import InvalidRequestError
 
+    chunks = conv.send(message, **kwargs)
     try:
-        for chunk in conv.send(message, **kwargs):
+        for chunk in chunks:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C stops this reply only; the conversation goes on as it was before the turn
+        chunks.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        typer.echo("[reply stopped: this turn is dropped, the conversation goes on; Ctrl-C again or Ctrl-D quits]",
+                   err=True)
+        return
     except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return

@@ -77,11 +77,14 @@ def _print_result(result, as_json: bool) -> None:
         typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
     s = result.stats
-    typer.echo("")
+    sys.stdout.write("\n")  # the text ends its line before the statistics come on stderr (flushed: same order)
+    sys.stdout.flush()
+    # no acceptance without drafted tokens (--target-only, or a draft that proposed nothing)
+    drafting = (f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
+                if s.num_draft_tokens else "")
     typer.echo(
         f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
-        f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, "
-        f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
+        f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, {drafting}"
         f"finish {result.finish_reason.value if result.finish_reason else None}]",
         err=True,
     )

@@ -170,3 +170,12 @@ def test_models_prepare_is_idempotent_on_the_prepared_cache():
     assert elapsed < 30, f"took {elapsed:.1f} s: re-exported?"
     after = {p: p.stat().st_mtime_ns for d in (paths.target_dir, paths.draft_dir) for p in d.rglob("*") if p.is_file()}
     assert after == before  # no file rewritten, added or removed
+
+
+def test_statistics_line_on_its_own_and_no_acceptance_without_drafting(tiny_pair):
+    result = CliRunner().invoke(app, ["generate", PROMPT, "--max-new-tokens", "4", "--ignore-eos", "--target",
+                                      str(tiny_pair.target_dir), "--target-only"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.endswith("\n")  # the text ends its line: the statistics are on their own
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 1 and "4 tokens" in stats[0] and "acceptance" not in stats[0], result.stderr
