@@ -211,7 +211,7 @@ def _greedy_batch(model: Any, input_ids: Any, mask: Any, max_new_tokens: int, eo
     cur = input_ids
     with torch.no_grad():
         for step in range(max_new_tokens):
-            out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            out = model(input_ids=cur, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                         logits_to_keep=1)
             logits = out.logits[:, -1].float()
             v, i = logits.topk(topk, dim=-1)

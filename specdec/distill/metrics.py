@@ -109,7 +109,7 @@ def measure_costs(
     prefix = rng.integers(100, 20000, past).tolist()
     with torch.no_grad():
         out = target(input_ids=torch.tensor([prefix]), use_cache=True)
-    base_cache = out.past_key_values
+    base_cache = out["cache"]
 
     def target_once() -> float:
         cache = DynamicCache()
@@ -117,7 +117,7 @@ def measure_costs(
             cache.update(layer.keys, layer.values, i)
         t = time.perf_counter()
         with torch.no_grad():
-            target(input_ids=torch.tensor([[123]]), past_key_values=cache, use_cache=True,
+            target(input_ids=torch.tensor([[123]]), cache=cache, use_cache=True,
                    position_ids=torch.tensor([[past]]))
         return (time.perf_counter() - t) * 1e3
 
