@@ -19,21 +19,31 @@ log = logging.getLogger(__name__)
 
 
 class _Progress:
-    """Step progress bar (tqdm) that is a no-op when disabled."""
+    """Step progress: a tqdm bar on a terminal, one plain line per step on any other stderr (a log file, a pipe:
+    a bar's carriage returns would join into one long line), nothing when disabled."""
 
     def __init__(self, total: int, desc: str, enabled: bool):
+        import sys
+
         self._bar = None
-        if enabled:
+        self._lines = enabled and not sys.stderr.isatty()
+        self._desc, self._total, self._done = desc, total, 0
+        if enabled and not self._lines:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
 
     def step(self, what: str) -> None:
+        import sys
+
         log.info("%s", what)
         if self._bar is not None:
             self._bar.set_postfix_str(what, refresh=True)
+        elif self._lines:
+            print(f"{self._desc}: step {self._done + 1}/{self._total}: {what}", file=sys.stderr, flush=True)
 
     def advance(self) -> None:
+        self._done += 1
         if self._bar is not None:
             self._bar.update(1)
 
