@@ -112,3 +112,32 @@ def test_fresh_venv_edge_install_has_no_torch(tmp_path):
     assert {"onnxruntime", "tokenizers", "grpcio", "jinja2"} <= names
     help_ = subprocess.run([str(venv / "bin" / "specdec"), "--help"], capture_output=True, text=True, timeout=60)
     assert help_.returncode == 0 and "generate" in help_.stdout
+
+
+def test_edge_serve_edge_only(tiny_pair, verifier_address):
+    """`specdec edge-serve` (OpenAI-compatible endpoint) with the verifier/tools packages blocked."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["specdec", "edge-serve", "--port", str(port), "--server", verifier_address, "--draft",
+            str(tiny_pair.draft_dir), "--model-name", "m"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    code = _PRELUDE + f"sys.argv = {argv!r}\nfrom specdec.cli import app\napp()"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the endpoint announces itself once it listens
+            if "edge endpoint:" in line:
+                break
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["text"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
