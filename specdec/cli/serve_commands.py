@@ -110,7 +110,6 @@ def serve(
     from cloud_verifier.config import VerifierSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _quiet_transformers()
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
                                        metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
     overrides.update({k: v for k, v in dict(
@@ -132,6 +131,7 @@ def serve(
         check_readable(path, flag)
     check_device_names(settings.device, settings.dtype)
     _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line
+    _quiet_transformers()  # after the checks: importing transformers takes a second
     from cloud_verifier.server import serve as serve_async
     try:
         asyncio.run(serve_async(settings))
