@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -132,12 +133,15 @@ class GrpcBackend(VerifierBackend):
         self.open_timeout_s = open_timeout_s
         self._channel = self.security.channel(address, channel_options or CHANNEL_OPTIONS)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            self._wait_ready(address, connect_timeout_s)
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise VerifierUnavailableError(
                 f"cannot reach verifier at {address}: no connection within {connect_timeout_s:g} s"
             ) from None
+        except VerifierUnavailableError:
+            self._channel.close()
+            raise
         except Exception as e:
             self._channel.close()
             raise VerifierUnavailableError(f"cannot reach verifier at {address}: {e}") from None
@@ -149,6 +153,26 @@ class GrpcBackend(VerifierBackend):
         self._closed = False
 
     # ------------------------------------------------------------------ stats
+
+    def _wait_ready(self, address: str, connect_timeout_s: float) -> None:
+        """Wait for the channel; after a second without it, probe the address (:mod:`edge_client.probe`): a TLS
+        mismatch (gRPC would retry it until the timeout) raises VerifierUnavailableError naming it at once.
+        Raises grpc.FutureTimeoutError when nothing connects within ``connect_timeout_s`` s."""
+        from edge_client.probe import probe_address
+
+        ready = grpc.channel_ready_future(self._channel)
+        deadline = time.monotonic() + connect_timeout_s
+        try:
+            ready.result(timeout=min(connect_timeout_s, 1.0))
+            return
+        except grpc.FutureTimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+        state, why = probe_address(address, self.security, timeout_s=min(2.0, connect_timeout_s))
+        if state == "tls":
+            ready.cancel()
+            raise VerifierUnavailableError(f"cannot reach verifier at {address}: {why}")
+        ready.result(timeout=max(0.0, deadline - time.monotonic()))
     def _entry(self, session_id: str) -> WireStats:
         st = self._stats.get(session_id)
         if st is None:
