@@ -70,6 +70,15 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _explain(e: BaseException) -> str:
+    """The one line of a user error, with what to do where the error alone does not say it."""
+    from common.errors import UnauthenticatedError
+
+    if isinstance(e, UnauthenticatedError):
+        return f"{e}: pass the verifier's key with --api-key KEY (or $SPECDEC_API_KEY)"
+    return str(e)
+
+
 def _check_device(device: str, dtype: str) -> tuple[str, str]:
     """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA)."""
     from cloud_verifier.target import resolve_device, resolve_dtype

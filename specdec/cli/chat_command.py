@@ -9,7 +9,9 @@ from typing import Optional
 
 import typer
 
-from specdec.cli._shared import _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _fail, _user_errors, app
+from specdec.cli._shared import (
+    _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _explain, _fail, _user_errors, app,
+)
 from specdec.cli.pipeline import _edge_client
 
 
@@ -76,7 +78,7 @@ def _reply(conv, message: str, kwargs: dict) -> None:
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(_explain(e))
     sys.stdout.write("\n")
     sys.stdout.flush()
     typer.echo(_stats_footer(conv.last_result), err=True)

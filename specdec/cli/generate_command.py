@@ -12,7 +12,7 @@ import typer
 
 from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
-    DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
+    DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _explain, _fail, _user_errors, app,
 )
 from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
@@ -153,7 +153,7 @@ def generate(
             device=device, dtype=dtype,
         )
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(_explain(e))
     try:
         kwargs = dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -165,7 +165,7 @@ def generate(
                 sys.stdout.flush()
         result = client.last_result
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(_explain(e))
     finally:
         close()
     _print_result(result, as_json)

@@ -7,7 +7,9 @@ from pathlib import Path
 import typer
 
 from common.types import DEFAULT_DRAFT_TOP_K
-from specdec.cli._shared import DEFAULT_MIN_CONFIDENCE, _check_device, _fail, _quiet_transformers, _user_errors
+from specdec.cli._shared import (
+    DEFAULT_MIN_CONFIDENCE, _check_device, _explain, _fail, _quiet_transformers, _user_errors,
+)
 from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 
 
@@ -216,4 +218,4 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
             device=device, dtype=dtype, connect=connect,
         )
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(_explain(e))

@@ -145,3 +145,22 @@ def test_verifier_lost_mid_run(tiny_pair):
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 2, err
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach verifier at {address}"), err
+
+
+def test_wrong_api_key(tiny_pair, tmp_path):
+    """A verifier with API keys: a wrong or missing key is one line that names the key, exit 2."""
+    from cloud_verifier.auth import ApiKeyStore, append_api_key
+    from cloud_verifier.security import ServerSecurity
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from specdec.embedded import EmbeddedServer
+
+    keys = tmp_path / "keys"
+    append_api_key(keys, "acme")
+    security = ServerSecurity(None, ApiKeyStore(keys))
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=0.5,
+                        security=security) as address:
+        base = ["generate", "--server", address, "--draft", str(tiny_pair.draft_dir), "--max-new-tokens", "2", "hi"]
+        _one_error([*base, "--api-key", "sk-specdec-wrong"], "invalid API key: pass the verifier's key with --api-key",
+                   bound_s=30)
+        _one_error(base, "API key", bound_s=30, env={"SPECDEC_API_KEY": ""})
