@@ -40,6 +40,7 @@ from common.errors import (
     ConflictError,
     DeadlineError,
     InvalidRequestError,
+    PreconditionError,
     SessionNotFoundError,
     SpecdecError,
     VerifierUnavailableError,
@@ -336,7 +337,7 @@ class FailoverBackend(VerifierBackend):
             self._resolve(call, inner.result())
         elif is_retryable(exc):
             self._pool.submit(self._failed, call, attempt, backend, exc)  # not on the stream's reader thread
-        elif isinstance(exc, InvalidRequestError) and call.failures:
+        elif isinstance(exc, (InvalidRequestError, PreconditionError)) and call.failures:
             self._pool.submit(self._reconcile, call, backend, exc)
         else:
             self._fail(call, exc)
@@ -371,9 +372,11 @@ class FailoverBackend(VerifierBackend):
                  delay * 1000)
         self._timers.at(now + delay, lambda: self._pool.submit(self._attempt, call))
 
-    def _reconcile(self, call: _Call, backend: VerifierBackend, err: InvalidRequestError) -> None:
-        """A retried block was refused: committed already by the replica that failed (rebuild the verdict from
-        the store), or refused for another reason (raise it; a block still in flight there: retry)."""
+    def _reconcile(self, call: _Call, backend: VerifierBackend, err: SpecdecError) -> None:
+        """A retried block was refused: committed already by the replica that failed, or by the first attempt
+        whose verdict was lost (a committed-length mismatch; FAILED_PRECONDITION when that block finished the
+        session): the verdict is rebuilt from the store. Refused for another reason: raise it (a block still in
+        flight there: retry)."""
         try:
             info = backend.get_session(call.session_id)
         except SpecdecError as e:

@@ -309,3 +309,37 @@ def test_generation_through_a_lossy_wan_is_target_only(tiny_pair):
     assert rest and result.token_ids == expected
     assert result.num_unverified_tokens == 0 and backend.num_failovers >= 1  # the reset hit a live stream
     assert stats.resets >= 1 and stats.connections >= 2 and stats.stalls >= 1
+
+
+def test_the_lost_verdict_of_the_last_block_is_rebuilt(tiny_pair):
+    """The verdict that finishes the session is lost with its connection: the retried block meets a finished
+    session (refused as such), and the SDK rebuilds the verdict from the store instead of failing; output
+    identical to the same generation without the loss."""
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from edge_client.client import EdgeClient, encode_prompt
+    from edge_client.drafter import ModelDrafter
+    from edge_client.failover import FailoverBackend, RetryPolicy
+    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec.embedded import EmbeddedServer
+
+    model = OnnxDraftModel(tiny_pair.draft_dir)
+    ids = encode_prompt(model.tokenizer, "Name a color.")
+    verifier = Verifier(TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=4096), max_batch_wait_ms=1.0)
+    results, chunks = {}, {}
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address, WanProxy(0, address, seed=0) as wan:
+        for lose_last in (False, True):
+            backend = FailoverBackend(wan.address, policy=RetryPolicy(connect_timeout_s=5.0, budget_s=20.0), seed=0)
+            with EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=2) as client:
+                stream = client.stream_chunks(ids, max_new_tokens=12, ignore_eos=True)
+                n = 0
+                if lose_last:
+                    for _ in range(chunks[False] - 1):
+                        next(stream)
+                        n += 1
+                    wan.reset_on_next_chunk("down", match=_carries_http2_data)
+                n += sum(1 for _ in stream)
+                chunks[lose_last], results[lose_last] = n, client.last_result
+    assert wan.stats().resets == 1
+    assert results[True].token_ids == results[False].token_ids and len(results[True].token_ids) == 12
+    assert results[True].finish_reason == results[False].finish_reason
