@@ -22,6 +22,7 @@ and backs the fast path in tests.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,21 @@ class SessionKV:
 
 
 
+@contextlib.contextmanager
+def _quiet_weight_loading():
+    """transformers' "Loading weights" bar off while the target loads: the CLI and ``serve`` report that step
+    themselves, and a bar on a non-terminal stderr (logs, pipes) is a run of carriage returns."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 @dataclass
 class ForwardRow:
     """One row of a ragged batch.
@@ -179,9 +195,10 @@ class TargetRunner:
         self.model_dir = Path(model_dir)
         self.config = AutoConfig.from_pretrained(model_dir)
         check_target_architecture(self.config)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).to(self.device)
+        with _quiet_weight_loading():
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
+            ).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = self.config
