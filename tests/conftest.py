@@ -77,6 +77,26 @@ def redis_url():
     _pytest.skip("no Redis: set SPECDEC_TEST_REDIS_URL or install redis-server")
 
 
+
+@_pytest.fixture(params=["memory", "redis"])
+def memory_or_redis_store(request):
+    """A session store of each kind: in-process, and Redis under its own key prefix (deleted afterwards)."""
+    import uuid
+
+    from cloud_verifier.store import MemorySessionStore, RedisSessionStore
+
+    if request.param == "memory":
+        yield MemorySessionStore(ttl_s=60)
+        return
+    url = request.getfixturevalue("redis_url")
+    prefix = f"specdec-test:{uuid.uuid4().hex}:"
+    st = RedisSessionStore(url, prefix=prefix, ttl_s=60)
+    yield st
+    keys = list(st.client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        st.client.delete(*keys)
+    st.close()
+
 # ---------------------------------------------------------------------------------------------- models
 # The real SmolLM2 tokenizer (extracted once from the GGUF into ~/.cache/specdec-test/smollm2-tokenizer),
 # a tiny random Llama target/draft pair built with it (per test session), and the real prepared pair.

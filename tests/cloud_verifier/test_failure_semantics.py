@@ -18,7 +18,6 @@ import queue
 import shutil
 import threading
 import time
-import uuid
 
 import grpc
 import pytest
@@ -48,19 +47,9 @@ def _redis_binary() -> str:
 # ---------------------------------------------------------------------------------------------- store
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request):
-    if request.param == "memory":
-        yield MemorySessionStore(ttl_s=60)
-        return
-    url = request.getfixturevalue("redis_url")
-    prefix = f"specdec-test:{uuid.uuid4().hex}:"
-    st = RedisSessionStore(url, prefix=prefix, ttl_s=60)
-    yield st
-    keys = list(st.client.scan_iter(match=f"{prefix}*"))
-    if keys:
-        st.client.delete(*keys)
-    st.close()
+@pytest.fixture
+def store(memory_or_redis_store):
+    return memory_or_redis_store
 
 
 def test_owner_checked_commit_and_disown(store):

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import shutil
 import threading
-import uuid
 
 import pytest
 
 from _cluster import PrivateRedis, wait_until
 from _reference import hf_greedy
-from cloud_verifier.store import MemorySessionStore, RedisSessionStore, SessionRecord
+from cloud_verifier.store import RedisSessionStore, SessionRecord
 from common.errors import InvalidRequestError
 from common.types import SamplingParams, StoppingCriteria
 
@@ -157,18 +156,9 @@ def test_stop_checker_restore_forgets_a_block(draft):
     assert checker.append(ids[split:]) == fresh.append(ids[split:]) == first
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request):
-    if request.param == "memory":
-        yield MemorySessionStore(ttl_s=60)
-        return
-    url = request.getfixturevalue("redis_url")
-    prefix = f"specdec-test:{uuid.uuid4().hex}:"
-    st = RedisSessionStore(url, prefix=prefix, ttl_s=60)
-    yield st
-    for key in st.client.scan_iter(match=f"{prefix}*"):
-        st.client.delete(key)
-    st.close()
+@pytest.fixture
+def store(memory_or_redis_store):
+    return memory_or_redis_store
 
 
 def test_the_same_commit_again_is_answered_as_the_first(store):
