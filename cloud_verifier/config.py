@@ -143,3 +143,12 @@ class VerifierSettings(BaseSettings):
 
     batch_stuck_after_s: float = Field(60.0, gt=0)
     """Health turns NOT_SERVING when the batch loop has not beaten for this long (stuck forward pass), seconds."""
+
+    prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks of committed tokens are shared by every session whose tokens up to
+    them are identical (a prompt starting with a cached prefix prefills only the rest); False = off."""
+
+    prefix_cache_salt: Literal["none", "tenant"] = "none"
+    """Who shares cached blocks: ``none`` = every tenant (vLLM's default; a cached prefix opens faster, which
+    another tenant can time: docs/security.md), ``tenant`` = only sessions of the same tenant (the tenant id
+    salts the block hashes)."""
