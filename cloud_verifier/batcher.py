@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
+import torch
 
 from cloud_verifier import metrics
 from cloud_verifier.session_state import Session
@@ -53,6 +53,8 @@ from common.errors import (
     VerifierUnavailableError,
 )
 from cloud_verifier.numerics import verify_row
+from cloud_verifier.row_logits import prepare_row_logits
+from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
 
 log = logging.getLogger(__name__)
@@ -269,7 +271,8 @@ class Batcher:
         return [w for w in batch if not w.future.done()]  # requests cancelled while queued
 
     def _run_batch(self, batch: list[Work]) -> list:
-        """Runs in the target thread: one forward pass, then the verdict per verify row.
+        """Runs in the target thread: one forward pass, the verdicts of all its verify rows, then per verify row
+        stopping and the commit.
 
         Returns one result per item: a Verdict (verify), None (prefill) or the exception to raise."""
         start = time.perf_counter()
@@ -279,30 +282,59 @@ class Batcher:
         forward_ms = (time.perf_counter() - start) * 1000
         num_blocks = sum(1 for w in batch if w.block is not None)
         metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(w.tokens) for w in batch))
-        results = []
-        for work, row_logits in zip(batch, logits):
-            if work.block is None:
-                results.append(None)
-                continue
+        verify = [i for i, w in enumerate(batch) if w.block is not None]
+        outcomes = self._rejections([batch[i] for i in verify], [logits[i] for i in verify])
+        results: list = [None] * len(batch)
+        for i, outcome in zip(verify, outcomes):
+            work = batch[i]
             try:
+                if isinstance(outcome, BaseException):
+                    raise outcome
                 queue_ms = (start - work.enqueued) * 1000
-                results.append(self._apply_verdict(work, row_logits, queue_ms, forward_ms, num_blocks))
+                results[i] = self._apply_verdict(work, outcome, queue_ms, forward_ms, num_blocks)
             except SpecdecError as e:
-                results.append(e)
+                results[i] = e
             except Exception as e:
                 log.exception("verify failed")
-                results.append(e)
+                results[i] = e
         return results
+
+    def _rejections(self, works: list[Work], logits: list) -> list:
+        """The rejection rule of every verify row of one forward pass; per row a RejectionResult or the
+        exception that row raised (the other rows are unaffected).
+
+        ``logits``: per row [block.num_scored_positions, vocab_size] float32 (numpy or torch, on the target's
+        device). Each row first goes through its session's history-dependent processors
+        (:func:`cloud_verifier.row_logits.prepare_row_logits`). A row with NaN/inf logits gets
+        TargetOutputError (nothing committed) and its session's KV cache is released: it is rebuilt next block.
+        """
+        outcomes: list = []
+        for work, row_logits in zip(works, logits):
+            record = work.session.record
+            try:
+                prepared = prepare_row_logits(work.session, work.block, record.committed_length,
+                                              torch.as_tensor(row_logits))
+                outcomes.append(verify_row(work.block, prepared.cpu().numpy(), record.sampling, record.seed,
+                                           record.committed_length, self.valid_vocab_size, record.session_id))
+            except TargetOutputError as e:
+                self.sessions.release(record.session_id)
+                outcomes.append(e)
+            except Exception as e:  # noqa: BLE001 - one row's fault is that row's answer
+                outcomes.append(e)
+        return outcomes
 
     # ------------------------------------------------------------------ 4. the verdict
     def _apply_verdict(
-        self, work: Work, logits: np.ndarray, queue_ms: float, forward_ms: float, batch_size: int
+        self, work: Work, result, queue_ms: float, forward_ms: float, batch_size: int
     ) -> Verdict:
-        """Rejection rule, stopping, compare-and-append commit and the Verdict of one verify row.
+        """Stopping, compare-and-append commit and the Verdict of one verify row whose rejection rule gave
+        ``result`` (a RejectionResult: n accepted draft tokens, then the recovered or bonus token; none after a
+        full bonus_drafted block). ``result`` may instead be the row's logits [block.num_scored_positions,
+        vocab_size] (numpy or torch): the rejection rule then runs here on that one row (:meth:`_rejections`),
+        as for a batch of one.
 
-        ``logits``: [γ + 1, vocab_size] of the row ([γ, vocab_size] for a bonus_drafted block of γ tokens:
-        ``block.num_scored_positions``); ``queue_ms``/``forward_ms``: the block's wait and the
-        forward pass's wall time, ms; ``batch_size``: verify blocks in the forward pass.
+        ``queue_ms``/``forward_ms``: the block's wait and the forward pass's wall time, ms; ``batch_size``:
+        verify blocks in the forward pass.
 
         The replica's copy of the session (committed ids, seq, finish state, stopping state) moves only once the
         store commit succeeded. The KV cache needs no roll-back: positions past the committed length are
@@ -313,19 +345,15 @@ class Batcher:
                 replica's copy is stale): the session is released here, nothing is committed.
             VerifierUnavailableError: the store did not answer: the verdict is kept as the session's
                 ``unconfirmed`` one, for :meth:`SessionTable.settle` to check against the store.
+            TargetOutputError: (given logits) the row's logits cannot be verified; the session is released.
         """
+        if not isinstance(result, RejectionResult):
+            result = self._rejections([work], [result])[0]
+            if isinstance(result, BaseException):
+                raise result
         session, block = work.session, work.block
         record = session.record
         committed_length = record.committed_length
-        # the rejection rule (Algorithm 1): n accepted draft tokens, then the recovered or bonus token (none
-        # after a full bonus_drafted block); a row with NaN/inf logits raises TargetOutputError (nothing
-        # committed): its KV cache is rebuilt next block
-        try:
-            result = verify_row(block, logits, record.sampling, record.seed, committed_length,
-                                self.valid_vocab_size, record.session_id)
-        except TargetOutputError:
-            self.sessions.release(record.session_id)
-            raise
         n = result.num_accepted
         # stopping: the earliest stop in the candidates wins, nothing after it is committed. The stopping state
         # moves with the commit only: a failed commit puts it back, so a retried block is counted once.
