@@ -70,7 +70,7 @@ class SessionAdmission:
             VerifierUnavailableError: shutting down, or the store is unreachable (nothing stays reserved).
         """
         if sampling.seed is None:
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))  # every other field kept
         now = time.time()
         record = SessionRecord(
             session_id=secrets.token_hex(12),

@@ -62,7 +62,7 @@ def check_open_request(
     if not prompt:
         raise InvalidRequestError("empty prompt: at least one token id is needed")
     check_token_ids(prompt, "prompt", valid_vocab_size)
-    check_generation_params(sampling, stopping)
+    check_generation_params(sampling, stopping, valid_vocab_size)
     if tokenizer_fingerprint and info.tokenizer_fingerprint and tokenizer_fingerprint != info.tokenizer_fingerprint:
         raise PreconditionError(
             f"tokenizer fingerprint {tokenizer_fingerprint} does not match the target's "
@@ -73,15 +73,18 @@ def check_open_request(
         raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context of {max_ctx} tokens")
 
 
-def check_generation_params(sampling: SamplingParams, stopping: StoppingCriteria) -> None:
-    """Check a session's sampling and stopping parameters (OpenSession and ExtendSession).
+def check_generation_params(sampling: SamplingParams, stopping: StoppingCriteria,
+                            valid_vocab_size: int | None = None) -> None:
+    """Check a session's sampling and stopping parameters (OpenSession and ExtendSession); nothing is opened or
+    changed when they fail (INVALID_ARGUMENT, the message names the field).
 
     Raises:
-        InvalidRequestError: a parameter out of range (SamplingParams/StoppingCriteria.validate), or a positive
-            temperature below :data:`MIN_TEMPERATURE` (use 0 for greedy).
+        InvalidRequestError: a parameter out of range (SamplingParams/StoppingCriteria.validate: penalties,
+            logit_bias values and ids below ``valid_vocab_size``, min_tokens, min_p, top_logprobs included), or a
+            positive temperature below :data:`MIN_TEMPERATURE` (use 0 for greedy).
     """
     try:
-        sampling.validate()
+        sampling.validate(valid_vocab_size)
         stopping.validate()
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
@@ -111,7 +114,7 @@ def check_extend_request(
     if not appended:
         raise InvalidRequestError("appended_token_ids is empty: at least one token id is needed")
     check_token_ids(appended, "appended", valid_vocab_size)
-    check_generation_params(sampling, stopping)
+    check_generation_params(sampling, stopping, valid_vocab_size)
     total = committed_length + len(appended)
     if total >= info.max_context_tokens:
         raise ContextLengthError(

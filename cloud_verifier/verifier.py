@@ -17,6 +17,7 @@ replica crashed or drained) is resumed here by re-prefilling its committed token
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -285,7 +286,7 @@ class Verifier:
         r = session.record
         sampling = sampling if sampling is not None else r.sampling
         if sampling.seed is None:
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, r.seed)
+            sampling = dataclasses.replace(sampling, seed=r.seed)  # every other field kept
         stopping = stopping if stopping is not None else r.stopping
         check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
         session = await self.sessions.extend(session, committed_length, appended, sampling, stopping)

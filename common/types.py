@@ -21,34 +21,85 @@ class FinishReason(str, enum.Enum):
     CONTEXT = "context"  # the target's context length reached
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives one committed token's logprobs may list (OpenAI's limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Logits processing applied identically to draft_probs and target_probs.
+    """Logits processing applied identically to draft_probs and target_probs, at every block position with
+    that position's own history (:mod:`common.logits_processors` gives the order and the sources).
 
-    temperature: 0 = greedy (argmax); > 0 = softmax(logits / temperature).
-    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
+    temperature: 0 = greedy (argmax of the processed logits); > 0 = softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in [0, 1] (1.0 = off; 0 = only the most
+        likely token, HF's boundary rule taken to its limit, and what OpenAI clients mean by 0).
     seed: key of the counter-based random stream (common.sampling.uniform); None = unseeded.
+    repetition_penalty: HF semantics over prompt + output ids, > 0 (1.0 = off).
+    presence_penalty, frequency_penalty: OpenAI semantics over the turn's output ids (as vLLM), in [-2, 2]
+        (0 = off).
+    logit_bias: (token id, bias) pairs, bias in [-100, 100], sorted by id (a dict is accepted and normalised).
+    min_tokens: EOS and stop token ids masked until that many tokens of the turn are generated (0 = off).
+    min_p: drop tokens below min_p x the top probability, in [0, 1] (0 = off).
+    logprobs: report each committed token's log-probability (raw log-softmax of the target);
+        top_logprobs: that many alternatives too (0..MAX_TOP_LOGPROBS; needs logprobs).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else (bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in items)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def validate(self) -> None:
-        """Raise ValueError on parameters that define no distribution."""
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+    @property
+    def has_history_processors(self) -> bool:
+        """True when a processor depends on the token history (bias, penalties, min_tokens): they run per
+        position before the history-free warpers."""
+        return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.min_tokens)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError, naming the field, on parameters that define no distribution or are out of range
+        (``vocab_size``: logit_bias ids must be below it when given)."""
+        _check(np.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
+               self.temperature)
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)", self.top_k)
+        _check(0.0 <= self.top_p <= 1.0, "top_p", "must be in [0, 1]", self.top_p)
+        _check(self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)", self.seed)
+        _check(np.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "must be > 0 (1 = off)", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(np.isfinite(value) and -2.0 <= value <= 2.0, name, "must be in [-2, 2]", value)
+        for token_id, bias in self.logit_bias:
+            _check(token_id >= 0 and (vocab_size is None or token_id < vocab_size), "logit_bias",
+                   f"token id must be in [0, {vocab_size or 'vocab_size'})", token_id)
+            _check(np.isfinite(bias) and -100.0 <= bias <= 100.0, "logit_bias", f"bias of token {token_id} must "
+                   "be in [-100, 100]", bias)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]",
+               self.top_logprobs)
+        _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs", self.top_logprobs)
+
+
+def _check(ok, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +194,21 @@ class Verdict:
     forward_ms: float = 0.0
     batch_size: int = 1
     seq: int = 0
+    # one per committed token when the session asked for logprobs (SamplingParams.logprobs), else None
+    logprobs: list["TokenLogprobs"] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one committed token under the target's raw distribution (log-softmax of its logits
+    at that position, before logits processing: vLLM's default), float64.
+
+    top_token_ids / top_logprobs: the ``top_logprobs`` most likely tokens, most likely first (ties: lower id).
+    """
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +231,8 @@ class SessionOpened(ServedInfo):
     session_id: str = ""
     committed_length: int = 0  # tokens (= prompt length)
     seed: int = 0  # the seed the session draws with (requested, or picked by the verifier)
+    load: float = 0.0  # load hint: unanswered batcher rows / max batch size at open (route choice)
+    forward_ms: float = 0.0  # load hint: recent mean forward pass with verify rows, ms (0: none yet)
 
     @classmethod
     def of(cls, info: ServedInfo, session_id: str, committed_length: int, seed: int) -> "SessionOpened":

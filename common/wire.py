@@ -18,7 +18,8 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from common.types import (
-    DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, Verdict,
+    DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, TokenLogprobs,
+    Verdict,
 )
 from specdec.v1 import verifier_pb2 as pb
 
@@ -53,23 +54,43 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
+    """Every field; top_p is always sent (present), so 0 keeps its meaning (the most likely token only)."""
+    msg = pb.SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
         seed=params.seed if params.seed is not None else 0,
         has_seed=params.seed is not None,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        min_p=params.min_p,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )
+    for token_id, bias in params.logit_bias:
+        msg.logit_bias[int(token_id)] = float(bias)
+    return msg
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """top_p 0 (proto3 default) means off = 1.0; has_seed false gives seed None."""
-    top_p = float(msg.top_p)
+    """The proto's one meaning per sentinel: top_p unset = 1.0 (off), present 0 = the most likely token only;
+    repetition_penalty unset = 1.0 (off; a present 0 stays 0 and is refused by validation); has_seed false
+    gives seed None; every other field's proto3 default is its neutral value."""
     return SamplingParams(
         temperature=float(msg.temperature),
         top_k=int(msg.top_k),
-        top_p=1.0 if top_p == 0.0 else top_p,
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
         seed=int(msg.seed) if msg.has_seed else None,
+        repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=int(msg.min_tokens),
+        min_p=float(msg.min_p),
+        logprobs=bool(msg.logprobs),
+        top_logprobs=int(msg.top_logprobs),
     )
 
 
@@ -292,6 +313,8 @@ def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
         queue_ms=float(verdict.queue_ms),
         forward_ms=float(verdict.forward_ms),
         batch_size=int(verdict.batch_size),
+        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
+                                   top_logprobs=list(lp.top_logprobs)) for lp in verdict.logprobs or ()],
     )
 
 
@@ -329,4 +352,7 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
         forward_ms=float(msg.forward_ms),
         batch_size=int(msg.batch_size),
         seq=int(msg.seq),
+        logprobs=[TokenLogprobs(float(lp.logprob), tuple(int(t) for t in lp.top_token_ids),
+                                tuple(float(x) for x in lp.top_logprobs)) for lp in msg.logprobs][:grown]
+        if msg.logprobs else None,
     )

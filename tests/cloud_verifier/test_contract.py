@@ -390,8 +390,8 @@ def test_open_session_check(stub, server, runner, case):
 
 
 def test_open_session_accepts_the_boundaries(stub, server):
-    """The limits are where the proto puts them: a prompt of context − 1 tokens, top_p 0 (= off) and 1,
-    temperature 0 (greedy), top_k 0 (off), the right fingerprint."""
+    """The limits are where the proto puts them: a prompt of context − 1 tokens, top_p 0 (the most likely token
+    only) and 1, temperature 0 (greedy), top_k 0 (off), the right fingerprint."""
     _, verifier = server
     for req in (
         open_request(prompt=[7] * 511, max_new_tokens=1),

@@ -272,7 +272,7 @@ def test_check_extend_request_accepts_the_boundaries():
     ({"appended": []}, InvalidRequestError, "appended_token_ids is empty: at least one token id is needed"),
     ({"appended": [5, VOCAB]}, InvalidRequestError, f"appended token id {VOCAB} is outside the vocabulary"),
     ({"appended": [-1]}, InvalidRequestError, "appended token id -1 is outside the vocabulary"),
-    ({"sampling": SamplingParams(top_p=0.0)}, InvalidRequestError, "top_p must be in (0, 1]"),
+    ({"sampling": SamplingParams(top_p=1.5)}, InvalidRequestError, "top_p must be in [0, 1]"),
     ({"stopping": StoppingCriteria(stop_strings=("",))}, InvalidRequestError, "stop strings must be non-empty"),
     ({"sampling": SamplingParams(temperature=1e-31)}, InvalidRequestError,
      "temperature 1e-31 is below 1e-30: use 0 for greedy"),
