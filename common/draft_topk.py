@@ -108,6 +108,8 @@ def draft_topk_distribution(
     keep = int(np.count_nonzero(probs > 0))  # positive ones first (most likely first)
     if params.top_p < 1.0:  # token j is kept iff the mass before it is < top_p (the first always)
         keep = min(keep, 1 + int(np.count_nonzero(np.cumsum(probs[:-1]) < params.top_p)))
+    if params.min_p > 0.0 and keep:  # min-p keeps a prefix too: probabilities >= min_p x the top one
+        keep = int(np.count_nonzero(probs[:keep] >= params.min_p * probs[0]))
     if keep == 0:  # everything underflowed: the reference's answer (the argmax)
         return _draft_q_by_full_row(logits, params, k, valid_vocab_size)
     kept_ids, kept = g[:keep], probs[:keep]

@@ -1,6 +1,7 @@
-"""Logits processing: temperature → top-k → top-p → softmax (:func:`logits_to_probs`), identical on the draft
-(edge) and target (cloud) sides, so draft_probs (q) and target_probs (p) are processed alike. Exported by
-:mod:`common.sampling` as well.
+"""Logits processing: temperature → top-k → top-p → softmax → min-p (:func:`logits_to_probs`), identical on the
+draft (edge) and target (cloud) sides, so draft_probs (q) and target_probs (p) are processed alike. Exported by
+:mod:`common.sampling` as well. The history-dependent processors (logit_bias, penalties, min_tokens) run before
+it, per position: :mod:`common.logits_processors`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def logits_to_probs(
     params: SamplingParams,
     valid_vocab_size: int | None = None,
 ) -> np.ndarray:  # [n, vocab_size] float64
-    """Processed probabilities of each row: temperature, top-k, top-p, then softmax (float64).
+    """Processed probabilities of each row: temperature, top-k, top-p, softmax, then min-p (float64).
 
     Semantics are those of HF transformers' TemperatureLogitsWarper → TopKLogitsWarper → TopPLogitsWarper
     (applied in that order, as ``generate`` does), then softmax; at the boundaries:
@@ -32,6 +33,9 @@ def logits_to_probs(
       min_tokens_to_keep=1). Among tokens of equal probability straddling the boundary the LOWER ids are
       dropped first and the higher ids kept. HF sorts with torch.sort, which leaves the order of ties
       unspecified; this tie rule is ours, and both sides apply it. The survivors are renormalised.
+      ``top_p == 0`` keeps only that last token (the most likely).
+    - min-p (``min_p > 0``): :func:`apply_min_p` on the renormalised rows (tokens below min_p x the top
+      probability dropped, renormalised again).
 
     Greedy params (temperature 0) give the one-hot distribution of the argmax (lowest id among ties).
     ``valid_vocab_size``: columns at or past it (padded embedding rows) get probability 0.
@@ -74,6 +78,21 @@ def logits_to_probs(
         keep = _top_p_keep(probs, params.top_p)  # [n, vocab_size] bool
         np.copyto(probs, 0.0, where=np.logical_not(keep, out=keep))
         probs /= probs.sum(axis=-1, keepdims=True)
+    if params.min_p > 0.0:
+        apply_min_p(probs, params.min_p)
+    return probs
+
+
+def apply_min_p(
+    probs: np.ndarray,  # [n, vocab_size] float64, normalised rows, modified in place
+    min_p: float,  # in (0, 1]
+) -> np.ndarray:
+    """min-p sampling (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling"; HF MinPLogitsWarper): drop the
+    tokens whose probability is below ``min_p`` x the row's top probability (the top one is always kept), then
+    renormalise. The threshold is relative, so renormalising first (after top-p) changes nothing but rounding;
+    the reference applies the same two lines."""
+    np.copyto(probs, 0.0, where=probs < min_p * probs.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
 

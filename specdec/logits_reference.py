@@ -53,4 +53,7 @@ def logits_to_probs_reference(
         np.put_along_axis(drop, order, drop_sorted, axis=-1)
         probs = np.where(drop, 0.0, probs)
         probs /= probs.sum(axis=-1, keepdims=True)
+    if params.min_p > 0.0:  # HF MinPLogitsWarper: below min_p x the top probability dropped
+        probs = np.where(probs < params.min_p * probs.max(axis=-1, keepdims=True), 0.0, probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
     return probs
