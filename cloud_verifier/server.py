@@ -128,6 +128,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, err, method)
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        if handler.unary_stream is not None:  # Decode (cloud_verifier.decode_stream)
+            inner_unary_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for response in inner_unary_stream(request, context):
+                        yield response
+                except Exception as err:
+                    if isinstance(err, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, err, method)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
         return handler
 
 

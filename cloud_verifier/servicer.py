@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING
 
+from cloud_verifier import metrics
 from cloud_verifier.auth import current_tenant
+from cloud_verifier.decode_stream import DecodeStream, load_hint
 from cloud_verifier.verify_stream import VerifyStream
 from common.errors import VerifierUnavailableError
 from common.wire import (
@@ -90,14 +93,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         r = open_request_from_proto(request)
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
                                                   r.tokenizer_fingerprint, **_tenant_kw())
-        return session_opened_to_proto(opened)
+        return self._opened(opened)
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:
         self._check_serving()
         r = extend_request_from_proto(request)
         opened = await self.verifier.extend_session(r.session_id, r.committed_length, r.appended_token_ids,
                                                     r.sampling, r.stopping, **_tenant_kw())
-        return session_opened_to_proto(opened)
+        return self._opened(opened)
+
+    def _opened(self, opened) -> pb.OpenSessionResponse:
+        """The answer to OpenSession/ExtendSession, with the load hint (cloud_verifier.decode_stream)."""
+        load, forward_ms = load_hint(self.verifier)
+        return session_opened_to_proto(dataclasses.replace(opened, load=load, forward_ms=forward_ms))
 
     async def VerifyBlock(self, request: pb.DraftBlock, context) -> pb.Verdict:
         self._check_serving()
@@ -118,4 +126,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         stream = VerifyStream(self.verifier, self._drain, self._track, _tenant_kw())
         async with contextlib.aclosing(stream.verdicts(request_iterator)) as verdicts:
             async for verdict in verdicts:
+                yield verdict
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        """Cloud decode: γ = 0 verify steps of one session, a verdict per token (cloud_verifier.decode_stream)."""
+        self._check_serving()
+        metrics.DECODE_STREAMS.inc()
+        stream = DecodeStream(self.verifier, self._drain, _tenant_kw())
+        async with contextlib.aclosing(stream.verdicts(request)) as verdicts:
+            async for verdict in verdicts:
+                metrics.DECODE_TOKENS.inc()  # a γ = 0 step commits its one token
                 yield verdict

@@ -275,6 +275,14 @@ class FailoverBackend(VerifierBackend):
             while len(self._opened) > 1024:
                 self._opened.pop(next(iter(self._opened)))
 
+    def connection(self) -> VerifierBackend:
+        """The connection in use, connecting if needed (calls this class does not wrap: cloud decode)."""
+        return self._conns.current()
+
+    def drop_connection(self, backend: VerifierBackend) -> None:
+        """Give up ``backend`` (it failed): the next call connects to the next address."""
+        self._conns.drop(backend)
+
     def get_session(self, session_id: str, timeout_s: float = 10.0):
         """The store's record of a session (wire ``SessionInfo``), from any replica, with retries.
 

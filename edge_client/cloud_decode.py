@@ -1,0 +1,132 @@
+"""Cloud decode on the edge: the verifier generates a session's tokens (specdec.v1 ``Decode``) and the edge
+commits them as they stream in (:func:`cloud_verdicts`).
+
+Each verdict is one γ = 0 verify step on the verifier (cloud_verifier.decode_stream): ``num_accepted`` 0, the
+bonus token, the committed length after it. The edge never drafts meanwhile; the session's seq advances by one
+per token, so speculative blocks can follow at once (``seq`` = the last verdict's + 1).
+
+Transports:
+
+- a :class:`~edge_client.grpc_backend.GrpcBackend` (``decode``): one streaming call; one network round trip
+  before the first token, then the tokens arrive as the verifier makes them;
+- a :class:`~edge_client.failover.FailoverBackend` (``connection``): the same on its current connection; when the
+  connection fails mid-stream (UNAVAILABLE, a reset), the tokens the verifier committed whose verdicts were lost
+  are read back from the store (GetSession: the committed ids are the truth) and the stream is resumed at the
+  new committed length on the next connection — no token lost, none repeated;
+- any other backend (in-process, the simulated network of edge_client.netsim): one empty block per token
+  (``submit``), a round trip each: the cloud-only baseline the benchmarks used before ``Decode`` existed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterator
+
+from common.errors import InvalidRequestError, SpecdecError
+from common.types import DraftBlock, Verdict
+from common.wire import finish_reason_from_proto, verdict_from_proto
+from edge_client.backend import SentBlock, VerifierBackend
+from edge_client.retry import RetryPolicy, exhausted_error, is_retryable
+
+__all__ = ["cloud_verdicts", "supports_stream"]
+
+
+def supports_stream(backend: VerifierBackend) -> bool:
+    """True when ``backend`` reaches a verifier over gRPC (the ``Decode`` stream), False for the per-token
+    fallback."""
+    return hasattr(backend, "connection") or hasattr(backend, "decode")
+
+
+def cloud_verdicts(backend: VerifierBackend, session_id: str, seq: int, committed_length: int,
+                   max_tokens: int = 0, timeout_s: float = 60.0) -> Iterator[Verdict]:
+    """Verdicts of cloud decode from ``committed_length`` (the first step's seq: ``seq``), one per token, until
+    ``max_tokens`` tokens (0: no limit) or the session finishes. Closing the iterator cancels the call (the
+    verifier stops at its next step; a step already in a forward pass is committed, GetSession shows it).
+
+    Raises:
+        the verifier's errors (common.errors): SessionNotFoundError, InvalidRequestError, PreconditionError,
+        RateLimitedError; VerifierUnavailableError when no connection recovers within the retry budget.
+    """
+    if hasattr(backend, "connection"):
+        yield from _with_failover(backend, session_id, seq, committed_length, max_tokens)
+    elif hasattr(backend, "decode"):
+        yield from _one_stream(backend, session_id, seq, committed_length, max_tokens)
+    else:
+        yield from _per_token(backend, session_id, seq, committed_length, max_tokens, timeout_s)
+
+
+def _one_stream(conn, session_id: str, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
+    """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.grpc_errors)."""
+    import grpc
+
+    from edge_client.grpc_errors import map_rpc_error
+
+    call = conn.decode(session_id, seq, committed_length, max_tokens)
+    try:
+        for msg in call:
+            verdict = verdict_from_proto(msg, [], committed_length)
+            committed_length = verdict.committed_length
+            yield verdict
+    except grpc.RpcError as e:
+        raise map_rpc_error(e, conn.address, False) from None
+    finally:
+        call.cancel()  # no-op once the stream ended; stops the verifier's loop when the consumer stopped early
+
+
+def _with_failover(backend, session_id: str, seq: int, committed_length: int, max_tokens: int
+                   ) -> Iterator[Verdict]:
+    """:func:`_one_stream` on the failover backend's connection; a retryable failure is recovered from the
+    store (tokens committed without their verdict) and the stream resumed on the next connection."""
+    policy: RetryPolicy = getattr(backend, "policy", None) or RetryPolicy()
+    rng, failures, first_failure, made = random.Random(0), 0, None, 0
+    while max_tokens == 0 or made < max_tokens:
+        conn = None
+        try:
+            conn = backend.connection()
+            left = 0 if max_tokens == 0 else max_tokens - made
+            for verdict in _one_stream(conn, session_id, seq, committed_length, left):
+                seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
+                yield verdict
+            return
+        except SpecdecError as e:
+            # a committed-length mismatch right after a reconnect: a step of the lost stream landed after the
+            # store was read; read it again
+            mismatch = isinstance(e, InvalidRequestError) and failures > 0
+            if not (is_retryable(e) or mismatch):
+                raise
+            if conn is not None and not mismatch:
+                backend.drop_connection(conn)
+            failures += 1
+            first_failure = first_failure or time.monotonic()
+            if failures >= policy.max_attempts or time.monotonic() - first_failure > policy.budget_s:
+                raise exhausted_error("Decode", failures, time.monotonic() - first_failure, e) from None
+            time.sleep(policy.backoff_s(failures - 1, rng))
+        for verdict in _from_store(backend, session_id, committed_length):
+            seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
+            yield verdict
+            if verdict.finished:
+                return
+        backend.num_failovers += 1
+
+
+def _from_store(backend, session_id: str, committed_length: int) -> Iterator[Verdict]:
+    """Verdicts of the tokens the store holds past ``committed_length`` (committed, their verdicts lost)."""
+    info = backend.get_session(session_id)
+    ids = list(info.committed_token_ids)
+    for i in range(committed_length, len(ids)):
+        last = i == len(ids) - 1
+        yield Verdict(0, int(ids[i]), False, [int(ids[i])], i + 1, finished=bool(info.finished and last),
+                      finish_reason=finish_reason_from_proto(info.finish_reason) if info.finished and last else None)
+
+
+def _per_token(backend, session_id: str, seq: int, committed_length: int, max_tokens: int,
+               timeout_s: float) -> Iterator[Verdict]:
+    """One empty block per token through ``submit`` (a round trip each)."""
+    made = 0
+    while max_tokens == 0 or made < max_tokens:
+        verdict, _ = SentBlock(backend, session_id, seq, committed_length, DraftBlock([])).wait(timeout_s)
+        seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
+        yield verdict
+        if verdict.finished:
+            return

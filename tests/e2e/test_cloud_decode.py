@@ -1,0 +1,107 @@
+"""Cloud decode (specdec.v1 Decode) end to end over real gRPC on 127.0.0.1: the verifier generates a session's
+tokens itself, as γ = 0 verify steps through the batcher. Greedy output equals target-only (HF generate); a
+seeded sampled one equals target-only decoding by empty blocks with the same seed; a cancelled stream leaves
+only whole steps committed, and the session goes on from the store's committed length."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _reference import hf_greedy
+from cloud_verifier.target import TargetRunner
+from cloud_verifier.verifier import Verifier
+from common.types import SamplingParams, StoppingCriteria
+from edge_client.client import EdgeClient, encode_prompt
+from edge_client.cloud_decode import cloud_verdicts
+from edge_client.grpc_backend import GrpcBackend
+from edge_client.onnx_draft import OnnxDraftModel
+from specdec.embedded import EmbeddedServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_pair):
+    """(address, verifier, tokenizer) of one verifier over the tiny target, served on 127.0.0.1."""
+    verifier = Verifier(TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=8192), max_batch_wait_ms=1.0)
+    tok = OnnxDraftModel(tiny_pair.draft_dir).tokenizer
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
+        yield address, verifier, tok
+
+
+def _open(backend, ids, n, sampling=SamplingParams()):
+    return backend.open_session(ids, sampling, StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+
+
+def test_greedy_cloud_decode_is_target_only(tiny_pair, served):
+    address, _, tok = served
+    ids = encode_prompt(tok, "Tell me a story about a robot who learns to paint.")
+    expected = hf_greedy(tiny_pair.target_dir, ids, 24)
+    with GrpcBackend(address) as backend:
+        opened = _open(backend, ids, 24)
+        assert opened.load >= 0.0 and opened.forward_ms >= 0.0  # the load hint is answered
+        verdicts = list(cloud_verdicts(backend, opened.session_id, 1, len(ids)))
+        info = backend.get_session(opened.session_id)
+    got = [t for v in verdicts for t in v.committed_token_ids]
+    assert got == expected
+    assert all(v.num_accepted == 0 and not v.is_bonus for v in verdicts) and verdicts[-1].finished
+    assert list(info.committed_token_ids) == ids + expected  # committed in the store as it streamed
+
+
+def test_seeded_sampled_cloud_decode_is_target_only_with_that_seed(tiny_pair, served):
+    """A γ = 0 step samples the bonus token from p_t with uniform(seed, t, TARGET_SAMPLE): the same tokens as
+    target-only decoding by empty blocks (EdgeClient without a drafter) with that seed, reproducibly."""
+    address, _, tok = served
+    ids = encode_prompt(tok, "Name a color.")
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=1234)
+    with GrpcBackend(address) as backend:
+        runs = []
+        for _ in range(2):
+            opened = _open(backend, ids, 20, sampling)
+            runs.append([t for v in cloud_verdicts(backend, opened.session_id, 1, len(ids))
+                         for t in v.committed_token_ids])
+        reference = EdgeClient(backend, None, tok).generate(ids, max_new_tokens=20, temperature=1.0, top_k=20,
+                                                            seed=1234, ignore_eos=True).token_ids
+        other_seed = EdgeClient(backend, None, tok).generate(ids, max_new_tokens=20, temperature=1.0, top_k=20,
+                                                             seed=99, ignore_eos=True).token_ids
+    assert runs[0] == runs[1] == reference
+    assert other_seed != reference  # negative control: the seed matters
+
+
+def test_cancelled_stream_commits_whole_steps_and_the_session_goes_on(tiny_pair, served):
+    address, verifier, tok = served
+    ids = encode_prompt(tok, "What is 2 + 2?")
+    expected = hf_greedy(tiny_pair.target_dir, ids, 40)
+    with GrpcBackend(address) as backend:
+        opened = _open(backend, ids, 40)
+        stream = cloud_verdicts(backend, opened.session_id, 1, len(ids))
+        got = [next(stream).next_token_id for _ in range(5)]
+        stream.close()  # cancels the call
+        deadline = time.monotonic() + 10
+        while verifier.sessions.held(opened.session_id).busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        info = backend.get_session(opened.session_id)
+        committed = list(info.committed_token_ids)
+        assert 5 <= len(committed) - len(ids) < 40 and not info.finished  # stopped early, whole steps only
+        assert committed == ids + expected[:len(committed) - len(ids)]
+        # the session goes on from the store's committed length (seq = one per committed step)
+        rest = list(cloud_verdicts(backend, opened.session_id, len(committed) - len(ids) + 1, len(committed)))
+    assert got == expected[:5]
+    assert committed[len(ids):] + [t for v in rest for t in v.committed_token_ids] == expected
+
+
+def test_decode_refuses_a_wrong_committed_length(served):
+    from common.errors import InvalidRequestError
+
+    address, _, tok = served
+    ids = encode_prompt(tok, "Name a color.")
+    with GrpcBackend(address) as backend:
+        opened = _open(backend, ids, 8)
+        with pytest.raises(InvalidRequestError):
+            list(cloud_verdicts(backend, opened.session_id, 1, len(ids) + 1))
+        with pytest.raises(InvalidRequestError):
+            list(cloud_verdicts(backend, opened.session_id, 0, len(ids)))
+        # nothing was committed: the right request still decodes all of it
+        assert len(list(cloud_verdicts(backend, opened.session_id, 1, len(ids)))) == 8
