@@ -28,7 +28,7 @@ class GrammarMatcher:
         self.vocab_size = int(vocab_size)
         self.spec = spec
         self._words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # the engine's bitmask buffer
-        self._consumed = 0
+        self._ids: list[int] = []  # the ids consumed, in order (EOS included)
         # EOS is consumed here, not by the engine: llguidance 1.9 does not roll an EOS back cleanly (the state
         # after rollback(1) refuses EOS again), and under speculation an EOS is often rolled back
         self._ended = False
@@ -37,7 +37,7 @@ class GrammarMatcher:
     @property
     def num_tokens(self) -> int:
         """Ids consumed since the grammar started (the generated ids it has seen)."""
-        return self._consumed
+        return len(self._ids)
 
     @property
     def is_finished(self) -> bool:
@@ -51,21 +51,22 @@ class GrammarMatcher:
 
     def checkpoint(self) -> int:
         """A state to :meth:`restore` (the number of ids consumed), like StopChecker.checkpoint."""
-        return self._consumed
+        return len(self._ids)
 
     def restore(self, state: int) -> None:
         """Back to a :meth:`checkpoint` (rolls back what was consumed since)."""
-        self.rollback(self._consumed - state)
+        self.rollback(len(self._ids) - state)
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` consumed ids. Raises ValueError: more than consumed."""
-        if num_tokens < 0 or num_tokens > self._consumed:
-            raise ValueError(f"cannot roll back {num_tokens} of {self._consumed} grammar tokens")
+        if num_tokens < 0 or num_tokens > len(self._ids):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._ids)} grammar tokens")
+        if num_tokens:
+            del self._ids[len(self._ids) - num_tokens:]
         if num_tokens and self._ended:
-            self._ended, num_tokens, self._consumed = False, num_tokens - 1, self._consumed - 1
+            self._ended, num_tokens = False, num_tokens - 1
         if num_tokens:
             self._m.rollback(num_tokens)
-            self._consumed -= num_tokens
 
     def advance(self, token_ids) -> None:
         """Consume ``token_ids`` (committed output ids), all or none.
@@ -80,7 +81,7 @@ class GrammarMatcher:
             if self._m.is_error():
                 raise ValueError(f"grammar engine error: {self._m.get_error()}")
             raise ValueError(f"grammar {self.spec.kind} forbids token {ids[ok]} at output position "
-                             f"{self._consumed + ok}")
+                             f"{len(self._ids) + ok}")
 
     def _consume(self, ids: list[int]) -> int:
         """Consume the longest allowed prefix of ``ids``; returns its length. An EOS id is taken here (allowed
@@ -92,12 +93,12 @@ class GrammarMatcher:
                     break
                 self._ended = True
                 done += 1
-                self._consumed += 1
+                self._ids.append(ids[done - 1])
                 break
             end = next((j for j in range(done, len(ids)) if ids[j] in eos), len(ids))
             n = int(self._m.try_consume_tokens(ids[done:end]))
+            self._ids.extend(ids[done:done + n])
             done += n
-            self._consumed += n
             if done < end:
                 break
         return done
@@ -107,8 +108,26 @@ class GrammarMatcher:
 
         Raises ValueError: the ids do not match the grammar (the matcher is then at the start)."""
         self._m.reset()
-        self._consumed, self._ended = 0, False
+        self._ids, self._ended = [], False
         self.advance(token_ids)
+
+    def sync(self, token_ids) -> None:
+        """Bring the matcher to ``token_ids`` (the output ids so far): roll back to the longest common prefix with
+        what it has consumed, then advance by the rest (O(changed ids) when a block was accepted or rolled back).
+
+        Raises ValueError: the grammar forbids one of the new ids (the matcher is then at the common prefix)."""
+        ids = [int(t) for t in token_ids]
+        have = self._ids
+        keep = min(len(have), len(ids))
+        if have[:keep] != ids[:keep]:
+            keep = next(i for i in range(keep) if have[i] != ids[i])
+        self.rollback(len(have) - keep)
+        self.advance(ids[keep:])
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids consumed (a copy)."""
+        return list(self._ids)
 
     def num_valid(self, token_ids) -> int:
         """How many leading ids of ``token_ids`` the masks allow, from the current state (state unchanged).

@@ -213,3 +213,18 @@ def test_apply_mask_sets_forbidden_logits_to_minus_inf():
     mask = np.array([[True, False, True, False], [False, False, False, True]])
     apply_mask(logits, mask)
     assert np.isneginf(logits[~mask]).all() and (logits[mask] == [0, 2, 7]).all()
+
+
+def test_sync_follows_a_prefix_that_grows_and_is_cut(gtok, tok):
+    compiled = compile_grammar(GrammarSpec.json_schema(SCHEMA), gtok)
+    ids = ids_of(tok, DOC)
+    m = compiled.matcher()
+    for prefix in (ids[:4], ids[:9], ids[:6], ids[:6] + ids[6:12], ids[:2], ids + [EOS], ids[:3]):
+        m.sync(prefix)
+        ref = compiled.matcher()
+        ref.advance(prefix)
+        assert m.token_ids == prefix and np.array_equal(m.mask(), ref.mask())
+    m.sync(ids[:6])
+    with pytest.raises(ValueError):
+        m.sync(ids[:3] + ids_of(tok, "@@"))  # after the key: no string
+    assert m.token_ids == ids[:3]
