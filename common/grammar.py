@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["GRAMMAR_KINDS", "GrammarSpec", "GrammarTokenizer", "CompiledGrammar", "GrammarMatcher",
-           "compile_grammar", "grammar_tokenizer", "apply_mask"]
+           "compile_grammar", "grammar_tokenizer", "tokenizer_json", "apply_mask"]
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON layout the grammar allows: one space after ':' and ',', no free whitespace. A small model left free
@@ -159,23 +159,47 @@ class GrammarTokenizer:
 
 _TOKENIZERS: OrderedDict[str, GrammarTokenizer] = OrderedDict()
 _COMPILED: OrderedDict[tuple[str, str], "CompiledGrammar"] = OrderedDict()
+_BY_OBJECT: dict[tuple[int, tuple[int, ...]], tuple[object, GrammarTokenizer]] = {}  # id(tokenizer) → it
 _LOCK = threading.Lock()
 
 
+def tokenizer_json(tokenizer) -> str:
+    """The ``tokenizer.json`` text of a ``tokenizers.Tokenizer``, a Hugging Face fast tokenizer
+    (``backend_tokenizer``) or an :class:`edge_client.tokenizer.EdgeTokenizer`; a str is returned as given.
+
+    Raises ValueError: none of these (a slow tokenizer)."""
+    if isinstance(tokenizer, str):
+        return tokenizer
+    for attr in ("backend_tokenizer", "_tok"):
+        inner = getattr(tokenizer, attr, None)
+        if inner is not None and hasattr(inner, "to_str"):
+            return inner.to_str()
+    if hasattr(tokenizer, "to_str"):
+        return tokenizer.to_str()
+    raise ValueError(f"structured output needs a fast tokenizer (tokenizer.json), got {type(tokenizer).__name__}")
+
+
 def grammar_tokenizer(tokenizer, eos_token_ids: list[int] | tuple[int, ...]) -> GrammarTokenizer:
-    """The engine's tokenizer for a ``tokenizers.Tokenizer`` (or its JSON text), cached per (tokenizer, EOS ids).
+    """The engine's tokenizer for a tokenizer (:func:`tokenizer_json`'s kinds), cached per (tokenizer, EOS ids).
 
     ``eos_token_ids``: the ids that end the output; the mask allows them once the grammar accepts (and only them
     once it can go no further). Raises ValueError: no EOS id, or a tokenizer the engine cannot read.
     """
-    text = tokenizer if isinstance(tokenizer, str) else tokenizer.to_str()
-    eos = [int(i) for i in eos_token_ids]
+    eos = sorted({int(i) for i in eos_token_ids})
+    fast_key = (id(tokenizer), tuple(eos))
+    with _LOCK:
+        hit = _BY_OBJECT.get(fast_key)
+    if hit is not None and hit[0] is tokenizer:  # the same object: skip serialising 49152 tokens (~60 ms)
+        return hit[1]
+    text = tokenizer_json(tokenizer)
     if not eos:
         raise ValueError("a grammar needs at least one EOS token id")
     key = hashlib.sha256(text.encode() + repr(eos).encode()).hexdigest()
     with _LOCK:
         if key in _TOKENIZERS:
             _TOKENIZERS.move_to_end(key)
+            if not isinstance(tokenizer, str):
+                _BY_OBJECT[fast_key] = (tokenizer, _TOKENIZERS[key])
             return _TOKENIZERS[key]
     try:
         tok = _engine().LLTokenizer(text, eos_token=eos)
@@ -184,6 +208,10 @@ def grammar_tokenizer(tokenizer, eos_token_ids: list[int] | tuple[int, ...]) -> 
     gt = GrammarTokenizer(tok, int(tok.vocab_size), key, tuple(eos))
     with _LOCK:
         _TOKENIZERS[key] = gt
+        if not isinstance(tokenizer, str):
+            _BY_OBJECT[fast_key] = (tokenizer, gt)
+            while len(_BY_OBJECT) > 8:
+                _BY_OBJECT.pop(next(iter(_BY_OBJECT)))
         while len(_TOKENIZERS) > 4:
             _TOKENIZERS.popitem(last=False)
     return gt
