@@ -19,17 +19,16 @@ Follows vLLM v1 (``vllm/v1/core/kv_cache_utils.py`` ``hash_block_tokens``, ``blo
   least the prompt's last token is prefilled (its KV is not needed, but vLLM recomputes the last prompt token
   too: here the prefill covers ``prompt[:-1]``, so the cap is ``(len(prompt) - 1) // B`` blocks).
 - **Reference counts and eviction.** The KV block pool (:mod:`cloud_verifier.kv_pool`) counts the sessions
-  using each block. When a cached block's count drops to 0 the pool's release hook (:meth:`PrefixCache.on_release`)
-  keeps it here as *evictable* (least recently released first) instead of freeing it; a later session may
-  take it again (it leaves the evictable set); the pool, short of free blocks, asks :meth:`PrefixCache.evict`
-  for the least recently used ones (their keys are dropped). A block in use (count > 0) is never evicted.
+  using each block. When a cached block's count drops to 0 the pool's release hook
+  (:meth:`PrefixCache.on_release`) keeps it here as *evictable* instead of freeing it; a later session may take
+  it again (:meth:`PrefixCache.take_prefix`); an allocation short of free blocks evicts the least recently
+  released ones and drops their keys (:meth:`PrefixCache.allocate`). A block in use (count > 0) is never evicted.
 
 Tenant isolation: a block is shared only where token ids (and model) are identical, so no tenant ever reads
 another's KV for different tokens. Sharing is still observable as time to open (a cached prefix opens faster):
 docs/security.md, "Prefix caching", and ``SPECDEC_PREFIX_CACHE_SALT=tenant`` to confine sharing to a tenant.
 
-Thread safety: every method takes the cache's own lock; it never calls out while holding it, so the pool may
-call :meth:`on_release` / :meth:`evict` while holding its own lock (lock order: pool, then cache).
+Thread safety: see :class:`PrefixCache` (one lock; the pool's release hook takes none).
 """
 
 from __future__ import annotations
@@ -37,9 +36,11 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from cloud_verifier import metrics
 
 BlockHash = bytes  # a SHA-256 digest, 32 bytes
 
@@ -122,24 +123,33 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """The key → block map of one block pool, and its evictable (reference count 0) cached blocks in LRU order.
+    """The key → block map over one :class:`cloud_verifier.kv_pool.BlockPool`, and its evictable cached blocks
+    (reference count 0) in LRU order. Installs itself as the pool's ``on_release`` hook.
 
     Args:
+        pool: the block pool (``allocate``, ``incref``, ``refcount``, ``release_cached``, ``num_free``,
+            ``on_release``).
         block_size: tokens per KV block (the pool's).
         model_id: the served model's id (in every key's root).
         salt: ``"none"``: blocks shared by all tenants (vLLM's default); ``"tenant"``: the tenant id is in the
             root, so blocks are shared only within a tenant.
         enabled: False: lookups find nothing and nothing is registered (prefix caching off).
 
+    Locks: the pool calls :meth:`on_release` under its own lock, so that hook takes no lock (it queues the
+    block); every other method takes the cache's lock and may call the pool under it (order: cache, then pool).
+    A cached block's reference count rises only under the cache's lock (:meth:`take_prefix`), so a block seen
+    at 0 references under it cannot be taken by anyone meanwhile: eviction never hands back a block in use.
+
     Raises:
         ValueError: block_size < 1 or an unknown salt mode.
     """
 
-    def __init__(self, block_size: int, model_id: str, salt: str = "none", enabled: bool = True):
+    def __init__(self, pool, block_size: int, model_id: str, salt: str = "none", enabled: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if salt not in SALT_MODES:
             raise ValueError(f"unknown prefix cache salt {salt!r}: use {' or '.join(SALT_MODES)}")
+        self.pool = pool
         self.block_size = int(block_size)
         self.model_id = model_id
         self.salt = salt
@@ -147,8 +157,10 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._block_of: dict[BlockHash, int] = {}  # key -> block id
         self._key_of: dict[int, BlockHash] = {}  # block id -> key
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0; oldest release first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, 0 references; oldest release first
+        self._released: deque[int] = deque()  # cached blocks the pool released, not yet in _evictable
         self._lock = threading.Lock()
+        pool.on_release = self.on_release
 
     # ---------------------------------------------------------------- keys
     def root(self, tenant_id: str = "") -> BlockHash:
@@ -162,11 +174,11 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- lookup
     def take_prefix(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
-        """The block ids of the longest cached chain ``hashes[:n]``, ``n <= max_blocks``, taken out of the
-        evictable set (so the pool cannot evict them before the caller increfs them: it must, at once).
+        """The block ids of the longest cached chain ``hashes[:n]``, ``n <= max_blocks``, each with one more
+        reference for the caller (who decrefs them with the rest of its blocks when done).
 
         Counts ``max_blocks * block_size`` queried and ``n * block_size`` hit tokens (vLLM counts the prompt;
-        here the part that could have been cached). Source: vLLM v1 ``find_longest_cache_hit``.
+        here the part that could have come from the cache). Source: vLLM v1 ``find_longest_cache_hit``.
         """
         max_blocks = max(0, min(int(max_blocks), len(hashes)))
         blocks: list[int] = []
@@ -174,7 +186,9 @@ class PrefixCache:
             self.stats.requests += 1
             self.stats.queries += max_blocks * self.block_size
             if not self.enabled:
+                metrics.PREFIX_CACHE_QUERIES.inc(max_blocks * self.block_size)
                 return blocks
+            self._drain()
             for key in hashes[:max_blocks]:
                 block = self._block_of.get(key)
                 if block is None:
@@ -182,8 +196,18 @@ class PrefixCache:
                 blocks.append(block)
             for block in blocks:
                 self._evictable.pop(block, None)
+            self.pool.incref(blocks)
             self.stats.hits += len(blocks) * self.block_size
+        metrics.PREFIX_CACHE_QUERIES.inc(max_blocks * self.block_size)
+        metrics.PREFIX_CACHE_HITS.inc(len(blocks) * self.block_size)
         return blocks
+
+    def take_cached(self, token_ids: Sequence[int], tenant_id: str = "") -> list[int]:
+        """For a session about to prefill ``token_ids[:-1]`` (its committed tokens): the blocks of the longest
+        cached prefix of them, at most :func:`max_prefix_blocks` (each with one more reference for the session:
+        its block table starts with them, and its prefill starts at ``len(result) * block_size``)."""
+        n = max_prefix_blocks(len(token_ids), self.block_size)
+        return self.take_prefix(self.block_hashes(token_ids[: n * self.block_size], tenant_id), n)
 
     def cached_block(self, key: BlockHash) -> int | None:
         """The block id cached under ``key``, or None (no side effect)."""
@@ -192,55 +216,98 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- registering
     def register(self, block_id: int, key: BlockHash) -> bool:
-        """Cache ``block_id`` (a full block of committed tokens, in use by the caller) under ``key``.
+        """Cache ``block_id`` under ``key``: a FULL block of COMMITTED tokens (:func:`num_cacheable_blocks`)
+        that the caller holds and will not write again.
 
         Returns False, changing nothing, when caching is off, the block is already cached, or another block
         already holds ``key`` (two sessions prefilled the same prefix at once: the first stays, as in vLLM's
         ``cache_full_blocks``; the caller's copy is freed normally when released).
+
+        Raises:
+            ValueError: the caller holds no reference to ``block_id``.
         """
         with self._lock:
             if not self.enabled or block_id in self._key_of or key in self._block_of:
                 return False
+            if self.pool.refcount(block_id) < 1:
+                raise ValueError(f"block {block_id} is not in use: only a held block can be cached")
             self._block_of[key] = block_id
             self._key_of[block_id] = key
             return True
 
+    def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int], num_tokens: int,
+                          tenant_id: str = "") -> int:
+        """Register a session's full blocks whose KV is final: ``blocks`` is its block table, its KV holds
+        ``token_ids[:num_tokens]`` and ``num_tokens`` must not exceed its committed length - 1 (so no later
+        forward pass of the session writes there). Blocks already cached are skipped. Returns how many were
+        registered. Source: vLLM v1 ``BlockPool.cache_full_blocks``."""
+        n = min(int(num_tokens) // self.block_size, len(blocks), len(token_ids) // self.block_size)
+        if not self.enabled or n <= 0:
+            return 0
+        keys = self.block_hashes(token_ids[: n * self.block_size], tenant_id)
+        return sum(self.register(block, key) for block, key in zip(blocks[:n], keys))
+
     def is_cached(self, block_id: int) -> bool:
-        with self._lock:
-            return block_id in self._key_of
+        return block_id in self._key_of
 
-    # ---------------------------------------------------------------- the pool's hooks
+    # ---------------------------------------------------------------- the pool's side
     def on_release(self, block_id: int) -> bool:
-        """The pool's hook when ``block_id``'s reference count drops to 0. True: the block is cached and stays
-        here, evictable (most recently released last), and the pool must not reuse it until :meth:`evict`
-        hands it back; False: not cached, the pool frees it."""
-        with self._lock:
-            if block_id not in self._key_of:
-                return False
-            self._evictable[block_id] = None
-            self._evictable.move_to_end(block_id)
-            return True
+        """The pool's hook (under the pool's lock) when ``block_id``'s reference count drops to 0. True: the
+        block is cached and stays valid, evictable once queued (most recently released last); False: not cached,
+        the pool frees it. Takes no lock: the block is queued, and moved to the LRU order under the cache's."""
+        if block_id not in self._key_of:
+            return False
+        self._released.append(block_id)
+        return True
 
-    def evict(self, num_blocks: int) -> list[int]:
-        """Drop up to ``num_blocks`` evictable blocks, least recently released first, and return their ids for
-        the pool to reuse (fewer when fewer are evictable). Blocks in use are never evicted."""
+    def _drain(self) -> None:
+        """Released blocks into the LRU order (under the cache's lock); one taken again since is skipped."""
+        while self._released:
+            block = self._released.popleft()
+            if block in self._key_of and self.pool.refcount(block) == 0:
+                self._evictable[block] = None
+                self._evictable.move_to_end(block)
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` evictable blocks, least recently released first, and give them back to the
+        pool's free list; returns how many. Blocks in use are never evicted."""
         out: list[int] = []
         with self._lock:
+            self._drain()
             while self._evictable and len(out) < num_blocks:
                 block, _ = self._evictable.popitem(last=False)
+                if self.pool.refcount(block) != 0:  # taken again: not evictable (cannot happen; kept safe)
+                    continue
                 del self._block_of[self._key_of.pop(block)]
                 out.append(block)
+            if out:
+                self.pool.release_cached(out)
             self.stats.evicted += len(out)
-        return out
+        metrics.PREFIX_CACHE_EVICTIONS.inc(len(out))
+        return len(out)
 
-    def evict_all(self) -> list[int]:
-        """Every evictable block (:meth:`evict`), e.g. to turn caching off at run time."""
-        return self.evict(len(self._evictable))
+    def evict_all(self) -> int:
+        """Every evictable block back to the pool (:meth:`evict`)."""
+        return self.evict(self.pool.num_blocks)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` fresh blocks from the pool, evicting least recently used cached blocks when the free
+        list is short (vLLM's free-block queue, where cached blocks at 0 references are the last to be reused).
+
+        Raises:
+            common.errors.CapacityError: not enough free plus evictable blocks (nothing is allocated).
+        """
+        short = num_blocks - self.pool.num_free
+        if short > 0:
+            self.evict(short)
+        return self.pool.allocate(num_blocks)
 
     @property
     def num_evictable(self) -> int:
-        """Cached blocks no session uses (free for the pool's accounting, reusable after eviction), blocks."""
-        return len(self._evictable)
+        """Cached blocks no session uses (free for admission's accounting), blocks."""
+        with self._lock:
+            self._drain()
+            return len(self._evictable)
 
     @property
     def num_cached(self) -> int:

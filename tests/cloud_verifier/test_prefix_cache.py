@@ -4,8 +4,12 @@ Pure-Python tests of the cache on its own; the tests with the target and its KV 
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 
+from cloud_verifier.kv_pool import BlockPool
 from cloud_verifier.prefix_cache import (
     PrefixCache,
     full_block_hashes,
@@ -14,6 +18,7 @@ from cloud_verifier.prefix_cache import (
     num_cacheable_blocks,
     root_hash,
 )
+from common.errors import CapacityError
 
 B = 4  # block size of the pure-Python tests, tokens
 
@@ -57,71 +62,153 @@ def test_cacheable_blocks_never_cover_the_last_committed_token():
     assert max_prefix_blocks(500, 16) == 31 and max_prefix_blocks(497, 16) == 31 and max_prefix_blocks(496, 16) == 30
 
 
+def _cache(num_blocks: int = 16, **kwargs) -> PrefixCache:
+    return PrefixCache(BlockPool(num_blocks), B, "m", **kwargs)
+
+
+def _cached_sequence(cache: PrefixCache, token_ids: list[int], tenant: str = "") -> list[int]:
+    """Blocks holding ``token_ids``' full blocks, registered (as a session's committed blocks are): one ref each."""
+    keys = cache.block_hashes(token_ids, tenant)
+    blocks = cache.allocate(len(keys))
+    for block, key in zip(blocks, keys):
+        assert cache.register(block, key)
+    return blocks
+
+
 def test_tenant_salt_isolates_and_no_salt_shares():
     ids = list(range(16))
-    shared = PrefixCache(B, "m", salt="none")
+    shared = _cache(salt="none")
     assert shared.block_hashes(ids, "t1") == shared.block_hashes(ids, "t2")
-    salted = PrefixCache(B, "m", salt="tenant")
+    salted = _cache(salt="tenant")
     k1, k2 = salted.block_hashes(ids, "t1"), salted.block_hashes(ids, "t2")
     assert all(a != b for a, b in zip(k1, k2))
-    for block, key in enumerate(k1):
-        salted.register(block, key)
+    blocks = _cached_sequence(salted, ids, "t1")
     assert salted.take_prefix(k2, 4) == []  # tenant 2 finds nothing of tenant 1's
-    assert salted.take_prefix(salted.block_hashes(ids, "t1"), 4) == [0, 1, 2, 3]
+    assert salted.take_prefix(salted.block_hashes(ids, "t1"), 4) == blocks
     with pytest.raises(ValueError, match="salt"):
-        PrefixCache(B, "m", salt="user")
+        _cache(salt="user")
 
 
 # ---------------------------------------------------------------- lookup and reference counts
 def test_take_prefix_finds_the_longest_cached_chain_within_the_cap_and_counts_tokens():
-    cache = PrefixCache(B, "m")
+    cache = _cache()
     prompt = list(range(30))
     keys = cache.block_hashes(prompt)
-    for block, key in zip((10, 11, 12), keys[:3]):
-        assert cache.register(block, key)
-    assert cache.take_prefix(keys, max_blocks=7) == [10, 11, 12]
-    assert cache.take_prefix(keys, max_blocks=2) == [10, 11]
+    blocks = _cached_sequence(cache, prompt[:12])  # 3 blocks
+    assert cache.take_prefix(keys, max_blocks=7) == blocks
+    assert cache.take_prefix(keys, max_blocks=2) == blocks[:2]
+    assert [cache.pool.refcount(b) for b in blocks] == [3, 3, 2]  # the owner's reference + one per taker
     other = cache.block_hashes([99] + prompt[1:])  # differs in block 0: nothing, though later tokens match
     assert cache.take_prefix(other, 7) == []
     assert (cache.stats.requests, cache.stats.queries, cache.stats.hits) == (3, (7 + 2 + 7) * B, 5 * B)
     # a gap breaks the chain: block 1 missing, block 2 cached is not reachable
-    gap = PrefixCache(B, "m")
-    gap.register(0, keys[0])
-    gap.register(2, keys[2])
-    assert gap.take_prefix(keys, 7) == [0]
+    gap = _cache()
+    b0, b1, b2 = gap.allocate(3)
+    gap.register(b0, keys[0])
+    gap.register(b2, keys[2])
+    assert gap.take_prefix(keys, 7) == [b0]
 
 
 def test_register_keeps_the_first_block_for_a_key_and_never_rekeys_a_block():
-    cache = PrefixCache(B, "m")
+    cache = _cache()
     keys = cache.block_hashes(list(range(8)))
-    assert cache.register(1, keys[0])
-    assert not cache.register(2, keys[0])  # a second copy of the same prefix stays uncached
-    assert not cache.register(1, keys[1])  # a cached block keeps its key
-    assert not cache.on_release(2)  # uncached: the pool frees it
-    assert cache.num_cached == 1
+    first, second = cache.allocate(2)
+    assert cache.register(first, keys[0])
+    assert not cache.register(second, keys[0])  # a second copy of the same prefix stays uncached
+    assert not cache.register(first, keys[1])  # a cached block keeps its key
+    cache.pool.decref([first, second])
+    assert cache.pool.num_free == 15 and cache.pool.num_cached == 1  # the uncached copy is freed at once
+    with pytest.raises(ValueError, match="not in use"):
+        cache.register(second, keys[1])  # released: its KV may be reused any time
 
 
 def test_eviction_is_lru_over_released_blocks_and_spares_blocks_in_use():
-    cache = PrefixCache(B, "m")
+    cache = _cache(num_blocks=5)
     keys = cache.block_hashes(list(range(5 * B)))
-    for block, key in enumerate(keys):
-        cache.register(block, key)
+    blocks = _cached_sequence(cache, list(range(5 * B)))
+    assert cache.pool.num_free == 0
     # release order 3, 1, 4 (blocks 0 and 2 stay in use)
-    assert all(cache.on_release(b) for b in (3, 1, 4))
-    assert cache.num_evictable == 3
-    # a session takes block 1 again (refcount back above 0): not evictable any more
-    assert cache.take_prefix([keys[1]], 1) == [1]
-    assert cache.evict(1) == [3]
-    cache.on_release(1)  # released again: now the most recent
-    assert cache.evict(5) == [4, 1]  # least recently released first; 0 and 2 (in use) never
-    assert cache.evict(5) == []
-    assert cache.take_prefix(keys, 5) == [0]  # block 1's key went with it: the chain stops there
+    for i in (3, 1, 4):
+        cache.pool.decref([blocks[i]])
+    assert cache.num_evictable == 3 and cache.pool.num_cached == 3 and cache.pool.num_free == 0
+    assert cache.take_prefix(keys[:2], 2) == blocks[:2]  # a session takes block 1 again: not evictable now
+    assert cache.allocate(1) == [blocks[3]]  # short of free blocks: the least recently released goes
+    cache.pool.decref([blocks[1]])  # released again: now the most recent
+    assert cache.evict(5) == 2 and cache.pool.num_free == 2  # blocks 4 then 1; 0 and 2 (in use) never
+    assert sorted(cache.allocate(2)) == sorted([blocks[1], blocks[4]])
+    with pytest.raises(CapacityError):
+        cache.allocate(1)  # nothing free, nothing evictable: blocks in use stay
+    assert cache.take_prefix(keys, 5) == [blocks[0]]  # block 1's key went with it: the chain stops there
     assert cache.stats.evicted == 3 and cache.num_cached == 2
 
 
+def test_concurrent_release_take_and_evict_never_hand_back_a_block_in_use():
+    # a block released by one session while another takes it and a third allocation evicts: the pool's checks
+    # (release_cached of a referenced block, incref of a free one) raise if the cache ever gets it wrong
+    cache = _cache(num_blocks=8)
+    ids = list(range(4 * B))
+    keys = cache.block_hashes(ids)
+    owner = _cached_sequence(cache, ids)
+    errors: list[BaseException] = []
+
+    def taker():
+        try:
+            for _ in range(300):  # a session: take the cached prefix, "prefill" and register the rest, close
+                got = cache.take_prefix(keys, 4)
+                try:
+                    fresh = cache.allocate(len(keys) - len(got))
+                except CapacityError:
+                    fresh = []
+                for block, key in zip(fresh, keys[len(got):]):
+                    cache.register(block, key)
+                cache.pool.decref(got + fresh)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def allocator():
+        try:
+            for _ in range(300):
+                try:
+                    cache.pool.decref(cache.allocate(5))
+                except CapacityError:
+                    pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    cache.pool.decref(owner)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the races need interleavings inside a few lines
+    threads = [threading.Thread(target=f, daemon=True) for f in (taker, taker, allocator)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive(), "deadlock: the pool's release hook and the cache's lock"
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert errors == []
+    pool = cache.pool
+    assert pool.num_used == 0 and pool.num_free + pool.num_cached == 8 and pool.num_cached == cache.num_evictable
+
+
 def test_caching_off_finds_and_registers_nothing():
-    cache = PrefixCache(B, "m", enabled=False)
+    cache = _cache(enabled=False)
     keys = cache.block_hashes(list(range(8)))
-    assert not cache.register(0, keys[0])
+    assert not cache.register(cache.allocate(1)[0], keys[0])
     assert cache.take_prefix(keys, 2) == []
     assert cache.stats.queries == 2 * B and cache.stats.hits == 0
+
+
+def test_a_session_caches_only_blocks_before_its_last_committed_token_and_takes_them_back():
+    cache = _cache()
+    tokens = list(range(500, 523))  # 23 committed tokens: the KV holds 22 -> 5 full blocks are final
+    own = cache.allocate(6)
+    assert cache.cache_full_blocks(own, tokens, len(tokens) - 1) == 5
+    assert cache.cache_full_blocks(own, tokens, len(tokens) - 1) == 0  # already cached
+    assert not cache.is_cached(own[5])  # the partial last block stays the session's own
+    # a prompt of the same 21+ tokens takes the 5 blocks; of 20 tokens only 4 (its last token is prefilled)
+    assert cache.take_cached(tokens[:21]) == own[:5]
+    assert cache.take_cached(tokens[:20]) == own[:4]
+    assert cache.take_cached(tokens[:3] + [0] + tokens[4:]) == []
+    assert cache.cache_full_blocks(own, tokens, 3) == 0 and _cache(enabled=False).take_cached(tokens) == []
