@@ -313,3 +313,25 @@ class PrefixCache:
     def num_cached(self) -> int:
         """Blocks with a key (in use or evictable), blocks."""
         return len(self._key_of)
+
+
+def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str = "none") -> PrefixCache:
+    """The prefix cache of ``target`` (a :class:`cloud_verifier.target.TargetRunner`; one per KV pool), made on
+    first use and set as ``target.prefix_cache`` (its allocations evict through it), else reconfigured: a runner
+    shared by several verifiers (tests, benchmarks) keeps one cache. Turning it off gives back every evictable
+    block at once.
+
+    Raises:
+        ValueError: an unknown salt mode.
+    """
+    if salt not in SALT_MODES:
+        raise ValueError(f"unknown prefix cache salt {salt!r}: use {' or '.join(SALT_MODES)}")
+    cache = getattr(target, "prefix_cache", None)
+    if cache is None:
+        cache = PrefixCache(target.kv_pool.blocks, target.kv_block_size, model_id, salt, enabled)
+        target.prefix_cache = cache
+    else:
+        cache.model_id, cache.salt, cache.enabled = model_id, salt, bool(enabled)
+    if not cache.enabled:
+        cache.evict_all()
+    return cache
