@@ -157,6 +157,7 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._block_of: dict[BlockHash, int] = {}  # key -> block id
         self._key_of: dict[int, BlockHash] = {}  # block id -> key
+        self._depth: dict[int, int] = {}  # block id -> its index in its chain (0 = a sequence's first block)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, 0 references; oldest release first
         self._released: deque[int] = deque()  # cached blocks the pool released, not yet in _evictable
         self._lock = threading.Lock()
@@ -215,9 +216,9 @@ class PrefixCache:
             return self._block_of.get(key)
 
     # ---------------------------------------------------------------- registering
-    def register(self, block_id: int, key: BlockHash) -> bool:
+    def register(self, block_id: int, key: BlockHash, depth: int = 0) -> bool:
         """Cache ``block_id`` under ``key``: a FULL block of COMMITTED tokens (:func:`num_cacheable_blocks`)
-        that the caller holds and will not write again.
+        that the caller holds and will not write again; ``depth``: its index in the sequence (block 0, 1, ...).
 
         Returns False, changing nothing, when caching is off, the block is already cached, or another block
         already holds ``key`` (two sessions prefilled the same prefix at once: the first stays, as in vLLM's
@@ -233,6 +234,7 @@ class PrefixCache:
                 raise ValueError(f"block {block_id} is not in use: only a held block can be cached")
             self._block_of[key] = block_id
             self._key_of[block_id] = key
+            self._depth[block_id] = int(depth)
             return True
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int], num_tokens: int,
@@ -245,7 +247,7 @@ class PrefixCache:
         if not self.enabled or n <= 0:
             return 0
         keys = self.block_hashes(token_ids[: n * self.block_size], tenant_id)
-        return sum(self.register(block, key) for block, key in zip(blocks[:n], keys))
+        return sum(self.register(block, key, depth) for depth, (block, key) in enumerate(zip(blocks[:n], keys)))
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._key_of
@@ -261,9 +263,16 @@ class PrefixCache:
         return True
 
     def _drain(self) -> None:
-        """Released blocks into the LRU order (under the cache's lock); one taken again since is skipped."""
+        """Released blocks into the LRU order (under the cache's lock); one taken again since is skipped.
+
+        Blocks released together (a session freed) enter deepest first, so the tail of a sequence is evicted
+        before its head: a chain's head is what every longer prompt needs (vLLM frees a request's blocks in
+        reverse order for the same reason)."""
+        released = []
         while self._released:
-            block = self._released.popleft()
+            released.append(self._released.popleft())
+        released.sort(key=lambda b: -self._depth.get(b, 0))  # stable: same depth keeps release order
+        for block in released:
             if block in self._key_of and self.pool.refcount(block) == 0:
                 self._evictable[block] = None
                 self._evictable.move_to_end(block)
@@ -279,6 +288,7 @@ class PrefixCache:
                 if self.pool.refcount(block) != 0:  # taken again: not evictable (cannot happen; kept safe)
                     continue
                 del self._block_of[self._key_of.pop(block)]
+                self._depth.pop(block, None)
                 out.append(block)
             if out:
                 self.pool.release_cached(out)

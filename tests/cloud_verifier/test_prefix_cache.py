@@ -212,3 +212,13 @@ def test_a_session_caches_only_blocks_before_its_last_committed_token_and_takes_
     assert cache.take_cached(tokens[:20]) == own[:4]
     assert cache.take_cached(tokens[:3] + [0] + tokens[4:]) == []
     assert cache.cache_full_blocks(own, tokens, 3) == 0 and _cache(enabled=False).take_cached(tokens) == []
+
+
+def test_a_freed_sequence_is_evicted_tail_first_so_its_head_stays_reusable():
+    cache = _cache(num_blocks=6)
+    tokens = list(range(4 * B + 1))
+    own = cache.allocate(4)
+    assert cache.cache_full_blocks(own, tokens, len(tokens) - 1) == 4
+    cache.pool.decref(own)  # the session is freed: all four released at once, in table order
+    assert cache.allocate(3) and cache.pool.num_free == 0  # 2 free + 1 evicted: the deepest block
+    assert cache.take_cached(tokens) == own[:3]  # the head survives: a prompt with it still hits
