@@ -40,6 +40,7 @@ from edge_client.backend import SentBlock, VerifierBackend
 from edge_client.generation import GenerationResult, Run, with_seed
 from edge_client.output import Chunk, TextOutput
 from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
+from edge_client.routing import RouteEstimates, check_route, decode_device, run_session, start_route
 from edge_client.request import encode_prompt, generation_params
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
@@ -87,6 +88,7 @@ class EdgeClient:
             model.
         reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
             session (prompt: everything committed so far) goes on verified.
+        route: "speculative" (default), "cloud", "device" or "auto" (edge_client.routing); a request's route= wins.
 
     Resilience (:mod:`edge_client.failover` does the retries of a call on other replicas): a session whose
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
@@ -119,6 +121,7 @@ class EdgeClient:
         open_timeout_s: float = 600.0,
         fallback: str = "none",
         reconnect_interval_s: float = 5.0,
+        route: str = "speculative",
     ):
         from edge_client.fallback import FALLBACK_MODES
 
@@ -128,6 +131,7 @@ class EdgeClient:
             raise InvalidRequestError(f"reconnect_interval_s must be > 0, got {reconnect_interval_s}")
         self.fallback = fallback
         self.reconnect_interval_s = reconnect_interval_s
+        self.route, self.route_estimates = check_route(route), RouteEstimates()  # estimates outlive a generation
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not 0.0 <= min_confidence < 1.0:
@@ -216,6 +220,7 @@ class EdgeClient:
         stop_token_ids: list[int] | tuple[int, ...] = (),
         ignore_eos: bool = False,
         chat: bool = True,
+        route: str | None = None,
     ) -> Iterator[Chunk]:
         """Generate; yield :class:`Chunk` (text, verified) as tokens are committed: ``verified`` is False for
         text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`."""
@@ -225,7 +230,7 @@ class EdgeClient:
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("empty prompt")
-        yield from self._generate(prompt_ids, sampling, stopping)
+        yield from self._generate(prompt_ids, sampling, stopping, route=route)
 
     def chat(self, system: str | None = None, **defaults) -> "Conversation":
         """A multi-turn conversation that keeps its verifier session and both KV caches between turns
@@ -292,7 +297,7 @@ class EdgeClient:
         return True
 
     def _generate(self, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                  keep: KeptSession | None = None) -> Iterator[Chunk]:
+                  keep: KeptSession | None = None, route: str | None = None) -> Iterator[Chunk]:
         """One generation: the loop of the module docstring over one session — or over several after failures:
         a session whose record vanished (NOT_FOUND) is re-opened with everything committed as its prompt, and
         with ``fallback="device"`` an unreachable cloud is bridged by decoding on the device (unverified,
@@ -309,12 +314,14 @@ class EdgeClient:
         requested_seed = sampling.seed
         run = Run(list(prompt_ids), stopping, TextOutput(self.tokenizer, stopping.stop_strings),
                   committed=list(prompt_ids))
+        run.route = start_route(self, route)
         if not sampling.greedy and requested_seed is not None and hasattr(self.drafter, "reset"):
             # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
             # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
             # apart), so KV reused from another generation would change q and the seeded draws. Within one
             # generation the draft feeds the prompt whole, then one token per forward, whatever the schedule.
             self.drafter.reset()
+        yield from decode_device(self, run, sampling)  # route=device only: the draft alone, to the end
         while run.finish_reason is None:
             if len(run.session_ids) >= _MAX_SESSIONS:
                 raise VerifierUnavailableError(f"gave up after {_MAX_SESSIONS} sessions for one generation")
@@ -327,7 +334,7 @@ class EdgeClient:
             if sampling.seed is None:  # the first session picks it; a re-opened one keeps it (same draws)
                 sampling = dataclasses.replace(sampling, seed=opened.seed)
             try:
-                yield from self._verify_session(run, opened, sampling, requested_seed)
+                yield from run_session(self, run, opened, sampling, requested_seed)
             except SessionNotFoundError as e:  # the record vanished (store restarted empty, expired): re-open
                 log.info("session %s: %s; re-opening it from the %d committed tokens", opened.session_id, e,
                          len(run.committed))
@@ -419,6 +426,8 @@ class EdgeClient:
             if reason is not None:
                 run.finish_reason = reason
                 return
+            if run.switch_check(verdict, round_trip_ms, block, draft_s):
+                return  # edge_client.routing: the route switches at this block boundary
 
     def _close_session(self, session_id: str) -> None:
         try:

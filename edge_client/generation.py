@@ -42,6 +42,7 @@ class GenerationResult:
     num_sessions: int = 1  # verifier sessions of this generation (> 1 after a re-open or a device fallback)
     num_reopened_sessions: int = 0  # sessions re-opened over all committed ids after the verifier lost one
     #   (NOT_FOUND: expiry, eviction, restart) or could not extend a conversation's session (edge_client.conversation)
+    route: dict | None = None  # the route requested, chosen and each switch (edge_client.routing.RouteRun.report)
 
     def to_json(self) -> dict:
         s = self.stats
@@ -58,6 +59,7 @@ class GenerationResult:
             "elapsed_s": s.elapsed_s,
             "num_failovers": self.num_failovers,
             "num_unverified_tokens": self.num_unverified_tokens,
+            "route": self.route,
         }
 
 
@@ -86,6 +88,9 @@ class Run:
     last_seq: int = 0  # seq of the current session's last verified block
     session_committed: int = 0  # the current session's committed length after its last verdict, tokens
     num_reopens: int = 0  # sessions re-opened over the committed ids because the verifier lost (or refused) one
+    route: object = None  # edge_client.routing.RouteRun: the generation's route, its mode and switches
+    # called after each speculative block (verdict, round trip ms, block, draft s): True = switch route now
+    switch_check: Callable[..., bool] = lambda *_: False
 
     @property
     def num_generated(self) -> int:
@@ -139,4 +144,5 @@ class Run:
             num_unverified_tokens=self.num_unverified,
             num_sessions=len(self.session_ids),
             num_reopened_sessions=self.num_reopens,
+            route=self.route.report() if self.route is not None else None,
         )

@@ -1,0 +1,218 @@
+"""Route per request: ``speculative | cloud | device | auto`` (docs/routing.md).
+
+- ``speculative``: the draft proposes blocks, the verifier verifies them (the default; edge_client.client).
+- ``cloud``: the verifier generates the tokens itself and streams them (specdec.v1 ``Decode``,
+  :mod:`edge_client.cloud_decode`); the device does not draft.
+- ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
+  every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
+- ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to give more
+  tokens per second, chosen at the start from what is measured (the RTT of a health probe, the draft's cost per
+  token on this device from earlier generations, the verifier's load hint in OpenSessionResponse) and re-chosen
+  at block boundaries from running estimates (acceptance, verify time, RTT). Both routes are lossless and
+  extend the same verifier session (the seq goes on, the committed length is the fence), so a switch neither
+  loses nor repeats a token. ``auto`` never picks ``device`` (it is not the target's output).
+
+The choice and each switch are reported in :attr:`GenerationResult.route <edge_client.generation.GenerationResult>`
+(``--json``: ``"route"``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from common.errors import InvalidRequestError
+from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
+from edge_client.cloud_decode import cloud_verdicts
+from edge_client.route_cost import RouteEstimates
+
+if TYPE_CHECKING:
+    from edge_client.client import EdgeClient
+    from edge_client.generation import Run
+    from edge_client.output import Chunk
+
+__all__ = ["ROUTES", "RouteEstimates", "RouteRun", "check_route", "decode_device", "run_session", "start_route"]
+
+ROUTES = ("speculative", "cloud", "device", "auto")
+MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
+SWITCH_MARGIN = 1.15  # auto switches when the other mode is expected this much faster
+# tokens per Decode call under auto: each chunk costs a round trip before its first token (the committed length
+# must be known to start the next), so chunks are long and double (64, 128, ...); auto re-chooses between them
+FIRST_CLOUD_CHUNK = 64
+MAX_CLOUD_CHUNK = 1024
+
+
+def check_route(route: str | None, default: str = "speculative") -> str:
+    """``route`` (None: ``default``). Raises: InvalidRequestError: not one of :data:`ROUTES`."""
+    route = default if route is None else route
+    if route not in ROUTES:
+        raise InvalidRequestError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    return route
+
+
+@dataclass
+class RouteRun:
+    """The route of one generation: requested, the mode in use, each switch, tokens per mode.
+
+    ``switch_every``: a test hook: switch between speculative and cloud every that many blocks/chunks (any
+    route but device), to prove switching loses and repeats nothing."""
+
+    requested: str
+    mode: str = "speculative"
+    initial: str = ""
+    switches: list[dict] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=lambda: {"speculative": 0, "cloud": 0, "device": 0})
+    switch_every: int | None = None
+    steps_in_mode: int = 0
+    cloud_chunk: int = FIRST_CLOUD_CHUNK
+    why: str = ""
+    estimates: RouteEstimates | None = None  # the client's (reported under auto)
+
+    def report(self) -> dict:
+        """The ``"route"`` object of ``--json``: requested, initial, final mode, switches, tokens per mode."""
+        out = {"requested": self.requested, "initial": self.initial or self.mode, "final": self.mode,
+               "why": self.why, "switches": list(self.switches), "tokens": dict(self.tokens)}
+        if self.estimates is not None and self.requested == "auto":
+            out["estimates"] = self.estimates.to_json()
+        return out
+
+    def switch(self, to: str, at_tokens: int, why: str) -> None:
+        self.switches.append({"at_token": at_tokens, "from": self.mode, "to": to, "why": why})
+        self.mode, self.steps_in_mode, self.why = to, 0, why
+
+
+def start_route(client: "EdgeClient", route: str | None) -> RouteRun:
+    """The RouteRun of a generation (``route`` None: the client's ``route``).
+
+    Raises:
+        InvalidRequestError: an unknown route."""
+    requested = check_route(route, client.route)
+    rr = RouteRun(requested, switch_every=getattr(client, "route_switch_every", None),
+                  estimates=client.route_estimates)
+    rr.mode = requested if requested in ("cloud", "device") else "speculative"
+    client.route_estimates.new_generation()
+    return rr
+
+
+def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, sampling: SamplingParams,
+                requested_seed: int | None) -> Iterator["Chunk"]:
+    """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto) both in
+    turn, until the generation finishes or a call fails (raised, as :meth:`EdgeClient._verify_session`). Each
+    segment starts at the session's next seq and its committed length, so a switch loses and repeats nothing."""
+    rr: RouteRun = run.route
+    if rr.requested == "auto":
+        client.route_estimates.begin(client, opened)
+        if not rr.initial:
+            rr.mode, rr.why = client.route_estimates.choose(client, run, rr.cloud_chunk)
+    if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
+        rr.mode, rr.why = "cloud", "no drafter"
+    rr.initial = rr.initial or rr.mode
+    run.switch_check = lambda *a: _after_block(client, run, *a)
+    run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
+    while run.finish_reason is None:
+        run.first_seq = run.last_seq + 1
+        if rr.mode == "cloud":
+            yield from _cloud_segment(client, run, opened)
+            if run.finish_reason is None:
+                _after_chunk(client, run)
+        else:
+            yield from client._verify_session(run, opened, sampling, requested_seed)
+    run.first_seq = run.last_seq + 1
+
+
+def _cloud_segment(client: "EdgeClient", run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
+    """Cloud decode from the committed length: the whole rest (route=cloud) or one chunk (auto, test hook)."""
+    rr: RouteRun = run.route
+    chunked = rr.requested == "auto" or rr.switch_every is not None
+    max_tokens = (rr.switch_every or rr.cloud_chunk) if chunked else 0
+    seq, t0 = run.first_seq, time.perf_counter()
+    stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
+                            client.timeout_s)
+    try:
+        for i, verdict in enumerate(stream):
+            now = time.perf_counter()
+            tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
+            run.committed.extend(tokens)
+            run.last_seq, run.session_committed = seq + i, verdict.committed_length
+            run.stats.observe(0, verdict)
+            rr.tokens["cloud"] += len(tokens)
+            client.route_estimates.observe_cloud(i == 0, (now - t0) * 1000, verdict)
+            t0 = now
+            yield from run.out.push(tokens, verified=True)
+            if reason is not None:
+                run.finish_reason = reason
+                return
+    finally:
+        stream.close()  # an edge-side stop (a stop string across sessions) cancels the rest
+    rr.steps_in_mode += 1
+    rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
+
+
+def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
+                 draft_s: float) -> bool:
+    """Called by the speculative loop after each block: count it, learn from it, and tell whether to switch
+    to cloud decode now (True ends the speculative segment at this block boundary)."""
+    rr: RouteRun = run.route
+    rr.tokens["speculative"] += len(verdict.committed_token_ids)
+    rr.steps_in_mode += 1
+    est = client.route_estimates
+    est.observe_block(block, verdict, round_trip_ms, draft_s)
+    if rr.switch_every is not None:
+        if rr.steps_in_mode >= rr.switch_every:
+            rr.switch("cloud", run.num_generated, f"test hook: every {rr.switch_every} blocks")
+            return True
+        return False
+    if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH:
+        return False
+    spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)
+    if cloud is not None and spec is not None and cloud > SWITCH_MARGIN * spec:
+        rr.switch("cloud", run.num_generated, f"expected {cloud:.1f} tok/s cloud vs {spec:.1f} speculative")
+        return True
+    return False
+
+
+def _after_chunk(client: "EdgeClient", run: "Run") -> None:
+    """Between two cloud chunks: switch back to speculative when it is expected faster (auto, test hook)."""
+    rr: RouteRun = run.route
+    if rr.switch_every is not None:
+        if rr.steps_in_mode >= 1:
+            rr.switch("speculative", run.num_generated, "test hook: after one cloud chunk")
+        return
+    if rr.requested != "auto":
+        return
+    est = client.route_estimates
+    spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)
+    if spec is not None and cloud is not None and spec > SWITCH_MARGIN * cloud:
+        rr.switch("speculative", run.num_generated, f"expected {spec:.1f} tok/s speculative vs {cloud:.1f} cloud")
+
+
+def decode_device(client: "EdgeClient", run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:
+    """route=device: decode with the draft alone to the end (unverified, flagged; no verifier is called); any
+    other route: nothing.
+
+    Raises:
+        InvalidRequestError: the client has no draft model that can decode alone (n-gram, target-only)."""
+    from common.stopping import StopChecker
+    from edge_client.fallback import DeviceDecoder
+    from edge_client.generation import with_seed
+
+    if run.route.mode != "device":
+        return
+    if not DeviceDecoder.supports(client.drafter):
+        raise InvalidRequestError("route=device needs a draft model that decodes alone (not n-gram or none)")
+    decoder, sampling = DeviceDecoder(client.drafter), with_seed(sampling)
+    max_context = decoder.max_context_tokens
+    if len(run.committed) >= max_context:
+        run.finish_reason = FinishReason.CONTEXT
+        return
+    stop = StopChecker(client.tokenizer, run.stopping, decoder.eos_token_ids(), len(run.committed), max_context)
+    while run.finish_reason is None:  # as edge_client.fallback.decode_on_device, without a cloud to return to
+        token = decoder.next_token(run.committed, sampling)
+        _, reason = stop.append([token])
+        tokens, reason = run.cut([token], reason)
+        run.committed.extend(tokens)
+        run.num_unverified += len(tokens)
+        run.route.tokens["device"] += len(tokens)
+        yield from run.out.push(tokens, verified=False)
+        run.finish_reason = reason
