@@ -53,7 +53,7 @@ from common.errors import (
     VerifierUnavailableError,
 )
 from cloud_verifier.numerics import verify_row
-from cloud_verifier.row_logits import prepare_row_logits
+from cloud_verifier.row_logits import committed_logprobs, prepare_row_logits, raw_logprobs
 from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
 
@@ -80,6 +80,7 @@ class Work:
     seq: int = 0
     enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
     started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
+    raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
 
 
 class Batcher:
@@ -312,6 +313,7 @@ class Batcher:
         for work, row_logits in zip(works, logits):
             record = work.session.record
             try:
+                work.raw_logprobs = raw_logprobs(work.session, row_logits)  # raw: before the in-place processing
                 prepared = prepare_row_logits(work.session, work.block, record.committed_length,
                                               torch.as_tensor(row_logits))
                 outcomes.append(verify_row(work.block, prepared.cpu().numpy(), record.sampling, record.seed,
@@ -363,6 +365,7 @@ class Batcher:
         committed = candidates[:num_committed]
         verdict = self._verdict(work, result.next_token_id, n, num_committed, committed, reason, queue_ms,
                                 forward_ms, batch_size)
+        verdict.logprobs = committed_logprobs(work.raw_logprobs, committed)  # None unless the session asked
         # the commit: compare-and-append on the committed length
         try:
             self.store.append_committed(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from cloud_verifier.store import SessionRecord
 from cloud_verifier.target import SessionKV
 from common.errors import SessionNotFoundError
+from common.logits_processors import TokenHistory
 from common.stopping import StopChecker
 from common.types import Verdict
 
@@ -26,6 +27,10 @@ class Session:
     idle_waiters: list = field(default_factory=list)  # asyncio futures resolved when ``busy`` turns False
     # a verdict whose store commit got no answer (it may or may not have landed): settled at the next request
     unconfirmed: Verdict | None = None
+    # token counts of the history-dependent logits processors (penalties, min_tokens), None until a block needs
+    # them: brought to the committed ids (which move only with a successful commit) by row_logits, rebuilt from
+    # them after a resume or a new turn
+    history: TokenHistory | None = None
 
     @property
     def committed(self) -> list[int]:

@@ -64,6 +64,12 @@ class StopChecker:
         self.finish_reason: FinishReason | None = None
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The ids that end the generation: EOS (unless ignore_eos) and the criteria's stop_token_ids (what
+        min_tokens masks, :mod:`common.logits_processors`)."""
+        return self._stop_ids
+
+    @property
     def num_generated(self) -> int:
         """Committed output tokens so far."""
         return len(self.generated_token_ids)

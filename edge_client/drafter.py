@@ -12,6 +12,11 @@ docs/architecture.md "Lossless verification"):
   sampled from exactly that q with the counter-based stream ``uniform(seed, position, Stream.DRAFT_SAMPLE)``,
   ``position`` being the absolute index of the drafted token. q travels as (ids, probs) [γ, k].
 
+The history-dependent processors of the session (logit_bias, penalties, min_tokens:
+:mod:`common.logits_processors`) run on the draft's logits of every position first, with that position's own
+history (the committed ids and the block's draft tokens before it), exactly as the verifier applies them to the
+target's, so q is the distribution the draft sampled from and stays close to p.
+
 The token drafted for absolute position t is a function of the committed prefix before t (through q_t) and of
 ``uniform(seed, t, DRAFT_SAMPLE)``, not of where the block began. For a bonus_drafted block
 (``DraftBlock.bonus_drafted``, :mod:`common.rejection`; the client decides when) the client asks for γ + 1
@@ -25,8 +30,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from common.logits_processors import TokenHistory
 from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
-from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs
+from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
 from edge_client.onnx_draft import OnnxDraftModel
 
 __all__ = ["Drafter", "ModelDrafter"]
@@ -111,6 +117,32 @@ class ModelDrafter:
         self.valid_vocab_size = int(valid_vocab_size)
         self._cached_ids: list[int] = []  # token ids whose KV the model holds, in order
         self.model.reset()
+        self._turn: tuple[int, frozenset[int]] = (0, frozenset())  # (prompt length, ids min_tokens masks)
+        self._history: TokenHistory | None = None  # counts of the history-dependent processors
+
+    def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
+        """The generation (or conversation turn) about to be drafted: its prompt length (penalties over the output
+        and min_tokens count from there) and stopping criteria (the ids min_tokens masks: the tokenizer's EOS
+        unless ignore_eos, and the stop token ids). Without it the whole history counts as output."""
+        eos = getattr(self.model.tokenizer, "eos_token_id", None)
+        ids = set(int(t) for t in stopping.stop_token_ids)
+        if eos is not None and not stopping.ignore_eos:
+            ids.add(int(eos))
+        self._turn = (int(prompt_length), frozenset(ids))
+        self._history = None
+
+    def _processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
+        """The history-dependent processors' state brought to ``token_ids``, or None when the session has
+        none (incremental: only the tokens that changed since the last call are counted)."""
+        if not sampling.has_history_processors:
+            return None
+        prompt_length, stop_ids = self._turn
+        h = self._history
+        if h is None or h.params != sampling or h.prompt_length != prompt_length or h.vocab_size != vocab_size:
+            h = self._history = TokenHistory(sampling, vocab_size, prompt_length, stop_ids, token_ids)
+        else:
+            h.sync(token_ids)
+        return h
 
     def reset(self) -> None:
         """Forget the draft KV cache (e.g. when a new session starts)."""
@@ -201,6 +233,7 @@ class ModelDrafter:
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
         logits = self._sync(committed_token_ids)
+        history = self._processor(sampling, committed_token_ids, len(logits))
         tokens: list[int] = []
         rows_ids: list[np.ndarray] = []
         rows_q: list[np.ndarray] = []
@@ -209,6 +242,8 @@ class ModelDrafter:
                 break
             if i > 0 and should_stop is not None and should_stop():
                 break
+            if history is not None:  # this position's history: committed ids + tokens[:i] (pushed below)
+                logits = history.apply(np.array(logits, dtype=np.float32))
             if greedy:
                 token = int(np.argmax(logits[: self.valid_vocab_size]))
             else:
@@ -218,6 +253,8 @@ class ModelDrafter:
                 rows_ids.append(ids)
                 rows_q.append(q)
             tokens.append(token)
+            if history is not None:
+                history.push(token)
             if i + 1 < num_tokens:
                 logits = self.model.forward([token])[-1]
                 self._cached_ids.append(token)

@@ -15,7 +15,8 @@ __all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "g
 
 # keyword options of a generation (those of generation_params)
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-                      "ignore_eos")
+                      "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                      "min_tokens", "min_p", "logprobs", "top_logprobs")
 
 
 def check_generation_options(options: Mapping) -> None:
@@ -36,20 +37,38 @@ def generation_params(
     stop: Iterable[str] = (),
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    min_p: float = 0.0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> tuple[SamplingParams, StoppingCriteria]:
     """The sampling parameters and stopping criteria of one generation, checked.
 
     Args:
         max_new_tokens: generated tokens at most (>= 1).
-        temperature: 0 = greedy; top_k: 0 = off; top_p: in (0, 1], 1 = off; seed: None = the verifier picks.
+        temperature: 0 = greedy; top_k: 0 = off; top_p: in [0, 1], 1 = off, 0 = the most likely token only;
+            seed: None = the verifier picks.
         stop: stop strings (non-empty); stop_token_ids: token ids that end the generation besides EOS.
         ignore_eos: do not stop at EOS.
+        repetition_penalty: HF's, over prompt + output (> 0, 1 = off); presence_penalty / frequency_penalty:
+            OpenAI's, over the output ([-2, 2], 0 = off); logit_bias: token id -> bias in [-100, 100];
+            min_tokens: EOS and stop token ids masked until that many tokens are generated; min_p: in [0, 1]
+            (0 = off). Order and sources: :mod:`common.logits_processors`.
+        logprobs: report each generated token's log-probability (raw log-softmax of the target);
+            top_logprobs: and that many alternatives (0..20).
 
     Raises:
-        InvalidRequestError: a parameter out of range (:meth:`SamplingParams.validate`,
+        InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,
             :meth:`StoppingCriteria.validate`).
     """
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling = SamplingParams(
+        temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}), min_tokens=min_tokens, min_p=min_p,
+        logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs)
     stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), bool(ignore_eos))
     try:
         sampling.validate()
