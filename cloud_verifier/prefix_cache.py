@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cloud_verifier import metrics
+from common.errors import CapacityError
 
 BlockHash = bytes  # a SHA-256 digest, 32 bytes
 
@@ -309,6 +310,10 @@ class PrefixCache:
         """
         short = num_blocks - self.pool.num_free
         if short > 0:
+            evictable = self.num_evictable
+            if short > evictable:  # refused without evicting anything: the cache stays useful
+                raise CapacityError(f"KV cache full: {num_blocks} blocks requested, {self.pool.num_free} free and "
+                                    f"{evictable} cached of {self.pool.num_blocks}")
             self.evict(short)
         return self.pool.allocate(num_blocks)
 

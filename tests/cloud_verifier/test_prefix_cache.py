@@ -138,6 +138,10 @@ def test_eviction_is_lru_over_released_blocks_and_spares_blocks_in_use():
     assert sorted(cache.allocate(2)) == sorted([blocks[1], blocks[4]])
     with pytest.raises(CapacityError):
         cache.allocate(1)  # nothing free, nothing evictable: blocks in use stay
+    cache.pool.decref([blocks[0], blocks[0]])  # its owner and the session that took it: evictable
+    with pytest.raises(CapacityError, match="2 blocks requested, 0 free and 1 cached"):
+        cache.allocate(2)  # too few even with it: refused without evicting it
+    assert cache.num_evictable == 1
     assert cache.take_prefix(keys, 5) == [blocks[0]]  # block 1's key went with it: the chain stops there
     assert cache.stats.evicted == 3 and cache.num_cached == 2
 
