@@ -41,7 +41,7 @@ from edge_client.generation import GenerationResult, Run, with_seed
 from edge_client.output import Chunk, TextOutput
 from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
 from edge_client.routing import RouteEstimates, check_route, decode_device, run_session, start_route
-from edge_client.request import encode_prompt, generation_params
+from edge_client.request import check_generation_options, encode_prompt, generation_params
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
     from edge_client.conversation import Conversation, KeptSession
@@ -221,12 +221,17 @@ class EdgeClient:
         ignore_eos: bool = False,
         chat: bool = True,
         route: str | None = None,
+        **processing,
     ) -> Iterator[Chunk]:
         """Generate; yield :class:`Chunk` (text, verified) as tokens are committed: ``verified`` is False for
-        text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`."""
+        text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`;
+        ``processing``: the other options of :func:`edge_client.request.generation_params` (repetition_penalty,
+        presence_penalty, frequency_penalty, logit_bias, min_tokens, min_p, logprobs, top_logprobs; logprobs
+        end up in ``self.last_result.logprobs``)."""
+        check_generation_options(processing)
         sampling, stopping = generation_params(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **processing)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("empty prompt")
@@ -315,6 +320,8 @@ class EdgeClient:
         run = Run(list(prompt_ids), stopping, TextOutput(self.tokenizer, stopping.stop_strings),
                   committed=list(prompt_ids))
         run.route = start_route(self, route)
+        if hasattr(self.drafter, "begin_turn"):  # the history-dependent processors count the output from here
+            self.drafter.begin_turn(len(prompt_ids), stopping)
         if not sampling.greedy and requested_seed is not None and hasattr(self.drafter, "reset"):
             # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
             # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
@@ -411,6 +418,8 @@ class EdgeClient:
             verdict, round_trip_ms = sent.wait(self.timeout_s)
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             committed.extend(tokens)
+            if verdict.logprobs is not None:
+                run.logprobs.extend(verdict.logprobs[: len(tokens)])
             run.last_seq, run.session_committed = seq, verdict.committed_length
             spec = block.num_speculative_tokens
             spec_verdict = dataclasses.replace(verdict, num_accepted=min(verdict.num_accepted, spec))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common.stopping import StopChecker, generated_text_for_output
-from common.types import FinishReason, SamplingParams, StoppingCriteria
+from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 from edge_client.output import TextOutput
 from edge_client.stats import GenerationStats
 
@@ -43,6 +43,8 @@ class GenerationResult:
     num_reopened_sessions: int = 0  # sessions re-opened over all committed ids after the verifier lost one
     #   (NOT_FOUND: expiry, eviction, restart) or could not extend a conversation's session (edge_client.conversation)
     route: dict | None = None  # the route requested, chosen and each switch (edge_client.routing.RouteRun.report)
+    # one per generated token when logprobs were asked (raw log-softmax of the target), else None
+    logprobs: list[TokenLogprobs] | None = None
 
     def to_json(self) -> dict:
         s = self.stats
@@ -60,6 +62,11 @@ class GenerationResult:
             "num_failovers": self.num_failovers,
             "num_unverified_tokens": self.num_unverified_tokens,
             "route": self.route,
+            **({"logprobs": [{"token_id": t, "logprob": lp.logprob,
+                              "top_logprobs": [{"token_id": i, "logprob": v}
+                                               for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+                             for t, lp in zip(self.token_ids, self.logprobs)]}
+               if self.logprobs is not None else {}),
         }
 
 
@@ -91,6 +98,7 @@ class Run:
     route: object = None  # edge_client.routing.RouteRun: the generation's route, its mode and switches
     # called after each speculative block (verdict, round trip ms, block, draft s): True = switch route now
     switch_check: Callable[..., bool] = lambda *_: False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed output token, when asked
 
     @property
     def num_generated(self) -> int:
@@ -145,4 +153,5 @@ class Run:
             num_sessions=len(self.session_ids),
             num_reopened_sessions=self.num_reopens,
             route=self.route.report() if self.route is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs else None,
         )
