@@ -96,3 +96,15 @@ def _user_errors():
     from common.vocab import VocabMismatchError
 
     return (SpecdecError, ModelNotFoundError, VocabMismatchError)
+
+
+_ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates and streams), 'device' (the draft "
+               "alone, unverified) or 'auto' (chosen and re-chosen from measurements; docs/routing.md)")
+
+
+def _check_route(route: str) -> None:
+    """Exit with one line on an unknown --route (before any model loads)."""
+    from edge_client.routing import ROUTES
+
+    if route not in ROUTES:
+        _fail(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")

@@ -107,6 +107,14 @@ def bench(
     device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype: {_DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
+    wan: Optional[str] = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side "
+                                      "by side through specdec.netem's proxy (JSON; docs/routing.md)"),
+    route: Optional[str] = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,"
+                                        "auto)"),
+    jitter_ms: float = typer.Option(0.0, "--jitter-ms", help="--wan: ± jitter of each direction, ms"),
+    bandwidth_kbps: float = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)"),
+    draft_slowdown: str = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower "
+                                       "devices)"),
 ):
     """Benchmark: target-only vs specdec vs HF assisted generation; or --clients [--replay], --gamma-sweep,
     --edge-cloud."""
@@ -114,6 +122,17 @@ def bench(
     from specdec import bench as bench_mod
 
     logging.basicConfig(level=logging.WARNING)
+    if wan is not None:  # its own mode: specdec/bench/wan.py
+        from specdec.bench.wan import run_wan_from_cli
+
+        try:
+            typer.echo(json.dumps(run_wan_from_cli(
+                prompts, wan, route, draft_slowdown=draft_slowdown, limit=limit, max_new_tokens=max_new_tokens,
+                num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps,
+                target=target, draft=draft, device=device, dtype=dtype, plot=plot)))
+        except (*_user_errors(), ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+        return
     client_counts = _check_bench_options(
         temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,
         replay=replay, duration_s=duration_s, device=device, dtype=dtype)

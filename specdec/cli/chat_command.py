@@ -12,6 +12,7 @@ import typer
 from specdec.cli._shared import (
     _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _explain, _fail, _user_errors, app,
 )
+from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import _edge_client
 
 
@@ -130,6 +131,7 @@ def chat(
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+    route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
 ):
     """A multi-turn conversation in the terminal: type a message, the reply streams; `/reset` starts over,
     `/exit` (or end of input) quits. A statistics line (tokens/s, acceptance rate) follows each reply on stderr.
@@ -137,6 +139,7 @@ def chat(
     The conversation keeps its sessions: each turn prefills only the new tokens. Reads stdin line by line, so
     it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`."""
     logging.basicConfig(level=logging.WARNING)
+    _check_route(route)
     from common.types import SamplingParams, StoppingCriteria
 
     try:
@@ -149,6 +152,7 @@ def chat(
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    client.route = route  # edge_client.routing
     interactive = sys.stdin.isatty()
     conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
     if interactive:

@@ -15,6 +15,7 @@ from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _explain, _fail, _user_errors, app,
 )
 from specdec.cli.checks import check_device_names, check_model_dirs, check_server
+from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 
 
@@ -133,9 +134,11 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+    route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
 ):
     """Generate text with speculative decoding, streaming committed text."""
     logging.basicConfig(level=logging.WARNING)
+    _check_route(route)
     security = _check_generate_options(
         prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,
@@ -154,6 +157,7 @@ def generate(
         )
     except _user_errors() as e:
         _fail(_explain(e))
+    client.route = route  # edge_client.routing
     try:
         kwargs = dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

@@ -1,0 +1,181 @@
+"""`specdec bench --wan RTT_MS[,..]`: the routes side by side over an emulated WAN (docs/routing.md).
+
+One verifier (in this process, served over gRPC on 127.0.0.1) and, per one-way latency, a :class:`WanProxy`
+(specdec.netem: latency ± jitter per direction, a bandwidth cap) between it and an EdgeClient, the gRPC traffic
+going through the proxy for real. For each point (latency × draft slowdown) every prompt is generated with each
+route (``speculative``, ``cloud``, ``auto``; a fresh client per point, so auto's first choice is made from
+that point's measurements only after a warm-up generation) and the client's tokens/s are reported, with
+``auto / max(speculative, cloud)`` and whether the greedy outputs are identical across routes.
+
+Draft slowdown k (``--draft-slowdown 1,3``): each draft call is made to last k × its measured time (a sleep
+after it), standing for a device slower than this CPU (:class:`SlowDrafter`).
+
+Prints one JSON object (:func:`run_wan_bench`); ``--plot`` draws tokens/s against RTT per slowdown.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SlowDrafter", "parse_ms_list", "run_wan_bench"]
+
+WAN_ROUTES = ("speculative", "cloud", "auto")
+
+
+def parse_ms_list(spec: str, what: str = "--wan") -> list[float]:
+    """"0,20,50" → [0.0, 20.0, 50.0]. Raises ValueError naming ``what`` on a bad or negative entry."""
+    try:
+        values = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {spec!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"{what} needs numbers >= 0, got {spec!r}")
+    return values
+
+
+class SlowDrafter:
+    """A drafter whose every ``propose`` lasts ``slowdown`` × its measured time (it sleeps the rest): a slower
+    device. Everything else is the wrapped drafter's (the same tokens and draft_probs)."""
+
+    def __init__(self, inner, slowdown: float):
+        if slowdown < 1:
+            raise ValueError(f"draft slowdown must be >= 1, got {slowdown}")
+        self._inner, self.slowdown = inner, float(slowdown)
+
+    def propose(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        block = self._inner.propose(*args, **kwargs)
+        if self.slowdown > 1:
+            time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
+        return block
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _generate(client, prompt_ids: list[int], route: str, max_new_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    result = client.generate(prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=True, route=route)
+    elapsed = time.perf_counter() - t0
+    return {"token_ids": result.token_ids, "elapsed_s": elapsed, "route": result.route,
+            "tokens_per_s": len(result.token_ids) / max(elapsed, 1e-9)}
+
+
+def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: float, slowdown: float, *,
+           routes: tuple[str, ...], max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float,
+           bandwidth_kbps: float, seed: int) -> dict:
+    """One grid point: every prompt with every route through one WanProxy."""
+    from edge_client.client import EdgeClient
+    from edge_client.drafter import ModelDrafter
+    from edge_client.grpc_backend import GrpcBackend
+    from specdec.netem import DirectionProfile, LinkProfile, WanProxy
+
+    way = DirectionProfile(latency_ms, jitter_ms, bandwidth_kbps)
+    with WanProxy(0, address, LinkProfile(way, way), seed=seed) as wan, GrpcBackend(wan.address) as backend:
+        drafter = SlowDrafter(ModelDrafter(draft_model), slowdown)
+        client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens,
+                            adaptive=True, proactive=True)
+        client.generate(prompts[0], max_new_tokens=8, ignore_eos=True)  # warm-up: channel, draft, estimates
+        runs = {r: [_generate(client, ids, r, max_new_tokens) for ids in prompts] for r in routes}
+    point: dict[str, Any] = {"one_way_ms": latency_ms, "rtt_ms": 2 * latency_ms, "draft_slowdown": slowdown}
+    for r in routes:
+        tokens = sum(len(x["token_ids"]) for x in runs[r])
+        point[r] = {"tokens_per_s": tokens / max(sum(x["elapsed_s"] for x in runs[r]), 1e-9),
+                    "elapsed_s": [round(x["elapsed_s"], 4) for x in runs[r]]}
+    if "auto" in runs:
+        point["auto"]["routes"] = [{k: x["route"][k] for k in ("initial", "final", "switches", "tokens")}
+                                   for x in runs["auto"]]
+        fixed = [point[r]["tokens_per_s"] for r in routes if r != "auto"]
+        if fixed:
+            point["auto_vs_best"] = point["auto"]["tokens_per_s"] / max(fixed)
+    point["greedy_identical"] = all(runs[r][i]["token_ids"] == runs[routes[0]][i]["token_ids"]
+                                    for r in routes for i in range(len(prompts)))
+    return point
+
+
+def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] = WAN_ROUTES,
+                  draft_slowdowns: tuple[float, ...] = (1.0,), max_new_tokens: int = 64,
+                  num_speculative_tokens: int = 4, jitter_ms: float = 0.0, bandwidth_kbps: float = 0.0,
+                  target: Path | None = None, draft: Path | None = None, device: str = "auto", dtype: str = "auto",
+                  seed: int = 0, plot: Path | None = None) -> dict:
+    """The grid one-way latency × draft slowdown → client tokens/s per route (greedy), as one JSON-able dict.
+
+    Args:
+        prompts: :class:`specdec.bench.prompts.BenchPrompt` list (their text gets the chat template).
+        one_way_ms: one-way latency of each direction, ms (RTT = 2 ×).
+        routes: subset of speculative, cloud, auto (the CLI's ``--route``).
+
+    Raises:
+        ValueError: an unknown route, a slowdown < 1, a bad link profile.
+    """
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from edge_client.client import encode_prompt
+    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec.embedded import EmbeddedServer
+
+    from ._shared import _resolve_dirs
+
+    bad = [r for r in routes if r not in WAN_ROUTES]
+    if bad:
+        raise ValueError(f"--route for --wan: {', '.join(WAN_ROUTES)}, got {', '.join(bad)}")
+    target_dir, draft_dir = _resolve_dirs(target, draft)
+    draft_model = OnnxDraftModel(draft_dir)
+    ids = [encode_prompt(draft_model.tokenizer, p.prompt) for p in prompts]
+    verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype), max_batch_wait_ms=1.0)
+    points = []
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
+        for slowdown in draft_slowdowns:
+            for latency in one_way_ms:
+                points.append(_point(address, draft_model, ids, latency, slowdown, routes=tuple(routes),
+                                     max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+                                     jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, seed=seed))
+    report = {"mode": "wan", "routes": list(routes), "num_prompts": len(ids), "max_new_tokens": max_new_tokens,
+              "num_speculative_tokens": num_speculative_tokens, "jitter_ms": jitter_ms,
+              "bandwidth_kbps": bandwidth_kbps, "points": points,
+              "min_auto_vs_best": min((p["auto_vs_best"] for p in points if "auto_vs_best" in p), default=None),
+              "greedy_identical": all(p["greedy_identical"] for p in points)}
+    if plot is not None:
+        _plot(report, plot)
+        report["plot"] = str(plot)
+    return report
+
+
+def _plot(report: dict, path: Path) -> None:
+    """tokens/s against RTT, one panel per draft slowdown, one line per route (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slowdowns = sorted({p["draft_slowdown"] for p in report["points"]})
+    fig, axes = plt.subplots(1, len(slowdowns), figsize=(5 * len(slowdowns), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], slowdowns):
+        pts = [p for p in report["points"] if p["draft_slowdown"] == k]
+        for r in report["routes"]:
+            ax.plot([p["rtt_ms"] for p in pts], [p[r]["tokens_per_s"] for p in pts], marker="o", label=r)
+        ax.set_title(f"draft slowdown {k:g}x")
+        ax.set_xlabel("RTT, ms")
+        ax.set_ylabel("client tokens/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_slowdown: str, limit: int | None,
+                     max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float, bandwidth_kbps: float,
+                     target: Path | None, draft: Path | None, device: str, dtype: str, plot: Path | None) -> dict:
+    """`specdec bench --wan`: parse the CLI's lists (``route``: comma-separated routes, None = all three) and run
+    :func:`run_wan_bench` on the first ``limit`` prompts (default 2). Raises ValueError with a one-line message."""
+    from .prompts import load_prompts
+
+    routes = tuple(r.strip() for r in route.split(",")) if route else WAN_ROUTES
+    slowdowns = tuple(parse_ms_list(draft_slowdown, "--draft-slowdown"))
+    return run_wan_bench(load_prompts(prompts_path, limit or 2), parse_ms_list(wan), routes=routes,
+                         draft_slowdowns=slowdowns, max_new_tokens=max_new_tokens,
+                         num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms,
+                         bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device, dtype=dtype,
+                         plot=plot)
