@@ -134,6 +134,8 @@ def _cloud_segment(client: "EdgeClient", run: "Run", opened: SessionOpened) -> I
             now = time.perf_counter()
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             run.committed.extend(tokens)
+            if getattr(verdict, "logprobs", None) is not None and hasattr(run, "logprobs"):  # asked for
+                run.logprobs.extend(verdict.logprobs[: len(tokens)])
             run.last_seq, run.session_committed = seq + i, verdict.committed_length
             run.stats.observe(0, verdict)
             rr.tokens["cloud"] += len(tokens)
