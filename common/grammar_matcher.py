@@ -125,6 +125,10 @@ class GrammarMatcher:
         self.advance(ids[keep:])
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
     def token_ids(self) -> list[int]:
         """The ids consumed (a copy)."""
         return list(self._ids)

@@ -1,0 +1,122 @@
+"""Drafting under a grammar (:func:`propose_constrained`, called by :meth:`ModelDrafter.propose` when the
+generation has a grammar): the draft masks its own logits with the session's grammar before argmax/sampling, and
+drafts the tokens the grammar forces FOR FREE.
+
+- The mask is the same the verifier applies to the target's logits (:mod:`common.grammar`, one engine, one
+  tokenizer): ids outside the grammar get −inf first, then the session's history-dependent processors and the
+  warpers, so q is exactly the distribution the draft drew from and it never proposes what the grammar forbids.
+- A forced token: where the mask leaves exactly one id, the target's processed probability of it is 1, so the
+  draft appends it to the block without a draft forward pass (q one-hot on it) and keeps going; the tokens of a
+  run of forced positions are fed to the draft model together with the next unforced one (one forward pass for
+  them all). ``num_forced`` of the block is reported in :attr:`ConstrainedBlock.num_forced`.
+
+Lossless by the rejection rule either way (Leviathan et al. 2023: any q works when it is the one drawn from); the
+free tokens only change speed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.grammar import CompiledGrammar, GrammarMatcher, apply_mask
+from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
+from common.types import DraftBlock, SamplingParams
+
+__all__ = ["DraftGrammar", "propose_constrained"]
+
+
+@dataclass
+class DraftGrammar:
+    """The generation's grammar on the edge: its matcher over the output from ``start`` (the turn's prompt
+    length), and the number of forced tokens the last block drafted for free."""
+
+    compiled: CompiledGrammar
+    start: int
+    matcher: GrammarMatcher | None = None
+    last_num_forced: int = 0
+
+    def __post_init__(self) -> None:
+        if self.matcher is None:
+            self.matcher = self.compiled.matcher()
+
+
+def _top_prob(logits: np.ndarray) -> float:
+    finite = logits[np.isfinite(logits)]
+    if not finite.size:
+        return 0.0
+    m = float(np.max(finite))
+    return 1.0 / float(np.sum(np.exp(finite.astype(np.float64) - m)))
+
+
+def _empty(t0: float) -> DraftBlock:
+    return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: list[int], num_tokens: int,
+                        sampling: SamplingParams, seed: int, min_confidence: float, should_stop, t0: float,
+                        stack_rows) -> DraftBlock:
+    """:meth:`ModelDrafter.propose` under ``grammar`` (γ = ``num_tokens`` > 0 already capped to the draft's
+    room; ``stack_rows``: the drafter's q-row stacker). Same contract and return value (draft ids [n] with
+    n <= γ, sparse q rows for top-k drafting, a forced position's row one-hot on its id); the block ends early at
+    an EOS, when the grammar allows nothing, at confidence truncation or ``should_stop``.
+
+    Returns an empty block when the committed prefix does not match the grammar (the verifier decides then)."""
+    m = grammar.matcher
+    grammar.last_num_forced = 0
+    try:
+        m.sync(committed_token_ids[grammar.start:])
+    except ValueError:
+        return _empty(t0)
+    greedy = sampling.greedy or drafter.draft_top_k <= 1
+    valid = drafter.valid_vocab_size
+    start = len(committed_token_ids)
+    processor = getattr(drafter, "_processor", None)  # the history-dependent processors, when the drafter has them
+    history = None
+    tokens: list[int] = []
+    rows_ids: list[np.ndarray] = []
+    rows_q: list[np.ndarray] = []
+    num_forced = 0
+    for i in range(num_tokens):
+        if m.is_finished and tokens and tokens[-1] in m.eos_token_ids:
+            break  # nothing is drafted after EOS
+        if i > 0 and should_stop is not None and should_stop():
+            break
+        forced = m.single_allowed()
+        if forced is not None and forced < valid:
+            token = forced
+            num_forced += 1
+            if not greedy:
+                rows_ids.append(np.array([token], dtype=np.int64))
+                rows_q.append(np.array([1.0], dtype=np.float32))
+        else:
+            logits = np.array(drafter._sync(committed_token_ids + tokens), dtype=np.float32)  # feeds what is unfed
+            allowed = m.mask(len(logits))
+            allowed[valid:] = False
+            if not allowed.any():
+                break
+            if processor is not None and history is None:
+                history = processor(sampling, committed_token_ids + tokens, len(logits))
+            if history is not None:
+                history.apply(logits, allowed)
+            else:
+                apply_mask(logits, allowed)
+            if i > 0 and min_confidence > 0.0 and _top_prob(logits[:valid]) < min_confidence:
+                break
+            if greedy:
+                token = int(np.argmax(logits[:valid]))
+            else:
+                ids, q = draft_topk_distribution(logits, sampling, drafter.draft_top_k, valid)
+                j = sample_from(normalize_sparse(q), uniform(seed, start + i, Stream.DRAFT_SAMPLE))
+                token = int(ids[j])
+                rows_ids.append(ids)
+                rows_q.append(q)
+        tokens.append(token)
+        if history is not None:
+            history.push(token)
+        m.advance([token])
+    grammar.last_num_forced = num_forced
+    draft_probs = None if greedy or not tokens else stack_rows(rows_ids, rows_q)
+    return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
