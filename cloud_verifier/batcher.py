@@ -52,7 +52,8 @@ from common.errors import (
     TargetOutputError,
     VerifierUnavailableError,
 )
-from cloud_verifier.numerics import verify_row
+from cloud_verifier.batched_rejection import VerifyRow
+from cloud_verifier.numerics import verify_rows
 from cloud_verifier.row_logits import committed_logprobs, prepare_row_logits, raw_logprobs
 from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
@@ -308,21 +309,32 @@ class Batcher:
         device). Each row first goes through its session's history-dependent processors
         (:func:`cloud_verifier.row_logits.prepare_row_logits`). A row with NaN/inf logits gets
         TargetOutputError (nothing committed) and its session's KV cache is released: it is rebuilt next block.
+        Then ONE batched verdict for all rows (:func:`cloud_verifier.numerics.verify_rows`; the per-row numpy
+        :func:`~cloud_verifier.numerics.verify_row` is its reference).
         """
-        outcomes: list = []
-        for work, row_logits in zip(works, logits):
+        outcomes: list = [None] * len(works)
+        rows, at = [], []  # the rows the batched verdict runs on, and their places in outcomes
+        for j, (work, row_logits) in enumerate(zip(works, logits)):
             record = work.session.record
             try:
                 work.raw_logprobs = raw_logprobs(work.session, row_logits)  # raw: before the in-place processing
                 prepared = prepare_row_logits(work.session, work.block, record.committed_length,
                                               torch.as_tensor(row_logits))
-                outcomes.append(verify_row(work.block, prepared.cpu().numpy(), record.sampling, record.seed,
-                                           record.committed_length, self.valid_vocab_size, record.session_id))
-            except TargetOutputError as e:
-                self.sessions.release(record.session_id)
-                outcomes.append(e)
             except Exception as e:  # noqa: BLE001 - one row's fault is that row's answer
-                outcomes.append(e)
+                outcomes[j] = e
+                continue
+            rows.append(VerifyRow(work.block, prepared, record.sampling, record.seed, record.committed_length))
+            at.append(j)
+        # one batched verdict for all rows (tensor ops where the logits are); only ids and counts come back
+        try:
+            verdicts = verify_rows(rows, self.valid_vocab_size, [works[j].session.record.session_id for j in at])
+        except Exception as e:  # noqa: BLE001 - a bug: these rows fail, the batch loop keeps serving
+            log.exception("batched verdict failed")
+            verdicts = [e] * len(rows)
+        for j, verdict in zip(at, verdicts):
+            if isinstance(verdict, TargetOutputError):
+                self.sessions.release(works[j].session.record.session_id)
+            outcomes[j] = verdict
         return outcomes
 
     # ------------------------------------------------------------------ 4. the verdict

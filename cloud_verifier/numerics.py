@@ -12,6 +12,10 @@ norm(max(0, p − q)) has no mass; a distribution with no mass at all, or a toke
 fault too. A fault raises :class:`~common.errors.TargetOutputError` (INTERNAL, a clear message, nothing
 committed) and counts ``specdec_nonfinite_logits_total``; the batcher releases that session's KV cache so its
 next block rebuilds it from the store. The other rows of the batch are untouched.
+
+:func:`verify_rows`, what the batcher calls, gives the verdicts of a whole forward pass at once as tensor ops
+where the logits are (:mod:`cloud_verifier.batched_rejection`) with the same guards, vectorised;
+:func:`verify_row` stays as its one-row numpy reference.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from cloud_verifier import metrics
+from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
 from common.errors import TargetOutputError
 from common.rejection import RejectionResult, verify_block
 from common.types import DraftBlock, SamplingParams
@@ -66,8 +71,45 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
             if 0 <= result.next_token_id < valid_vocab_size or (accepted_whole and result.next_token_id == -1):
                 return result
             reason = "a token outside the vocabulary"
+    raise _fault(session_id, reason)
+
+
+_SAMPLER = BatchedRejectionSampler()
+
+
+def verify_rows(rows: list[VerifyRow], valid_vocab_size: int,
+                session_ids: list[str] | None = None) -> list[RejectionResult | TargetOutputError]:
+    """The verdicts of every verify row of one forward pass at once (:class:`BatchedRejectionSampler`: tensor
+    ops where the logits are), guarded as :func:`verify_row` guards one row, vectorised: per row its
+    RejectionResult, or the TargetOutputError (counted in ``specdec_nonfinite_logits_total``) that
+    :func:`verify_row` would raise for it — NaN, +inf, a position with no finite logit, no distribution to
+    sample from after logits processing, a token outside the vocabulary. A faulty row never changes the others.
+
+    ``rows[i].logits``: [block.num_scored_positions, vocab_size] (numpy or torch, one device for all rows).
+    ``session_ids``: named in the errors' messages.
+    """
+    session_ids = session_ids or [""] * len(rows)
+    shaped = [i for i, r in enumerate(rows) if np.shape(r.logits)[:1] == (r.block.num_scored_positions,)]
+    outcomes: list = [None] * len(rows)
+    for i in set(range(len(rows))) - set(shaped):
+        outcomes[i] = _fault(session_ids[i], f"no distribution to sample from after logits processing (target "
+                             f"logits have {np.shape(rows[i].logits)[0]} rows for a block scoring "
+                             f"{rows[i].block.num_scored_positions} positions)")
+    for i, got in zip(shaped, _SAMPLER([rows[i] for i in shaped], valid_vocab_size)):
+        if isinstance(got, str):
+            outcomes[i] = _fault(session_ids[i], got)
+            continue
+        accepted_whole = rows[i].block.bonus_drafted and got.num_accepted == len(rows[i].block.draft_token_ids)
+        if 0 <= got.next_token_id < valid_vocab_size or (accepted_whole and got.next_token_id == -1):
+            outcomes[i] = got
+        else:
+            outcomes[i] = _fault(session_ids[i], "a token outside the vocabulary")
+    return outcomes
+
+
+def _fault(session_id: str, reason: str) -> TargetOutputError:
     metrics.NONFINITE_LOGITS.inc()
-    raise TargetOutputError(
+    return TargetOutputError(
         f"the target produced unusable logits for session {session_id}: {reason}; nothing was committed, and the "
         "session's KV cache is rebuilt before its next block"
     )

@@ -1,0 +1,291 @@
+"""The verdicts of a whole forward pass as tensor ops where the logits are (CPU or CUDA):
+:class:`BatchedRejectionSampler`.
+
+Follows Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding",
+Algorithm 1, batched as vLLM's ``v1/sample/rejection_sampler.py`` does (all rows' positions flattened into one
+[num_tokens, vocab_size] tensor; only token ids and counts come back to the host). The per-row numpy
+:func:`common.rejection.verify_block` (guarded by :func:`cloud_verifier.numerics.verify_row`) is the reference
+it is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cloud_verifier.batched_warpers import NUM_CANDIDATES, Scan, dense_probs, scan_logits, sparse_probs
+from cloud_verifier.verdict_draws import uniform_many
+from common.rejection import RejectionResult
+from common.sampling import Stream, normalize_sparse
+from common.types import DraftBlock, SamplingParams
+
+
+@dataclass
+class VerifyRow:
+    """One verify row of a forward pass: a validated block and the target's logits over its positions."""
+
+    block: DraftBlock
+    logits: Any  # [block.num_scored_positions, vocab_size] float (numpy or torch, any device)
+    sampling: SamplingParams
+    seed: int
+    start_position: int  # committed length: absolute position of the block's first draft token, tokens
+
+
+_FAULTS = {3: "NaN logits", 2: "+inf logits", 1: "a position with no finite logit"}
+_NO_DISTRIBUTION = "no distribution to sample from after logits processing (cannot sample from a distribution with no mass)"
+
+
+class BatchedRejectionSampler:
+    """Algorithm 1 for every verify row of one forward pass at once.
+
+    Glossary (the names of the tensors below):
+
+    - num_tokens: all scored positions of all rows, flattened row after row (``token``: one such position).
+    - draft token x: the draft's guess at a position (-1 at a classic block's bonus position).
+    - draft_probs q: the sparse distribution the draft sampled x from ([num_tokens, k] ids and probabilities,
+      ``common.types.SparseDraftProbs``; one-hot for greedy drafting), dense q = ``common.sampling.dense_draft_probs``.
+    - target_probs p: the target's processed distribution (temperature → top-k → top-p → min-p → softmax,
+      :mod:`cloud_verifier.batched_warpers`), sparse over candidates or dense.
+    - accepted token: x with ``u_accept · q(x) < p(x)`` (u_accept = ``uniform(seed, position, ACCEPT)``);
+      greedy rows: x equal to the target argmax.
+    - num_accepted n: accepted positions before the first rejection (bonus_drafted blocks: up to all γ).
+    - recovered token: at the first rejection, the inverse-CDF sample of norm(max(0, p − q)) (p where that has
+      no mass) with u_sample = ``uniform(seed, position, TARGET_SAMPLE)``; bonus token: the same from p after a
+      fully accepted classic block (q = 0 there); greedy rows: the argmax.
+
+    The draws are computed on the host exactly as today (:func:`cloud_verifier.verdict_draws.uniform_many`,
+    bit-identical to :func:`common.sampling.uniform`), a few numbers per row, and passed in. Per row the
+    result is a RejectionResult, or the reason (str) why its logits cannot be verified: NaN, +inf, a
+    position with no finite logit, or no distribution to sample from (the guard rules of
+    :mod:`cloud_verifier.numerics`); a faulty row never affects the others.
+    """
+
+    def __init__(self, num_candidates: int = NUM_CANDIDATES):
+        self.num_candidates = num_candidates
+
+    def __call__(self, rows: list[VerifyRow], valid_vocab_size: int) -> list[RejectionResult | str]:
+        """Per row its RejectionResult (``next_token_id`` -1 only after a fully accepted bonus_drafted block)
+        or the reason its logits cannot be verified.
+
+        Raises:
+            ValueError: a row's logits have not ``block.num_scored_positions`` rows, or rows on several devices.
+        """
+        if not rows:
+            return []
+        lay = _Layout(rows)
+        logits = _as_tensors(rows)  # per row [positions, vocab_size] float32, on the logits' device
+        sampled = np.repeat([not r.sampling.greedy for r in rows], np.diff(lay.offsets))  # [num_tokens] bool
+        temperature = np.repeat([r.sampling.temperature for r in rows], np.diff(lay.offsets))
+        scan = scan_logits(logits, valid_vocab_size, sampled, temperature, self.num_candidates)
+        faults = _row_faults(scan.max_logit.cpu().numpy(), lay)  # the guard, vectorised: one pass, one copy
+        ok = [i for i in range(len(rows)) if faults[i] is None]
+        accept = np.zeros(lay.num_tokens, dtype=bool)  # [num_tokens]
+        greedy_tokens = [t for i in ok if rows[i].sampling.greedy for t in lay.tokens(i)]
+        argmax = scan.argmax.cpu().numpy() if greedy_tokens else None  # [num_tokens]
+        if greedy_tokens:
+            draft = lay.draft[greedy_tokens]
+            accept[greedy_tokens] = (draft >= 0) & (draft == argmax[greedy_tokens])
+        part = None
+        if sampled.any():
+            faulty = np.repeat([f is not None for f in faults], np.diff(lay.offsets))
+            part = _SampledPart(logits, scan, np.flatnonzero(sampled).tolist(), faulty, lay, valid_vocab_size,
+                                accept)
+        results: list[RejectionResult | str] = list(faults)
+        chosen_s = []  # (row, token) whose recovered / bonus token is sampled
+        for i in ok:
+            n, chosen = lay.first_rejection(i, accept)
+            results[i] = RejectionResult(n, -1)
+            if chosen is not None and rows[i].sampling.greedy:
+                results[i] = RejectionResult(n, int(argmax[chosen]))
+            elif chosen is not None:
+                chosen_s.append((i, chosen))
+        if chosen_s:
+            for (i, _), tok in zip(chosen_s, part.sample([t for _, t in chosen_s])):
+                results[i] = _NO_DISTRIBUTION if tok < 0 else RejectionResult(results[i].num_accepted, tok)
+        return results
+
+
+def _as_tensors(rows: list[VerifyRow]) -> list[torch.Tensor]:
+    """Each row's logits as a float32 tensor (numpy: zero-copy), all on one device."""
+    tensors = [torch.as_tensor(r.logits) for r in rows]
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"verify rows' logits on several devices: {sorted(map(str, devices))}")
+    for r, t in zip(rows, tensors):
+        if t.ndim != 2 or t.shape[0] != r.block.num_scored_positions:
+            raise ValueError(f"target logits of shape {tuple(t.shape)} for a block scoring "
+                             f"{r.block.num_scored_positions} positions")
+    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+
+class _Layout:
+    """Host-side bookkeeping: which flattened token belongs to which row and position, its draft token and q."""
+
+    def __init__(self, rows: list[VerifyRow]):
+        self.rows = rows
+        self.offsets = [0]
+        draft: list[int] = []
+        for r in rows:
+            n = r.block.num_scored_positions
+            ids = list(r.block.draft_token_ids)
+            draft.extend(ids[:n] + [-1] * (n - len(ids[:n])))  # -1: a classic block's bonus position
+            self.offsets.append(self.offsets[-1] + n)
+        self.num_tokens = self.offsets[-1]
+        self.draft = np.asarray(draft, dtype=np.int64)  # [num_tokens]
+
+    def tokens(self, i: int) -> range:
+        return range(self.offsets[i], self.offsets[i + 1])
+
+    def first_rejection(self, i: int, accept: np.ndarray) -> tuple[int, int | None]:
+        """(n, the token whose next token is drawn, or None after a fully accepted bonus_drafted block)."""
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        rejected = np.flatnonzero(~accept[lo:hi])
+        if rejected.size == 0:
+            return hi - lo, None
+        return int(rejected[0]), lo + int(rejected[0])
+
+    def positions(self, tokens: list[int]) -> np.ndarray:  # [len(tokens)] absolute positions
+        row = np.searchsorted(self.offsets, tokens, side="right") - 1
+        starts = np.asarray([self.rows[i].start_position for i in row], dtype=np.int64)
+        return starts + np.asarray(tokens) - np.asarray(self.offsets)[row]
+
+    def row_of(self, tokens: list[int]) -> np.ndarray:
+        return np.searchsorted(self.offsets, tokens, side="right") - 1
+
+    def draft_probs(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Sparse q of the given tokens: ([len, k] ids, -1 padded; [len, k] float64, 0 padded)."""
+        rows = self.row_of(tokens)
+        entries = []
+        for t, i in zip(tokens, rows):
+            block, pos = self.rows[i].block, t - self.offsets[i]
+            if self.draft[t] < 0:
+                entries.append(([], []))
+            elif block.draft_probs is None:  # greedy drafting: q is one-hot at the draft token
+                entries.append(([int(self.draft[t])], [1.0]))
+            else:
+                entries.append((np.asarray(block.draft_probs.token_ids[pos]),
+                                normalize_sparse(block.draft_probs.probs[pos])))
+        k = max(1, max(len(e[0]) for e in entries))
+        ids = np.full((len(tokens), k), -1, dtype=np.int64)
+        probs = np.zeros((len(tokens), k), dtype=np.float64)
+        for j, (e_ids, e_probs) in enumerate(entries):
+            ids[j, : len(e_ids)] = e_ids
+            probs[j, : len(e_probs)] = e_probs
+        return ids, probs
+
+
+def _row_faults(max_logit: np.ndarray, lay: _Layout) -> list[str | None]:
+    """Per row the guard's reason (numerics.logits_fault's order: NaN, then +inf, then an all -inf position)."""
+    code = np.where(np.isnan(max_logit), 3, np.where(max_logit == np.inf, 2,
+                                                     np.where(max_logit == -np.inf, 1, 0)))
+    return [_FAULTS.get(int(code[lay.offsets[i]:lay.offsets[i + 1]].max(initial=0))) for i in range(len(lay.rows))]
+
+
+class _SampledPart:
+    """Sampled rows: target_probs, the acceptance test, and later the recovered / bonus draws.
+
+    ``tokens``: every sampled position, in the order of the Scan's candidates (faulty rows' ones included, never
+    used)."""
+
+    def __init__(self, logits: list[torch.Tensor], scan: Scan, tokens: list[int], faulty: np.ndarray,
+                 lay: _Layout, vocab: int, accept: np.ndarray):
+        dev = scan.cand_ids.device
+        self.index = {t: j for j, t in enumerate(tokens)}
+        row_of = lay.row_of(tokens)
+        params = [lay.rows[i].sampling for i in row_of]
+        f64 = dict(dtype=torch.float64, device=dev)
+        temperature = torch.tensor([p.temperature for p in params], **f64)  # [n]
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)  # [n]
+        top_p = torch.tensor([p.top_p for p in params], **f64)  # [n]
+        min_p = torch.tensor([getattr(p, "min_p", 0.0) for p in params], **f64)  # [n]
+        seeds = [lay.rows[i].seed for i in row_of]
+        positions = lay.positions(tokens)
+        u_accept = torch.from_numpy(uniform_many(seeds, positions, [Stream.ACCEPT] * len(tokens))).to(dev)
+        self.u_sample = uniform_many(seeds, positions, [Stream.TARGET_SAMPLE] * len(tokens))  # [n] host
+        q_ids, q_probs = lay.draft_probs(tokens)
+        self.q_ids, self.q_probs = torch.from_numpy(q_ids).to(dev), torch.from_numpy(q_probs).to(dev)  # [n, k]
+        x = torch.from_numpy(lay.draft[tokens]).to(dev)  # [n] draft token (-1: bonus position)
+        # a position whose scaled logits overflow (e.g. temperature 1e-310) has no distribution: never accepted
+        max_logit = scan.max_logit.index_select(0, torch.as_tensor(tokens, device=dev))
+        bad = ~torch.isfinite(max_logit.double() / temperature) | torch.from_numpy(faulty[tokens]).to(dev)
+        self.ids, self.probs, decided = sparse_probs(scan, vocab, temperature, top_k, top_p, min_p)  # [n, c]
+        p_x = (self.probs * (self.ids == x[:, None])).sum(-1)  # [n] p(x) (0 outside the candidates)
+        dense_at = torch.nonzero(~decided & ~bad)[:, 0]
+        self.dense_row = {j: r for r, j in enumerate(dense_at.tolist())}  # local position -> row of dense
+        self.dense = None
+        if self.dense_row:
+            full = torch.stack([logits[row_of[j]][tokens[j] - lay.offsets[row_of[j]], :vocab]
+                                for j in self.dense_row])  # [d, vocab_size]
+            self.dense = dense_probs(full, temperature[dense_at], top_k[dense_at], top_p[dense_at],
+                                     min_p[dense_at])  # [d, vocab_size]
+            x_d = x[dense_at]
+            p_dense = self.dense.gather(1, x_d.clamp(min=0, max=vocab - 1)[:, None])[:, 0]
+            p_x[dense_at] = torch.where(x_d < vocab, p_dense, 0.0)  # ids past the valid vocabulary: p = 0
+        q_x = (self.q_probs * (self.q_ids == x[:, None])).sum(-1)  # [n] q(x)
+        accepted = (u_accept * q_x < p_x) & (x >= 0) & ~bad  # accept iff u < p/q <=> u·q < p
+        accept[tokens] = accepted.cpu().numpy()
+        self.bad = bad.cpu().numpy()
+        self.dev = dev
+
+    def sample(self, tokens: list[int]) -> list[int]:
+        """Recovered / bonus token at each given token's position (-1: no distribution to sample from)."""
+        local = [self.index[t] for t in tokens]
+        out = np.full(len(local), -1, dtype=np.int64)
+        dev = self.dev
+        sparse = [j for j, t in enumerate(local) if t not in self.dense_row and not self.bad[t]]
+        dense = [j for j, t in enumerate(local) if t in self.dense_row]
+        u = self.u_sample[local]
+        if sparse:
+            at = torch.as_tensor([local[j] for j in sparse], device=dev)
+            out[sparse] = _residual_sample_sparse(self.ids[at], self.probs[at], self.q_ids[at], self.q_probs[at],
+                                                  torch.from_numpy(u[sparse]).to(dev))
+        if dense:
+            at = torch.as_tensor([self.dense_row[local[j]] for j in dense], device=dev)
+            q_at = torch.as_tensor([local[j] for j in dense], device=dev)
+            out[dense] = _residual_sample_dense(self.dense[at], self.q_ids[q_at], self.q_probs[q_at],
+                                                torch.from_numpy(u[dense]).to(dev))
+        return out.tolist()
+
+
+def _residual_sample_sparse(ids, probs, q_ids, q_probs, u) -> np.ndarray:
+    """Inverse-CDF samples of norm(max(0, p − q)) (p where it has no mass) with p over candidates.
+
+    ids/probs [r, c] (p is 0 outside them, so the cumulative sum over the vocabulary in id order is the one over
+    the candidates sorted by id, exactly), q_ids/q_probs [r, k], u [r]. Returns [r] token ids (-1: no mass)."""
+    order = torch.argsort(ids, dim=-1)
+    ids, probs = ids.gather(1, order), probs.gather(1, order)  # ascending id, as sample_from walks the vocabulary
+    q_on = (q_probs[:, None, :] * (ids[:, :, None] == q_ids[:, None, :])).sum(-1)  # [r, c] q at the candidates
+    residual = (probs - q_on).clamp(min=0.0)
+    residual = torch.where((residual.sum(-1) > 0)[:, None], residual, probs)
+    index = _inverse_cdf(residual, u)
+    return torch.where(index >= 0, ids.gather(1, index.clamp(min=0)[:, None])[:, 0], -1).cpu().numpy()
+
+
+def _residual_sample_dense(probs, q_ids, q_probs, u) -> np.ndarray:
+    """As :func:`_residual_sample_sparse` with p dense: probs [r, vocab_size], q [r, k], u [r] → [r] ids."""
+    residual = probs.clone()
+    rows = torch.arange(probs.shape[0], device=probs.device)[:, None].expand_as(q_ids)
+    real = (q_ids >= 0) & (q_ids < probs.shape[1])  # q past the valid vocabulary meets p = 0: residual 0 there
+    r, j = rows[real], q_ids[real]
+    residual[r, j] = (probs[r, j] - q_probs[real]).clamp(min=0.0)  # max(p − q, 0) where q > 0, p elsewhere
+    residual = torch.where((residual.sum(-1) > 0)[:, None], residual, probs)
+    return _inverse_cdf(residual, u).cpu().numpy()
+
+
+def _inverse_cdf(
+    weights: torch.Tensor,  # [r, w] float64, non-negative, unnormalised, in token-id order
+    u: torch.Tensor,  # [r] float64 in [0, 1)
+) -> torch.Tensor:  # [r] int64 index into w (-1: no positive mass)
+    """common.sampling.sample_from for many rows: the first index whose float64 running sum exceeds u · total
+    (searchsorted, side right), clamped to the last index, moved back to the closest positive weight."""
+    cum = torch.cumsum(weights, dim=-1)  # sequential on CPU, as np.cumsum
+    total = cum[:, -1]
+    index = torch.searchsorted(cum, (u * total)[:, None].contiguous(), right=True)[:, 0]
+    index = index.clamp(max=weights.shape[1] - 1)
+    positions = torch.arange(weights.shape[1], device=weights.device).expand_as(weights)
+    last_positive = torch.cummax(torch.where(weights > 0, positions, -1), dim=-1).values  # [r, w]
+    index = last_positive.gather(1, index[:, None])[:, 0]
+    return torch.where(total > 0, index, -1)
