@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
 
 
 MAX_TOP_LOGPROBS = 20  # most alternatives one committed token's logprobs may list (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 262_144  # a grammar spec as JSON, characters (its compiled size is bounded by the engine)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class SamplingParams:
     min_p: drop tokens below min_p x the top probability, in [0, 1] (0 = off).
     logprobs: report each committed token's log-probability (raw log-softmax of the target);
         top_logprobs: that many alternatives too (0..MAX_TOP_LOGPROBS; needs logprobs).
+    grammar: structured output, a :class:`common.grammar.GrammarSpec` as JSON ("" = none): the ids it forbids get
+        -inf at every position before everything above (both sides; the turn's output must match it).
     """
 
     temperature: float = 0.0
@@ -55,6 +58,7 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -95,6 +99,8 @@ class SamplingParams:
         _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]",
                self.top_logprobs)
         _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs", self.top_logprobs)
+        _check(isinstance(self.grammar, str) and len(self.grammar) <= MAX_GRAMMAR_CHARS, "grammar",
+               f"must be a grammar spec of at most {MAX_GRAMMAR_CHARS} characters", len(str(self.grammar)))
 
 
 def _check(ok, name: str, rule: str, value) -> None:

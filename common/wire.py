@@ -68,6 +68,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         min_p=params.min_p,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        grammar=params.grammar,
     )
     for token_id, bias in params.logit_bias:
         msg.logit_bias[int(token_id)] = float(bias)
@@ -91,6 +92,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         min_p=float(msg.min_p),
         logprobs=bool(msg.logprobs),
         top_logprobs=int(msg.top_logprobs),
+        grammar=str(msg.grammar),
     )
 
 

@@ -228,3 +228,18 @@ def test_sync_follows_a_prefix_that_grows_and_is_cut(gtok, tok):
     with pytest.raises(ValueError):
         m.sync(ids[:3] + ids_of(tok, "@@"))  # after the key: no string
     assert m.token_ids == ids[:3]
+
+
+def test_the_spec_travels_in_sampling_params_on_the_wire_and_in_the_store_form():
+    import dataclasses
+
+    from common.types import SamplingParams
+    from common.wire import sampling_from_proto, sampling_to_proto
+
+    params = SamplingParams(temperature=0.5, grammar=GrammarSpec.json_schema(SCHEMA).to_json())
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    stored = json.loads(json.dumps(dataclasses.asdict(params)))  # the Redis record's sampling JSON
+    assert SamplingParams(**stored) == params
+    assert GrammarSpec.from_json(SamplingParams(**stored).grammar) == GrammarSpec.json_schema(SCHEMA)
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar="x" * 300_000).validate()
