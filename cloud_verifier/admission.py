@@ -3,16 +3,18 @@ multi-turn session (ExtendSession). Part of :class:`cloud_verifier.sessions.Sess
 state is defined there).
 
 - **Admission**: at most ``max_sessions`` sessions per replica, sessions being opened (prefilled) included;
-  each session reserves a KV cache of ``prompt + max_new_tokens`` tokens (capped by the context) from the
-  target's budget. Past either limit a session is refused (:class:`~common.errors.CapacityError`) rather than
-  slowing the others down.
+  each session takes KV blocks from the target's paged pool (:mod:`cloud_verifier.kv_pool`) for the tokens it
+  actually holds: its prompt at open, more blocks as its blocks are verified (:meth:`SessionTable.block_in_flight`),
+  whole blocks back when a rejected tail is rolled back. Its limit (prompt + ``max_new_tokens``, capped by the
+  context) bounds validation, not memory. Past either limit a session (or a block needing a new KV block) is
+  refused (:class:`~common.errors.CapacityError`) rather than slowing the others down.
 - **Prefill**: the committed tokens but the last are prefilled in chunks of ``prefill_chunk_tokens``, each
   chunk through the batcher (one chunk per forward pass, interleaved with other sessions' verify steps).
 - **Resume**: a session unknown here but present in the store (its replica crashed or drained) is rebuilt by
   prefilling its committed tokens, then claimed in the store. Concurrent requests for the same session share
   one resume (one prefill).
-- **Extend**: the next turn's tokens are prefilled after the KV cache of everything before (grown when needed),
-  then committed to the store.
+- **Extend**: the next turn's tokens are prefilled after the KV cache of everything before (more blocks, no
+  copy), then committed to the store.
 """
 
 from __future__ import annotations
@@ -150,10 +152,10 @@ class SessionAdmission:
                 self._opening -= 1
 
     async def _prefill(self, record: SessionRecord) -> Session:
-        """Reserve the KV cache, prefill ``record``'s committed tokens except the last (in chunks), add the
+        """Take KV blocks for ``record``'s committed tokens except the last, prefill them (in chunks), add the
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
-        kv = self.target.allocate(capacity)
+        kv = self.target.allocate(capacity, reserve_tokens=len(record.committed_token_ids) - 1)
         stop = StopChecker(
             self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
             self.info.max_context_tokens,
@@ -178,15 +180,16 @@ class SessionAdmission:
     # ------------------------------------------------------------------ extend (multi-turn sessions)
     async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
                      stopping: StoppingCriteria) -> Session:
-        """Continue a finished (or not started) session with the next turn of its conversation: grow its KV
-        cache to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
-        prefill only the new tokens (the last committed token, then ``appended`` but its last, in chunks of
-        ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the turn in the store
+        """Continue a finished (or not started) session with the next turn of its conversation: raise its KV
+        limit to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
+        take blocks for the new tokens and prefill only them (the last committed token, then ``appended`` but its
+        last, in chunks of ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the turn
+        in the store
         (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's output starts
         at the new committed length. ``appended``: validated token ids; ``sampling`` with the seed to draw with.
 
-        Nothing committed changes on any error (positions the prefill wrote lie past the committed length,
-        where the next forward pass overwrites them).
+        Nothing committed changes on any error (positions the prefill wrote lie past the committed length: their
+        blocks are dropped when the turn ends).
 
         Raises:
             ConflictError: ``expected_length`` differs from the session's committed length.
@@ -214,9 +217,14 @@ class SessionAdmission:
             start = record.committed_length - 1  # the KV cache holds committed[:-1]
             new_length = record.committed_length + len(appended)
             needed = min(self.info.max_context_tokens, new_length + stopping.max_new_tokens)
-            if session.kv.capacity < needed:
-                self._grow(session, needed, start)
+            limit = session.kv.capacity
+            session.kv.capacity = max(limit, needed)  # a limit: memory comes as blocks, no copy
             tokens = [record.committed_token_ids[-1], *appended[:-1]]
+            try:
+                self.target.ensure(session.kv, start + len(tokens))
+            except CapacityError:
+                session.kv.capacity = limit
+                raise
             for begin in range(0, len(tokens), self.prefill_chunk_tokens):
                 await self.prefill_chunk(session, tokens[begin : begin + self.prefill_chunk_tokens], start + begin)
             now = time.time()
@@ -235,19 +243,3 @@ class SessionAdmission:
         finally:
             self._end_busy(session)
         return session
-
-    def _grow(self, session: Session, capacity: int, keep: int) -> None:
-        """Move the session's KV cache to a buffer of ``capacity`` tokens, copying its first ``keep`` positions
-        (the session is marked busy: no forward pass uses its cache meanwhile).
-
-        Raises:
-            CapacityError: the budget has no room for the larger buffer (the old one stays).
-        """
-        kv = self.target.allocate(capacity)
-        old = session.kv.buffer
-        if keep > 0:
-            kv.buffer[:, :, :, :keep].copy_(old[:, :, :, :keep])
-        self.target.free(session.kv)  # empties the old SessionKV object
-        session.kv.buffer = kv.buffer  # the session keeps its SessionKV object (rows may refer to it)
-        self._update_gauges()
-

@@ -88,16 +88,18 @@ def self_check(runner: "TargetRunner") -> float:
     """
     import torch
 
-    from cloud_verifier.target import ForwardRow, SessionKV
+    from cloud_verifier.target import ForwardRow
 
     ids = (np.arange(SELF_CHECK_TOKENS, dtype=np.int64) * 7919 + 11) % max(1, min(runner.vocab_size, 32000))
     ids = ids.tolist()
     ref = runner.reference_logits(ids)
-    shape = (runner.num_layers, 2, runner.num_kv_heads, SELF_CHECK_TOKENS, runner.head_dim)
-    kv = SessionKV(torch.zeros(shape, dtype=runner.dtype, device=runner.device))  # outside the sessions' budget
-    first = runner.forward([ForwardRow(kv, ids[:8], 0, "all")])[0]
-    runner.forward([ForwardRow(kv, [0, 1, 2, 3], 8, "none")])  # a rejected block: rolled back below
-    rest = runner.forward([ForwardRow(kv, ids[8:], 8, "all")])[0]
+    kv = runner.allocate(SELF_CHECK_TOKENS)  # freed before any session opens
+    try:
+        first = runner.forward([ForwardRow(kv, ids[:8], 0, "all")])[0]
+        runner.forward([ForwardRow(kv, [0, 1, 2, 3], 8, "none")])  # a rejected block: rolled back below
+        rest = runner.forward([ForwardRow(kv, ids[8:], 8, "all")])[0]
+    finally:
+        runner.free(kv)
     diff = float(np.abs(np.concatenate([first, rest]) - ref).max())
     rel = 1e-3 if runner.dtype == torch.float32 else 5e-2
     tolerance = rel * max(1.0, float(np.abs(ref).max()))

@@ -119,6 +119,9 @@ class VerifierSettings(BaseSettings):
     kv_cache_budget_tokens: int = Field(262144, ge=1)
     """Total target KV-cache budget over all sessions, tokens (RESOURCE_EXHAUSTED past it)."""
 
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per block of the paged KV pool (sessions use whole blocks; prefix caching shares whole blocks)."""
+
     prefill_chunk_tokens: int = Field(256, ge=1)
     """Prompt tokens per prefill forward pass (chunked prefill), tokens."""
 

@@ -37,8 +37,10 @@ SESSIONS_OPENED = Counter("specdec_sessions_opened", "Sessions opened")
 SESSIONS_CLOSED = Counter("specdec_sessions_closed", "Sessions closed by their client")
 SESSIONS_EXPIRED = Counter("specdec_sessions_expired", "Sessions freed after their TTL")
 SESSIONS_RESUMED = Counter("specdec_sessions_resumed", "Sessions resumed from the store on this replica")
-KV_CACHE_USED_BYTES = Gauge("specdec_kv_cache_used_bytes", "KV cache reserved by open sessions, bytes")
+KV_CACHE_USED_BYTES = Gauge("specdec_kv_cache_used_bytes", "KV cache in use: blocks held by sessions, bytes")
 KV_CACHE_CAPACITY_BYTES = Gauge("specdec_kv_cache_capacity_bytes", "KV cache budget, bytes")
+KV_CACHE_BLOCKS_USED = Gauge("specdec_kv_cache_blocks_used", "KV blocks held by sessions (paged pool)")
+KV_CACHE_BLOCKS_TOTAL = Gauge("specdec_kv_cache_blocks_total", "KV blocks in the paged pool")
 
 
 def observe_forward(seconds: float, num_blocks: int, num_tokens: int) -> None:

@@ -7,7 +7,7 @@
   freed at once too, unless one of its blocks is queued or in a forward pass: then it is freed as soon as that
   block is done (never under a running forward pass).
 - **Reaping**: sessions idle for more than ``session_ttl_s`` seconds, or whose store record expired, are freed.
-- **Gauges**: open sessions and reserved KV bytes (:mod:`cloud_verifier.metrics`).
+- **Gauges**: open sessions, KV bytes and blocks in use (:mod:`cloud_verifier.metrics`).
 
 The store record is the source of truth for committed tokens; the table keeps this replica's copy of it, its
 KV cache and its stopping state (:class:`cloud_verifier.session_state.Session`).
@@ -76,6 +76,7 @@ class SessionTable(SessionAdmission):
         self._opening = 0  # sessions being prefilled (count towards max_sessions)
         self._lock = threading.Lock()
         metrics.KV_CACHE_CAPACITY_BYTES.set(target.kv_cache_budget_tokens * target.kv_bytes_per_token)
+        metrics.KV_CACHE_BLOCKS_TOTAL.set(target.kv_pool.num_blocks)
 
     @property
     def num_sessions(self) -> int:
@@ -97,16 +98,22 @@ class SessionTable(SessionAdmission):
         """Mark one block of ``session`` in flight for the ``with`` body (its verification).
 
         ``validate`` (block validation) runs first, under the table's lock, so no other block of the session
-        can slip in between the checks and the mark. On exit: the session's last-seen time is updated, and a
-        session released meanwhile gets its KV cache freed now (the deferred release).
+        can slip in between the checks and the mark; then the session's block table grows to hold the positions
+        the largest block may write (committed + max_num_speculative_tokens, capped by its limit). On exit: the
+        session's last-seen time is updated, its rejected tail rolled back (whole blocks past the committed
+        length freed), and a session released meanwhile gets its KV cache freed now (the deferred release).
 
         Raises:
-            whatever ``validate`` raises; SessionNotFoundError: the session was closed.
+            whatever ``validate`` raises; SessionNotFoundError: the session was closed; CapacityError: no free
+            KV block for the block's positions (nothing runs, nothing is committed).
         """
         with self._lock:
             validate()
             if session.released:
                 raise SessionNotFoundError(f"session {session.record.session_id!r} was closed")
+            kv = session.kv
+            self.target.ensure(kv, min(kv.capacity, session.record.committed_length
+                                       + self.info.max_num_speculative_tokens))
             session.busy = True
         try:
             yield
@@ -122,12 +129,14 @@ class SessionTable(SessionAdmission):
             session.last_seen = time.time()
             if session.released:  # closed while busy: free it now
                 self.target.free(session.kv)
+            elif session.unconfirmed is None:  # roll back: the KV holds committed[:-1]; a verdict that may
+                # have landed keeps its positions until it is settled
+                self.target.truncate(session.kv, session.record.committed_length - 1)
             waiters, session.idle_waiters = session.idle_waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(None)
-        if session.released:
-            self._update_gauges()
+        self._update_gauges()
 
     async def wait_idle(self, session: Session, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s`` s) until no block of ``session`` is queued or in a forward pass, e.g. the
@@ -269,3 +278,4 @@ class SessionTable(SessionAdmission):
     def _update_gauges(self) -> None:
         metrics.SESSIONS_OPEN.set(len(self._sessions))
         metrics.KV_CACHE_USED_BYTES.set(self.target.kv_reserved_bytes)
+        metrics.KV_CACHE_BLOCKS_USED.set(self.target.kv_pool.blocks.num_used)

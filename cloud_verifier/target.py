@@ -1,17 +1,19 @@
-"""The target model runner: ragged batched forward passes over many sessions with a KV cache per session.
+"""The target model runner: ragged batched forward passes over many sessions with a paged KV cache.
 
 All rows of a batch (draft blocks of different sessions, prefill chunks) are flattened into one sequence of
 T tokens, so the projections and MLPs of every row run as one matmul with no padding (the "ragged" or
-"packed" batching of vLLM / ORCA). Attention runs per row against that row's own KV cache, through a custom
-attention function registered with HF transformers' ``AttentionInterface`` (:mod:`cloud_verifier.attention`):
-the model is any HF causal LM whose attention layers use that interface and whose layers all hold a KV cache
-(:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite,
-SmolLM, ... are tested).
+"packed" batching of vLLM / ORCA). Attention runs as ONE call per layer for the whole batch over the paged KV
+pool, through a custom attention function registered with HF transformers' ``AttentionInterface``
+(:mod:`cloud_verifier.attention`): the model is any HF causal LM whose attention layers use that interface and
+whose layers all hold a KV cache (:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral,
+Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested).
 
-KV cache: each session owns a preallocated buffer ``[num_layers, 2, num_kv_heads, capacity, head_dim]``
-reserved at open time from a token budget (admission control: a session that does not fit is refused rather
-than slowing the others down). Rolling back after a rejection is free: positions past the committed length are
-simply overwritten by the next forward pass.
+KV cache: one pool of fixed-size blocks for all sessions (:class:`cloud_verifier.kv_pool.KVPool`, allocated
+once from the token budget), a block table per session (:class:`SessionKV`). A session holds blocks only for
+the tokens it holds: growing (more positions, ExtendSession) appends blocks without copying, rolling back a
+rejected tail drops whole blocks past the committed length (:meth:`TargetRunner.truncate`), freeing drops all
+(admission control: a session or a block that finds no free block is refused rather than slowing the others
+down).
 
 Device and dtype: :func:`resolve_device` / :func:`resolve_dtype` turn the settings' names (``auto`` included)
 into torch objects; asking for CUDA where there is none is an error, not a silent fallback.
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 
 from cloud_verifier.architectures import apply_logits_transforms, check_target_architecture, self_check
-from cloud_verifier.attention import ATTN_IMPLEMENTATION, RaggedBatch, register_attention
+from cloud_verifier.attention import ATTN_IMPLEMENTATION, PagedBatch, register_attention
+from cloud_verifier.kv_pool import KVPool
 from common.errors import CapacityError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,25 +81,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[name]
 
 
-def _mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in its own private anonymous memory mapping.
-
-    A KV cache (megabytes to tens of megabytes) allocated through malloc lands in the heap once glibc's dynamic
-    mmap threshold has risen past its size (it rises to the size of every mapped block freed, up to 32 MiB),
-    and heap memory freed between live blocks is not given back: a verifier's RSS stayed ~170 MB above idle
-    after 16 concurrent sessions closed (``bench --replay``). A mapping of its own is unmapped when the tensor
-    is freed, so RSS returns to idle; its pages, like torch.empty's, take memory only once written.
-    """
-    import math
-    import mmap
-
-    count = math.prod(shape)
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    nbytes = count * (torch.finfo(dtype).bits // 8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=count).view(shape)
-
-
 def _malloc_trim() -> bool:
     """glibc's malloc_trim(0): free heap pages (in every arena) go back to the OS; False where there is none."""
     import ctypes
@@ -110,16 +94,19 @@ def _malloc_trim() -> bool:
 
 
 class SessionKV:
-    """KV cache of one session: ``buffer`` [num_layers, 2, num_kv_heads, capacity, head_dim]."""
+    """KV cache of one session: a block table into the runner's :class:`~cloud_verifier.kv_pool.KVPool`.
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
+    ``blocks``: block ids in position order (position p is slot p % block_size of block blocks[p // block_size]);
+    the blocks hold at least the positions written so far. ``capacity``: the most tokens the session may
+    reach (prompt + max_new_tokens, capped by the context), tokens: a limit for validation, not memory; 0 once
+    freed. Blocks are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
+    (:meth:`TargetRunner.free`) by the runner.
+    """
 
-    @property
-    def capacity(self) -> int:
-        """Tokens the buffer can hold."""
-        return self.buffer.shape[3]
-
+    def __init__(self, capacity: int, blocks: list[int] | None = None):
+        self.capacity = int(capacity)
+        self.blocks: list[int] = [] if blocks is None else blocks
+        self.freed = False
 
 
 @contextlib.contextmanager
@@ -157,7 +144,8 @@ class TargetRunner:
 
     Args:
         model_dir: local HF causal-LM directory (safetensors + config + tokenizer).
-        kv_cache_budget_tokens: total KV capacity, tokens, over all sessions (admission budget).
+        kv_cache_budget_tokens: total KV capacity, tokens, over all sessions (admission budget): the pool holds
+            ceil(budget / kv_block_size) blocks.
         device: "auto", "cpu", "cuda" or "cuda:N" (:func:`resolve_device`; "auto" = CUDA when available).
         dtype: weights and KV cache: a torch dtype or "auto" / "float32" / "bfloat16" / "float16"
             (:func:`resolve_dtype`; "auto" = bfloat16 on CUDA, float32 on CPU). float32 by default: exactness
@@ -165,6 +153,7 @@ class TargetRunner:
         num_threads: torch intra-op threads (None = torch's default).
         check_architecture: after loading, compare a 12-token ragged forward with the HF reference
             (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
+        kv_block_size: tokens per KV block of the paged pool (:mod:`cloud_verifier.kv_pool`).
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
@@ -181,6 +170,7 @@ class TargetRunner:
         dtype: torch.dtype | str = torch.float32,
         num_threads: int | None = None,
         check_architecture: bool = True,
+        kv_block_size: int = 16,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -208,8 +198,10 @@ class TargetRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # logits width
         self.max_context_tokens = int(getattr(cfg, "max_position_embeddings", 2048))
         self.kv_cache_budget_tokens = int(kv_cache_budget_tokens)
-        self._reserved_tokens = 0
-        self._lock = threading.Lock()  # budget accounting
+        # one pool for all sessions, allocated once (its CPU pages take memory only once written)
+        self.kv_pool = KVPool(self.num_layers, -(-self.kv_cache_budget_tokens // int(kv_block_size)),
+                              int(kv_block_size), self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self._attention_mode = "paged"  # or "reference" (the per-row loop, for tests)
         self._forward_lock = threading.Lock()  # a KV cache is never freed under a running forward pass
         self._forwards_since_trim = 0  # forward passes since release_idle_memory last trimmed the heap
         self._decoder = self.model.get_decoder()
@@ -217,76 +209,112 @@ class TargetRunner:
         if check_architecture:
             self_check(self)
 
-    # ---------------------------------------------------------------- KV cache budget
+    # ---------------------------------------------------------------- paged KV cache
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes (all layers, keys and values)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.kv_pool.block_size
+
+    @property
     def kv_reserved_tokens(self) -> int:
-        return self._reserved_tokens
+        """KV cache in use, tokens: blocks held by sessions × block size (blocks are used whole)."""
+        return self.kv_pool.blocks.num_used * self.kv_pool.block_size
 
     @property
     def kv_reserved_bytes(self) -> int:
-        return self._reserved_tokens * self.kv_bytes_per_token
+        return self.kv_reserved_tokens * self.kv_bytes_per_token
 
-    def allocate(self, capacity_tokens: int) -> SessionKV:
-        """Reserve a KV cache for ``capacity_tokens`` tokens.
+    def allocate(self, capacity_tokens: int, reserve_tokens: int | None = None) -> SessionKV:
+        """A session's KV cache that may grow to ``capacity_tokens`` tokens, with blocks for its first
+        ``reserve_tokens`` positions now (None = all ``capacity_tokens``; the rest is added as it is written).
 
         Raises:
-            CapacityError: the budget (kv_cache_budget_tokens) has no room for it.
+            CapacityError: the pool has too few free blocks (nothing is allocated).
         """
-        capacity_tokens = int(capacity_tokens)
-        with self._lock:
-            if self._reserved_tokens + capacity_tokens > self.kv_cache_budget_tokens:
-                raise CapacityError(
-                    f"KV cache full: {capacity_tokens} tokens requested, "
-                    f"{self.kv_cache_budget_tokens - self._reserved_tokens} of {self.kv_cache_budget_tokens} free"
-                )
-            self._reserved_tokens += capacity_tokens
-        shape = (self.num_layers, 2, self.num_kv_heads, capacity_tokens, self.head_dim)
-        if self.device.type == "cpu":
-            buffer = _mapped_empty(shape, self.dtype)
-        else:  # pages are only touched (and count as resident memory) once written
-            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return SessionKV(buffer)
+        kv = SessionKV(capacity_tokens)
+        self.ensure(kv, capacity_tokens if reserve_tokens is None else min(reserve_tokens, capacity_tokens))
+        return kv
+
+    def ensure(self, kv: SessionKV, tokens: int) -> None:
+        """Grow the block table to hold positions 0..tokens-1 (no copy: more blocks).
+
+        Raises:
+            CapacityError: too few free blocks (the table stays as it was).
+            ValueError: the cache was freed.
+        """
+        if kv.freed:
+            raise ValueError("KV cache used after it was freed")
+        missing = -(-int(tokens) // self.kv_pool.block_size) - len(kv.blocks)
+        if missing > 0:
+            kv.blocks.extend(self.kv_pool.blocks.allocate(missing))
+
+    def truncate(self, kv: SessionKV, tokens: int) -> None:
+        """Roll the block table back to positions 0..tokens-1: whole blocks past them go back to the pool (the
+        partly used last block stays; its positions past ``tokens`` are overwritten by the next forward)."""
+        keep = max(0, -(-int(tokens) // self.kv_pool.block_size))
+        if len(kv.blocks) > keep:
+            dropped = kv.blocks[keep:]
+            del kv.blocks[keep:]
+            self.kv_pool.blocks.decref(dropped)
 
     def free(self, kv: SessionKV) -> None:
-        """Return a session's KV cache to the budget (idempotent)."""
-        with self._forward_lock:  # waits for a forward pass that may be using it
-            if kv.buffer.numel() == 0:
+        """Return a session's blocks to the pool, and their pages to the OS (idempotent; waits for a forward
+        pass that may use them)."""
+        with self._forward_lock:
+            if kv.freed:
                 return
-            with self._lock:
-                self._reserved_tokens -= kv.capacity
-            kv.buffer = kv.buffer.new_empty((self.num_layers, 2, self.num_kv_heads, 0, self.head_dim))
+            blocks, kv.blocks = kv.blocks, []
+            kv.freed, kv.capacity = True, 0
+            self.kv_pool.blocks.decref(blocks)
+            self.kv_pool.release_free(blocks)  # resident memory back to idle (a block kept cached stays)
 
     def release_idle_memory(self) -> bool:
-        """Give the heap's free pages back to the OS (glibc ``malloc_trim``) if a forward pass ran since the last
-        call: the activations of large batches leave freed but resident heap pages behind. Meant for idle times
-        (the reaper calls it when no session is held); holds off forward passes while it runs (~20-40 ms after a
-        busy period). Returns True when memory was trimmed."""
-        if not self._forwards_since_trim or self.device.type != "cpu":
+        """Give memory back to the OS at idle times (the reaper calls it when no session is held): the pages
+        of free KV blocks (:meth:`KVPool.release_free`) and, if a forward pass ran since the last call, the
+        heap's free pages (glibc ``malloc_trim``: the activations of large batches leave freed but resident
+        heap pages behind). Holds off forward passes while it runs. Returns True when memory was released."""
+        if self.device.type != "cpu":
             return False
         with self._forward_lock:
+            released = self.kv_pool.release_free() > 0
+            if not self._forwards_since_trim:
+                return released
             self._forwards_since_trim = 0
-            return _malloc_trim()
+            return _malloc_trim() or released
+
+    @contextlib.contextmanager
+    def reference_attention(self):
+        """Run forward passes with the per-row reference loop (:func:`cloud_verifier.attention.reference_attention`)
+        instead of the one-call-per-layer paged attention, for the tests that compare them."""
+        self._attention_mode = "reference"
+        try:
+            yield
+        finally:
+            self._attention_mode = "paged"
 
     # ---------------------------------------------------------------- forward
-    def forward(self, rows: list[ForwardRow]) -> list[np.ndarray | None]:
+    def forward(self, rows: list[ForwardRow], as_tensors: bool = False) -> list:
         """One target forward pass over a ragged batch.
 
-        Returns per row: logits float32 [len(token_ids), vocab_size] ("all"), [1, vocab_size] ("last"), or None.
+        Returns per row: logits float32 [len(token_ids), vocab_size] ("all"), [1, vocab_size] ("last"), or None;
+        numpy arrays, or with ``as_tensors`` torch tensors on the model's device (views of one tensor, no host
+        copy).
 
         Raises:
             ValueError: a row writes past its KV capacity (or its KV cache was freed) or is empty.
+            CapacityError: the pool has no free block for a row's new positions (nothing runs).
         """
         with self._forward_lock, torch.inference_mode():
             self._forwards_since_trim += 1
-            return self._forward(rows)
+            return self._forward(rows, as_tensors)
 
-    def _forward(self, rows: list[ForwardRow]) -> list[np.ndarray | None]:
-        batch = RaggedBatch()
+    def _forward(self, rows: list[ForwardRow], as_tensors: bool) -> list:
+        batch = PagedBatch(self.kv_pool, reference=self._attention_mode == "reference")
         flat_ids: list[int] = []
         positions: list[int] = []
         want: list[int] = []
@@ -295,12 +323,13 @@ class TargetRunner:
             n = len(row.token_ids)
             if n == 0:
                 raise ValueError("empty forward row")
-            if row.start_position + n > row.kv.capacity:
+            if row.kv.freed or row.start_position + n > row.kv.capacity:
                 raise ValueError(
                     f"row writes positions up to {row.start_position + n} past its KV capacity {row.kv.capacity}"
                 )
+            self.ensure(row.kv, row.start_position + n)  # normally done before: no-op
             begin = len(flat_ids)
-            batch.rows.append((row.kv, begin, begin + n, row.start_position))
+            batch.add_row(row.kv.blocks, begin, n, row.start_position)
             flat_ids.extend(row.token_ids)
             positions.extend(range(row.start_position, row.start_position + n))
             if row.logits == "all":
@@ -311,6 +340,7 @@ class TargetRunner:
                 want.append(begin + n - 1)
             else:
                 spans.append(None)
+        batch.finish(self.device)
         input_ids = torch.tensor([flat_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         hidden = self._decoder(
@@ -319,8 +349,9 @@ class TargetRunner:
         if not want:
             return [None] * len(rows)
         index = torch.tensor(want, dtype=torch.long, device=self.device)
-        logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index)))
-        logits = logits.float().cpu().numpy()  # [num_wanted, vocab_size]
+        logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index))).float()
+        if not as_tensors:  # [num_wanted, vocab_size]
+            logits = logits.cpu().numpy()
         return [None if span is None else logits[span[0] : span[1]] for span in spans]
 
     @torch.inference_mode()

@@ -28,6 +28,7 @@ from cloud_verifier.session_state import Session
 from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from cloud_verifier.target import TargetRunner
+from cloud_verifier.grammar_state import check_grammar, register_target
 from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
 from common.errors import SessionNotFoundError, VerifierUnavailableError
 from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
@@ -92,6 +93,7 @@ class Verifier:
             verifier_id=verifier_id,
             ttl_s=int(session_ttl_s),
         )
+        register_target(self.info.model_id, tok, self.eos_token_ids)  # structured output's tokenizer
         # the table prefills through the batcher, the batcher counts and releases sessions in the table
         self.sessions = SessionTable(
             target, self.store, self.info, self.eos_token_ids,
@@ -119,6 +121,7 @@ class Verifier:
         runner = TargetRunner(
             target_dir,
             kv_cache_budget_tokens=settings.kv_cache_budget_tokens,
+            kv_block_size=settings.kv_block_size,
             device=settings.device,
             dtype=settings.dtype,
             num_threads=settings.torch_threads,
@@ -222,6 +225,7 @@ class Verifier:
         self._check_running()
         prompt = [int(t) for t in prompt_token_ids]
         check_open_request(prompt, sampling, stopping, tokenizer_fingerprint, self.info, self.valid_vocab_size)
+        check_grammar(sampling.grammar, self.info.model_id, stopping)  # the engine's message when it cannot compile
         held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
         with self.limits.opening(tenant_id, held):
             record = (await self.sessions.open(prompt, sampling, stopping, tenant_id)).record
@@ -289,6 +293,7 @@ class Verifier:
             sampling = dataclasses.replace(sampling, seed=r.seed)  # every other field kept
         stopping = stopping if stopping is not None else r.stopping
         check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
+        check_grammar(sampling.grammar, self.info.model_id, stopping)
         session = await self.sessions.extend(session, committed_length, appended, sampling, stopping)
         return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed)
 

@@ -98,11 +98,14 @@ def test_kv_budget_refuses_and_reuses(tiny_pair):
         client = EdgeClient(backend, ModelDrafter(model), model.tokenizer)
         from common.types import SamplingParams, StoppingCriteria
 
-        a = backend.open_session(list(range(10, 40)), SamplingParams(), StoppingCriteria(max_new_tokens=50))
-        assert small.kv_reserved_tokens == 80
+        # 7 KV blocks of 16 tokens; a 30-token prompt holds 2 (its first 29 tokens), not prompt + max_new_tokens
+        prompt, stopping = list(range(10, 40)), StoppingCriteria(max_new_tokens=50)
+        opened = [backend.open_session(prompt, SamplingParams(), stopping) for _ in range(3)]
+        assert small.kv_reserved_tokens == 3 * 32
         with pytest.raises(CapacityError, match="KV cache full"):
-            backend.open_session(list(range(10, 40)), SamplingParams(), StoppingCriteria(max_new_tokens=50))
-        backend.close_session(a.session_id)
+            backend.open_session(prompt, SamplingParams(), stopping)
+        for o in opened:
+            backend.close_session(o.session_id)
         assert small.kv_reserved_tokens == 0
         res = client.generate(list(range(10, 40)), max_new_tokens=50, ignore_eos=True)  # fits again
         assert len(res.token_ids) == 50

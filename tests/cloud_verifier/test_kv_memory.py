@@ -1,17 +1,18 @@
 """KV-cache memory is given back when sessions close: the budget counters, the Prometheus gauge, AND the memory
 actually held.
 
-The counters (``TargetRunner.kv_reserved_bytes`` and the ``specdec_kv_cache_used_bytes`` gauge) only say what the
-accounting believes; a closed session whose buffer stays referenced somewhere passes them. So the memory held is
-measured too, two ways, each with a bound derived from the size of one session's cache:
+The counters (``TargetRunner.kv_reserved_bytes`` and the ``specdec_kv_cache_used_bytes`` gauge) count the KV blocks
+sessions hold in the paged pool: the blocks of the tokens actually held (committed but the last, whole blocks),
+not a worst case reserved at open. They only say what the accounting believes, so the memory held is measured
+too, two ways, each with a bound derived from the size of one session's cache:
 
 - live tensors: the bytes of every distinct tensor storage reachable by Python's garbage collector
-  (``gc.get_objects()``), before and after a batch of sessions has been opened, used and closed: the growth must
-  stay below ONE session's cache (keeping any one closed session's buffer alive fails it);
+  (``gc.get_objects()``), before, during and after a batch of sessions has been opened, used and closed: the KV
+  lives in the one pool allocated with the runner, so no session adds tensors (growth below ONE session's cache);
 - resident memory (RSS, psutil, in a child process with a fixed malloc mmap threshold, see RSS_DRIVER): after
-  sessions whose prompts fill most of their cache (``torch.empty`` pages only count once written) are opened,
-  used and closed, RSS must be back within half of one session's written cache of the baseline (this also sees
-  buffers held where the garbage collector cannot look).
+  sessions whose prompts fill most of their cache (pool pages only count once written) are opened, used and
+  closed, RSS must be back within half of one session's written cache of the baseline (a closed session's free
+  blocks are given back to the OS; this also sees memory held where the garbage collector cannot look).
 
 The target is a wide 2-layer random Llama (16 KV heads × 32, 2,048-token context: 8 KiB of KV per token, 16 MiB per
 full-context session) so that one session's cache stands well above allocator noise.
@@ -91,8 +92,17 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
+LENGTHS: dict[str, int] = {}  # session id -> committed length after run_session
+
+
+def held_bytes(runner, sid: str) -> int:
+    """KV bytes a session holds after its blocks: whole blocks for its committed tokens but the last."""
+    bs = runner.kv_block_size
+    return -(-(LENGTHS[sid] - 1) // bs) * bs * runner.kv_bytes_per_token
+
+
 def run_session(backend, prompt_len: int, max_new_tokens: int, seed: int) -> str:
-    """Open a session, verify two blocks, leave it open; returns its id."""
+    """Open a session, verify two blocks, leave it open; returns its id (its committed length in LENGTHS)."""
     prompt = [(seed * 7919 + 13 * i) % 1000 + 3 for i in range(prompt_len)]
     opened = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens, ignore_eos=True),
                                   timeout_s=WAIT_S)
@@ -100,22 +110,23 @@ def run_session(backend, prompt_len: int, max_new_tokens: int, seed: int) -> str
     for seq in (1, 2):
         verdict = backend.submit(opened.session_id, seq, length, DraftBlock([5, 6, 7])).result(timeout=WAIT_S)
         length = verdict.committed_length
+    LENGTHS[opened.session_id] = length
     return opened.session_id
 
 
 def test_counters_follow_open_and_close(backend, runner):
-    per_token = runner.kv_bytes_per_token
     assert runner.kv_reserved_bytes == 0  # (the gauge is process-wide: it follows this verifier from its first update)
-    specs = [(10, 50), (300, 200), (1500, CONTEXT)]  # the last one is capped by the context
+    specs = [(10, 50), (300, 200), (1500, CONTEXT)]  # max_new_tokens reserves nothing: only tokens held count
     sids, expected = [], 0
     for i, (prompt_len, max_new) in enumerate(specs):
         sids.append(run_session(backend, prompt_len, max_new, seed=i))
-        expected += min(CONTEXT, prompt_len + max_new) * per_token
+        expected += held_bytes(runner, sids[-1])
+        assert prompt_len * runner.kv_bytes_per_token <= held_bytes(runner, sids[-1])
         assert runner.kv_reserved_bytes == expected
         assert gauge_used() == expected
-    for sid, (prompt_len, max_new) in zip(sids, specs):
+    for sid in sids:
         backend.close_session(sid)
-        expected -= min(CONTEXT, prompt_len + max_new) * per_token
+        expected -= held_bytes(runner, sid)
         assert runner.kv_reserved_bytes == expected and gauge_used() == expected
     assert runner.kv_reserved_bytes == 0 and gauge_used() == 0
 
@@ -124,11 +135,11 @@ def test_live_tensor_bytes_return_after_close(backend, runner):
     session_bytes = 200 * runner.kv_bytes_per_token  # the smallest cache of this test: 100 + 100 tokens
     run_session(backend, 8, 8, seed=99)  # warm-up: first-use allocations of torch and the verifier
     backend.close_session(run_session(backend, 8, 8, seed=98))
-    before = live_tensor_bytes()
+    before, reserved = live_tensor_bytes(), runner.kv_reserved_bytes  # (the warm-up session stays open)
     sids = [run_session(backend, 100, 100 + 50 * i, seed=i) for i in range(4)]
     during = live_tensor_bytes()
-    held = sum(min(CONTEXT, 100 + 100 + 50 * i) for i in range(4)) * runner.kv_bytes_per_token
-    assert during - before >= held  # the measurement sees the caches while they are open
+    assert runner.kv_reserved_bytes - reserved == sum(held_bytes(runner, sid) for sid in sids) > 0
+    assert during - before < session_bytes  # the pool holds them: no tensor per session
     for sid in sids:
         backend.close_session(sid)
     after = live_tensor_bytes()

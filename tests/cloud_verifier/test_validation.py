@@ -1,7 +1,7 @@
 """cloud_verifier.validation called directly, check by check, at each check's boundary.
 
 The wire-level tests (test_contract.py) show each refusal over gRPC with its status code; these call the
-functions in-process on real objects (a real ``Session``: its store record, a ``SessionKV`` whose buffer holds
+functions in-process on real objects (a real ``Session``: its store record, a ``SessionKV`` whose limit is
 ``capacity`` tokens, a ``StopChecker``) so that every comparison is pinned at its edge — one past the limit
 refused, the limit itself accepted — and each check's message names what failed. They run in well under a
 second, which keeps ``scripts/mutation.sh`` (mutation testing of the core) within its time budget.
@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from cloud_verifier import validation as val
 from cloud_verifier.sessions import Session
@@ -38,7 +37,7 @@ def make_session(*, committed=(1, 2, 3, 7), last_seq=2, capacity=16, finished=Fa
                            last_seen_at=0.0, finished=finished, last_seq=last_seq,
                            finish_reason=FinishReason.LENGTH if finished else None)
     stop = StopChecker(None, record.stopping, eos_token_ids=(), prompt_length=3, max_context_tokens=64)
-    kv = SessionKV(torch.zeros(1, 2, 1, capacity, 1))
+    kv = SessionKV(capacity)  # a limit only: validation reads no KV
     return Session(record=record, kv=kv, stop=stop, busy=busy)
 
 

@@ -36,7 +36,6 @@ def measure_kernel_limit(runner, prompts: list[RecordedPrompt], n: int, num_spec
             draft = (draft + committed[-gamma:] * gamma)[:gamma]  # short block (end of a session): padded
             ctx = len(committed)
             kv = runner.allocate(ctx + gamma)
-            kv.buffer.zero_()
             kvs.append(kv)
             contexts.append(ctx)
             rows.append(ForwardRow(kv, [committed[-1], *draft], ctx - 1, "all"))

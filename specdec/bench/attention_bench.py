@@ -1,0 +1,96 @@
+"""One target forward pass of many verify rows: the paged one-call-per-layer attention against the per-row
+reference loop it replaced, side by side in one run. Prints one JSON line.
+
+    python -m specdec.bench.attention_bench --rows 64 --tokens 5 --context 300 --repeats 7
+
+Each of ``--rows`` sessions holds ``--context`` tokens of KV (prefilled once, untimed), then one forward pass
+of ``--rows`` verify rows of ``--tokens`` tokens each is timed ``--repeats`` times per mode (modes alternate, so
+a slow patch of a shared machine hits both alike); medians in ms. ``--block-sizes 16,32`` times the paged path
+at several KV block sizes (a runner each). Default target: the prepared SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _time_forward(runner, rows, repeats: int) -> dict:
+    """Median ms of the reference loop and of the paged path over ``rows``, alternating."""
+    import torch
+
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {"reference": [], "paged": []}
+    runner.forward(rows)  # warm-up (both modes)
+    with runner.reference_attention():
+        runner.forward(rows)
+    for r in range(repeats):
+        for mode in (("paged", "reference") if r % 2 == 0 else ("reference", "paged")):
+            sync()
+            t = time.perf_counter()
+            if mode == "reference":
+                with runner.reference_attention():
+                    runner.forward(rows, as_tensors=True)
+            else:
+                runner.forward(rows, as_tensors=True)
+            sync()
+            times[mode].append((time.perf_counter() - t) * 1000)
+    return {f"{m}_ms": statistics.median(v) for m, v in times.items()}
+
+
+def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, block_size: int, device: str,
+        dtype: str) -> dict:
+    """One runner, ``rows`` sessions of ``context`` tokens; the timings and what was timed."""
+    import numpy as np
+
+    from cloud_verifier.target import ForwardRow, TargetRunner
+    from common.paths import default_model_paths
+
+    budget = rows * (context + tokens + 2 * block_size)
+    runner = TargetRunner(target or default_model_paths().target_dir, kv_cache_budget_tokens=budget,
+                          device=device, dtype=dtype, kv_block_size=block_size, check_architecture=False)
+    rng = np.random.default_rng(0)
+    vocab = min(runner.vocab_size, 32000)
+    kvs = [runner.allocate(context + tokens) for _ in range(rows)]
+    try:
+        for i in range(0, rows, 8):  # prefill, untimed, 8 sessions per forward pass
+            runner.forward([ForwardRow(kv, rng.integers(3, vocab, context - 1).tolist(), 0, "none")
+                            for kv in kvs[i : i + 8]])
+        verify = [ForwardRow(kv, rng.integers(3, vocab, tokens).tolist(), context - 1, "all") for kv in kvs]
+        result = _time_forward(runner, verify, repeats)
+    finally:
+        for kv in kvs:
+            runner.free(kv)
+    result.update(block_size=block_size, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+                  num_layers=runner.num_layers)
+    result["speedup"] = result["reference_ms"] / result["paged_ms"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="HF target directory (default: the prepared SmolLM2)")
+    parser.add_argument("--rows", type=int, default=64, help="verify rows (sessions) in the forward pass")
+    parser.add_argument("--tokens", type=int, default=5, help="tokens per verify row (γ + 1)")
+    parser.add_argument("--context", type=int, default=300, help="KV tokens each session holds before its row")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes, tokens")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args(argv)
+    import torch
+
+    out = {"rows": args.rows, "tokens": args.tokens, "context": args.context, "repeats": args.repeats,
+           "torch_threads": torch.get_num_threads(), "results": []}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    for bs in (int(b) for b in args.block_sizes.split(",")):
+        out["results"].append(run(args.target, args.rows, args.tokens, args.context, args.repeats, bs,
+                                  args.device, args.dtype))
+        print(json.dumps(out), flush=True)  # partial results survive a cut-short run
+
+
+if __name__ == "__main__":
+    main()
