@@ -32,15 +32,21 @@ class Outcome:
     specdec: dict
     conversation_reused: bool = False
     num_prompt_tokens: int = 0
+    index: int = 0  # the choice (n > 1: one generation per choice)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # common.types.TokenLogprobs per token, when asked
 
 
 def _finish_reason(reason: FinishReason | None) -> str:
     return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
 
 
-def _outcome(result, num_prompt_tokens: int, reused: bool) -> Outcome:
+def _outcome(result, num_prompt_tokens: int, reused: bool, index: int = 0) -> Outcome:
     s = result.stats
     return Outcome(
+        index=index,
+        token_ids=list(result.token_ids),
+        logprobs=result.logprobs,
         text=result.text,
         num_completion_tokens=len(result.token_ids),
         finish_reason=_finish_reason(result.finish_reason),
@@ -121,7 +127,8 @@ class Engine:
     # -- generation
 
     def _run(self, job: _Job, req: GenRequest) -> None:
-        """Worker thread: one generation, its chunks and then ("done", Outcome) or ("error", exc) to ``job``.
+        """Worker thread: the request's ``req.n`` generations one after the other, each its ("chunk", index,
+        text) items and ("choice", Outcome); then ("done", None) or ("error", exc) to ``job``.
 
         Kept conversations hold verifier sessions (and their KV cache): when the verifier refuses a session
         for capacity or a tenant's session limit (RESOURCE_EXHAUSTED) before anything was streamed, the kept
@@ -132,7 +139,11 @@ class Engine:
         for attempt in (1, 2):
             emitted = [False]
             try:
-                self._generate(job, req, emitted, reuse=attempt == 1)
+                for index in range(req.n):
+                    if job.cancelled.is_set():
+                        return
+                    self._generate(job, req, emitted, reuse=attempt == 1, index=index)
+                job.put(("done", None))
                 return
             except CapacityError as e:
                 if attempt == 1 and not emitted[0] and self._conversations:
@@ -146,19 +157,21 @@ class Engine:
                 job.put(("error", e))
                 return
 
-    def _generate(self, job: _Job, req: GenRequest, emitted: list[bool], reuse: bool) -> None:
+    def _generate(self, job: _Job, req: GenRequest, emitted: list[bool], reuse: bool, index: int = 0) -> None:
+        """Choice ``index`` of ``req`` (the first of a chat may continue a kept conversation)."""
         conv, reused = None, False
+        kwargs = req.choice_kwargs(index)
         try:
-            if req.chat and self.max_conversations > 0 and hasattr(self.client, "chat"):
+            if req.chat and index == 0 and self.max_conversations > 0 and hasattr(self.client, "chat"):
                 conv = self._take_conversation(req.prompt_ids) if reuse else None
                 reused = conv is not None
                 if conv is None:
                     conv = self.client.chat()
-                    chunks = conv.send_ids(req.prompt_ids, **req.kwargs)
+                    chunks = conv.send_ids(req.prompt_ids, **kwargs)
                 else:
-                    chunks = conv.send_ids(req.prompt_ids[len(conv.history_ids):], **req.kwargs)
+                    chunks = conv.send_ids(req.prompt_ids[len(conv.history_ids):], **kwargs)
             else:
-                chunks = self.client.stream_chunks(req.prompt_ids, **req.kwargs)
+                chunks = self.client.stream_chunks(req.prompt_ids, **kwargs)
             complete = True
             try:
                 for chunk in chunks:
@@ -167,7 +180,7 @@ class Engine:
                         break
                     if chunk.text:
                         emitted[0] = True
-                        job.put(("chunk", chunk.text))
+                        job.put(("chunk", index, chunk.text))
             finally:
                 close = getattr(chunks, "close", None)
                 if close is not None:
@@ -185,7 +198,8 @@ class Engine:
             self.num_reused += 1
         if conv is not None:
             self._keep_conversation(conv)
-        job.put(("done", _outcome(result, len(req.prompt_ids), reused)))
+        emitted[0] = True  # a finished choice is output (a retry would repeat it)
+        job.put(("choice", _outcome(result, len(req.prompt_ids), reused, index)))
 
     def _close_conversations(self) -> None:
         while self._conversations:
@@ -206,5 +220,6 @@ class Engine:
 
 
 async def next_item(job: _Job):
-    """The next item of ``job``: ("chunk", text), then ("done", Outcome) or ("error", exception)."""
+    """The next item of ``job``: ("chunk", index, text) and ("choice", Outcome) per choice, then ("done", None)
+    or ("error", exception)."""
     return await job.queue.get()

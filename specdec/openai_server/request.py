@@ -14,18 +14,16 @@ DEFAULT_MAX_TOKENS = 256  # max_tokens when a request gives none (OpenAI: up to 
 # accepted and without effect on the output
 _HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
              "prompt_cache_key", "safety_identifier"}
-# supported (the endpoint's own parameters)
+# supported (the endpoint's own parameters; min_tokens, repetition_penalty, min_p, top_k and ignore_eos are
+# extensions with vLLM's names)
+_PROCESSING = {"presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "repetition_penalty", "min_p"}
 _CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-                "stream", "top_k", "n", "ignore_eos"}
+                "stream", "top_k", "n", "ignore_eos", "logprobs", "top_logprobs", *_PROCESSING}
 _COMPLETION_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "top_k",
-                      "n", "ignore_eos"}
+                      "n", "ignore_eos", "logprobs", *_PROCESSING}
+MAX_N = 8  # choices per request (generated one after the other)
 # would change the output and are not supported: refused unless given their neutral value
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
@@ -45,13 +43,27 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 
 @dataclass
 class GenRequest:
-    """A validated request: prompt token ids and the generation's keyword arguments."""
+    """A validated request: prompt token ids and the generation's keyword arguments.
+
+    n: independent generations (choices), choice i seeded ``seed + i`` when the request is seeded.
+    logprobs: the response reports logprobs (chat: ``logprobs=true``; completions: ``logprobs=N``), with
+    ``kwargs["top_logprobs"]`` alternatives per token.
+    """
 
     prompt_ids: list[int]
     kwargs: dict
     stream: bool
     include_usage: bool
     chat: bool
+    n: int = 1
+    logprobs: bool = False
+
+    def choice_kwargs(self, index: int) -> dict:
+        """The generation options of choice ``index`` (its own seed: ``seed + index`` when seeded)."""
+        seed = self.kwargs.get("seed")
+        if seed is None or index == 0:
+            return self.kwargs
+        return {**self.kwargs, "seed": (seed + index) & ((1 << 63) - 1)}
 
 
 def _check_params(body: dict, supported: set[str]) -> None:
@@ -80,11 +92,59 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     return kind(value)
 
 
+def _processing_kwargs(body: dict, chat: bool) -> tuple[dict, bool]:
+    """The logits-processing options of ``body`` (only those set) and whether logprobs are reported."""
+    from common.types import MAX_TOP_LOGPROBS
+
+    kw: dict = {}
+    for name, lo, hi, default, kind in (("presence_penalty", -2.0, 2.0, 0.0, float),
+                                        ("frequency_penalty", -2.0, 2.0, 0.0, float),
+                                        ("min_p", 0.0, 1.0, 0.0, float), ("min_tokens", 0, None, 0, int)):
+        value = _number(body, name, default, kind, lo, hi)
+        if value != default:
+            kw[name] = value
+    rep = _number(body, "repetition_penalty", 1.0, float, 0.0)
+    if rep <= 0.0:
+        raise ApiError(400, f"'repetition_penalty' must be > 0, got {rep!r}", param="repetition_penalty")
+    if rep != 1.0:
+        kw["repetition_penalty"] = rep
+    bias = body.get("logit_bias")
+    if bias:
+        kw["logit_bias"] = _logit_bias(bias)
+    if chat:
+        logprobs = body.get("logprobs") or False
+        if not isinstance(logprobs, bool):
+            raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+        top = _number(body, "top_logprobs", 0, int, 0, MAX_TOP_LOGPROBS)
+        if top and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:  # the legacy completions API: logprobs = N alternatives (0..5)
+        top = _number(body, "logprobs", None, int, 0, 5)
+        logprobs = top is not None
+        top = top or 0
+    if logprobs:
+        kw["logprobs"], kw["top_logprobs"] = True, top
+    return kw, logprobs
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as {id: bias}."""
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100 or token < 0:
+            raise ApiError(400, f"'logit_bias' of token {key} must be a number in [-100, 100], got {value!r}",
+                           param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
 def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
-    n = _number(body, "n", 1, int, 1)
-    if n != 1:
-        raise ApiError(400, f"n = {n} is not supported: one choice per request (n = 1)", param="n",
-                       code="unsupported_parameter")
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -121,10 +181,16 @@ def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
         seed=seed,
         stop=tuple(stop),
         ignore_eos=ignore_eos,
-    )
-    if kwargs["top_p"] == 0.0:
-        raise ApiError(400, "'top_p' must be > 0", param="top_p")
+    )  # top_p 0: the most likely token only (common.types.SamplingParams), as OpenAI clients mean it
     return kwargs, stream, bool(options.get("include_usage"))
+
+
+def _request(body: dict, prompt_ids: list[int], chat: bool) -> GenRequest:
+    kwargs, stream, include_usage = _generation_kwargs(body, chat)
+    processing, logprobs = _processing_kwargs(body, chat)
+    n = _number(body, "n", 1, int, 1, MAX_N)
+    return GenRequest(prompt_ids, {**kwargs, **processing}, stream, include_usage, chat=chat, n=n,
+                      logprobs=logprobs)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -194,12 +260,13 @@ def check_body(body: Any, supported: set[str], model_id: str) -> dict:
 def chat_request(body: dict, tokenizer) -> GenRequest:
     """The generation of a ``/v1/chat/completions`` body (checked by :func:`check_body`)."""
     messages = parse_messages(body.get("messages"))
-    kwargs, stream, include_usage = _generation_kwargs(body, chat=True)
+    _generation_kwargs(body, chat=True)  # parameter errors before template errors
+    _processing_kwargs(body, chat=True)
     try:
         prompt_ids = render_chat_ids(tokenizer, messages)
     except (ValueError, TypeError) as e:  # the template refused the messages (e.g. roles out of order)
         raise ApiError(400, f"cannot render the messages: {e}", param="messages") from None
-    return GenRequest(prompt_ids, kwargs, stream, include_usage, chat=True)
+    return _request(body, prompt_ids, chat=True)
 
 
 def completion_request(body: dict, tokenizer) -> GenRequest:
@@ -218,5 +285,4 @@ def completion_request(body: dict, tokenizer) -> GenRequest:
     else:
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per "
                        "request)", param="prompt")
-    kwargs, stream, include_usage = _generation_kwargs(body, chat=False)
-    return GenRequest(prompt_ids, kwargs, stream, include_usage, chat=False)
+    return _request(body, prompt_ids, chat=False)
