@@ -69,7 +69,7 @@ class Conversation:
     """
 
     def __init__(self, client: "EdgeClient", system: str | None = None, **defaults):
-        check_generation_options(defaults)
+        check_generation_options({k: v for k, v in defaults.items() if k != "route"})  # route: edge_client.routing
         self.client = client
         self.system = system
         self.defaults = dict(defaults)
@@ -93,7 +93,7 @@ class Conversation:
         """Add a user message and stream the assistant's reply (:class:`~edge_client.output.Chunk`); afterwards
         ``last_result`` is its GenerationResult and ``messages``/``history_ids`` include the turn. Keyword
         arguments as :meth:`EdgeClient.stream_chunks` (max_new_tokens, temperature, top_k, top_p, seed, stop,
-        stop_token_ids, ignore_eos) over the conversation's defaults. Message content is text: special-token
+        stop_token_ids, ignore_eos, route) over the conversation's defaults. Message content is text: special-token
         strings in it stay literal (:mod:`common.chat`).
 
         Raises:
@@ -129,12 +129,14 @@ class Conversation:
         appended = [int(t) for t in appended_token_ids]
         if not appended:
             raise InvalidRequestError("no token ids to send")
+        kwargs = {**self.defaults, **kwargs}
+        route = kwargs.pop("route", None)  # edge_client.routing (None: the client's), not a sampling option
         check_generation_options(kwargs)
-        sampling, stopping = generation_params(**{**self.defaults, **kwargs})
+        sampling, stopping = generation_params(**kwargs)
         prompt_ids = self.history_ids + appended
         if not self.history_ids:
             self._close_kept()  # a fresh conversation (after reset) never extends an old session
-        yield from self.client._generate(prompt_ids, sampling, stopping, keep=self._keep)
+        yield from self.client._generate(prompt_ids, sampling, stopping, keep=self._keep, route=route)
         self.last_result = self.client.last_result
         self.history_ids = prompt_ids + list(self.last_result.token_ids)
 

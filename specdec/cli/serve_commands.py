@@ -13,6 +13,7 @@ from specdec.cli._shared import (
     app,
 )
 from specdec.cli.checks import check_device_names, check_port_free, check_readable
+from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import _edge_client
 
 
@@ -40,12 +41,15 @@ def edge_serve(
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key"),
+    route: str = typer.Option("speculative", "--route", help="Default route of requests without a 'route' field: "
+                              + _ROUTE_HELP),
 ):
     """An OpenAI-compatible HTTP endpoint on the device (GET /v1/models, POST /v1/chat/completions and
     /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
     when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
     --api-key (or --api-keys-file), or --insecure."""
     logging.basicConfig(level=logging.WARNING)
+    _check_route(route)
     from edge_client.credentials import is_loopback_address
 
     if not is_loopback_address(f"[{host.strip('[]')}]:0") and not (api_key or api_keys_file) and not insecure:
@@ -62,6 +66,7 @@ def edge_serve(
         tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
         connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
+    client.route = route  # edge_client.routing; a request's 'route' field wins
     if model_name is None:
         from specdec.models import default_model_paths
 
