@@ -202,6 +202,7 @@ class TargetRunner:
         self.kv_pool = KVPool(self.num_layers, -(-self.kv_cache_budget_tokens // int(kv_block_size)),
                               int(kv_block_size), self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self._attention_mode = "paged"  # or "reference" (the per-row loop, for tests)
+        self.prefix_cache = None  # set by prefix_cache.attach_prefix_cache: allocations evict through it
         self._forward_lock = threading.Lock()  # a KV cache is never freed under a running forward pass
         self._forwards_since_trim = 0  # forward passes since release_idle_memory last trimmed the heap
         self._decoder = self.model.get_decoder()
@@ -250,8 +251,9 @@ class TargetRunner:
         if kv.freed:
             raise ValueError("KV cache used after it was freed")
         missing = -(-int(tokens) // self.kv_pool.block_size) - len(kv.blocks)
-        if missing > 0:
-            kv.blocks.extend(self.kv_pool.blocks.allocate(missing))
+        if missing > 0:  # with a prefix cache, evictable cached blocks are evicted when the free list is short
+            allocate = self.kv_pool.blocks.allocate if self.prefix_cache is None else self.prefix_cache.allocate
+            kv.blocks.extend(allocate(missing))
 
     def truncate(self, kv: SessionKV, tokens: int) -> None:
         """Roll the block table back to positions 0..tokens-1: whole blocks past them go back to the pool (the
