@@ -117,7 +117,11 @@ def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, samplin
             if run.finish_reason is None:
                 _after_chunk(client, run)
         else:
-            yield from client._verify_session(run, opened, sampling, requested_seed)
+            before = len(run.committed)
+            try:
+                yield from client._verify_session(run, opened, sampling, requested_seed)
+            finally:
+                rr.tokens["speculative"] += len(run.committed) - before
     run.first_seq = run.last_seq + 1
 
 
@@ -156,7 +160,6 @@ def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_
     """Called by the speculative loop after each block: count it, learn from it, and tell whether to switch
     to cloud decode now (True ends the speculative segment at this block boundary)."""
     rr: RouteRun = run.route
-    rr.tokens["speculative"] += len(verdict.committed_token_ids)
     rr.steps_in_mode += 1
     est = client.route_estimates
     est.observe_block(block, verdict, round_trip_ms, draft_s)
