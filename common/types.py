@@ -154,6 +154,7 @@ class DraftBlock:
     draft_probs: SparseDraftProbs | None = None
     draft_ms: float = 0.0  # edge time spent drafting, ms
     bonus_drafted: bool = False
+    num_forced_tokens: int = 0  # draft tokens a grammar forced (drafted without a draft forward pass; edge only)
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)

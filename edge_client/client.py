@@ -430,7 +430,7 @@ class EdgeClient:
                 hidden = hit or stats.num_drafts == 0
                 adaptive.observe(spec, spec_verdict.num_accepted, None if hidden else block.draft_ms,
                                  round_trip_ms, verdict.forward_ms)
-            stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit)
+            stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit, num_forced=block.num_forced_tokens)
             yield from run.out.push(tokens, verified=True)
             if reason is not None:
                 run.finish_reason = reason

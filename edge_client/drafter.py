@@ -33,6 +33,7 @@ import numpy as np
 from common.logits_processors import TokenHistory
 from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
 from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from edge_client.grammar_drafting import draft_grammar_for, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
 
 __all__ = ["Drafter", "ModelDrafter"]
@@ -119,6 +120,7 @@ class ModelDrafter:
         self.model.reset()
         self._turn: tuple[int, frozenset[int]] = (0, frozenset())  # (prompt length, ids min_tokens masks)
         self._history: TokenHistory | None = None  # counts of the history-dependent processors
+        self._grammar = None  # the generation's DraftGrammar (edge_client.grammar_drafting), when it has one
 
     def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
         """The generation (or conversation turn) about to be drafted: its prompt length (penalties over the output
@@ -230,6 +232,10 @@ class ModelDrafter:
         num_tokens = min(num_tokens, self.room(len(committed_token_ids)))
         if num_tokens == 0:  # also past the draft's context: plain decoding (the target's token alone) from here
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
+        if sampling.grammar:  # structured output: masked drafting, forced tokens for free
+            self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn)
+            return propose_constrained(self, self._grammar, committed_token_ids, num_tokens, sampling, seed,
+                                       min_confidence, should_stop, t0, _stack_rows)
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
         logits = self._sync(committed_token_ids)

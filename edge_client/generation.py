@@ -56,6 +56,7 @@ class GenerationResult:
             "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
+            "num_forced_tokens": s.num_forced_tokens,
             "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
             "mean_accepted_length": s.mean_accepted_length,
             "elapsed_s": s.elapsed_s,

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.grammar import CompiledGrammar, GrammarMatcher, apply_mask
+from common.errors import InvalidRequestError
+from common.grammar import (CompiledGrammar, GrammarMatcher, GrammarSpec, apply_mask, compile_grammar,
+                            grammar_tokenizer)
 from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
 from common.types import DraftBlock, SamplingParams
 
-__all__ = ["DraftGrammar", "propose_constrained"]
+__all__ = ["DraftGrammar", "draft_grammar_for", "propose_constrained"]
 
 
 @dataclass
@@ -36,11 +38,30 @@ class DraftGrammar:
     compiled: CompiledGrammar
     start: int
     matcher: GrammarMatcher | None = None
+    spec_json: str = ""
     last_num_forced: int = 0
 
     def __post_init__(self) -> None:
         if self.matcher is None:
             self.matcher = self.compiled.matcher()
+
+
+def draft_grammar_for(current: DraftGrammar | None, sampling: SamplingParams, tokenizer, prompt_length: int,
+                      stop_ids) -> DraftGrammar:
+    """The drafter's grammar for ``sampling.grammar`` over the turn whose output starts at ``prompt_length``:
+    ``current`` when it is that one, else compiled (cached per spec and tokenizer). EOS ids: ``stop_ids`` (the
+    turn's EOS + stop token ids), else the tokenizer's EOS.
+
+    Raises:
+        InvalidRequestError: a spec the engine refuses (its message)."""
+    if current is not None and current.spec_json == sampling.grammar and current.start == prompt_length:
+        return current
+    eos = sorted(stop_ids) or [int(tokenizer.eos_token_id)]
+    try:
+        compiled = compile_grammar(GrammarSpec.from_json(sampling.grammar), grammar_tokenizer(tokenizer, eos))
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return DraftGrammar(compiled, int(prompt_length), spec_json=sampling.grammar)
 
 
 def _top_prob(logits: np.ndarray) -> float:
@@ -119,4 +140,5 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
         m.advance([token])
     grammar.last_num_forced = num_forced
     draft_probs = None if greedy or not tokens else stack_rows(rows_ids, rows_q)
-    return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
+    return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3,
+                      num_forced_tokens=num_forced)

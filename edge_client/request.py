@@ -16,7 +16,7 @@ __all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "g
 # keyword options of a generation (those of generation_params)
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
                       "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                      "min_tokens", "min_p", "logprobs", "top_logprobs")
+                      "min_tokens", "min_p", "logprobs", "top_logprobs", "grammar")
 
 
 def check_generation_options(options: Mapping) -> None:
@@ -45,6 +45,7 @@ def generation_params(
     min_p: float = 0.0,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    grammar=None,
 ) -> tuple[SamplingParams, StoppingCriteria]:
     """The sampling parameters and stopping criteria of one generation, checked.
 
@@ -60,6 +61,8 @@ def generation_params(
             (0 = off). Order and sources: :mod:`common.logits_processors`.
         logprobs: report each generated token's log-probability (raw log-softmax of the target);
             top_logprobs: and that many alternatives (0..20).
+        grammar: structured output: a :class:`common.grammar.GrammarSpec` (json_object, json_schema, regex, choice,
+            Lark/GBNF grammar) or its JSON; None = none. Checked by compiling it on the verifier at OpenSession.
 
     Raises:
         InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,
@@ -68,7 +71,7 @@ def generation_params(
     sampling = SamplingParams(
         temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}), min_tokens=min_tokens, min_p=min_p,
-        logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs)
+        logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, grammar=_grammar_json(grammar))
     stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), bool(ignore_eos))
     try:
         sampling.validate()
@@ -76,6 +79,19 @@ def generation_params(
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     return sampling, stopping
+
+
+def _grammar_json(grammar) -> str:
+    """A grammar option as the JSON SamplingParams carries ("" for None). Raises InvalidRequestError."""
+    if grammar is None or grammar == "":
+        return ""
+    from common.grammar import GrammarSpec
+
+    try:
+        spec = grammar if isinstance(grammar, GrammarSpec) else GrammarSpec.from_json(grammar)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"grammar: {e}") from None
+    return spec.to_json()
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:

@@ -32,8 +32,10 @@ class GenerationStats:
     target_forward_s: float = 0.0  # verifier time in target forward passes, s (a batched pass split per row)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
     num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and sent as they were
+    num_forced_tokens: int = 0  # draft tokens a grammar forced, drafted without a draft forward pass
 
-    def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False) -> None:
+    def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False,
+                num_forced: int = 0) -> None:
         """Record one verify step (vLLM's ``SpecDecodingStats.observe_draft``, plus the edge's own timings).
 
         Args:
@@ -43,6 +45,7 @@ class GenerationStats:
                 shared equally between them).
             draft_s: edge time spent drafting in this step, s (the block sent, and any block drafted ahead).
             proactive_hit: the block sent was drafted ahead while the previous block was in flight.
+            num_forced: draft tokens of the block a grammar forced (``DraftBlock.num_forced_tokens``).
 
         Raises:
             ValueError: ``verdict.num_accepted`` outside [0, block_len].
@@ -55,6 +58,7 @@ class GenerationStats:
         self.draft_s += draft_s
         self.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
         self.num_proactive_hits += int(proactive_hit)
+        self.num_forced_tokens += int(num_forced)
         if len(self.num_accepted_tokens_per_pos) < block_len:
             self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):
