@@ -23,7 +23,25 @@ from common.errors import InvalidRequestError
 from common.grammar import CompiledGrammar, GrammarMatcher, GrammarSpec, compile_grammar, grammar_tokenizer
 from common.types import DraftBlock
 
-__all__ = ["SessionGrammar", "check_grammar", "session_grammar", "mask_row_logits"]
+__all__ = ["SessionGrammar", "register_target", "check_grammar", "session_grammar", "mask_row_logits",
+           "apply_session_grammar"]
+
+# model id → (the target's tokenizer, its EOS ids): set by each Verifier for the model it serves, read by the verify
+# step (a session names its model in its record; the tokenizer is the target's, whichever replica resumes it)
+_TARGETS: dict[str, tuple[object, frozenset[int]]] = {}
+
+
+def register_target(model_id: str, tokenizer, eos_token_ids) -> None:
+    """Make ``model_id``'s tokenizer and EOS ids known to the sessions' grammars (Verifier construction)."""
+    if tokenizer is not None:
+        _TARGETS[model_id] = (tokenizer, frozenset(int(t) for t in eos_token_ids))
+
+
+def _target(model_id: str) -> tuple[object, frozenset[int]]:
+    try:
+        return _TARGETS[model_id]
+    except KeyError:
+        raise InvalidRequestError(f"structured output needs the tokenizer of {model_id!r}, not loaded") from None
 
 
 @dataclass
@@ -51,10 +69,14 @@ def compile_spec(spec_json: str, tokenizer, eos_token_ids) -> CompiledGrammar:
         raise InvalidRequestError(str(e)) from None
 
 
-def check_grammar(spec_json: str, tokenizer, eos_token_ids) -> None:
-    """OpenSession/ExtendSession validation of a grammar spec ("" = none). Raises InvalidRequestError."""
+def check_grammar(spec_json: str, model_id: str, stopping) -> None:
+    """OpenSession/ExtendSession validation of a grammar spec ("" = none) for the model ``model_id`` serves
+    (:func:`register_target`), with the EOS ids the turn's ``stopping`` gives it (as the verify step does).
+    Raises InvalidRequestError: the engine's message."""
     if spec_json:
-        compile_spec(spec_json, tokenizer, eos_token_ids)
+        tokenizer, eos = _target(model_id)
+        stop_ids = (frozenset() if stopping.ignore_eos else eos) | frozenset(int(t) for t in stopping.stop_token_ids)
+        compile_spec(spec_json, tokenizer, stop_ids or eos)
 
 
 def session_grammar(current: SessionGrammar | None, spec_json: str, start: int, tokenizer,
@@ -67,6 +89,22 @@ def session_grammar(current: SessionGrammar | None, spec_json: str, start: int, 
         return current
     compiled = compile_spec(spec_json, tokenizer, eos_token_ids)
     return SessionGrammar(spec_json, compiled, compiled.matcher(), start)
+
+
+def apply_session_grammar(session, block: DraftBlock, logits: torch.Tensor) -> torch.Tensor:
+    """A verify row's logits masked by its session's grammar (``record.sampling.grammar``; built on the session
+    on first use, replayed over the turn's committed output): :func:`mask_row_logits`. Returned as given when the
+    session has none. The EOS ids the grammar allows at its end: the turn's stop ids (EOS unless ignore_eos, and
+    stop_token_ids), else the model's EOS."""
+    record = session.record
+    spec = record.sampling.grammar
+    if not spec:
+        session.grammar = None
+        return logits
+    tokenizer, eos = _target(record.model_id)
+    stop_ids = getattr(session.stop, "stop_token_ids", None) or eos
+    session.grammar = session_grammar(session.grammar, spec, record.prompt_length, tokenizer, stop_ids or eos)
+    return mask_row_logits(session.grammar, record.committed_token_ids, block, logits)
 
 
 def mask_row_logits(grammar: SessionGrammar, committed_token_ids: list[int], block: DraftBlock,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cloud_verifier.grammar_state import apply_session_grammar
 from cloud_verifier.session_state import Session
 from common.logits_processors import TokenHistory, process_block
 from common.types import DraftBlock, TokenLogprobs
@@ -44,6 +45,8 @@ def prepare_row_logits(
             against it; a mismatch is a bug).
     """
     record = session.record
+    if record.sampling.grammar:  # first in the pipeline: the ids the grammar forbids get -inf
+        logits = apply_session_grammar(session, block, logits)
     if not record.sampling.has_history_processors:
         return logits
     if committed_length != record.committed_length:

@@ -31,6 +31,9 @@ class Session:
     # them: brought to the committed ids (which move only with a successful commit) by row_logits, rebuilt from
     # them after a resume or a new turn
     history: TokenHistory | None = None
+    # structured output: the grammar's matcher over the turn's committed output (cloud_verifier.grammar_state),
+    # None until a block of a session with a grammar needs it
+    grammar: object | None = None
 
     @property
     def committed(self) -> list[int]:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.limits import TenantLimits
+from cloud_verifier.grammar_state import check_grammar, register_target
 from cloud_verifier.session_state import Session
 from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from cloud_verifier.target import TargetRunner
-from cloud_verifier.grammar_state import check_grammar, register_target
 from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
 from common.errors import SessionNotFoundError, VerifierUnavailableError
 from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
