@@ -14,6 +14,9 @@ from specdec.cli._shared import (
 )
 from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import _edge_client
+from specdec.cli.processing import (
+    FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
+)
 
 
 def _stats_footer(result) -> str:
@@ -116,7 +119,7 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Per reply"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_k: int = typer.Option(0, help="0 = off"),
-    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
@@ -132,6 +135,12 @@ def chat(
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
     route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
+    repetition_penalty: float = REPETITION_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    logit_bias: list[str] = LOGIT_BIAS,
+    min_tokens: int = MIN_TOKENS,
+    min_p: float = MIN_P,
 ):
     """A multi-turn conversation in the terminal: type a message, the reply streams; `/reset` starts over,
     `/exit` (or end of input) quits. A statistics line (tokens/s, acceptance rate) follows each reply on stderr.
@@ -142,8 +151,11 @@ def chat(
     _check_route(route)
     from common.types import SamplingParams, StoppingCriteria
 
+    processing = processing_options(
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
     try:
-        SamplingParams(temperature, top_k, top_p, seed).validate()
+        SamplingParams(temperature, top_k, top_p, seed, **processing).validate()
         StoppingCriteria(max_new_tokens, (), (), False).validate()
     except ValueError as e:
         _fail(str(e))
@@ -151,7 +163,8 @@ def chat(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype)
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  **processing)
     client.route = route  # edge_client.routing
     interactive = sys.stdin.isatty()
     conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)

@@ -17,12 +17,16 @@ from specdec.cli._shared import (
 from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
+from specdec.cli.processing import (
+    FREQUENCY_PENALTY, LOGIT_BIAS, LOGPROBS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, format_logprobs,
+    processing_options,
+)
 
 
 def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos,
                             num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
                             dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
-                            client_cert, client_key, target=None, draft=None):
+                            client_cert, client_key, target=None, draft=None, processing=None):
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
     first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
@@ -31,7 +35,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
     from common.types import SamplingParams, StoppingCriteria
 
     try:
-        SamplingParams(temperature, top_k, top_p, seed).validate()
+        SamplingParams(temperature, top_k, top_p, seed, **(processing or {})).validate()
         StoppingCriteria(max_new_tokens, (), tuple(stop), ignore_eos).validate()
     except ValueError as e:
         _fail(str(e))
@@ -97,7 +101,7 @@ def generate(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_k: int = typer.Option(0, help="0 = off"),
-    top_p: float = typer.Option(1.0, help="1.0 = off"),
+    top_p: float = typer.Option(1.0, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     draft_top_k: int = typer.Option(DEFAULT_DRAFT_TOP_K, help="k of top-k drafting for sampled sessions (1 = greedy "
@@ -135,17 +139,28 @@ def generate(
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
     route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
+    repetition_penalty: float = REPETITION_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    logit_bias: list[str] = LOGIT_BIAS,
+    min_tokens: int = MIN_TOKENS,
+    min_p: float = MIN_P,
+    logprobs: Optional[int] = LOGPROBS,
 ):
     """Generate text with speculative decoding, streaming committed text."""
     logging.basicConfig(level=logging.WARNING)
     _check_route(route)
+    processing = processing_options(
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p,
+        logprobs=logprobs)
     security = _check_generate_options(
         prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,
         network_delay_ms=network_delay_ms, draft_top_k=draft_top_k, min_confidence=min_confidence, server=server,
         device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
-        client_cert=client_cert, client_key=client_key, target=target, draft=draft)
+        client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing)
     ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter)
     try:
         client, close = build_pipeline(
@@ -161,7 +176,7 @@ def generate(
     try:
         kwargs = dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw,
+            stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw, **processing,
         )
         for delta in client.stream(prompt, **kwargs):
             if not as_json:
@@ -173,3 +188,5 @@ def generate(
     finally:
         close()
     _print_result(result, as_json)
+    if result.logprobs is not None and not as_json:  # --logprobs: one line per token after the statistics
+        typer.echo("\n".join(format_logprobs(result, client.tokenizer)), err=True)
