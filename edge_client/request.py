@@ -11,7 +11,8 @@ from common.chat import render_chat_ids
 from common.errors import InvalidRequestError
 from common.types import SamplingParams, StoppingCriteria
 
-__all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "generation_params"]
+__all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "generation_options",
+           "generation_params"]
 
 # keyword options of a generation (those of generation_params)
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
@@ -92,6 +93,15 @@ def _grammar_json(grammar) -> str:
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"grammar: {e}") from None
     return spec.to_json()
+
+
+def generation_options(sampling: SamplingParams) -> dict:
+    """The sampling options of :func:`generation_params` that give ``sampling`` back (its inverse)."""
+    return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
+                min_tokens=sampling.min_tokens, min_p=sampling.min_p, logprobs=sampling.logprobs,
+                top_logprobs=sampling.top_logprobs)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:

@@ -5,6 +5,7 @@ same settings for all three variants."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -141,7 +142,9 @@ def run_bench(
     t_setup = time.perf_counter()
     rig = _OfflineRig.open(target_dir, draft_dir, num_speculative_tokens, sampling)
     try:
-        if hf_assisted:
+        if hf_assisted and sampling.has_history_processors:  # HF's assisted generation here runs without them
+            notes.append("hf_assisted skipped: penalties / logit_bias / min_tokens are not passed to HF generate")
+        elif hf_assisted:
             rig.load_hf_assisted(target_dir, draft_dir, notes, hf_draft)
         setup_s = time.perf_counter() - t_setup
         gamma_eff = min(num_speculative_tokens, rig.verifier.info.max_num_speculative_tokens)
@@ -162,6 +165,8 @@ def run_bench(
     agreement = _greedy_agreement(results, rig.variants, notes) if sampling.greedy else None
     if not sampling.greedy:
         overall["logits_processing_ms"] = _logits_processing_ms(sampling, rig.valid_vocab, gamma_eff)
+    if sampling.has_history_processors:  # penalties / bias / min_tokens: their cost per position, ms
+        overall["history_processing_ms"] = _history_processing_ms(sampling, rig.valid_vocab)
         notes.append("sampled: outputs are not compared token by token; sampled_reproducibility re-runs the first "
                      "prompts with the same seed (null without --seed)")
     predicted = _predicted_speedup(overall, gamma_eff, fwd1, fwd_block, notes)
@@ -189,8 +194,7 @@ def _bench_config(prompts: Path, limit: int | None, num_prompts: int, sampling: 
         "num_speculative_tokens": num_speculative_tokens,
         "num_speculative_tokens_effective": gamma_eff,
         "decoding": "greedy" if sampling.greedy else "sampled",
-        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                     "seed": sampling.seed},
+        "sampling": dataclasses.asdict(sampling),
         "target": str(target_dir),
         "draft": str(draft_dir),
         **rig_config,
@@ -201,6 +205,26 @@ def _bench_config(prompts: Path, limit: int | None, num_prompts: int, sampling: 
         "run_s": round(run_s, 2),
         "predicted_speedup_specdec": predicted,
     }
+
+
+def _history_processing_ms(sampling: Any, vocab_size: int, history: int = 256, positions: int = 200) -> float:
+    """Median ms per position of the history-dependent processors (common.logits_processors) after a history of
+    ``history`` distinct-ish tokens, each position pushing one more (the block's incremental cost)."""
+    import numpy as np
+
+    from common.logits_processors import TokenHistory
+
+    rng = np.random.default_rng(0)
+    h = TokenHistory(sampling, vocab_size, history // 2, (), rng.integers(0, vocab_size, history).tolist())
+    row = rng.normal(size=vocab_size).astype(np.float32)
+    times = []
+    for t in rng.integers(0, vocab_size, positions).tolist():
+        x = row.copy()
+        t0 = time.perf_counter()
+        h.apply(x)
+        h.push(t)
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(float(np.median(times)), 4)
 
 
 def _logits_processing_ms(sampling: Any, vocab_size: int, num_speculative_tokens: int) -> dict | None:
@@ -285,10 +309,10 @@ class _OfflineRig:
         if v == "hf_assisted":
             return _generate_hf_assisted(self.hf_target, self.draft_pt, ids, n_new, self.num_speculative_tokens,
                                          self.verifier.eos_token_ids, self.sampling)
-        sp = self.sampling
+        from edge_client.request import generation_options
+
         t = time.perf_counter()
-        res = self.clients[v].generate(ids, max_new_tokens=n_new, temperature=sp.temperature, top_k=sp.top_k,
-                                       top_p=sp.top_p, seed=sp.seed)
+        res = self.clients[v].generate(ids, max_new_tokens=n_new, **generation_options(self.sampling))
         return _sample_of(res, time.perf_counter() - t)
 
     def reproducibility(self, results: list[_PromptResult], max_new_tokens: int, num_prompts: int = 2) -> dict | None:

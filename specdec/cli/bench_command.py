@@ -12,6 +12,9 @@ import typer
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
 )
+from specdec.cli.processing import (
+    FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
+)
 
 
 def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s, device,
@@ -115,6 +118,12 @@ def bench(
     bandwidth_kbps: float = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)"),
     draft_slowdown: str = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower "
                                        "devices)"),
+    repetition_penalty: float = REPETITION_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    logit_bias: list[str] = LOGIT_BIAS,
+    min_tokens: int = MIN_TOKENS,
+    min_p: float = MIN_P,
 ):
     """Benchmark: target-only vs specdec vs HF assisted generation; or --clients [--replay], --gamma-sweep,
     --edge-cloud."""
@@ -122,6 +131,11 @@ def bench(
     from specdec import bench as bench_mod
 
     logging.basicConfig(level=logging.WARNING)
+    processing = processing_options(  # the default benchmark's variants all run with them
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
+    if processing and (wan is not None or clients or gamma_sweep or edge_cloud):
+        _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
         from specdec.bench.wan import run_wan_from_cli
 
@@ -143,7 +157,7 @@ def bench(
                 edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
                 pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,
-                sampling=SamplingParams(temperature, top_k, top_p, seed), progress=not as_json,
+                sampling=SamplingParams(temperature, top_k, top_p, seed, **processing), progress=not as_json,
             )
     except (*_user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         _fail(str(e))
