@@ -1,0 +1,65 @@
+"""The cost model behind route="auto" (edge_client/route_cost.py), as pure functions of its estimates: Leviathan et
+al.'s expected tokens per step, the α estimate from truncated blocks, and the choice of speculative at a short round
+trip vs cloud at a long one (with the draft cost that decides between them)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.types import DraftBlock, Verdict
+from edge_client.route_cost import RouteEstimates, expected_tokens_per_step
+
+
+class _Client:
+    num_speculative_tokens = 4
+    proactive = False
+    backend = None
+
+
+class _Run:
+    class stopping:
+        max_new_tokens = 256
+
+    num_generated = 0
+
+
+def test_expected_tokens_per_step_is_leviathan_eq_1():
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    # Monte Carlo: i.i.d. acceptance until the first rejection, + the bonus/recovered token
+    rng, alpha, gamma = random.Random(0), 0.7, 4
+    steps = [1 + next((i for i in range(gamma) if rng.random() >= alpha), gamma) for _ in range(200_000)]
+    assert sum(steps) / len(steps) == pytest.approx(expected_tokens_per_step(alpha, gamma), rel=0.01)
+
+
+def test_alpha_estimate_from_blocks_recovers_the_acceptance():
+    rng, est = random.Random(1), RouteEstimates()
+    for alpha in (0.3, 0.8):
+        est.accepted = est.rejected = None
+        sums = []
+        for _ in range(400):
+            n = next((i for i in range(4) if rng.random() >= alpha), 4)
+            est.observe_block(DraftBlock([1, 2, 3, 4]), Verdict(n, 5, n == 4, [1] * (n + 1), 10), 5.0, 0.001)
+            sums.append(est.alpha)
+        assert sum(sums[-200:]) / 200 == pytest.approx(alpha, abs=0.08)
+    # negative control: the naive accepted / drafted ratio is biased low (truncation at the first rejection)
+    assert (0.8 * (1 - 0.8 ** 4) / (1 - 0.8)) / 4 < 0.7
+
+
+def _estimates(rtt_ms: float, draft_ms: float) -> RouteEstimates:
+    return RouteEstimates(rtt_ms=rtt_ms, draft_ms_per_token=draft_ms, verify_ms=20.0, cloud_step_ms=20.0,
+                          accepted=2.4, rejected=0.6)  # α = 0.8
+
+
+def test_choice_follows_the_round_trip_and_the_draft_cost():
+    client, run = _Client(), _Run()
+    assert _estimates(rtt_ms=2, draft_ms=2).choose(client, run, 64)[0] == "speculative"
+    assert _estimates(rtt_ms=200, draft_ms=2).choose(client, run, 64)[0] == "cloud"
+    assert _estimates(rtt_ms=2, draft_ms=60).choose(client, run, 64)[0] == "cloud"  # a slow device
+    # nothing known of the draft: cloud only when it beats a perfect one
+    unknown = RouteEstimates(rtt_ms=200, hint_forward_ms=20.0)
+    assert unknown.choose(client, run, 64)[0] == "cloud"
+    assert RouteEstimates(rtt_ms=1, hint_forward_ms=20.0).choose(client, run, 64)[0] == "speculative"
