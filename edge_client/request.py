@@ -101,7 +101,7 @@ def generation_options(sampling: SamplingParams) -> dict:
                 repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
                 min_tokens=sampling.min_tokens, min_p=sampling.min_p, logprobs=sampling.logprobs,
-                top_logprobs=sampling.top_logprobs)
+                top_logprobs=sampling.top_logprobs, grammar=sampling.grammar or None)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
