@@ -61,6 +61,10 @@ class TokenHistory:
         self._out = np.zeros(self.vocab_size, dtype=np.int32)  # [vocab_size] counts over the output
         self._bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
         self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float64)
+        # the ids with a count > 0 (sorted), recomputed only after a count crossed 0: the penalties then touch
+        # those ids only, not the whole vocabulary (a few µs per position instead of ~0.5 ms at 49,152 tokens)
+        self._seen_ids: np.ndarray | None = None
+        self._out_ids: np.ndarray | None = None
         self.extend(token_ids)
 
     @property
@@ -73,7 +77,11 @@ class TokenHistory:
         t = int(token_id)
         if len(self.token_ids) >= self.prompt_length:
             self._out[t] += 1
+            if self._out[t] == 1:
+                self._out_ids = None
         self._all[t] += 1
+        if self._all[t] == 1:
+            self._seen_ids = None
         self.token_ids.append(t)
 
     def extend(self, token_ids: Iterable[int]) -> None:
@@ -85,8 +93,12 @@ class TokenHistory:
         for _ in range(int(n)):
             t = self.token_ids.pop()
             self._all[t] -= 1
+            if self._all[t] == 0:
+                self._seen_ids = None
             if len(self.token_ids) >= self.prompt_length:
                 self._out[t] -= 1
+                if self._out[t] == 0:
+                    self._out_ids = None
 
     def sync(self, token_ids: Sequence[int]) -> None:
         """Make the history equal ``token_ids``: pop back to the longest common prefix, push the rest (what
@@ -111,16 +123,20 @@ class TokenHistory:
         if len(self._bias_ids):
             logits[self._bias_ids] += self._bias.astype(logits.dtype)
         if p.repetition_penalty != 1.0:
-            seen = self._all > 0
+            if self._seen_ids is None:
+                self._seen_ids = np.flatnonzero(self._all)
+            seen = self._seen_ids
             penalty = logits.dtype.type(p.repetition_penalty)
             vals = logits[seen]
             logits[seen] = np.where(vals < 0, vals * penalty, vals / penalty)
         if p.frequency_penalty or p.presence_penalty:
-            out = self._out
+            if self._out_ids is None:
+                self._out_ids = np.flatnonzero(self._out)
+            ids = self._out_ids
             if p.frequency_penalty:
-                logits -= logits.dtype.type(p.frequency_penalty) * out.astype(logits.dtype)
+                logits[ids] -= logits.dtype.type(p.frequency_penalty) * self._out[ids].astype(logits.dtype)
             if p.presence_penalty:
-                logits -= logits.dtype.type(p.presence_penalty) * (out > 0).astype(logits.dtype)
+                logits[ids] -= logits.dtype.type(p.presence_penalty)
         if p.min_tokens and self.num_generated < p.min_tokens and len(self.stop_token_ids):
             logits[self.stop_token_ids] = -np.inf
         return logits

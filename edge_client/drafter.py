@@ -133,7 +133,7 @@ class ModelDrafter:
         self._turn = (int(prompt_length), frozenset(ids))
         self._history = None
 
-    def _processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
+    def processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
         """The history-dependent processors' state brought to ``token_ids``, or None when the session has
         none (incremental: only the tokens that changed since the last call are counted)."""
         if not sampling.has_history_processors:
@@ -239,7 +239,7 @@ class ModelDrafter:
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
         logits = self._sync(committed_token_ids)
-        history = self._processor(sampling, committed_token_ids, len(logits))
+        history = self.processor(sampling, committed_token_ids, len(logits))
         tokens: list[int] = []
         rows_ids: list[np.ndarray] = []
         rows_q: list[np.ndarray] = []

@@ -94,12 +94,18 @@ class DeviceDecoder:
 
     def next_token(self, committed_token_ids: list[int], sampling: SamplingParams) -> int:
         """The draft's next token after ``committed_token_ids``: argmax when greedy, else a draw from the draft's
-        processed distribution with ``uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``.
+        processed distribution with ``uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``; the session's
+        history-dependent processors (common.logits_processors) first, as everywhere.
 
         Raises:
             ValueError: empty ``committed_token_ids``; a sampled session without a seed.
         """
-        logits = np.asarray(self.drafter.next_token_logits(committed_token_ids))[: self.valid_vocab_size]
+        logits = np.asarray(self.drafter.next_token_logits(committed_token_ids))
+        processor = getattr(self.drafter, "processor", None)  # penalties, bias, min_tokens: as the verifier does
+        history = processor(sampling, committed_token_ids, len(logits)) if processor is not None else None
+        if history is not None:
+            logits = history.apply(np.array(logits, dtype=np.float32))
+        logits = logits[: self.valid_vocab_size]
         if sampling.greedy:
             return int(np.argmax(logits))
         if sampling.seed is None:
