@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from cloud_verifier import metrics
+from cloud_verifier.prefix_cache import cache_prefilled, open_session_kv
 from cloud_verifier.session_state import Session, owned
 from cloud_verifier.store import SessionRecord, SessionStore
 from cloud_verifier.target import TargetRunner
@@ -155,7 +156,8 @@ class SessionAdmission:
         """Take KV blocks for ``record``'s committed tokens except the last, prefill them (in chunks), add the
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
-        kv = self.target.allocate(capacity, reserve_tokens=len(record.committed_token_ids) - 1)
+        # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/prefix_cache.py)
+        kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
         stop = StopChecker(
             self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
             self.info.max_context_tokens,
@@ -166,8 +168,10 @@ class SessionAdmission:
         session = Session(record=record, kv=kv, stop=stop, busy=True)
         try:
             prefix = record.committed_token_ids[:-1]
-            for begin in range(0, len(prefix), self.prefill_chunk_tokens):
+            for begin in range(cached, len(prefix), self.prefill_chunk_tokens):
                 await self.prefill_chunk(session, prefix[begin : begin + self.prefill_chunk_tokens], begin)
+                # committed tokens: their full blocks are final, shared with sessions opening from now on
+                cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
         except BaseException:
             self.target.free(kv)
             raise
@@ -237,6 +241,8 @@ class SessionAdmission:
             record.last_seen_at = now
             session.stop = StopChecker(self.target.tokenizer, stopping, self.eos_token_ids, new_length,
                                        self.info.max_context_tokens)
+            # committed now (not before the store's answer: the next block would write after the old length)
+            cache_prefilled(self.target, session.kv, record.committed_token_ids, new_length - 1, record.tenant_id)
         except (SessionNotFoundError, InvalidRequestError):
             self.release(sid)  # gone from the store, or held elsewhere: this copy is stale
             raise

@@ -350,3 +350,35 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
     if not cache.enabled:
         cache.evict_all()
     return cache
+
+
+def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: str = "") -> tuple[object, int]:
+    """A session's KV cache (:class:`cloud_verifier.target.SessionKV`, limit ``capacity`` tokens) about to
+    prefill ``token_ids[:-1]``: its block table starts with the longest cached prefix (taken from
+    ``target.prefix_cache``, when there is one), then fresh blocks for the rest. Returns (kv, tokens cached):
+    the prefill starts at that position.
+
+    Raises:
+        common.errors.CapacityError: too few free (or evictable) blocks; nothing stays taken.
+    """
+    from cloud_verifier.target import SessionKV
+
+    cache = target.prefix_cache
+    taken = cache.take_cached(token_ids, tenant_id) if cache is not None else []
+    kv = SessionKV(capacity, list(taken))
+    try:
+        target.ensure(kv, min(capacity, len(token_ids) - 1))
+    except BaseException:
+        target.free(kv)  # the cached blocks taken go back too
+        raise
+    return kv, len(taken) * target.kv_block_size
+
+
+def cache_prefilled(target, kv, token_ids: Sequence[int], num_tokens: int, tenant_id: str = "") -> int:
+    """Register the full blocks of ``kv`` holding ``token_ids[:num_tokens]`` in ``target.prefix_cache`` (none:
+    nothing). ``num_tokens`` must not exceed the session's committed length - 1 (blocks no later forward pass
+    of the session writes): :meth:`PrefixCache.cache_full_blocks`. Returns blocks registered."""
+    cache = target.prefix_cache
+    if cache is None:
+        return 0
+    return cache.cache_full_blocks(kv.blocks, token_ids, min(int(num_tokens), len(token_ids)), tenant_id)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.limits import TenantLimits
+from cloud_verifier.prefix_cache import attach_prefix_cache
 from cloud_verifier.grammar_state import check_grammar, register_target
 from cloud_verifier.session_state import Session
 from cloud_verifier.sessions import SessionTable
@@ -52,6 +53,9 @@ class Verifier:
         busy_wait_s: how long a block waits for the previous block of its session to end (e.g. one whose
             stream the client cancelled and resent at once) before it is refused as a second block in flight, s.
         tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.limits`); None = none.
+        prefix_caching: share the KV blocks of identical leading tokens across sessions
+            (:mod:`cloud_verifier.prefix_cache`); False = off.
+        prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
 
     Tenants: every session belongs to the tenant that opened it (``tenant_id``, "" without authentication);
     the methods taking a ``tenant_id`` answer another tenant's session exactly as an unknown one.
@@ -73,6 +77,8 @@ class Verifier:
         reap_interval_s: float = 5.0,
         busy_wait_s: float = 30.0,
         tenant_limits: TenantLimits | None = None,
+        prefix_caching: bool = True,
+        prefix_cache_salt: str = "none",
     ):
         self.target = target
         self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)
@@ -94,6 +100,8 @@ class Verifier:
             ttl_s=int(session_ttl_s),
         )
         register_target(self.info.model_id, tok, self.eos_token_ids)  # structured output's tokenizer
+        # one cache per target runner (its KV pool), configured by the latest verifier over it
+        attach_prefix_cache(target, self.info.model_id, prefix_caching, prefix_cache_salt)
         # the table prefills through the batcher, the batcher counts and releases sessions in the table
         self.sessions = SessionTable(
             target, self.store, self.info, self.eos_token_ids,
@@ -142,6 +150,8 @@ class Verifier:
                 settings.tenant_max_sessions, settings.tenant_tokens_per_s, settings.tenant_tokens_burst,
                 min_burst=settings.max_num_speculative_tokens + 1,
             ),
+            prefix_caching=settings.prefix_caching,
+            prefix_cache_salt=settings.prefix_cache_salt,
         )
 
     # ------------------------------------------------------------------ batching knobs (benchmarks change them)
