@@ -72,10 +72,12 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
 
 def _print_result(result, as_json: bool) -> None:
     """The end of a generation: a notice about unverified tokens, then the JSON object or a statistics line."""
+    route = result.route or {}
     if result.num_unverified_tokens:  # never pass the draft's tokens off as the target's
+        why = "(--route device)" if route.get("requested") == "device" else "while no verifier answered"
         typer.echo(
             f"notice: {result.num_unverified_tokens} of {result.stats.num_generated_tokens} tokens were decoded on "
-            "the device by the draft model alone while no verifier answered: they are not verified by the target",
+            f"the device by the draft model alone {why}: they are not verified by the target",
             err=True,
         )
     if as_json:
@@ -87,6 +89,9 @@ def _print_result(result, as_json: bool) -> None:
     # no acceptance without drafted tokens (--target-only, or a draft that proposed nothing)
     drafting = (f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
                 if s.num_draft_tokens else "")
+    if route.get("requested", "speculative") != "speculative":  # the route chosen and its switches
+        drafting += (f"route {route['requested']}: {route['initial']}"
+                     + "".join(f" -> {sw['to']}@{sw['at_token']}" for sw in route["switches"]) + ", ")
     typer.echo(
         f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
         f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, {drafting}"
