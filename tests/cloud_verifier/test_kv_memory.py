@@ -163,7 +163,8 @@ from specdec.embedded import LocalBackend
 
 target_dir, prompt_len, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 runner = TargetRunner(target_dir, kv_cache_budget_tokens=4 * context)
-backend = LocalBackend(Verifier(runner, max_num_speculative_tokens=4, max_batch_wait_ms=0.0))
+# prefix caching off: cached blocks of closed sessions stay resident by design (until evicted for reuse)
+backend = LocalBackend(Verifier(runner, max_num_speculative_tokens=4, max_batch_wait_ms=0.0, prefix_caching=False))
 
 def rss():
     gc.collect()
