@@ -61,7 +61,7 @@ def _generate(client, ids, **kw):
 def test_greedy_equals_target_only_and_hf(tiny_pair, clients, name):
     kw, without = SETTINGS[name]
     params = SamplingParams(**kw)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if name == "all" else PROMPTS[:1]:  # all together on every prompt, each alone on one
         ids = encode_prompt(clients["target"].tokenizer, prompt)
         ref = hf_greedy_processed(tiny_pair.target_dir, ids, N, params)
         plain = _generate(clients["target"], ids, ignore_eos=True, **without).token_ids
@@ -113,3 +113,16 @@ def test_logit_bias_minus_100_bans_a_token(clients):
     for which in ("target", "agree"):
         out = _generate(clients[which], ids, ignore_eos=True, logit_bias={banned: -100.0}).token_ids
         assert banned not in out, which
+
+
+def test_a_conversations_second_turn_rebuilds_the_counts(clients):
+    """ExtendSession: the verifier's counts are rebuilt for the new turn (its own output; the whole conversation
+    for the repetition penalty), so each turn equals target-only decoding of that turn's prompt."""
+    kw = dict(SETTINGS["all"][0], max_new_tokens=N, ignore_eos=True)
+    conv = clients["agree"].chat(**kw)
+    for message in PROMPTS:
+        for _ in conv.send(message):
+            pass
+        res = conv.last_result
+        assert res.token_ids == clients["target"].generate(res.prompt_token_ids, **kw).token_ids
+    conv.close()
