@@ -45,6 +45,11 @@ class GrammarMatcher:
         return self._ended or bool(self._m.is_stopped())
 
     @property
+    def has_ended(self) -> bool:
+        """An EOS id was consumed: nothing can follow."""
+        return self._ended
+
+    @property
     def is_accepting(self) -> bool:
         """The output so far is a complete match (EOS allowed)."""
         return bool(self._m.is_accepting())

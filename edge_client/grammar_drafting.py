@@ -101,8 +101,8 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
     rows_q: list[np.ndarray] = []
     num_forced = 0
     for i in range(num_tokens):
-        if m.is_finished and tokens and tokens[-1] in m.eos_token_ids:
-            break  # nothing is drafted after EOS
+        if m.has_ended:
+            break  # nothing is drafted after EOS (a block, or a proactive bet, that ended with it)
         if i > 0 and should_stop is not None and should_stop():
             break
         forced = m.single_allowed()

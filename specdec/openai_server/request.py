@@ -18,7 +18,8 @@ _HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls",
 # extensions with vLLM's names)
 _PROCESSING = {"presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "repetition_penalty", "min_p"}
 _CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-                "stream", "top_k", "n", "ignore_eos", "logprobs", "top_logprobs", *_PROCESSING}
+                "stream", "top_k", "n", "ignore_eos", "logprobs", "top_logprobs", *_PROCESSING,
+                "response_format", "tools", "tool_choice"}  # structured output: .structured, .tools
 _COMPLETION_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "top_k",
                       "n", "ignore_eos", "logprobs", *_PROCESSING}
 MAX_N = 8  # choices per request (generated one after the other)
@@ -57,6 +58,7 @@ class GenRequest:
     chat: bool
     n: int = 1
     logprobs: bool = False
+    tools: object | None = None  # the checked tools request (.tools.ToolRequest), chat only
 
     def choice_kwargs(self, index: int) -> dict:
         """The generation options of choice ``index`` (its own seed: ``seed + index`` when seeded)."""
@@ -258,15 +260,22 @@ def check_body(body: Any, supported: set[str], model_id: str) -> dict:
 
 
 def chat_request(body: dict, tokenizer) -> GenRequest:
-    """The generation of a ``/v1/chat/completions`` body (checked by :func:`check_body`)."""
-    messages = parse_messages(body.get("messages"))
+    """The generation of a ``/v1/chat/completions`` body (checked by :func:`check_body`); response_format and
+    tools (:func:`.structured.structured_request`): a grammar, and tool messages in the generic format."""
+    from .structured import structured_request
+
+    grammar, tools, raw_messages = structured_request(body, tokenizer)
+    messages = parse_messages(raw_messages)
     _generation_kwargs(body, chat=True)  # parameter errors before template errors
     _processing_kwargs(body, chat=True)
     try:
         prompt_ids = render_chat_ids(tokenizer, messages)
     except (ValueError, TypeError) as e:  # the template refused the messages (e.g. roles out of order)
         raise ApiError(400, f"cannot render the messages: {e}", param="messages") from None
-    return _request(body, prompt_ids, chat=True)
+    req = _request(body, prompt_ids, chat=True)
+    req.kwargs.update(grammar)
+    req.tools = tools
+    return req
 
 
 def completion_request(body: dict, tokenizer) -> GenRequest:

@@ -3,6 +3,7 @@ as server-sent events (``data: {chunk}`` lines, ``data: [DONE]`` last)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -11,6 +12,7 @@ from .engine import Engine, Outcome, _Job, next_item
 from .errors import api_error_for
 from .logprobs import response_logprobs
 from .request import GenRequest
+from .structured import ChoiceDeltas, chat_message
 
 
 def usage(outcomes: list[Outcome]) -> dict:
@@ -34,14 +36,15 @@ async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str):
         raise api_error_for(first[1])
     chat = obj == "chat.completion"
     if not req.stream:
-        return JSONResponse(await _whole_body(job, first, rid, obj, created, engine, chat))
-    events = _SseEvents(rid, "chat.completion.chunk" if chat else "text_completion", created, engine, chat)
+        return JSONResponse(await _whole_body(job, first, rid, obj, created, engine, chat, req.tools))
+    events = _SseEvents(rid, "chat.completion.chunk" if chat else "text_completion", created, engine, chat,
+                        req.tools)
     return StreamingResponse(events.stream(job, first, req.include_usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _whole_body(job: _Job, first: tuple, rid: str, obj: str, created: int, engine: Engine,
-                      chat: bool) -> dict:
+                      chat: bool, tools=None) -> dict:
     """The non-streamed response body: every choice's outcome collected (an error raised)."""
     outcomes: list[Outcome] = []
     item = first
@@ -55,8 +58,8 @@ async def _whole_body(job: _Job, first: tuple, rid: str, obj: str, created: int,
     for outcome in outcomes:
         choice = {"index": outcome.index, "finish_reason": outcome.finish_reason,
                   "logprobs": response_logprobs(engine.tokenizer, outcome, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": outcome.text}
+        if chat:  # with tools offered, call blocks become tool_calls (.structured.chat_message)
+            choice["message"], choice["finish_reason"] = chat_message(outcome.text, outcome.finish_reason, tools)
         else:
             choice["text"] = outcome.text
         choices.append(choice)
@@ -67,8 +70,9 @@ async def _whole_body(job: _Job, first: tuple, rid: str, obj: str, created: int,
 class _SseEvents:
     """The server-sent events of one streamed response (chunk objects of OpenAI's chat or completions API)."""
 
-    def __init__(self, rid: str, chunk_obj: str, created: int, engine: Engine, chat: bool):
+    def __init__(self, rid: str, chunk_obj: str, created: int, engine: Engine, chat: bool, tools=None):
         self.rid, self.chunk_obj, self.created, self.chat = rid, chunk_obj, created, chat
+        self.tools, self._deltas = tools, {}  # per choice: its ChoiceDeltas (tool-call deltas)
         self.model_id, self.tokenizer = engine.model_id, engine.tokenizer
 
     def event(self, choices: list, **extra) -> str:
@@ -98,11 +102,18 @@ class _SseEvents:
                 if chat and index not in started:
                     started.add(index)
                     yield self.event([self.delta(index, None, role=True)])
+                deltas = self._deltas.setdefault(index, ChoiceDeltas(self.tools if chat else None))
                 if item[0] == "chunk":
-                    yield self.event([self.delta(index, item[2])])
+                    for d in (deltas.feed(item[2]) if chat else [{"content": item[2]}]):
+                        yield self.event([{**self.delta(index, d.get("content")), "delta": d}] if chat
+                                         else [self.delta(index, d["content"])])
                 else:
                     outcome: Outcome = item[1]
                     outcomes.append(outcome)
+                    rest, finish = deltas.finish(outcome.finish_reason)
+                    for d in rest:
+                        yield self.event([{**self.delta(index, None), "delta": d}])
+                    outcome = dataclasses.replace(outcome, finish_reason=finish)
                     lp = response_logprobs(self.tokenizer, outcome, chat)
                     if lp is not None:
                         yield self.event([self.delta(index, None if chat else "", logprobs=lp)])

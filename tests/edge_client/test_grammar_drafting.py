@@ -121,3 +121,13 @@ def test_prefix_the_grammar_forbids_gives_an_empty_block(draft, compiled):
     block = propose_constrained(ModelDrafter(draft), grammar, bad, 4, SamplingParams(), 0, 0.0, None, 0.0,
                                 _stack_rows)
     assert block.draft_token_ids == []
+
+
+def test_nothing_is_drafted_after_eos(draft):
+    # a proactive bet can end with the EOS of a complete answer: the next block is empty, not an error
+    compiled = compile_grammar(GrammarSpec.choice(["yes", "no"]), grammar_tokenizer(draft.tokenizer, [2]))
+    prompt = draft.tokenizer.encode("x", add_special_tokens=False)
+    done = prompt + draft.tokenizer.encode("yes", add_special_tokens=False) + [2]
+    block = propose_constrained(ModelDrafter(draft), DraftGrammar(compiled, len(prompt)), done, 4, SamplingParams(),
+                                0, 0.0, None, 0.0, _stack_rows)
+    assert block.draft_token_ids == []
