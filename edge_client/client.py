@@ -318,8 +318,7 @@ class EdgeClient:
         failovers_before = getattr(self.backend, "num_failovers", 0)
         requested_seed = sampling.seed
         run = Run(list(prompt_ids), stopping, TextOutput(self.tokenizer, stopping.stop_strings),
-                  committed=list(prompt_ids))
-        run.route = start_route(self, route)
+                  committed=list(prompt_ids), route=start_route(self, route))
         if hasattr(self.drafter, "begin_turn"):  # the history-dependent processors count the output from here
             self.drafter.begin_turn(len(prompt_ids), stopping)
         if not sampling.greedy and requested_seed is not None and hasattr(self.drafter, "reset"):
@@ -418,8 +417,7 @@ class EdgeClient:
             verdict, round_trip_ms = sent.wait(self.timeout_s)
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             committed.extend(tokens)
-            if verdict.logprobs is not None:
-                run.logprobs.extend(verdict.logprobs[: len(tokens)])
+            run.logprobs.extend((verdict.logprobs or [])[: len(tokens)])  # when asked for
             run.last_seq, run.session_committed = seq, verdict.committed_length
             spec = block.num_speculative_tokens
             spec_verdict = dataclasses.replace(verdict, num_accepted=min(verdict.num_accepted, spec))
@@ -432,11 +430,9 @@ class EdgeClient:
                                  round_trip_ms, verdict.forward_ms)
             stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit, num_forced=block.num_forced_tokens)
             yield from run.out.push(tokens, verified=True)
-            if reason is not None:
-                run.finish_reason = reason
+            if reason is not None or run.switch_check(verdict, round_trip_ms, block, draft_s):  # or a route switch
+                run.finish_reason = reason  # (edge_client.routing) at this block boundary
                 return
-            if run.switch_check(verdict, round_trip_ms, block, draft_s):
-                return  # edge_client.routing: the route switches at this block boundary
 
     def _close_session(self, session_id: str) -> None:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)  # the tiny pair is built in setup (slow on a loaded machine)
 
 
 @pytest.fixture(scope="module")
