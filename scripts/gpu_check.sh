@@ -6,9 +6,12 @@
 #   2. `specdec models prepare` (idempotent);
 #   3. the GPU tests: greedy exactness on CUDA in float32 (exact) and bfloat16 (identical wherever the top-2 logit
 #      gap exceeds the measured rounding), the draft on the CUDA provider with its KV cache on the device, the
-#      device settings (tests/cloud_verifier/test_gpu.py, test_device.py, tests/edge_client/test_onnx_device_kv.py);
+#      device settings, the paged KV pool and one-call-per-layer attention against the per-row reference
+#      (tests/cloud_verifier/test_gpu.py, test_device.py, test_paged_attention.py, test_kv_pool.py,
+#      tests/edge_client/test_onnx_device_kv.py);
 #   4. a short benchmark: target-only vs specdec (`specdec bench --no-hf`), and the verifier under load
-#      (`specdec bench --replay --clients 1,16,64`, short windows).
+#      (`specdec bench --replay --clients 1,16,64`, short windows), and one forward pass of 64 verify rows, paged
+#      attention vs the per-row loop, KV block sizes 16 and 32 (`python -m specdec.bench.attention_bench`).
 # Each step has a time budget, and the whole run is kept under SPECDEC_GPU_CHECK_BUDGET_S (default 470 s): a step
 # that would not fit is skipped and reported. Exit status 0 when every step that ran passed.
 #
@@ -80,10 +83,14 @@ fi
 # ---------------------------------------------------------------------------------------------- 2-4. run
 if [ "$DEVICE" != none ]; then
   step prepare_models 240 specdec models prepare
-  TESTS=(tests/cloud_verifier/test_gpu.py tests/cloud_verifier/test_device.py tests/edge_client/test_onnx_device_kv.py)
+  TESTS=(tests/cloud_verifier/test_gpu.py tests/cloud_verifier/test_device.py tests/edge_client/test_onnx_device_kv.py
+         tests/cloud_verifier/test_paged_attention.py tests/cloud_verifier/test_kv_pool.py)
   if [ "$DEVICE" = cuda ]; then
     step tests 150 env SPECDEC_GPU_CHECK_REAL_MODEL=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" "${TESTS[@]}"
+    # one forward pass of 64 verify rows: paged one-call attention vs the per-row loop, KV block sizes 16/32
+    step attention 60 $PY -m specdec.bench.attention_bench --rows 64 --tokens 5 --context 300 --repeats 5 \
+      --block-sizes 16,32 --device cuda --dtype bfloat16
     step bench 90 specdec bench --limit 4 --max-new-tokens 64 --no-hf --device cuda --json
     step replay 200 specdec bench --replay --clients 1,16,64 --duration-s 10 --limit 8 --device cuda --json
   else  # smoke test on the CPU: the same steps, tiny sizes
@@ -92,6 +99,8 @@ if [ "$DEVICE" != none ]; then
     step bench 120 specdec bench --limit 1 --max-new-tokens 16 --no-hf --device cpu --json
     step replay 200 specdec bench --replay --clients 1,2 --duration-s 3 --limit 2 --max-new-tokens 16 \
       --device cpu --json
+    step attention 120 $PY -m specdec.bench.attention_bench --rows 4 --tokens 5 --context 40 --repeats 1 \
+      --block-sizes 16 --device cpu --dtype float32
   fi
 fi
 
@@ -178,6 +187,8 @@ if r:
         mem = m.get("memory") or {}
         replay[n]["memory_back_to_idle"] = bool(mem.get("kv_back_to_idle") and mem.get("rss_back_to_idle"))
 
+attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV block size
+
 ran = [s for s in steps.values() if s["rc"] != "skipped"]
 ok = (device != "none" and all(s["rc"] == 0 for s in ran)
       and all(name in steps and steps[name]["rc"] == 0 for name in ("tests", "bench", "replay"))
@@ -191,7 +202,8 @@ if device == "cpu":
 if any(s["rc"] == "skipped" for s in steps.values()):
     notes.append(f"steps skipped: the run's budget of {budget} s was spent")
 print(json.dumps({"ok": ok, "device": device, "elapsed_s": elapsed, "budget_s": budget, "environment": env,
-                  "steps": steps, "tests": tests, "bench": bench, "replay": replay, "outputs": str(out),
+                  "steps": steps, "tests": tests, "bench": bench, "replay": replay, "attention": attention,
+                  "outputs": str(out),
                   "notes": notes}))
 sys.exit(0 if ok else 1)
 EOF
