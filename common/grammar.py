@@ -229,7 +229,7 @@ class CompiledGrammar:
             raise ValueError(f"invalid {spec.kind}: {e}") from None
         template = llg.LLMatcher(tokenizer.engine_tokenizer, grammar, log_level=0, limits=_limits())
         if template.is_error():
-            raise ValueError(f"invalid {spec.kind}: {template.get_error()}")
+            raise ValueError(f"invalid {spec.kind}: {_one_line(template.get_error())}")
         self._template = template
 
     def matcher(self) -> "GrammarMatcher":
@@ -237,6 +237,13 @@ class CompiledGrammar:
 
         return GrammarMatcher(self._template.deep_copy(), self.tokenizer.vocab_size, self.spec,
                               self.tokenizer.eos_token_ids)
+
+
+def _one_line(message: str) -> str:
+    """The engine's multi-line message on one line (CLI errors, gRPC details): its lines joined with "; ", the
+    caret-only lines that point into the source dropped."""
+    lines = [ln.strip() for ln in message.splitlines()]
+    return "; ".join(ln for ln in lines if ln and set(ln) - set("^ |0123456789"))
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> CompiledGrammar:

@@ -17,6 +17,7 @@ from specdec.cli._shared import (
 from specdec.cli.checks import check_device_names, check_model_dirs, check_server
 from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
+from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, LOGPROBS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, format_logprobs,
     processing_options,
@@ -151,6 +152,9 @@ def generate(
     min_tokens: int = MIN_TOKENS,
     min_p: float = MIN_P,
     logprobs: Optional[int] = LOGPROBS,
+    json_schema: Optional[Path] = JSON_SCHEMA,
+    regex: Optional[str] = REGEX,
+    grammar: Optional[Path] = GRAMMAR,
 ):
     """Generate text with speculative decoding, streaming committed text."""
     logging.basicConfig(level=logging.WARNING)
@@ -159,6 +163,7 @@ def generate(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p,
         logprobs=logprobs)
+    processing.update(grammar_options(json_schema, regex, grammar))  # structured output
     security = _check_generate_options(
         prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,
