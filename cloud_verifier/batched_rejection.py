@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier.batched_warpers import NUM_CANDIDATES, Scan, dense_probs, scan_logits, sparse_probs
+from cloud_verifier.batched_warpers import dense_probs, exact_normaliser, sparse_probs
+from cloud_verifier.verdict_scan import NUM_CANDIDATES, Scan, scan_logits
 from cloud_verifier.verdict_draws import uniform_many
 from common.rejection import RejectionResult
 from common.sampling import Stream, normalize_sparse
@@ -63,8 +64,9 @@ class BatchedRejectionSampler:
     :mod:`cloud_verifier.numerics`); a faulty row never affects the others.
     """
 
-    def __init__(self, num_candidates: int = NUM_CANDIDATES):
-        self.num_candidates = num_candidates
+    def __init__(self, num_candidates: int = NUM_CANDIDATES, scan_backend: str = "auto"):
+        self.num_candidates = num_candidates  # 1: every sampled position takes the dense path
+        self.scan_backend = scan_backend  # verdict_scan.scan_logits: "auto", "numpy" (CPU only) or "torch"
 
     def __call__(self, rows: list[VerifyRow], valid_vocab_size: int) -> list[RejectionResult | str]:
         """Per row its RejectionResult (``next_token_id`` -1 only after a fully accepted bonus_drafted block)
@@ -79,7 +81,7 @@ class BatchedRejectionSampler:
         logits = _as_tensors(rows)  # per row [positions, vocab_size] float32, on the logits' device
         sampled = np.repeat([not r.sampling.greedy for r in rows], np.diff(lay.offsets))  # [num_tokens] bool
         temperature = np.repeat([r.sampling.temperature for r in rows], np.diff(lay.offsets))
-        scan = scan_logits(logits, valid_vocab_size, sampled, temperature, self.num_candidates)
+        scan = scan_logits(logits, valid_vocab_size, sampled, temperature, self.num_candidates, self.scan_backend)
         faults = _row_faults(scan.max_logit.cpu().numpy(), lay)  # the guard, vectorised: one pass, one copy
         ok = [i for i in range(len(rows)) if faults[i] is None]
         accept = np.zeros(lay.num_tokens, dtype=bool)  # [num_tokens]
@@ -156,25 +158,26 @@ class _Layout:
         return np.searchsorted(self.offsets, tokens, side="right") - 1
 
     def draft_probs(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Sparse q of the given tokens: ([len, k] ids, -1 padded; [len, k] float64, 0 padded)."""
-        rows = self.row_of(tokens)
-        entries = []
-        for t, i in zip(tokens, rows):
-            block, pos = self.rows[i].block, t - self.offsets[i]
-            if self.draft[t] < 0:
-                entries.append(([], []))
-            elif block.draft_probs is None:  # greedy drafting: q is one-hot at the draft token
-                entries.append(([int(self.draft[t])], [1.0]))
+        """Sparse q of the given tokens (whole rows, in order): ([len, k] ids, -1 padded; [len, k] float64, 0
+        padded); a bonus position has none, greedy drafting is one-hot at the draft token."""
+        rows = sorted(set(self.row_of(tokens).tolist()))
+        k = max([1] + [np.shape(self.rows[i].block.draft_probs.token_ids)[-1] for i in rows
+                       if self.rows[i].block.draft_probs is not None])
+        ids = np.full((self.num_tokens, k), -1, dtype=np.int64)
+        probs = np.zeros((self.num_tokens, k), dtype=np.float64)
+        for i in rows:
+            block, lo = self.rows[i].block, self.offsets[i]
+            gamma = len(block.draft_token_ids)
+            if gamma == 0:
+                continue
+            if block.draft_probs is None:  # greedy drafting: q is one-hot at the draft token
+                ids[lo:lo + gamma, 0] = block.draft_token_ids
+                probs[lo:lo + gamma, 0] = 1.0
             else:
-                entries.append((np.asarray(block.draft_probs.token_ids[pos]),
-                                normalize_sparse(block.draft_probs.probs[pos])))
-        k = max(1, max(len(e[0]) for e in entries))
-        ids = np.full((len(tokens), k), -1, dtype=np.int64)
-        probs = np.zeros((len(tokens), k), dtype=np.float64)
-        for j, (e_ids, e_probs) in enumerate(entries):
-            ids[j, : len(e_ids)] = e_ids
-            probs[j, : len(e_probs)] = e_probs
-        return ids, probs
+                width = np.shape(block.draft_probs.token_ids)[-1]
+                ids[lo:lo + gamma, :width] = np.asarray(block.draft_probs.token_ids)[:gamma]
+                probs[lo:lo + gamma, :width] = normalize_sparse(np.asarray(block.draft_probs.probs)[:gamma])
+        return ids[tokens], probs[tokens]
 
 
 def _row_faults(max_logit: np.ndarray, lay: _Layout) -> list[str | None]:
@@ -211,7 +214,15 @@ class _SampledPart:
         # a position whose scaled logits overflow (e.g. temperature 1e-310) has no distribution: never accepted
         max_logit = scan.max_logit.index_select(0, torch.as_tensor(tokens, device=dev))
         bad = ~torch.isfinite(max_logit.double() / temperature) | torch.from_numpy(faulty[tokens]).to(dev)
-        self.ids, self.probs, decided = sparse_probs(scan, vocab, temperature, top_k, top_p, min_p)  # [n, c]
+        warpers = (vocab, temperature, top_k, top_p, min_p)
+        self.ids, self.probs, decided, z_open = sparse_probs(scan, *warpers)  # [n, c]
+        z_open_at = torch.nonzero(z_open & ~bad)[:, 0]
+        if len(z_open_at):  # the normaliser's bounds left a top-p decision open: sum it exactly there, again
+            full = torch.stack([logits[row_of[j]][tokens[j] - lay.offsets[row_of[j]], :vocab]
+                                for j in z_open_at.tolist()])  # [z, vocab_size]
+            z = exact_normaliser(full, max_logit[z_open_at], temperature[z_open_at])
+            scan.z_low[z_open_at], scan.z_high[z_open_at] = z * (1 - 1e-12), z * (1 + 1e-12)
+            self.ids, self.probs, decided, _ = sparse_probs(scan, *warpers)
         p_x = (self.probs * (self.ids == x[:, None])).sum(-1)  # [n] p(x) (0 outside the candidates)
         dense_at = torch.nonzero(~decided & ~bad)[:, 0]
         self.dense_row = {j: r for r, j in enumerate(dense_at.tolist())}  # local position -> row of dense

@@ -4,13 +4,13 @@ temperature → top-k → top-p → min-p → softmax, with the semantics of :fu
 
 Two paths, chosen per position:
 
-- :func:`sparse_probs`, the fast path: the ``num_candidates`` most likely tokens of each position (one
-  ``torch.topk`` over the raw logits) carry the whole processed distribution whenever top-k, top-p or min-p
+- :func:`sparse_probs`, the fast path: the ``num_candidates`` most likely tokens of each position (found by
+  :func:`cloud_verifier.verdict_scan.scan_logits`, the one pass over the raw logits) carry the whole processed distribution whenever top-k, top-p or min-p
   keep only tokens among them, which they prove per position: the kept set must end at a candidate strictly
   more likely than the least likely candidate (so no token outside, and none tied with one outside, can be
-  kept), and no top-p decision may lie within ``_TOP_P_TOL`` of 1 − top_p (there the dense path decides, as
-  :mod:`common.top_p` leaves such rows to the full sort). Cost: the top-k selection and, without top-k, one
-  float32 exp pass for the softmax normaliser, instead of float64 passes, a sort and a cumsum over the
+  kept), and every top-p decision must be the same for both bounds of the softmax normaliser the scan gives
+  and further than ``_TOP_P_TOL`` from 1 − top_p (otherwise the dense path decides, as :mod:`common.top_p`
+  leaves such rows to the full sort). Cost: the scan, instead of float64 passes, a sort and a cumsum over the
   vocabulary.
 - :func:`dense_probs`, the general path: the reference's arithmetic over the whole vocabulary (float64, a full
   stable sort for top-p), for the positions the fast path cannot decide (wide nuclei, ties at its edge,
@@ -22,77 +22,14 @@ which can move a top-p, min-p or acceptance decision only where it lies within r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-NUM_CANDIDATES = 64  # tokens the fast path keeps per position: real nuclei at top-p 0.9, T 0.7 have 1-57
+from cloud_verifier.verdict_scan import Scan
+
 # A top-p decision is the fast path's only where its estimated ascending cumulative mass is further than this
-# from 1 - top_p: the normaliser comes from a float32 pass (relative error ~1e-6 at 49,152 tokens).
-_TOP_P_TOL = 1e-5
-
-
-@dataclass
-class Scan:
-    """What one pass over the full logits gives, per position (the only full-vocabulary passes of the fast
-    path): the guard's input, the greedy argmax, the candidates and the softmax normaliser."""
-
-    max_logit: torch.Tensor  # [num_tokens] float32 (NaN: some NaN logit; +inf; -inf: no finite logit)
-    argmax: torch.Tensor  # [num_tokens] int64 (lowest id among ties; meaningful for greedy positions)
-    cand_logits: torch.Tensor  # [num_sampled, c] float32, descending
-    cand_ids: torch.Tensor  # [num_sampled, c] int64
-    normaliser: torch.Tensor  # [num_sampled] float64: sum(exp((logits - max) / T)) over the vocabulary
-
-
-def scan_logits(
-    rows: list[torch.Tensor],  # per verify row [positions, vocab_size] float32, one device
-    valid_vocab_size: int,
-    sampled: np.ndarray,  # [num_tokens] bool: positions of sampled (not greedy) rows
-    temperature: np.ndarray,  # [num_tokens] float64 (used where sampled)
-    num_candidates: int = NUM_CANDIDATES,
-) -> Scan:
-    """One pass over all rows' logits: row by row on a CPU (no copy of the logits; one reused scratch buffer:
-    fresh [num_tokens, vocab_size] temporaries cost more in page faults than the arithmetic here), all rows in
-    one chunk on a GPU."""
-    dev = rows[0].device
-    c = min(num_candidates, valid_vocab_size)
-    if dev.type != "cpu":  # one chunk: a few kernels for the whole batch
-        rows = [torch.cat(rows)] if len(rows) > 1 else rows
-    scratch = torch.empty((max(r.shape[0] for r in rows), valid_vocab_size), device=dev)  # reused: no faults
-    parts: list[tuple] = []
-    start = 0
-    for x in rows:  # on a CPU one verify row at a time (~1 MB): no copy of the logits, temporaries in cache
-        n = x.shape[0]
-        parts.append(_scan_chunk(x[:, :valid_vocab_size], sampled[start:start + n], temperature[start:start + n],
-                                 c, scratch[:n]))
-        start += n
-    return Scan(*(torch.cat([p[j] for p in parts]) for j in range(5)))
-
-
-def _scan_chunk(
-    x: torch.Tensor,  # [n, vocab_size] float32 (valid vocabulary)
-    sampled: np.ndarray,  # [n] bool
-    temperature: np.ndarray,  # [n] float64
-    c: int,
-    scratch: torch.Tensor,  # [n, vocab_size] float32, overwritten
-) -> tuple:  # the Scan fields of these n positions (candidates and normaliser: of the sampled ones)
-    dev = x.device
-    max_logit = x.amax(-1)  # [n]
-    argmax = x.argmax(-1) if not sampled.all() else torch.zeros(x.shape[0], dtype=torch.int64, device=dev)
-    if not sampled.any():
-        empty = torch.empty((0, c), device=dev)
-        return max_logit, argmax, empty, empty.long(), torch.empty(0, dtype=torch.float64, device=dev)
-    m = max_logit
-    if not sampled.all():
-        at = torch.from_numpy(np.flatnonzero(sampled)).to(dev)
-        x, m = x.index_select(0, at), max_logit.index_select(0, at)
-        scratch = scratch[: x.shape[0]]
-    cand_logits, cand_ids = torch.topk(x, c, dim=-1)  # [s, c] descending by logit (ties: any order)
-    t32 = torch.from_numpy(temperature[sampled]).to(dev).float()[:, None]
-    torch.sub(x, m[:, None], out=scratch).div_(t32).exp_()  # exp((logits - max) / T) in float32
-    normaliser = scratch.sum(-1, dtype=torch.float64)  # [s]
-    return max_logit, argmax, cand_logits, cand_ids, normaliser
+# from 1 - top_p, for both bounds of the normaliser: the estimate and the reference's cumsum differ by the order
+# of float64 sums (< 3.1·vocab_size·2**-53, 1.7e-11 at 49,152 tokens; common/top_p.py has the argument).
+_TOP_P_TOL = 1e-9
 
 
 def sparse_probs(
@@ -106,9 +43,11 @@ def sparse_probs(
     """The processed distribution of each sampled position restricted to its candidates, and whether it is
     exact.
 
-    Returns (ids [num_sampled, c] int64, probs [num_sampled, c] float64, decided [num_sampled] bool): candidate
-    token ids, most likely first (ties: higher id first, the reverse of the reference's ascending order), and
-    their target_probs (0 for dropped ones). Where ``decided`` is False the position needs :func:`dense_probs`.
+    Returns (ids [num_sampled, c] int64, probs [num_sampled, c] float64, decided [num_sampled] bool, z_open
+    [num_sampled] bool): candidate token ids, most likely first (ties: higher id first, the reverse of the
+    reference's ascending order), and their target_probs (0 for dropped ones). Where ``decided`` is False the
+    position needs :func:`dense_probs`, unless ``z_open``: there the scan's bounds on the normaliser leave a
+    top-p decision open, and with the exact normaliser (:func:`exact_normaliser`) the fast path may decide.
     """
     c = scan.cand_logits.shape[1]
     scaled = scan.cand_logits.double() / temperature[:, None]  # [n, c] the reference's float64(logits) / T
@@ -118,16 +57,41 @@ def sparse_probs(
     decided = ~has_k | ((top_k < c) & (scaled[:, -1] < kth[:, 0]))
     keep_k = ~has_k[:, None] | (scaled >= kth)  # [n, c]
     e = torch.where(keep_k, torch.exp(scaled - scaled[:, :1]), 0.0)  # [n, c] exp(scaled - max)
-    # the normaliser: exact over the candidates where top-k leaves only them, else the float32 pass's (only
-    # top-p decisions further than _TOP_P_TOL from their boundary depend on it; the rest renormalise)
-    z = torch.where(has_k, e.sum(-1), scan.normaliser)  # [n]
-    ids, probs = _by_prob_then_id_descending(scan.cand_ids, e / z[:, None])  # [n, c]
+    # the normaliser: exact over the candidates where top-k leaves only them, else known within the scan's
+    # bounds: a top-p decision is the fast path's only where both bounds give it (min-p and the renormalised
+    # probabilities do not depend on it)
+    z_k = e.sum(-1)
+    z_low, z_high = torch.where(has_k, z_k, scan.z_low), torch.where(has_k, z_k, scan.z_high)  # [n]
+    ids, probs = _by_prob_then_id_descending(scan.cand_ids, e / z_low[:, None])  # [n, c]
     least = probs[:, -1]  # [n] every token outside the candidates is at most this likely
-    probs, ok_p = _top_p_sparse(probs, top_p, least, complete=has_k & decided)
+    complete = has_k & decided
+    _, ok_high, kept_high = _top_p_sparse(probs * (z_low / z_high)[:, None], top_p, least, complete)
+    probs, ok_p, kept = _top_p_sparse(probs, top_p, least, complete)
+    z_open = ok_p & ~(ok_high & (kept == kept_high))  # decided by the exact normaliser only
+    ok_p &= ~z_open
     has_p = top_p < 1.0
     probs, ok_m = _min_p_sparse(probs, min_p, least, inside=has_k | has_p)
     any_warper = has_k | has_p | (min_p > 0)  # temperature alone keeps every token: dense
-    return ids, probs, decided & ok_p & ok_m & any_warper
+    return ids, probs, decided & ok_p & ok_m & any_warper, z_open & decided & ok_m
+
+
+def exact_normaliser(
+    logits: torch.Tensor,  # [n, vocab_size] float32 (valid vocabulary)
+    max_logit: torch.Tensor,  # [n] float32
+    temperature: torch.Tensor,  # [n] float64
+) -> torch.Tensor:  # [n] float64
+    """sum(exp(float64(logits) / T - max / T)) over the vocabulary, the reference's normaliser up to the order of
+    the sum. Row by row in one reused float64 buffer on a CPU (in cache, no page faults), at once on a GPU."""
+    if logits.device.type != "cpu":
+        scaled = logits.double() / temperature[:, None]
+        return torch.exp(scaled - (max_logit.double() / temperature)[:, None]).sum(-1)
+    out = torch.empty(logits.shape[0], dtype=torch.float64)
+    buf = torch.empty(logits.shape[1], dtype=torch.float64)
+    for i in range(logits.shape[0]):
+        t = temperature[i]
+        buf.copy_(logits[i]).div_(t).sub_(max_logit[i].double() / t).exp_()
+        out[i] = buf.sum()
+    return out
 
 
 def _by_prob_then_id_descending(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +108,8 @@ def _top_p_sparse(
     top_p: torch.Tensor,  # [n] float64
     least: torch.Tensor,  # [n] float64: no token outside the candidates is more likely
     complete: torch.Tensor,  # [n] bool: tokens outside the candidates have probability 0 (top-k)
-) -> tuple[torch.Tensor, torch.Tensor]:  # (probs [n, c] renormalised where top-p applies, ok [n] bool)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (probs [n, c] renormalised where top-p applies,
+    # ok [n] bool, number of tokens kept [n] int64)
     """HF's top-p rule on the candidates: the reference drops a token whose ascending cumulative mass,
     1 − (mass of the more likely tokens), is <= 1 − top_p; the most likely token is always kept."""
     n, c = probs.shape
@@ -161,7 +126,7 @@ def _top_p_sparse(
     ok = ~has_p | (inside & ~near.any(-1))
     kept = torch.where(keep, probs, 0.0)
     kept = kept / kept.sum(-1, keepdim=True)
-    return torch.where(has_p[:, None], kept, probs), ok
+    return torch.where(has_p[:, None], kept, probs), ok, num_kept
 
 
 def _min_p_sparse(
