@@ -235,8 +235,13 @@ class TargetRunner:
         ``reserve_tokens`` positions now (None = all ``capacity_tokens``; the rest is added as it is written).
 
         Raises:
-            CapacityError: the pool has too few free blocks (nothing is allocated).
+            CapacityError: the pool has too few free blocks, or fewer blocks in all than ``capacity_tokens``
+                needs (a session that could never finish; nothing is allocated).
         """
+        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
+        if capacity_tokens > pool_tokens:
+            raise CapacityError(f"KV cache full: a session of up to {capacity_tokens} tokens cannot fit in the "
+                                f"{pool_tokens} tokens of the whole cache")
         kv = SessionKV(capacity_tokens)
         self.ensure(kv, capacity_tokens if reserve_tokens is None else min(reserve_tokens, capacity_tokens))
         return kv

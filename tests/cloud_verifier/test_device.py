@@ -98,7 +98,7 @@ def test_from_settings_dtype_loads_the_model_in_it(tiny_pair, no_cuda):
         runner = verifier.target
         assert runner.dtype is torch.bfloat16 and next(runner.model.parameters()).dtype is torch.bfloat16
         kv = runner.allocate(8)
-        assert kv.buffer.dtype is torch.bfloat16
+        assert runner.kv_pool.tensor.dtype is torch.bfloat16
         runner.free(kv)
     finally:
         verifier.shutdown()

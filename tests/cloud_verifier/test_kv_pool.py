@@ -74,8 +74,14 @@ def test_cpu_pool_gives_pages_of_free_blocks_back():
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_pair):
-    return TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=64, kv_block_size=4)
+def runner(tmp_path_factory, smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from _architectures import make_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    target_dir = make_tiny_model("llama", tmp_path_factory.mktemp("kv-pool") / "llama", tokenizer)
+    return TargetRunner(target_dir, kv_cache_budget_tokens=64, kv_block_size=4)
 
 
 def test_block_table_grows_rolls_back_and_frees(runner):
@@ -93,6 +99,8 @@ def test_block_table_grows_rolls_back_and_frees(runner):
     assert len(kv.blocks) == 10 and runner.kv_reserved_tokens == 40
     with pytest.raises(CapacityError):
         runner.allocate(32)  # 6 blocks free, 8 asked: nothing taken
+    with pytest.raises(CapacityError, match="cannot fit in the 64 tokens of the whole cache"):
+        runner.allocate(65, reserve_tokens=1)  # a session that could never finish is refused at once
     assert pool.num_used == 10
     runner.free(kv)
     runner.free(kv)  # idempotent

@@ -1,7 +1,8 @@
 """The paged attention: one attention call per layer for the whole ragged batch, whatever its size, with logits
 equal to the per-row reference loop it replaced and to the unmodified HF model — prefill chunks and verify rows
 in one batch, several KV block sizes (rows crossing block boundaries), a sliding window shorter than the
-contexts (Mistral) and score soft-capping with alternating window/full layers (Gemma 2)."""
+contexts (Mistral) and score soft-capping with alternating window/full layers (Gemma 2). On CUDA where there is
+one (scripts/gpu_check.sh), else on the CPU: the same code path."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from _architectures import WINDOW, make_tiny_model
 from cloud_verifier.target import ForwardRow, TargetRunner
 
 TOL = 1e-4  # relative to the reference's largest logit (float32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def _mixed_batch(runner: TargetRunner, rng: np.random.Generator, num_verify: int
 
 @pytest.mark.parametrize(("arch", "block_size"), [("llama", 16), ("llama", 5), ("mistral", 3), ("gemma2", 7)])
 def test_paged_batch_equals_per_row_reference_and_hf(model_dirs, arch, block_size):
-    runner = TargetRunner(model_dirs(arch), kv_cache_budget_tokens=1024, kv_block_size=block_size)
+    runner = TargetRunner(model_dirs(arch), kv_cache_budget_tokens=1024, kv_block_size=block_size,
+                          device=DEVICE)
     rows, fulls, kvs = _mixed_batch(runner, np.random.default_rng(3), num_verify=5)
     try:
         paged = runner.forward(rows)
@@ -96,7 +99,8 @@ def _count_attention_calls(runner: TargetRunner, rows, monkeypatch) -> int:
 
 @pytest.mark.parametrize("num_verify", [1, 4, 33])
 def test_one_attention_call_per_layer_whatever_the_batch_size(model_dirs, monkeypatch, num_verify):
-    runner = TargetRunner(model_dirs("llama"), kv_cache_budget_tokens=4096, check_architecture=False)
+    runner = TargetRunner(model_dirs("llama"), kv_cache_budget_tokens=4096, device=DEVICE,
+                          check_architecture=False)
     rows, _, kvs = _mixed_batch(runner, np.random.default_rng(num_verify), num_verify)
     try:
         assert _count_attention_calls(runner, rows, monkeypatch) == runner.num_layers
@@ -111,7 +115,8 @@ def test_one_attention_call_per_layer_whatever_the_batch_size(model_dirs, monkey
 
 
 def test_as_tensors_gives_float32_logits_on_the_device(model_dirs):
-    runner = TargetRunner(model_dirs("llama"), kv_cache_budget_tokens=256, check_architecture=False)
+    runner = TargetRunner(model_dirs("llama"), kv_cache_budget_tokens=256, device=DEVICE,
+                          check_architecture=False)
     kv = runner.allocate(16)
     try:
         out = runner.forward([ForwardRow(kv, [5, 6, 7, 8], 0, "all")], as_tensors=True)[0]
@@ -120,4 +125,4 @@ def test_as_tensors_gives_float32_logits_on_the_device(model_dirs):
         runner.free(kv)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.device == runner.device
     assert out.shape == (4, runner.vocab_size)
-    np.testing.assert_array_equal(out.numpy(), again)
+    np.testing.assert_array_equal(out.cpu().numpy(), again)
