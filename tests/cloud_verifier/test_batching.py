@@ -92,7 +92,8 @@ def test_session_output_independent_of_batching(tiny_pair, runner):
 
 def test_kv_budget_refuses_and_reuses(tiny_pair):
     small = TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=100)
-    backend = LocalBackend(Verifier(small))
+    # identical prompts: the budget without sharing (prefix caching: tests/cloud_verifier/test_prefix_cache_sessions.py)
+    backend = LocalBackend(Verifier(small, prefix_caching=False))
     try:
         model = OnnxDraftModel(tiny_pair.draft_dir)
         client = EdgeClient(backend, ModelDrafter(model), model.tokenizer)
