@@ -42,14 +42,14 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
 
 def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sweep, edge_cloud, delays_ms, adaptive,
               min_confidence, pin, plot, limit, max_new_tokens, num_speculative_tokens, target, draft, no_hf,
-              sampling, progress) -> dict:
+              sampling, progress, cloud_replay=False) -> dict:
     """The report of the one benchmark mode the options select."""
     if replay:
         return bench_mod.run_replay_bench(
             prompts, client_counts,
             duration_s=bench_mod.REPLAY_DEFAULT_DURATION_S if duration_s is None else duration_s,
             limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-            target=target, draft=draft, progress=progress,
+            target=target, draft=draft, progress=progress, cloud=cloud_replay,
         )
     if client_counts:
         return bench_mod.run_clients_bench(
@@ -113,7 +113,7 @@ def bench(
     wan: Optional[str] = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side "
                                       "by side through specdec.netem's proxy (JSON; docs/routing.md)"),
     route: Optional[str] = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,"
-                                        "auto)"),
+                                        "auto); --replay: 'speculative,cloud' also cloud-decodes the sessions"),
     jitter_ms: float = typer.Option(0.0, "--jitter-ms", help="--wan: ± jitter of each direction, ms"),
     bandwidth_kbps: float = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)"),
     draft_slowdown: str = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower "
@@ -154,6 +154,7 @@ def bench(
         with bench_mod.target_placement(device, dtype):  # the target's device in every mode
             report = _run_mode(
                 bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
+                cloud_replay="cloud" in (route or "").split(","),
                 edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
                 pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,

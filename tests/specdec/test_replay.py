@@ -92,3 +92,23 @@ def test_kernel_limit(setup):
     assert k["speedup"] > 0 and k["batched_ms"] > 0 and k["single_row_ms"] > 0
     assert k["tokens_per_row"] == 5 and k["mean_context_tokens"] > 0
     assert setup["runner"].kv_reserved_tokens == 0
+
+
+def test_cloud_decoded_replay_gets_the_recorded_outputs(setup):
+    """The same recorded sessions cloud-decoded (Decode): every token is the recorded one (greedy), several
+    sessions' rows share forward passes; a tampered recording is a mismatch (negative control)."""
+    rec = setup["record"]()
+    verifier = Verifier(setup["runner"], MemorySessionStore(ttl_s=60), max_batch_size=8)
+    with EmbeddedServer(verifier=verifier) as address:
+        tally = asyncio.run(replay_sessions(address, rec.prompts, 4, 2.0, max_new_tokens=rec.max_new_tokens,
+                                            tokenizer_fingerprint=rec.tokenizer_fingerprint, cloud=True))
+        assert tally.errors == 0, tally.error_samples
+        assert tally.mismatches == 0, tally.mismatch_samples
+        assert tally.sessions_completed > 0 and tally.tokens == tally.verdicts > 0
+        assert tally.batch_size_sum > tally.verdicts  # 4 sessions at once: rows shared forward passes
+        tampered = copy.deepcopy(rec.prompts)
+        tampered[0].output_token_ids[2] += 1
+        tally = asyncio.run(replay_sessions(address, tampered[:1], 1, 1.0, max_new_tokens=rec.max_new_tokens,
+                                            cloud=True))
+        assert tally.mismatches >= 1 and tally.mismatch_samples[0]["token"] == 2
+        assert verifier.num_sessions == 0

@@ -89,6 +89,7 @@ def run_replay_bench(
     cache_dir: Path | None = None,
     progress: bool = False,
     startup_timeout_s: float = VERIFIER_STARTUP_TIMEOUT_S,
+    cloud: bool = False,
 ) -> dict:
     """Replay recorded draft blocks from N concurrent sessions against a verifier process (package docstring).
 
@@ -97,6 +98,8 @@ def run_replay_bench(
     "kernel": {...}, "memory": {...}, ...}}, "recording": {...}, "config": {...}, "notes": [...]}``.
     ``serial=False`` skips the one-block-per-forward verifier (no ``speedup_vs_serial``). ``device``/``dtype``:
     the target's (verifiers, recording, kernel limit); None = :func:`~specdec.bench._shared.target_placement`'s.
+    ``cloud``: the same sessions also cloud-decoded (Decode) by N clients against the batched verifier: each N gets
+    ``"cloud"`` (its metrics) and ``"speculative_vs_cloud"`` (tokens/s and verifier CPU-s per 1,000 tokens).
     """
     from cloud_verifier.target import TargetRunner
 
@@ -130,7 +133,8 @@ def run_replay_bench(
         v_threads=v_threads, startup_timeout_s=startup_timeout_s)
     report, exit_status = _run_counts(
         counts, rec, runner, batched_proc, serial_proc, duration_s=duration_s, warmup_s=warmup_s, lg_cores=lg_cores,
-        v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, progress=progress)
+        v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, progress=progress,
+        cloud=cloud)
     config = _replay_config(
         prompts, limit, rec, duration_s=duration_s, warmup_s=warmup_s, max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size, device=str(dev),
@@ -196,7 +200,8 @@ def _resolve_placement(device: str | None, dtype: str | None):
 
 def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _VerifierProcess,
                 serial_proc: _VerifierProcess | None, *, duration_s: float, warmup_s: float, lg_cores, v_cores,
-                v_threads: int, num_speculative_tokens: int, progress: bool) -> tuple[dict, dict]:
+                v_threads: int, num_speculative_tokens: int, progress: bool, cloud: bool = False
+                ) -> tuple[dict, dict]:
     """(report per N, exit status of each verifier process): this process on the load generator's cores, the
     verifiers started and warmed up, each N measured, then the verifiers stopped and this process restored."""
     import torch
@@ -221,7 +226,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _Verifi
         for i, n in enumerate(counts):
             report[str(n)] = _measure_n(
                 n, i, rec, runner, batched_proc, serial_proc, duration_s=duration_s, lg_cores=lg_cores,
-                v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens,
+                v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, cloud=cloud,
             )
             torch.set_num_threads(saved_threads)
             if bar is not None:
@@ -257,8 +262,9 @@ def _recording_summary(rec: Recording) -> dict:
 
 def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _VerifierProcess,
                serial_proc: _VerifierProcess | None, *, duration_s: float, lg_cores, v_cores, v_threads: int,
-               num_speculative_tokens: int) -> dict:
-    """Kernel limit, then the batched and the serial replay (order alternating with ``index``), for one N."""
+               num_speculative_tokens: int, cloud: bool = False) -> dict:
+    """Kernel limit, then the batched and the serial replay (order alternating with ``index``), for one N; with
+    ``cloud`` the same sessions cloud-decoded against the batched verifier last."""
     import torch
 
     from ..edge_cloud import _set_process_affinity
@@ -272,15 +278,15 @@ def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _Verifi
         if lg_cores:
             _set_process_affinity(lg_cores)
     kernel["prefill_share"] = _prefill_share(runner, rec, kernel, v_cores, lg_cores, v_threads)
-    order = ["batched", "serial"] if index % 2 == 0 else ["serial", "batched"]
+    order = (["batched", "serial"] if index % 2 == 0 else ["serial", "batched"]) + (["cloud"] if cloud else [])
     out: dict[str, Any] = {}
     memory: dict[str, Any] = {}
     for mode in order:
         if mode == "serial" and serial_proc is None:
             continue
-        proc = batched_proc if mode == "batched" else serial_proc
-        clients = n if mode == "batched" else min(n, SERIAL_CLIENTS)
-        out[mode], idle, peak, after = _replay_mode(proc, rec, clients, duration_s)
+        proc = serial_proc if mode == "serial" else batched_proc
+        clients = min(n, SERIAL_CLIENTS) if mode == "serial" else n
+        out[mode], idle, peak, after = _replay_mode(proc, rec, clients, duration_s, cloud=mode == "cloud")
         if mode == "batched":
             memory = {
                 "idle": idle, "peak": peak, "after": after,
@@ -291,7 +297,7 @@ def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _Verifi
     return _entry(out, kernel, memory)
 
 
-def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_s: float):
+def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_s: float, cloud: bool = False):
     """One timed replay by ``clients`` sessions against ``proc``: (its metrics, the verifier's memory idle before,
     at its peak during, settled after)."""
     idle = verifier_memory(proc)
@@ -306,7 +312,7 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
             return await replay_sessions(proc.address, rec.prompts, clients, duration_s,
                                          max_new_tokens=rec.max_new_tokens,
                                          tokenizer_fingerprint=rec.tokenizer_fingerprint,
-                                         on_window=lambda what: cpu.__setitem__(what, _proc_cpu_s(pid)))
+                                         on_window=lambda what: cpu.__setitem__(what, _proc_cpu_s(pid)), cloud=cloud)
         finally:
             stop.set()
             await poller
@@ -333,6 +339,12 @@ def _entry(out: dict, kernel: dict, memory: dict) -> dict:
         "kernel": kernel,
         "memory": memory,
     }
+    if "cloud" in out:  # the same sessions cloud-decoded: capacity side by side (docs/routing.md)
+        entry["cloud"] = out["cloud"]
+        entry["speculative_vs_cloud"] = {name: {
+            "tokens_per_s": m["tokens_per_s"],
+            "verifier_cpu_s_per_1000_tokens": _ratio(1000, m["tokens_per_verifier_cpu_s"] or 0)}
+            for name, m in (("speculative", batched), ("cloud", out["cloud"]))}
     if "serial" in out:
         entry["serial"] = out["serial"]
         if entry["speedup_vs_serial"] and kernel["speedup"]:

@@ -48,7 +48,7 @@ def _rpc_error_text(e: BaseException) -> str:
 async def replay_sessions(address: str, prompts: list[RecordedPrompt], n: int, duration_s: float, *,
                           max_new_tokens: int, tokenizer_fingerprint: str = "", ramp_timeout_s: float = 300.0,
                           open_timeout_s: float = 300.0, verify_timeout_s: float = 60.0,
-                          on_window=None) -> ReplayTally:
+                          on_window=None, cloud: bool = False) -> ReplayTally:
     """N concurrent sessions replaying recorded blocks against the verifier at ``address`` (see the module
     docstring); every session asks for the recording's ``max_new_tokens`` (the recorded finish states depend
     on it). All N sessions open at once; the measured window of ``duration_s`` s starts when every slot has had
@@ -56,10 +56,13 @@ async def replay_sessions(address: str, prompts: list[RecordedPrompt], n: int, d
     Errors and mismatches count from the start. Must run on an asyncio loop; returns when every session is
     closed. Deadlines are the SDK's defaults (GrpcBackend's OpenSession 300 s, EdgeClient's verify step 60 s):
     a session past one counts as an error. ``on_window``: called with "start" when the window opens and "end"
-    when it closes (e.g. to read the verifier's CPU time)."""
+    when it closes (e.g. to read the verifier's CPU time). ``cloud``: each session is cloud-decoded instead (one
+    Decode stream: the verifier generates the recorded output itself, a verdict per token, checked against the
+    recorded output ids): the same sessions, for the capacity comparison of docs/routing.md."""
     run = _Replay(address, prompts, n, duration_s, max_new_tokens=max_new_tokens,
                   tokenizer_fingerprint=tokenizer_fingerprint, open_timeout_s=open_timeout_s,
                   verify_timeout_s=verify_timeout_s, on_window=on_window)
+    run.cloud = cloud
     watchdog = asyncio.create_task(run.ramp_watchdog(ramp_timeout_s))
     try:
         results = await asyncio.gather(*(_Slot(run).run() for _ in range(n)), return_exceptions=True)
@@ -91,6 +94,7 @@ class _Replay:
         self.start: float | None = None  # the window, once every slot has had its first verdict
         self.end = float("inf")
         self.ready = 0  # slots that have had their first verdict
+        self.cloud = False  # sessions cloud-decoded (Decode) instead of replaying the recorded blocks
 
     def open_window(self, timed_out: bool = False) -> None:
         if self.start is None:
@@ -172,7 +176,8 @@ class _Slot:
             tally.error(f"OpenSession: committed_length {opened.committed_length} != prompt length "
                         f"{len(p.prompt_token_ids)}")
         try:
-            if opened_ok and await self._steps(p, sid) and r.start is not None:
+            steps = self._decode if r.cloud else self._steps
+            if opened_ok and await steps(p, sid) and r.start is not None:
                 tally.sessions_completed += 1
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as e:
             tally.error(f"Verify: {_rpc_error_text(e)}")
@@ -221,6 +226,40 @@ class _Slot:
                                                    "expected": list(step.expected()), "got": list(got)})
                 return False
         return True
+
+
+    async def _decode(self, p: RecordedPrompt, sid: str) -> bool:
+        """Cloud decode of the session (one Decode stream from the prompt): True when the whole recorded output
+        came and matched, False when the window ended first (the call is cancelled) or a token differs."""
+        from specdec.v1 import verifier_pb2 as pb
+
+        r, tally = self.r, self.r.tally
+        call = self.stub.Decode(pb.DecodeRequest(session_id=sid, seq=1, committed_length=len(p.prompt_token_ids)))
+        n, t0 = 0, time.perf_counter()
+        try:
+            async for v in call:
+                t1 = time.perf_counter()
+                if not self.had_verdict:
+                    self.had_verdict = True
+                    r.first_verdict()
+                elif r.in_window():
+                    tally.verdicts += 1
+                    tally.tokens += 1
+                    tally.batch_size_sum += v.batch_size
+                    tally.latencies_s.append(t1 - t0)
+                t0 = t1
+                if n >= len(p.output_token_ids) or v.next_token_id != p.output_token_ids[n]:
+                    tally.mismatches += 1
+                    if len(tally.mismatch_samples) < 5:
+                        tally.mismatch_samples.append({"question_id": p.question_id, "token": n,
+                                                       "got": v.next_token_id})
+                    return False
+                n += 1
+                if r.loop.time() >= r.end:
+                    return False
+            return n == len(p.output_token_ids)
+        finally:
+            call.cancel()
 
 
 async def _exchange(call, msg):
