@@ -36,7 +36,8 @@ class VerifyRow:
 
 
 _FAULTS = {3: "NaN logits", 2: "+inf logits", 1: "a position with no finite logit"}
-_NO_DISTRIBUTION = "no distribution to sample from after logits processing (cannot sample from a distribution with no mass)"
+_NO_DISTRIBUTION = ("no distribution to sample from after logits processing (cannot sample from a distribution "
+                    "with no mass)")
 
 
 class BatchedRejectionSampler:

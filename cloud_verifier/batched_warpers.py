@@ -5,13 +5,13 @@ temperature → top-k → top-p → min-p → softmax, with the semantics of :fu
 Two paths, chosen per position:
 
 - :func:`sparse_probs`, the fast path: the ``num_candidates`` most likely tokens of each position (found by
-  :func:`cloud_verifier.verdict_scan.scan_logits`, the one pass over the raw logits) carry the whole processed distribution whenever top-k, top-p or min-p
-  keep only tokens among them, which they prove per position: the kept set must end at a candidate strictly
-  more likely than the least likely candidate (so no token outside, and none tied with one outside, can be
-  kept), and every top-p decision must be the same for both bounds of the softmax normaliser the scan gives
-  and further than ``_TOP_P_TOL`` from 1 − top_p (otherwise the dense path decides, as :mod:`common.top_p`
-  leaves such rows to the full sort). Cost: the scan, instead of float64 passes, a sort and a cumsum over the
-  vocabulary.
+  :func:`cloud_verifier.verdict_scan.scan_logits`, the one pass over the raw logits) carry the whole
+  processed distribution whenever top-k, top-p or min-p keep only tokens among them, which they prove per
+  position: the kept set must end at a candidate strictly more likely than the least likely candidate (so no
+  token outside, and none tied with one outside, can be kept), and every top-p decision must be the same for
+  both bounds of the softmax normaliser the scan gives and further than ``_TOP_P_TOL`` from 1 − top_p
+  (otherwise the dense path decides, as :mod:`common.top_p` leaves such rows to the full sort). Cost: the
+  scan, instead of float64 passes, a sort and a cumsum over the vocabulary.
 - :func:`dense_probs`, the general path: the reference's arithmetic over the whole vocabulary (float64, a full
   stable sort for top-p), for the positions the fast path cannot decide (wide nuclei, ties at its edge,
   top_k >= num_candidates, temperature alone).
