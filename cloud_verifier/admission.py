@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from cloud_verifier import metrics
-from cloud_verifier.prefix_cache import cache_prefilled, open_session_kv
+from cloud_verifier.prefix_cache import cache_prefilled, extend_session_kv, open_session_kv
 from cloud_verifier.session_state import Session, owned
 from cloud_verifier.store import SessionRecord, SessionStore
 from cloud_verifier.target import TargetRunner
@@ -223,14 +223,18 @@ class SessionAdmission:
             needed = min(self.info.max_context_tokens, new_length + stopping.max_new_tokens)
             limit = session.kv.capacity
             session.kv.capacity = max(limit, needed)  # a limit: memory comes as blocks, no copy
-            tokens = [record.committed_token_ids[-1], *appended[:-1]]
+            history = [*record.committed_token_ids, *appended]
+            # blocks of this history another session left in the prefix cache are taken, not prefilled
+            skip_begin, skip_end = extend_session_kv(self.target, session.kv, history, start, record.tenant_id)
             try:
-                self.target.ensure(session.kv, start + len(tokens))
+                self.target.ensure(session.kv, new_length - 1)
             except CapacityError:
                 session.kv.capacity = limit
                 raise
-            for begin in range(0, len(tokens), self.prefill_chunk_tokens):
-                await self.prefill_chunk(session, tokens[begin : begin + self.prefill_chunk_tokens], start + begin)
+            chunk = self.prefill_chunk_tokens
+            for begin, end in ((start, skip_begin), (skip_end, new_length - 1)):
+                for pos in range(begin, end, chunk):
+                    await self.prefill_chunk(session, history[pos : min(pos + chunk, end)], pos)
             now = time.time()
             self.store.extend(sid, expected_length, appended, sampling, stopping, int(sampling.seed), now,
                               self.info.verifier_id)

@@ -382,3 +382,28 @@ def cache_prefilled(target, kv, token_ids: Sequence[int], num_tokens: int, tenan
     if cache is None:
         return 0
     return cache.cache_full_blocks(kv.blocks, token_ids, min(int(num_tokens), len(token_ids)), tenant_id)
+
+
+def extend_session_kv(target, kv, token_ids: Sequence[int], start: int, tenant_id: str = "") -> tuple[int, int]:
+    """An ExtendSession turn about to prefill ``token_ids[start:-1]`` (``start`` = the old committed length - 1;
+    ``kv`` holds the positions before it): the blocks after the one holding ``start`` are taken from the cache
+    where it has them for these tokens (its block table gets them, fresh blocks past them are dropped).
+
+    Returns (begin, end): positions [begin, end) need no prefill (begin == end: nothing taken). They start at a
+    block boundary past ``start``, so if the turn is not committed, rolling the table back to the old length
+    drops every block taken and the next block of the session writes none of them.
+    """
+    cache = target.prefix_cache
+    bs = target.kv_block_size
+    first = -(-int(start) // bs)  # the first block holding no position before ``start``
+    n = max_prefix_blocks(len(token_ids), bs)
+    if cache is None or n <= first or len(kv.blocks) < first:
+        return start, start
+    taken = cache.take_prefix(cache.block_hashes(token_ids[: n * bs], tenant_id)[first:], n - first)
+    if not taken:
+        return start, start
+    dropped = kv.blocks[first:]
+    kv.blocks[first:] = taken
+    if dropped:
+        target.kv_pool.blocks.decref(dropped)
+    return first * bs, (first + len(taken)) * bs

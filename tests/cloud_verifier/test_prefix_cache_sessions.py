@@ -73,7 +73,8 @@ def _decode_with_rejections(backend, opened, reference: list[int], rng: random.R
                             tenant_id: str = "") -> list[int]:
     """Verify blocks of the reference continuation with one token in most blocks made wrong (rejections, roll
     backs); returns the committed output."""
-    out, seq, length = [], 1, opened.committed_length
+    record = backend.verifier.sessions.held(opened.session_id).record
+    out, seq, length = [], record.last_seq + 1, opened.committed_length  # seq goes on after an ExtendSession
     capacity = opened.committed_length + NEW
     while True:
         draft = list(reference[len(out) : len(out) + min(gamma, capacity - length)])
@@ -205,5 +206,28 @@ def test_prefix_caching_off_shares_nothing(runner):
         for o, _ in opened:
             backend.close_session(o.session_id)
         assert runner.prefix_cache.num_evictable == 0
+    finally:
+        backend.close()
+
+
+def test_an_extension_takes_the_blocks_another_session_cached_for_the_same_history(runner, hf_model):
+    rng = random.Random(5)
+    prompt, appended = _ids(rng, 90), _ids(rng, 120)
+    reply1 = _reference(hf_model, prompt)
+    history = prompt + reply1 + appended  # 218 tokens
+    reply2 = _reference(hf_model, history)
+    backend = _backend(runner)
+    try:
+        whole, _ = _open(backend, history)  # another device already sent the whole conversation
+        s, _ = _open(backend, prompt)
+        assert _decode_with_rejections(backend, s, reply1, rng) == reply1
+        before = _batch_tokens()
+        ext = backend.extend_session(s.session_id, len(prompt) + NEW, appended, *GREEDY)
+        # the old length is 98: its block 6 (positions 96..111) is prefilled from 97; blocks 7..12 (112..207) are
+        # taken (13 = (218 - 1) // 16 full blocks cached by the other session); 208..216 prefilled
+        assert _batch_tokens() - before == (112 - 97) + (217 - 13 * BS)
+        out2 = _decode_with_rejections(backend, ext, reply2, rng)
+        assert out2 == reply2  # token-identical to target-only decoding of the whole history
+        assert out2 == _decode_with_rejections(backend, whole, reply2, rng)
     finally:
         backend.close()
