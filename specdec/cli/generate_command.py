@@ -183,11 +183,15 @@ def generate(
     except _user_errors() as e:
         _fail(_explain(e))
     client.route = route  # edge_client.routing
+    _stream(client, close, prompt, as_json, dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw, **processing))
+
+
+def _stream(client, close, prompt: str, as_json: bool, kwargs: dict) -> None:
+    """Generate ``prompt`` with ``kwargs``, the text to stdout as it is committed (not with ``as_json``), then the
+    statistics (and with --logprobs one line per token) or the JSON object; ``close`` the pipeline after."""
     try:
-        kwargs = dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw, **processing,
-        )
         for delta in client.stream(prompt, **kwargs):
             if not as_json:
                 sys.stdout.write(delta)
