@@ -152,3 +152,42 @@ def test_invalid_schema_is_refused_at_open_with_the_engines_message(tiny_verifie
         client.generate(ids, max_new_tokens=4, grammar=GrammarSpec("json_schema", '{"type": "frob"}'))
     with pytest.raises(InvalidRequestError, match="unclosed group"):
         client.generate(ids, max_new_tokens=4, grammar=GrammarSpec("regex", "a(b"))
+
+
+CHOICES = ["apple", "apricot", "apex", "banana"]  # 'ap...' paths collide on their first tokens
+
+
+def _answer_counts(client, tokenizer, seeds, spec):
+    ids = encode_prompt(tokenizer, "Pick a fruit.")
+    counts: dict[str, int] = {}
+    for seed in seeds:
+        text = client.generate(ids, max_new_tokens=8, temperature=1.0, seed=seed, grammar=spec).text
+        counts[text] = counts.get(text, 0) + 1
+    return counts
+
+
+def _tv(a: dict, b: dict) -> float:
+    na, nb = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
+
+
+def test_sampled_choice_distribution_equals_target_only_with_a_negative_control(tiny_pair, tiny_verifier, tokenizer,
+                                                                               monkeypatch):
+    """Seeded TV test: speculative sampled decoding (a low-acceptance draft, top-k drafting) under a choice grammar
+    draws the answers with target-only constrained sampling's law; the verifier without its mask does not."""
+    spec = GrammarSpec.choice(CHOICES)
+    n = 150
+    ref = _answer_counts(EdgeClient(tiny_verifier, None, tokenizer), tokenizer, range(n), spec)
+    model = OnnxDraftModel(tiny_pair.other_draft_dir)
+    spec_client = EdgeClient(tiny_verifier, ModelDrafter(model, draft_top_k=4), model.tokenizer,
+                             num_speculative_tokens=3)
+    got = _answer_counts(spec_client, tokenizer, range(10_000, 10_000 + n), spec)
+    assert set(ref) <= set(CHOICES) and set(got) <= set(CHOICES)
+    assert len(ref) >= 2  # the grammar leaves a real choice to the target's distribution
+    assert _tv(ref, got) < 0.15, (ref, got)
+    # negative control: the verifier forgets the grammar (p unconstrained); the draft still masks its q
+    import cloud_verifier.row_logits as row_logits
+
+    monkeypatch.setattr(row_logits, "apply_session_grammar", lambda session, block, logits: logits)
+    broken = _answer_counts(spec_client, tokenizer, range(20_000, 20_000 + n // 3), spec)
+    assert _tv(ref, broken) > 0.3, broken
