@@ -7,6 +7,9 @@ Each of ``--rows`` sessions holds ``--context`` tokens of KV (prefilled once, un
 of ``--rows`` verify rows of ``--tokens`` tokens each is timed ``--repeats`` times per mode (modes alternate, so
 a slow patch of a shared machine hits both alike); medians in ms. ``--block-sizes 16,32`` times the paged path
 at several KV block sizes (a runner each). Default target: the prepared SmolLM2-135M.
+
+The code before the paged pool (a worktree of an older commit) is timed by running this file with that tree
+first on PYTHONPATH: ``PYTHONPATH=/tmp/before python specdec/bench/attention_bench.py ...`` (``forward_ms``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,21 @@ import time
 
 
 def _time_forward(runner, rows, repeats: int) -> dict:
-    """Median ms of the reference loop and of the paged path over ``rows``, alternating."""
+    """Median ms of the reference loop and of the paged path over ``rows``, alternating (a runner from before
+    the paged pool, run through PYTHONPATH: its one forward as ``forward_ms``)."""
     import torch
 
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    if not hasattr(runner, "reference_attention"):  # the code before the paged pool
+        runner.forward(rows)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            runner.forward(rows)
+            sync()
+            times.append((time.perf_counter() - t) * 1000)
+        return {"forward_ms": statistics.median(times)}
     times: dict[str, list[float]] = {"reference": [], "paged": []}
     runner.forward(rows)  # warm-up (both modes)
     with runner.reference_attention():
@@ -48,9 +62,13 @@ def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, 
     from cloud_verifier.target import ForwardRow, TargetRunner
     from common.paths import default_model_paths
 
+    import inspect
+
     budget = rows * (context + tokens + 2 * block_size)
+    paged = "kv_block_size" in inspect.signature(TargetRunner).parameters
     runner = TargetRunner(target or default_model_paths().target_dir, kv_cache_budget_tokens=budget,
-                          device=device, dtype=dtype, kv_block_size=block_size, check_architecture=False)
+                          device=device, dtype=dtype, check_architecture=False,
+                          **({"kv_block_size": block_size} if paged else {}))
     rng = np.random.default_rng(0)
     vocab = min(runner.vocab_size, 32000)
     kvs = [runner.allocate(context + tokens) for _ in range(rows)]
@@ -63,9 +81,10 @@ def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, 
     finally:
         for kv in kvs:
             runner.free(kv)
-    result.update(block_size=block_size, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-                  num_layers=runner.num_layers)
-    result["speedup"] = result["reference_ms"] / result["paged_ms"]
+    result.update(block_size=block_size if paged else None, device=str(runner.device),
+                  dtype=str(runner.dtype).removeprefix("torch."), num_layers=runner.num_layers)
+    if paged:
+        result["speedup"] = result["reference_ms"] / result["paged_ms"]
     return result
 
 
