@@ -190,8 +190,8 @@ def test_unsupported_parameters_are_refused(client, model_id):
     kw = dict(model=model_id, messages=MESSAGES, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="'n' must be in"):
         client.chat.completions.create(n=9, **kw)  # n up to 8 (tests/specdec/test_openai_sampling_params.py)
-    for extra in (dict(tools=[{"type": "function", "function": {"name": "f"}}]),
-                  dict(response_format={"type": "json_object"})):
+    for extra in (dict(functions=[{"name": "f", "parameters": {"type": "object"}}]),  # (tools, response_format:
+                  dict(prediction={"type": "content", "content": "x"})):                # docs/structured-output.md)
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw, **extra)
         assert next(iter(extra)) in str(e.value)
