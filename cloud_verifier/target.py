@@ -238,10 +238,6 @@ class TargetRunner:
             CapacityError: the pool has too few free blocks, or fewer blocks in all than ``capacity_tokens``
                 needs (a session that could never finish; nothing is allocated).
         """
-        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
-        if capacity_tokens > pool_tokens:
-            raise CapacityError(f"KV cache full: a session of up to {capacity_tokens} tokens cannot fit in the "
-                                f"{pool_tokens} tokens of the whole cache")
         kv = SessionKV(capacity_tokens)
         self.ensure(kv, capacity_tokens if reserve_tokens is None else min(reserve_tokens, capacity_tokens))
         return kv
@@ -250,11 +246,16 @@ class TargetRunner:
         """Grow the block table to hold positions 0..tokens-1 (no copy: more blocks).
 
         Raises:
-            CapacityError: too few free blocks (the table stays as it was).
+            CapacityError: too few free blocks, or the session's limit (``kv.capacity``) exceeds the whole pool:
+                a session that could never finish (the table stays as it was).
             ValueError: the cache was freed.
         """
         if kv.freed:
             raise ValueError("KV cache used after it was freed")
+        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
+        if kv.capacity > pool_tokens:
+            raise CapacityError(f"KV cache full: a session of up to {kv.capacity} tokens cannot fit in the "
+                                f"{pool_tokens} tokens of the whole cache")
         missing = -(-int(tokens) // self.kv_pool.block_size) - len(kv.blocks)
         if missing > 0:  # with a prefix cache, evictable cached blocks are evicted when the free list is short
             allocate = self.kv_pool.blocks.allocate if self.prefix_cache is None else self.prefix_cache.allocate
