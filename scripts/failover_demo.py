@@ -62,6 +62,116 @@ def specdec(*args: str, timeout_s: float = 900) -> tuple[int, dict | None, list[
     return run.returncode, out, [line for line in run.stderr.splitlines() if line.strip()]
 
 
+class StartError(RuntimeError):
+    """A process of the demo did not start (the message says which, and where its log is)."""
+
+
+def start_replica(name: str, redis_port: int, work: Path, procs: list, extra_env: dict | None = None):
+    """Start `specdec serve` replica ``name`` on free ports, sharing redis; returns (process, address, metrics port)."""
+    port, mport = free_port(), free_port()
+    env = {**os.environ, "SPECDEC_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+           "SPECDEC_VERIFIER_ID": f"replica-{name}", **(extra_env or {})}
+    log = open(work / f"replica-{name}.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port",
+                          str(port), "--metrics-port", str(mport)], stdout=log, stderr=subprocess.STDOUT,
+                         env=env, cwd=str(ROOT))
+    procs.append(p)
+    return p, f"127.0.0.1:{port}", mport
+
+
+def wait_serving(name: str, p: subprocess.Popen, address: str, deadline: float, work: Path) -> None:
+    """Wait until replica ``name`` answers its health check. Raises StartError if it exits or ``deadline`` passes."""
+    while not serving(address):
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise StartError(f"replica {name} did not start; see {work}")
+        time.sleep(0.5)
+
+
+def kill_mid_run(args, proc_a, addr_a: str, mport_a: int, addr_b: str, mport_b: int) -> tuple[bool, dict | None]:
+    """Check 1: `specdec generate --server A,B` with A SIGKILLed mid-run equals --target-only. Returns (ok, the
+    target-only JSON)."""
+    drafts0 = metric(mport_a, "specdec_spec_decode_num_drafts_total")
+    cmd = ["generate", args.prompt, "--server", f"{addr_a},{addr_b}", "--temperature", "0",
+           "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    print("\n$ specdec " + " ".join(repr(c) if " " in c else c for c in cmd) + "   # SIGKILL A mid-run")
+    gen = subprocess.Popen([sys.executable, "-m", "specdec.cli", *cmd], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+    while gen.poll() is None and metric(mport_a, "specdec_spec_decode_num_drafts_total") - drafts0 < 5:
+        time.sleep(0.02)
+    killed_at = metric(mport_a, "specdec_spec_decode_num_drafts_total") - drafts0
+    proc_a.send_signal(signal.SIGKILL)
+    stdout, stderr = gen.communicate(timeout=900)
+    failover = json.loads(stdout) if gen.returncode == 0 else None
+    print(f"A SIGKILLed after verifying {killed_at:.0f} blocks of it; exit status {gen.returncode}")
+    for line in stderr.splitlines():
+        print(f"  stderr: {line}")
+    if failover:
+        print("  " + json.dumps({k: failover[k] for k in ("num_generated_tokens", "num_failovers",
+                                                          "num_unverified_tokens", "finish_reason",
+                                                          "acceptance_rate", "elapsed_s")}))
+        print(f"  B resumed sessions: {metric(mport_b, 'specdec_sessions_resumed_total'):.0f}")
+    rc, ref, err = specdec(args.prompt, "--target-only", "--temperature", "0", "--max-new-tokens",
+                           str(args.max_new_tokens), "--json")
+    print(f"\n$ specdec generate ... --target-only --temperature 0 --json   -> exit status {rc}")
+    same = bool(failover and ref and failover["token_ids"] == ref["token_ids"])
+    print(f"  token ids identical to --target-only: {same} ({len(ref['token_ids']) if ref else 0} tokens)")
+    return gen.returncode == 0 and bool(failover) and failover["num_failovers"] >= 1 and same, ref
+
+
+def sdk_failover(args, redis_port: int, work: Path, procs: list, addr_b: str, ref: dict | None) -> bool:
+    """Check 1b: the SDK, to time the failover: a fresh replica A2 first in the list, SIGKILLed after 20 chunks."""
+    proc_a2, addr_a2, _ = start_replica("a2", redis_port, work, procs)
+    while not serving(addr_a2):
+        if proc_a2.poll() is not None:
+            raise StartError("replica a2 did not start")
+        time.sleep(0.5)
+    sys.path.insert(0, str(ROOT))
+    from edge_client.client import EdgeClient
+
+    with EdgeClient.connect([addr_a2, addr_b]) as client:
+        chunks = client.stream_chunks(args.prompt, max_new_tokens=args.max_new_tokens, temperature=0.0)
+        for _ in range(20):
+            next(chunks)
+        proc_a2.send_signal(signal.SIGKILL)
+        list(chunks)
+        res = client.last_result
+        print(f"\nSDK EdgeClient.connect([A2, B]), A2 SIGKILLed after 20 chunks: num_failovers {res.num_failovers}, "
+              f"token ids identical to --target-only: {bool(ref) and res.token_ids == ref['token_ids']}")
+        print("  failover time, first failure -> verdict: "
+              + ", ".join(f"{m:.0f} ms" for m in client.backend.last_failover_ms)
+              + "; retry sent -> verdict: " + ", ".join(f"{m:.0f} ms" for m in client.backend.last_retry_ms))
+    return res.num_failovers >= 1 and bool(ref) and res.token_ids == ref["token_ids"]
+
+
+def closed_port(args) -> bool:
+    """Check 2: a closed port: device fallback (every token unverified, one notice), and none (exit 2, one line)."""
+    closed = f"127.0.0.1:{free_port()}"
+    rc, out, err = specdec(args.prompt, "--server", closed, "--fallback", "device", "--temperature", "0",
+                           "--max-new-tokens", str(args.max_new_tokens), "--json")
+    print(f"\n$ specdec generate PROMPT --server {closed} --fallback device --json   -> exit status {rc}")
+    for line in err:
+        print(f"  stderr: {line}")
+    if out:
+        print("  " + json.dumps({k: out[k] for k in ("num_generated_tokens", "num_unverified_tokens",
+                                                     "num_failovers", "finish_reason")}))
+    ok = rc == 0 and bool(out) and out["num_unverified_tokens"] == out["num_generated_tokens"] and len(err) == 1
+    rc, out, err = specdec(args.prompt, "--server", closed, "--temperature", "0", "--json")
+    print(f"\n$ specdec generate PROMPT --server {closed} --json   -> exit status {rc}")
+    for line in err:
+        print(f"  stderr: {line}")
+    return ok and rc == 2 and len(err) == 1
+
+
+def stop_all(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", default="Explain how a rainbow forms, step by step.")
@@ -73,114 +183,25 @@ def main() -> int:
         return 1
     work = Path(tempfile.mkdtemp(prefix="specdec-failover-"))
     procs: list[subprocess.Popen] = []
-    ok = True
     try:
         redis_port = free_port()
         procs.append(subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no"], stdout=subprocess.DEVNULL))
-        replicas = []
-        for name in ("a", "b"):
-            port, mport = free_port(), free_port()
-            env = {**os.environ, "SPECDEC_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-                   "SPECDEC_VERIFIER_ID": f"replica-{name}", "SPECDEC_GRACE_PERIOD_S": "5"}
-            log = open(work / f"replica-{name}.log", "wb")
-            p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port",
-                                  str(port), "--metrics-port", str(mport)], stdout=log, stderr=subprocess.STDOUT,
-                                 env=env, cwd=str(ROOT))
-            procs.append(p)
-            replicas.append((name, p, f"127.0.0.1:{port}", mport))
+        replicas = [(name, *start_replica(name, redis_port, work, procs, {"SPECDEC_GRACE_PERIOD_S": "5"}))
+                    for name in ("a", "b")]
         deadline = time.monotonic() + 300
         for name, p, address, _ in replicas:
-            while not serving(address):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    print(f"replica {name} did not start; see {work}", file=sys.stderr)
-                    return 1
-                time.sleep(0.5)
+            wait_serving(name, p, address, deadline, work)
         (_, proc_a, addr_a, mport_a), (_, _, addr_b, mport_b) = replicas
         print(f"replicas: A={addr_a} B={addr_b} (redis 127.0.0.1:{redis_port}); logs in {work}")
-
-        # --- 1. SIGKILL A mid-run
-        drafts0 = metric(mport_a, "specdec_spec_decode_num_drafts_total")
-        cmd = ["generate", args.prompt, "--server", f"{addr_a},{addr_b}", "--temperature", "0",
-               "--max-new-tokens", str(args.max_new_tokens), "--json"]
-        print("\n$ specdec " + " ".join(repr(c) if " " in c else c for c in cmd) + "   # SIGKILL A mid-run")
-        gen = subprocess.Popen([sys.executable, "-m", "specdec.cli", *cmd], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
-        while gen.poll() is None and metric(mport_a, "specdec_spec_decode_num_drafts_total") - drafts0 < 5:
-            time.sleep(0.02)
-        killed_at = metric(mport_a, "specdec_spec_decode_num_drafts_total") - drafts0
-        proc_a.send_signal(signal.SIGKILL)
-        stdout, stderr = gen.communicate(timeout=900)
-        failover = json.loads(stdout) if gen.returncode == 0 else None
-        print(f"A SIGKILLed after verifying {killed_at:.0f} blocks of it; exit status {gen.returncode}")
-        for line in stderr.splitlines():
-            print(f"  stderr: {line}")
-        if failover:
-            print("  " + json.dumps({k: failover[k] for k in ("num_generated_tokens", "num_failovers",
-                                                              "num_unverified_tokens", "finish_reason",
-                                                              "acceptance_rate", "elapsed_s")}))
-            print(f"  B resumed sessions: {metric(mport_b, 'specdec_sessions_resumed_total'):.0f}")
-        rc, ref, err = specdec(args.prompt, "--target-only", "--temperature", "0", "--max-new-tokens",
-                               str(args.max_new_tokens), "--json")
-        print(f"\n$ specdec generate ... --target-only --temperature 0 --json   -> exit status {rc}")
-        same = bool(failover and ref and failover["token_ids"] == ref["token_ids"])
-        print(f"  token ids identical to --target-only: {same} ({len(ref['token_ids']) if ref else 0} tokens)")
-        ok &= gen.returncode == 0 and bool(failover) and failover["num_failovers"] >= 1 and same
-
-        # --- 1b. the SDK, to time the failover: a fresh replica A2 first in the list, SIGKILLed after 20 chunks
-        port, mport = free_port(), free_port()
-        env = {**os.environ, "SPECDEC_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "SPECDEC_VERIFIER_ID": "replica-a2"}
-        proc_a2 = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), "--metrics-port", str(mport)], stdout=open(work / "replica-a2.log", "wb"),
-                                   stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-        procs.append(proc_a2)
-        addr_a2 = f"127.0.0.1:{port}"
-        while not serving(addr_a2):
-            if proc_a2.poll() is not None:
-                print("replica a2 did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        sys.path.insert(0, str(ROOT))
-        from edge_client.client import EdgeClient
-
-        with EdgeClient.connect([addr_a2, addr_b]) as client:
-            chunks = client.stream_chunks(args.prompt, max_new_tokens=args.max_new_tokens, temperature=0.0)
-            for _ in range(20):
-                next(chunks)
-            proc_a2.send_signal(signal.SIGKILL)
-            list(chunks)
-            res = client.last_result
-            print(f"\nSDK EdgeClient.connect([A2, B]), A2 SIGKILLed after 20 chunks: num_failovers {res.num_failovers}, "
-                  f"token ids identical to --target-only: {bool(ref) and res.token_ids == ref['token_ids']}")
-            print("  failover time, first failure -> verdict: "
-                  + ", ".join(f"{m:.0f} ms" for m in client.backend.last_failover_ms)
-                  + "; retry sent -> verdict: " + ", ".join(f"{m:.0f} ms" for m in client.backend.last_retry_ms))
-        ok &= res.num_failovers >= 1 and bool(ref) and res.token_ids == ref["token_ids"]
-
-        # --- 2. closed port: device fallback, and none
-        closed = f"127.0.0.1:{free_port()}"
-        rc, out, err = specdec(args.prompt, "--server", closed, "--fallback", "device", "--temperature", "0",
-                               "--max-new-tokens", str(args.max_new_tokens), "--json")
-        print(f"\n$ specdec generate PROMPT --server {closed} --fallback device --json   -> exit status {rc}")
-        for line in err:
-            print(f"  stderr: {line}")
-        if out:
-            print("  " + json.dumps({k: out[k] for k in ("num_generated_tokens", "num_unverified_tokens",
-                                                         "num_failovers", "finish_reason")}))
-        ok &= rc == 0 and bool(out) and out["num_unverified_tokens"] == out["num_generated_tokens"] and len(err) == 1
-        rc, out, err = specdec(args.prompt, "--server", closed, "--temperature", "0", "--json")
-        print(f"\n$ specdec generate PROMPT --server {closed} --json   -> exit status {rc}")
-        for line in err:
-            print(f"  stderr: {line}")
-        ok &= rc == 2 and len(err) == 1
+        ok, ref = kill_mid_run(args, proc_a, addr_a, mport_a, addr_b, mport_b)
+        ok &= sdk_failover(args, redis_port, work, procs, addr_b, ref)
+        ok &= closed_port(args)
+    except StartError as e:
+        print(str(e), file=sys.stderr)
+        return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)
     print(f"\nall checks hold: {ok}")
     return 0 if ok else 1
 

@@ -159,6 +159,23 @@ def run_bench(
     finally:
         rig.close()
 
+    overall, categories, agreement = _summaries(results, rig, sampling, (fwd1, fwd_block, gamma_eff, top1), notes)
+    predicted = _predicted_speedup(overall, gamma_eff, fwd1, fwd_block, notes)
+    config = _bench_config(
+        prompts, limit, len(results), sampling, max_new_tokens=max_new_tokens,
+        num_speculative_tokens=num_speculative_tokens, gamma_eff=gamma_eff, target_dir=target_dir,
+        draft_dir=draft_dir, rig_config=rig.config(hf_assisted, hf_draft), setup_s=setup_s, run_s=run_s,
+        predicted=predicted)
+    sampled = {} if sampling.greedy else {"sampled_reproducibility": reproducibility}
+    return {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
+            "notes": notes, **sampled}
+
+
+def _summaries(results: list, rig: Any, sampling: Any, costs: tuple, notes: list[str]) -> tuple[dict, dict, Any]:
+    """The report's ``overall`` (with the logits processing costs, ms per position), ``categories`` and
+    ``greedy_agreement`` (None when sampled) of :func:`run_bench`'s ``results``; ``costs`` = (fwd1, fwd_block,
+    gamma_eff, top1) as measured by the rig."""
+    fwd1, fwd_block, gamma_eff, top1 = costs
     overall = _overall_metrics(results, rig.variants, fwd1, fwd_block, gamma_eff, top1)
     categories = {c: _summarize([r for r in results if r.prompt.category == c], rig.variants)
                   for c in _categories_of(results)}
@@ -169,15 +186,7 @@ def run_bench(
         overall["history_processing_ms"] = _history_processing_ms(sampling, rig.valid_vocab)
         notes.append("sampled: outputs are not compared token by token; sampled_reproducibility re-runs the first "
                      "prompts with the same seed (null without --seed)")
-    predicted = _predicted_speedup(overall, gamma_eff, fwd1, fwd_block, notes)
-    config = _bench_config(
-        prompts, limit, len(results), sampling, max_new_tokens=max_new_tokens,
-        num_speculative_tokens=num_speculative_tokens, gamma_eff=gamma_eff, target_dir=target_dir,
-        draft_dir=draft_dir, rig_config=rig.config(hf_assisted, hf_draft), setup_s=setup_s, run_s=run_s,
-        predicted=predicted)
-    sampled = {} if sampling.greedy else {"sampled_reproducibility": reproducibility}
-    return {"overall": overall, "categories": categories, "config": config, "greedy_agreement": agreement,
-            "notes": notes, **sampled}
+    return overall, categories, agreement
 
 
 def _bench_config(prompts: Path, limit: int | None, num_prompts: int, sampling: Any, *, max_new_tokens: int,

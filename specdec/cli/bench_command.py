@@ -73,6 +73,31 @@ def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sw
     )
 
 
+# The --replay and --wan option groups, as module-level defaults so that the command's signature stays short.
+REPLAY = typer.Option(
+    False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
+    "concurrent sessions of one asyncio process against a verifier process on its own cores")
+DURATION_S = typer.Option(None, "--duration-s", help="--replay: measured window per N, s (default 20)")
+WAN = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side by side through "
+                   "specdec.netem's proxy (JSON; docs/routing.md)")
+ROUTE = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,auto); --replay: "
+                     "'speculative,cloud' also cloud-decodes the sessions")
+JITTER_MS = typer.Option(0.0, "--jitter-ms", help="--wan: ± jitter of each direction, ms")
+BANDWIDTH_KBPS = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)")
+DRAFT_SLOWDOWN = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower devices)")
+
+
+def _run_wan(prompts, wan, route, **kwargs) -> None:
+    """`bench --wan`: the routes side by side behind the WAN proxy, one JSON object on stdout (or one line on a
+    bad option)."""
+    from specdec.bench.wan import run_wan_from_cli
+
+    try:
+        typer.echo(json.dumps(run_wan_from_cli(prompts, wan, route, **kwargs)))
+    except (*_user_errors(), ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
 @app.command()
 def bench(
     prompts: Path = typer.Option(
@@ -102,22 +127,16 @@ def bench(
     top_k: int = typer.Option(0, "--top-k", help="Top-k of all variants (0 = off)"),
     top_p: float = typer.Option(1.0, "--top-p", help="Top-p of all variants (1 = off)"),
     seed: Optional[int] = typer.Option(None, help="Seed of the sampled runs (checks they are reproducible)"),
-    replay: bool = typer.Option(
-        False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
-        "concurrent sessions of one asyncio process against a verifier process on its own cores"),
-    duration_s: Optional[float] = typer.Option(None, "--duration-s", help="--replay: measured window per N, s "
-                                               "(default 20)"),
+    replay: bool = REPLAY,
+    duration_s: Optional[float] = DURATION_S,
     device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {_DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype: {_DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
-    wan: Optional[str] = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side "
-                                      "by side through specdec.netem's proxy (JSON; docs/routing.md)"),
-    route: Optional[str] = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,"
-                                        "auto); --replay: 'speculative,cloud' also cloud-decodes the sessions"),
-    jitter_ms: float = typer.Option(0.0, "--jitter-ms", help="--wan: ± jitter of each direction, ms"),
-    bandwidth_kbps: float = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)"),
-    draft_slowdown: str = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower "
-                                       "devices)"),
+    wan: Optional[str] = WAN,
+    route: Optional[str] = ROUTE,
+    jitter_ms: float = JITTER_MS,
+    bandwidth_kbps: float = BANDWIDTH_KBPS,
+    draft_slowdown: str = DRAFT_SLOWDOWN,
     repetition_penalty: float = REPETITION_PENALTY,
     presence_penalty: float = PRESENCE_PENALTY,
     frequency_penalty: float = FREQUENCY_PENALTY,
@@ -137,15 +156,9 @@ def bench(
     if processing and (wan is not None or clients or gamma_sweep or edge_cloud):
         _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
-        from specdec.bench.wan import run_wan_from_cli
-
-        try:
-            typer.echo(json.dumps(run_wan_from_cli(
-                prompts, wan, route, draft_slowdown=draft_slowdown, limit=limit, max_new_tokens=max_new_tokens,
-                num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps,
-                target=target, draft=draft, device=device, dtype=dtype, plot=plot)))
-        except (*_user_errors(), ValueError, FileNotFoundError) as e:
-            _fail(str(e))
+        _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, limit=limit, max_new_tokens=max_new_tokens,
+                 num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps,
+                 target=target, draft=draft, device=device, dtype=dtype, plot=plot)
         return
     client_counts = _check_bench_options(
         temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,

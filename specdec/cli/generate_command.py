@@ -101,6 +101,24 @@ def _print_result(result, as_json: bool) -> None:
     )
 
 
+# The connection options of `generate` (one group: the verifier's address, the fallback, the channel security),
+# as module-level defaults so that the command's signature stays short.
+SERVER = typer.Option(
+    None, help="HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call "
+    "moves to the next), or a load balancer (default: embedded)")
+FALLBACK = typer.Option(
+    "none", help="'none' or 'device': when no verifier answers, keep decoding with the draft alone "
+    "(unverified tokens, counted and reported)")
+RECONNECT_INTERVAL_S = typer.Option(5.0, help="--fallback device: probe the cloud this often, s")
+TLS = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)")
+CA_CERT = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier's certificate (implies --tls)")
+API_KEY = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
+                       help="--server: API key (authorization: Bearer)")
+CLIENT_CERT = typer.Option(None, "--client-cert", help="--server: PEM client certificate (mutual TLS, with "
+                           "--client-key)")
+CLIENT_KEY = typer.Option(None, "--client-key", help="--server: PEM key of --client-cert")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user turn; see --raw)"),
@@ -123,21 +141,14 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
-    server: Optional[str] = typer.Option(
-        None, help="HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call "
-        "moves to the next), or a load balancer (default: embedded)"),
-    fallback: str = typer.Option(
-        "none", help="'none' or 'device': when no verifier answers, keep decoding with the draft alone "
-        "(unverified tokens, counted and reported)"),
-    reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
-    tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
-    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier's certificate "
-                                           "(implies --tls)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
-                                          help="--server: API key (authorization: Bearer)"),
-    client_cert: Optional[Path] = typer.Option(None, "--client-cert", help="--server: PEM client certificate "
-                                               "(mutual TLS, with --client-key)"),
-    client_key: Optional[Path] = typer.Option(None, "--client-key", help="--server: PEM key of --client-cert"),
+    server: Optional[str] = SERVER,
+    fallback: str = FALLBACK,
+    reconnect_interval_s: float = RECONNECT_INTERVAL_S,
+    tls: bool = TLS,
+    ca_cert: Optional[Path] = CA_CERT,
+    api_key: Optional[str] = API_KEY,
+    client_cert: Optional[Path] = CLIENT_CERT,
+    client_key: Optional[Path] = CLIENT_KEY,
     in_process: bool = typer.Option(False, "--in-process", help="Call the verifier directly, without gRPC"),
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template"),
