@@ -126,6 +126,8 @@ class Batcher:
         self._stopping = False
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
+        self._step_started = 0.0  # perf_counter time, s, the current step's first item was taken
+        self._last_forward_s: float | None = None  # the current step's forward pass, s (None: it raised)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -220,6 +222,8 @@ class Batcher:
             batch = await self._collect(queue, loop)
             if not batch:
                 continue
+            collected = time.perf_counter()
+            self._last_forward_s = None
             for work in batch:  # no suspension point since _collect dropped the cancelled items
                 work.started = True
             try:
@@ -234,6 +238,16 @@ class Batcher:
                     work.future.set_exception(result)
                 else:
                     work.future.set_result(result)
+            self._observe_step(collected)
+
+    def _observe_step(self, collected: float) -> None:
+        """Time the step just answered: from its first item taken off the queue to its futures resolved
+        (collecting, rows, forward, verdicts, stopping, commits), and its host part, step - forward pass (the
+        time an accelerator would sit idle). A batch whose forward pass raised is not counted."""
+        if self._last_forward_s is None:
+            return
+        end = time.perf_counter()
+        metrics.observe_step(end - self._step_started, self._last_forward_s, collected - self._step_started)
 
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
         """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
@@ -244,6 +258,7 @@ class Batcher:
             batch = [await asyncio.wait_for(queue.get(), self.heartbeat_interval_s)]
         except asyncio.TimeoutError:
             return []
+        self._step_started = time.perf_counter()  # the step starts here: idle time before it is not the step's
         deadline = loop.time() + self.max_batch_wait_s
         while len(batch) < self.max_batch_size:
             if sum(1 for w in batch if w.block is not None) >= self.sessions.num_sessions > 0:
@@ -282,6 +297,7 @@ class Batcher:
                 for w in batch]
         logits = self.target.forward(rows)  # per verify row: [len(tokens), vocab_size] float32
         forward_ms = (time.perf_counter() - start) * 1000
+        self._last_forward_s = forward_ms / 1000  # read by the batch loop once this step is answered
         num_blocks = sum(1 for w in batch if w.block is not None)
         metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(w.tokens) for w in batch))
         verify = [i for i, w in enumerate(batch) if w.block is not None]

@@ -32,6 +32,19 @@ FORWARD_TIME = Histogram(
     "specdec_target_forward_seconds", "Wall time of one target forward pass, s",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
 )
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+BATCH_STEP = Histogram(
+    "specdec_batch_step_seconds", "Wall time of one batch step, s: from its first item taken off the queue to its "
+    "answers (collecting, building rows, forward, verdicts, stopping, commits)", buckets=STEP_BUCKETS,
+)
+BATCH_HOST = Histogram(
+    "specdec_batch_host_seconds", "Host time of one batch step outside the target forward pass (step - forward), s",
+    buckets=STEP_BUCKETS,
+)
+BATCH_COLLECT = Histogram(
+    "specdec_batch_collect_seconds", "Collecting part of a batch step's host time (waiting up to max_batch_wait_ms "
+    "for more items included), s", buckets=STEP_BUCKETS,
+)
 SESSIONS_OPEN = Gauge("specdec_sessions_open", "Sessions held by this verifier")
 SESSIONS_OPENED = Counter("specdec_sessions_opened", "Sessions opened")
 SESSIONS_CLOSED = Counter("specdec_sessions_closed", "Sessions closed by their client")
@@ -52,6 +65,15 @@ def observe_forward(seconds: float, num_blocks: int, num_tokens: int) -> None:
         # the load hint of OpenSessionResponse (forward_ms): an EWMA over passes with verify rows, 1/8 weight
         prev = _recent["forward_ms"]
         _recent["forward_ms"] = seconds * 1000 if prev == 0.0 else prev + (seconds * 1000 - prev) / 8
+
+
+def observe_step(step_s: float, forward_s: float, collect_s: float) -> None:
+    """Count one batch step: its wall time, its host part (``step_s - forward_s``) and the collecting part of
+    that, all s. The host share of the step is ``rate(specdec_batch_host_seconds_sum) /
+    rate(specdec_batch_step_seconds_sum)``."""
+    BATCH_STEP.observe(step_s)
+    BATCH_HOST.observe(max(0.0, step_s - forward_s))
+    BATCH_COLLECT.observe(collect_s)
 
 
 _recent = {"forward_ms": 0.0}  # process-wide, like the counters

@@ -24,17 +24,21 @@ asyncio process against a verifier in its own process, so the numbers measure th
    workload's prefill to both sides: the speedup the kernel allows for this workload.
 4. **Memory**: the batched verifier's ``specdec_kv_cache_used_bytes`` (from its /metrics) and VmRSS (from
    /proc/PID/status) when idle before each N, their peak during it, and after it (every session closed).
+5. **Host time per step**: the batched verifier's mean time per batch step outside the target forward pass
+   (``host_ms_per_step``) and its share of the step (``host_fraction_of_step``), from its batcher's
+   ``specdec_batch_*_seconds`` histograms read at the window's start and end (:mod:`.host_time`).
 
 Every rate is a ratio of sums: committed tokens of verdicts received inside the window / the window. The same
 ratios per CPU second of the verifier process (``*_cpu``) take out what other jobs of a shared machine take from
 its cores.
 
 Modules: :mod:`.recording` (1), :mod:`.sessions` (2: the replayed sessions), :mod:`.kernel` (3),
-:mod:`.memory` (4), :mod:`.run` (the whole run, each N measured), :mod:`.report` (the table).
+:mod:`.memory` (4), :mod:`.host_time` (5), :mod:`.run` (the whole run, each N measured), :mod:`.report` (the table).
 """
 
 from __future__ import annotations
 
+from .host_time import host_time_fields, read_step_times
 from .kernel import KERNEL_REPEATS, measure_kernel_limit
 from .memory import RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, verifier_memory
 from .recording import (
@@ -59,9 +63,11 @@ __all__ = [
     "RecordedStep",
     "Recording",
     "ReplayTally",
+    "host_time_fields",
     "load_or_record",
     "measure_kernel_limit",
     "print_replay_report",
+    "read_step_times",
     "record_blocks",
     "recording_key",
     "replay_sessions",

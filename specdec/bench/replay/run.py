@@ -13,6 +13,7 @@ from typing import Any
 from .._shared import _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config, _versions
 from ..prompts import load_prompts
 from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
+from .host_time import host_time_fields, read_step_times
 from .kernel import _prefill_share, measure_kernel_limit
 from .memory import (
     RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, _poll_peak, _proc_cpu_s, _rss_back, _settled_memory, verifier_memory,
@@ -36,6 +37,10 @@ REPLAY_NOTES = [  # how to read the report (its "notes")
     "kernel_limit_speedup = time of N single-row target forwards of γ+1 tokens / one N-row forward over the "
     "same contexts, measured in this process on the verifier's cores with its thread count while both "
     "verifiers are idle; it leaves out prefill, which does not batch (see kernel.prefill_share)",
+    "host_ms_per_step = the batched verifier's mean time per batch step outside the target forward pass (step: "
+    "first item taken off the queue .. answers sent; collecting, rows, verdicts, stopping, commits), "
+    "host_fraction_of_step = host s / step s, over the window (its specdec_batch_*_seconds histograms); "
+    "collect_ms_per_step is the collecting part of it (waiting up to max_batch_wait_ms for more blocks included)",
     "each verdict is compared with the recorded one (num_accepted, next_token_id, committed_length, "
     "finished): a difference is a mismatch and abandons the session",
 ]
@@ -303,7 +308,12 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
     idle = verifier_memory(proc)
     peak: dict = {}
     cpu: dict[str, float | None] = {}
+    steps: dict[str, dict | None] = {}
     pid = proc.proc.pid if proc.proc is not None else None
+
+    def on_window(what: str) -> None:  # CPU time and step histograms at the window's start and end
+        cpu[what] = _proc_cpu_s(pid)
+        steps[what] = read_step_times(proc.metrics_url)
 
     async def run():
         stop = asyncio.Event()
@@ -312,7 +322,7 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
             return await replay_sessions(proc.address, rec.prompts, clients, duration_s,
                                          max_new_tokens=rec.max_new_tokens,
                                          tokenizer_fingerprint=rec.tokenizer_fingerprint,
-                                         on_window=lambda what: cpu.__setitem__(what, _proc_cpu_s(pid)), cloud=cloud)
+                                         on_window=on_window, cloud=cloud)
         finally:
             stop.set()
             await poller
@@ -323,6 +333,8 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
     cpu_s = (cpu["end"] - cpu["start"]) if cpu.get("end") is not None and cpu.get("start") is not None else None
     metrics["verifier_cpu_s"] = round(cpu_s, 2) if cpu_s is not None else None
     metrics["tokens_per_verifier_cpu_s"] = _ratio(tally.tokens, cpu_s or 0)
+    # the verifier's host time per batch step outside the forward pass (its batcher's histograms)
+    metrics.update(host_time_fields(steps.get("start"), steps.get("end")))
     return metrics, idle, peak, after
 
 

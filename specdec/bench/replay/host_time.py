@@ -1,0 +1,57 @@
+"""The verifier's host time per batch step outside the target forward pass, read from its /metrics over a replay's
+window: the batcher's ``specdec_batch_step_seconds`` / ``specdec_batch_host_seconds`` /
+``specdec_batch_collect_seconds`` histograms (cloud_verifier/metrics.py), their sums and counts at the window's
+start and end. On a GPU the forward pass shrinks to milliseconds and this host work does not: it is what the
+accelerator would sit idle for."""
+
+from __future__ import annotations
+
+import urllib.request
+
+STEP_METRICS = ("specdec_batch_step_seconds", "specdec_batch_host_seconds", "specdec_batch_collect_seconds")
+
+
+def read_step_times(url: str | None) -> dict[str, float] | None:
+    """{"<histogram>_sum": s, "<histogram>_count": steps} of the step histograms at ``url`` (a /metrics address);
+    None when there is no URL, it does not answer or does not serve them."""
+    if not url:
+        return None
+    try:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+    wanted = {f"{m}_{part}" for m in STEP_METRICS for part in ("sum", "count")}
+    out = {}
+    for line in body.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in wanted:
+            out[name] = float(rest.split()[0])
+    return out if len(out) == len(wanted) else None
+
+
+def host_time_fields(start: dict | None, end: dict | None) -> dict:
+    """The replay report's host-time fields over a window, from two :func:`read_step_times` readings:
+    ``host_ms_per_step`` (mean host time of a step outside the forward pass, ms), ``host_fraction_of_step``
+    (host seconds / step seconds), ``step_ms_per_step``, ``collect_ms_per_step`` (the collecting part of the host
+    time, waiting for more blocks included) and ``steps``. All None when a reading is missing or no step ran."""
+    fields = {"host_ms_per_step": None, "host_fraction_of_step": None, "step_ms_per_step": None,
+              "collect_ms_per_step": None, "steps": None}
+    if not start or not end:
+        return fields
+
+    def delta(name: str) -> float:
+        return end[name] - start[name]
+
+    steps = delta("specdec_batch_step_seconds_count")
+    step_s = delta("specdec_batch_step_seconds_sum")
+    fields["steps"] = int(steps)
+    if steps <= 0 or step_s <= 0:
+        return fields
+    host_s = delta("specdec_batch_host_seconds_sum")
+    fields.update(
+        host_ms_per_step=round(1000 * host_s / steps, 3),
+        host_fraction_of_step=round(host_s / step_s, 4),
+        step_ms_per_step=round(1000 * step_s / steps, 3),
+        collect_ms_per_step=round(1000 * delta("specdec_batch_collect_seconds_sum") / steps, 3),
+    )
+    return fields
