@@ -3,7 +3,9 @@
 With ``fallback="device"`` (:class:`edge_client.client.EdgeClient`, ``specdec generate --fallback device``),
 when no verifier answers within the retry budget, the edge decodes with its draft model alone:
 
-- the draft's own distribution, processed with the session's sampling parameters (temperature, top-k, top-p:
+- the draft's own distribution under the session's grammar when it has one (structured output: the mask the
+  verifier applies, forced tokens without a forward pass, so the output still matches the schema), processed
+  with the session's sampling parameters (temperature, top-k, top-p:
   :func:`common.sampling.logits_to_probs`; argmax when greedy), sampled with the counter-based stream
   ``uniform(seed, position, Stream.DRAFT_SAMPLE)`` (reproducible with a seed);
 - the same stopping rule (:class:`common.stopping.StopChecker`: the draft's EOS ids, stop strings,
@@ -31,9 +33,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
+from common.errors import InvalidRequestError
+from common.grammar import apply_mask
 from common.sampling import Stream, logits_to_probs, sample_from, uniform
 from common.stopping import StopChecker
 from common.types import FinishReason, SamplingParams
+from edge_client.grammar_drafting import draft_grammar_for
 
 if TYPE_CHECKING:
     from edge_client.client import EdgeClient
@@ -95,16 +100,32 @@ class DeviceDecoder:
     def next_token(self, committed_token_ids: list[int], sampling: SamplingParams) -> int:
         """The draft's next token after ``committed_token_ids``: argmax when greedy, else a draw from the draft's
         processed distribution with ``uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``; the session's
-        history-dependent processors (common.logits_processors) first, as everywhere.
+        grammar mask (``sampling.grammar``: the ids it forbids get −inf, the same mask as drafting and the
+        verifier) and history-dependent processors (common.logits_processors) first, as everywhere. A token the
+        grammar forces (the mask leaves one id) is returned without a draft forward pass.
 
         Raises:
             ValueError: empty ``committed_token_ids``; a sampled session without a seed.
+            InvalidRequestError: the grammar refuses the output so far, or allows nothing the draft can produce.
         """
-        logits = np.asarray(self.drafter.next_token_logits(committed_token_ids))
+        matcher = self._matcher(committed_token_ids, sampling) if sampling.grammar else None
+        if matcher is not None:
+            forced = matcher.single_allowed()
+            if forced is not None and forced < self.valid_vocab_size:
+                return forced  # the grammar leaves one id: no forward pass (its KV is fed with the next one)
+        logits = np.array(self.drafter.next_token_logits(committed_token_ids), dtype=np.float32)
+        allowed = None
+        if matcher is not None:
+            allowed = matcher.mask(len(logits))  # [vocab_size] bool, first in the pipeline as on the verifier
+            allowed[self.valid_vocab_size:] = False
+            if not allowed.any():
+                raise InvalidRequestError("the grammar allows no token the draft can produce here")
         processor = getattr(self.drafter, "processor", None)  # penalties, bias, min_tokens: as the verifier does
         history = processor(sampling, committed_token_ids, len(logits)) if processor is not None else None
         if history is not None:
-            logits = history.apply(np.array(logits, dtype=np.float32))
+            logits = history.apply(logits, allowed)
+        elif allowed is not None:
+            apply_mask(logits, allowed)
         logits = logits[: self.valid_vocab_size]
         if sampling.greedy:
             return int(np.argmax(logits))
@@ -112,6 +133,23 @@ class DeviceDecoder:
             raise ValueError("sampled device decoding needs a seed")
         probs = logits_to_probs(logits[None, :], sampling, self.valid_vocab_size)[0]
         return int(sample_from(probs, uniform(sampling.seed, len(committed_token_ids), Stream.DRAFT_SAMPLE)))
+
+
+    def _matcher(self, committed_token_ids: list[int], sampling: SamplingParams):
+        """The generation's grammar matcher (the drafter's, shared with drafting) brought to the turn's output in
+        ``committed_token_ids``.
+
+        Raises:
+            InvalidRequestError: a spec the engine refuses, or an output the grammar does not match."""
+        drafter = self.drafter
+        grammar = draft_grammar_for(getattr(drafter, "_grammar", None), sampling, self.model.tokenizer,
+                                    *getattr(drafter, "_turn", (0, frozenset())))
+        drafter._grammar = grammar
+        try:
+            grammar.matcher.sync(committed_token_ids[grammar.start:])
+        except ValueError as e:
+            raise InvalidRequestError(f"the output does not match the grammar: {e}") from None
+        return grammar.matcher
 
 
 class CloudProbe:

@@ -94,7 +94,7 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
     greedy = sampling.greedy or drafter.draft_top_k <= 1
     valid = drafter.valid_vocab_size
     start = len(committed_token_ids)
-    processor = getattr(drafter, "_processor", None)  # the history-dependent processors, when the drafter has them
+    processor = getattr(drafter, "processor", None)  # the history-dependent processors, when the drafter has them
     history = None
     tokens: list[int] = []
     rows_ids: list[np.ndarray] = []

@@ -1,0 +1,106 @@
+"""Structured output off the happy path, end to end with real components (tiny pair, real gRPC, real Redis):
+
+- route=device (the draft alone, no verifier listening): the draft decodes under the same grammar mask, so the
+  output still parses and validates; the tiny draft is the target exported, so it equals target-only constrained
+  greedy decoding (HF generate masked by common.grammar).
+- failover: a schema-constrained session whose replica stops mid-generation finishes on the other replica (it
+  resumes the session from the Redis record and replays the committed ids into its matcher) token-identical to
+  target-only under the same grammar.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cloud_verifier.store import RedisSessionStore
+from cloud_verifier.target import TargetRunner
+from cloud_verifier.verifier import Verifier
+from common.grammar import GrammarSpec
+from common.types import FinishReason
+from edge_client.client import EdgeClient, encode_prompt
+from edge_client.drafter import ModelDrafter
+from edge_client.failover import FailoverBackend, RetryPolicy
+from edge_client.onnx_draft import OnnxDraftModel
+from specdec.embedded import EmbeddedServer
+from test_structured_output import EOS, SCHEMAS, masked_greedy
+
+pytestmark = pytest.mark.timeout(400)
+
+SCHEMA = SCHEMAS[0]  # nested object: strings, an integer, required keys
+MAX_NEW = 80
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_pair):
+    return AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    return OnnxDraftModel(tiny_pair.draft_dir)
+
+
+@pytest.mark.parametrize("prompt", ["Give me JSON.", "A user record:"])
+def test_route_device_decodes_under_the_grammar(tiny_pair, hf_target, draft, prompt):
+    spec = GrammarSpec.json_schema(SCHEMA)
+    ids = encode_prompt(draft.tokenizer, prompt)
+    backend = FailoverBackend("127.0.0.1:1", policy=RetryPolicy(connect_timeout_s=0.5, budget_s=1.0), connect=False)
+    with EdgeClient(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, num_speculative_tokens=3) as client:
+        chunks = list(client.stream_chunks(ids, max_new_tokens=MAX_NEW, route="device", grammar=spec))
+        result = client.last_result
+    assert chunks and not any(c.verified for c in chunks)
+    assert result.num_sessions == 0 and result.num_unverified_tokens == len(result.token_ids)
+    assert result.finish_reason == FinishReason.EOS
+    jsonschema.validate(json.loads(result.text), SCHEMA)
+    ref = masked_greedy(hf_target, draft.tokenizer, ids, spec, MAX_NEW)
+    assert result.token_ids in (ref, ref[:-1])
+
+
+@pytest.fixture()
+def two_replicas(tiny_pair, redis_url):
+    """Two in-process verifiers (replica-a, replica-b) sharing one Redis under a private prefix, each behind
+    its own gRPC server."""
+    import uuid
+
+    prefix = f"specdec-test:{uuid.uuid4().hex}:"
+    stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]
+    runner = TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=8192)
+    servers = [EmbeddedServer(verifier=Verifier(runner if i == 0 else TargetRunner(tiny_pair.target_dir,
+                                                                                   kv_cache_budget_tokens=8192),
+                                                stores[i], verifier_id=f"replica-{'ab'[i]}", max_batch_wait_ms=1.0),
+                              grace_s=0.2) for i in range(2)]
+    addresses = [s.start() for s in servers]
+    yield servers, addresses
+    for s in servers:
+        s.stop(timeout_s=5.0)
+    keys = list(stores[0].client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        stores[0].client.delete(*keys)
+    for st in stores:
+        st.close()
+
+
+@pytest.mark.redis
+def test_constrained_session_survives_a_replica_change(tiny_pair, hf_target, two_replicas):
+    (server_a, server_b), addresses = two_replicas
+    spec = GrammarSpec.json_schema(SCHEMA)
+    model = OnnxDraftModel(tiny_pair.other_draft_dir)  # low acceptance: many blocks before the switch
+    ids = encode_prompt(model.tokenizer, "Describe a city.")
+    ref = masked_greedy(hf_target, model.tokenizer, ids, spec, MAX_NEW)
+    assert ref[-1] == EOS
+    backend = FailoverBackend(addresses, policy=RetryPolicy(connect_timeout_s=5.0, budget_s=30.0))
+    with EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=2) as client:
+        chunks = client.stream_chunks(ids, max_new_tokens=MAX_NEW, grammar=spec)
+        first = [next(chunks) for _ in range(3)]  # part of the output, verified on replica A
+        server_a.stop(timeout_s=5.0)
+        rest = list(chunks)
+        result = client.last_result
+    assert all(c.verified for c in first + rest) and rest
+    assert result.num_failovers >= 1 and result.num_unverified_tokens == 0
+    assert result.token_ids in (ref, ref[:-1]) and result.finish_reason == FinishReason.EOS
+    jsonschema.validate(json.loads(result.text), SCHEMA)
