@@ -13,6 +13,7 @@ from specdec.cli._shared import (
     _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _explain, _fail, _user_errors, app,
 )
 from specdec.cli._shared import _ROUTE_HELP, _check_route
+from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import _edge_client
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
@@ -141,12 +142,16 @@ def chat(
     logit_bias: list[str] = LOGIT_BIAS,
     min_tokens: int = MIN_TOKENS,
     min_p: float = MIN_P,
+    json_schema: Optional[Path] = JSON_SCHEMA,
+    regex: Optional[str] = REGEX,
+    grammar: Optional[Path] = GRAMMAR,
 ):
     """A multi-turn conversation in the terminal: type a message, the reply streams; `/reset` starts over,
     `/exit` (or end of input) quits. A statistics line (tokens/s, acceptance rate) follows each reply on stderr.
 
     The conversation keeps its sessions: each turn prefills only the new tokens. Reads stdin line by line, so
-    it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`."""
+    it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`. With --json-schema, --regex or --grammar
+    every reply is constrained to it (docs/structured-output.md)."""
     logging.basicConfig(level=logging.WARNING)
     _check_route(route)
     from common.types import SamplingParams, StoppingCriteria
@@ -154,6 +159,7 @@ def chat(
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
+    processing.update(grammar_options(json_schema, regex, grammar))  # structured output: every reply
     try:
         SamplingParams(temperature, top_k, top_p, seed, **processing).validate()
         StoppingCriteria(max_new_tokens, (), (), False).validate()

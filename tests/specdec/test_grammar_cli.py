@@ -44,3 +44,32 @@ def test_options_are_the_grammar_spec(tmp_path):
     assert GrammarSpec.from_json(grammar_options(schema, None, None)["grammar"]).kind == "json_schema"
     assert GrammarSpec.from_json(grammar_options(None, r"\d+", None)["grammar"]) == GrammarSpec("regex", r"\d+")
     assert GrammarSpec.from_json(grammar_options(None, None, lark)["grammar"]).value == 'start: "yes" | "no"\n'
+
+
+def test_chat_refuses_two_grammar_flags_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--regex", "a+", "--grammar", "/x.lark"],
+                       input="hi\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "at most one" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_chat_json_schema_constrains_every_reply(tiny_pair, tmp_path):
+    """Two turns of `specdec chat --json-schema` (tiny pair, embedded verifier): each reply is one JSON document
+    that validates (the grammar restarts at each turn's prompt)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(schema))
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--target", str(tiny_pair.target_dir),
+                        "--draft", str(tiny_pair.draft_dir), "--max-new-tokens", "60", "--json-schema", str(path)],
+                       input="Pick a color.\nAnother one?\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    decoder, text, replies = json.JSONDecoder(), r.stdout.strip(), []
+    while text:
+        value, end = decoder.raw_decode(text)
+        replies.append(value)
+        text = text[end:].lstrip()
+    assert len(replies) == 2, r.stdout
+    for reply in replies:
+        jsonschema.validate(reply, schema)
