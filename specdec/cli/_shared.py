@@ -95,7 +95,11 @@ def _user_errors():
     from common.paths import ModelNotFoundError
     from common.vocab import VocabMismatchError
 
-    return (SpecdecError, ModelNotFoundError, VocabMismatchError)
+    try:  # a target the verifier cannot run (embedded verifier): one line, not a traceback
+        from cloud_verifier.architectures import UnsupportedArchitectureError
+    except ImportError:  # an edge-only install has no verifier
+        return (SpecdecError, ModelNotFoundError, VocabMismatchError)
+    return (SpecdecError, ModelNotFoundError, VocabMismatchError, UnsupportedArchitectureError)
 
 
 _ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates and streams), 'device' (the draft "
