@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""A real cross-size pair, made reproducibly: a layer-pruned copy of the target as its ONNX draft, measured.
+
+The draft keeps ``--layers`` of the target's decoder layers (default 6 of SmolLM2-135M's 30: the first 3 and the
+last 3, :func:`specdec.distill.front_back_layer_ids`, the initialisation with the lowest held-out KL before
+training), with the target's embedding, final norm and head; nothing else changes, so it is deterministic. With
+``--distill-s S`` the pruned student is instead trained for S seconds by ``specdec draft distill``'s recipe
+(DistillSpec top-k KL on the target's own answers to the train prompts, FR-Spec head vocabulary) before export.
+The draft is exported with the project's exporter (:func:`specdec.models.export_onnx_draft`, int8 by default, like
+the prepared self-draft), then ``specdec bench``'s offline harness (:func:`specdec.bench.offline.run_bench`,
+greedy, HF assisted off) measures acceptance rate, mean accepted length τ and speedup vs target-only on the
+held-out prompts shipped in ``specdec/data/``, for the pruned draft and for the prepared int8 self-draft, side by
+side. Prints one JSON object.
+
+    python3 scripts/cross_size_pair.py --out /tmp/pruned-pair --limit 2 --max-new-tokens 32   # check it works
+    python3 scripts/cross_size_pair.py --out ~/.cache/specdec/pruned-pair --limit 40          # on a quiet machine
+
+Raises (as one ``error:`` line, exit 2): a target or self-draft that is not prepared, ``--layers`` out of range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = ROOT / "specdec" / "data" / "spec_bench_dev.jsonl"  # the held-out (development) half
+TRAIN_PROMPTS = ROOT.parent / "shared" / "prompts" / "train_prompts.jsonl"
+
+
+def prune_target(target_dir: Path, out_dir: Path, layer_ids: list[int]) -> Path:
+    """Save a copy of the HF model in ``target_dir`` with only the decoder layers ``layer_ids`` into ``out_dir``.
+
+    Embedding, final norm and LM head are the target's (tied as in the target). Each kept layer's attention
+    ``layer_idx`` is renumbered so the KV cache is indexed 0..len-1. Returns ``out_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in layer_ids])
+    for new_idx, layer in enumerate(model.model.layers):
+        if hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_idx
+    model.config.num_hidden_layers = len(layer_ids)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in layer_ids]
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
+    (out_dir / "pruned_from.json").write_text(json.dumps({"target": str(target_dir), "layer_ids": layer_ids}))
+    return out_dir
+
+
+def build_draft(target_dir: Path, out: Path, num_layers: int, distill_s: float, int8: bool) -> tuple[Path, dict]:
+    """The pruned (optionally distilled) draft's ONNX directory and a description of how it was made."""
+    from specdec.distill import front_back_layer_ids
+    from specdec.models import export_onnx_draft
+
+    num_target_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
+    if not 1 <= num_layers < num_target_layers:
+        raise ValueError(f"--layers must be in 1..{num_target_layers - 1} (the target has {num_target_layers})")
+    layer_ids = front_back_layer_ids(num_target_layers, num_layers)
+    made = {"layer_ids": layer_ids, "target_layers": num_target_layers, "int8": int8, "distill_s": distill_s}
+    t0 = time.perf_counter()
+    if distill_s > 0:
+        from specdec.distill import distill
+
+        report = distill(target_dir, out / "distill", train_prompts=TRAIN_PROMPTS, num_layers=num_layers,
+                         time_budget_s=distill_s, data_time_budget_s=distill_s / 2, init_layer_ids=layer_ids,
+                         quantize_int8=int8, progress=False)
+        made["distill_report"] = report
+        onnx_dir = Path(report.get("onnx_dir") or out / "distill" / "onnx")
+    else:
+        onnx_dir = out / ("pruned-onnx-int8" if int8 else "pruned-onnx")
+        from specdec.models import is_complete
+
+        if not is_complete(onnx_dir):  # built once; delete --out to rebuild
+            hf_dir = prune_target(target_dir, out / "pruned-hf", layer_ids)
+            export_onnx_draft(hf_dir, onnx_dir, quantize_int8=int8, progress=False)
+    made["build_s"] = round(time.perf_counter() - t0, 1)
+    return onnx_dir, made
+
+
+def _summary(report: dict) -> dict:
+    """The numbers that compare drafts: overall and per category."""
+    keys = ("acceptance_rate", "mean_accepted_length", "speedup_vs_target_only", "tokens_per_s",
+            "draft_ms_per_token", "draft_cost_ratio", "draft_top1_agreement", "num_prompts", "num_tokens")
+
+    def pick(m: dict) -> dict:
+        return {k: m[k] for k in keys if k in m}
+
+    return {"overall": pick(report["overall"]),
+            "categories": {c: pick(m) for c, m in report["categories"].items()},
+            "greedy_agreement": report.get("greedy_agreement")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="where the pruned model and its ONNX draft go")
+    ap.add_argument("--layers", type=int, default=6, help="decoder layers the draft keeps")
+    ap.add_argument("--distill-s", type=float, default=0.0, help="train the pruned draft this long, s (0 = no)")
+    ap.add_argument("--fp32", action="store_true", help="export the draft in fp32 (default int8, as the self-draft)")
+    ap.add_argument("--limit", type=int, default=8, help="prompts per run (held-out set, all categories)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("-g", "--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--no-self-draft", action="store_true", help="skip the int8 self-draft comparison run")
+    args = ap.parse_args(argv)
+
+    from common.paths import default_model_paths
+    from specdec.bench.offline import run_bench
+    from specdec.models import is_complete
+
+    paths = default_model_paths()
+    if not (is_complete(paths.target_dir) and is_complete(paths.draft_dir)):
+        print(f"error: the default pair is not prepared ({paths.target_dir}): run `specdec models prepare`",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        draft_dir, made = build_draft(paths.target_dir, args.out, args.layers, args.distill_s, not args.fp32)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    drafts = {"pruned": draft_dir} if args.no_self_draft else {"pruned": draft_dir, "int8_self": paths.draft_dir}
+    result = {"target": str(paths.target_dir), "draft": {"pruned": str(draft_dir), **made},
+              "config": {"prompts": str(PROMPTS), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                         "num_speculative_tokens": args.num_speculative_tokens}, "results": {}}
+    for name, d in drafts.items():
+        report = run_bench(PROMPTS, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                           num_speculative_tokens=args.num_speculative_tokens, target=paths.target_dir, draft=d,
+                           hf_assisted=False)
+        result["results"][name] = _summary(report)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
