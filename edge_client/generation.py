@@ -101,6 +101,9 @@ class Run:
     switch_check: Callable[..., bool] = lambda *_: False
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed output token, when asked
 
+    def __post_init__(self) -> None:
+        self.out.logprobs = self.logprobs  # one list: each chunk hands out the entries of its tokens
+
     @property
     def num_generated(self) -> int:
         return len(self.committed) - len(self.prompt_ids)

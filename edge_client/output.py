@@ -21,10 +21,17 @@ class Chunk:
 
     ``verified``: every token behind the text was checked by the target; False for text of tokens decoded by
     the draft model alone during a device fallback (text that mixes both counts as unverified).
+
+    ``token_ids`` / ``logprobs``: the committed tokens handed out with this chunk and, when the generation asked
+    for logprobs, their :class:`common.types.TokenLogprobs` (one per token, the target's). Tokens whose text is
+    held back (a possible stop string, a split character) travel with the next chunk that has text; those of
+    text never streamed (a stop string) are in the result only (``GenerationResult.logprobs`` has them all).
     """
 
     text: str
     verified: bool = True
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple = ()
 
 
 class TextOutput:
@@ -40,6 +47,11 @@ class TextOutput:
     def __init__(self, tokenizer, stop_strings) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
         self.unverified_until = 0  # characters of output text (from the start) that may hold unverified text
+        # the generation's per-token logprobs (edge_client.generation.Run shares its list: extended before each
+        # push), and the tokens / entries not yet handed out with a chunk
+        self.logprobs: list = []
+        self._handed_logprobs = 0
+        self._pending_ids: list[int] = []
 
     def push(self, token_ids: list[int], verified: bool) -> list[Chunk]:
         """Chunks of the new text ``token_ids`` make streamable (possibly none: text held back)."""
@@ -47,6 +59,7 @@ class TextOutput:
         delta = self.detok.push(token_ids)
         if not verified:  # their text, and a character they may have begun
             self.unverified_until = self.detok.decoded_length + 1
+        self._pending_ids.extend(token_ids)
         return self._split(start, delta)
 
     def finish(self, finish_reason: FinishReason | None) -> list[Chunk]:
@@ -61,4 +74,10 @@ class TextOutput:
         chunks = [Chunk(delta[:cut], False)] if cut else []
         if cut < len(delta):
             chunks.append(Chunk(delta[cut:], True))
+        # the tokens since the last chunk (and their logprobs) go with the last chunk of this text
+        new_logprobs = tuple(self.logprobs[self._handed_logprobs:])
+        self._handed_logprobs = len(self.logprobs)
+        last = chunks[-1]
+        chunks[-1] = Chunk(last.text, last.verified, tuple(self._pending_ids), new_logprobs)
+        self._pending_ids = []
         return chunks

@@ -128,7 +128,7 @@ class Engine:
 
     def _run(self, job: _Job, req: GenRequest) -> None:
         """Worker thread: the request's ``req.n`` generations one after the other, each its ("chunk", index,
-        text) items and ("choice", Outcome); then ("done", None) or ("error", exc) to ``job``.
+        text, token_ids, logprobs) items and ("choice", Outcome); then ("done", None) or ("error", exc) to ``job``.
 
         Kept conversations hold verifier sessions (and their KV cache): when the verifier refuses a session
         for capacity or a tenant's session limit (RESOURCE_EXHAUSTED) before anything was streamed, the kept
@@ -180,7 +180,9 @@ class Engine:
                         break
                     if chunk.text:
                         emitted[0] = True
-                        job.put(("chunk", index, chunk.text))
+                        # with its tokens' logprobs (empty when not asked): streamed with the chunk, as OpenAI does
+                        lps = list(getattr(chunk, "logprobs", ()))
+                        job.put(("chunk", index, chunk.text, list(getattr(chunk, "token_ids", ()))[:len(lps)], lps))
             finally:
                 close = getattr(chunks, "close", None)
                 if close is not None:
@@ -220,6 +222,6 @@ class Engine:
 
 
 async def next_item(job: _Job):
-    """The next item of ``job``: ("chunk", index, text) and ("choice", Outcome) per choice, then ("done", None)
-    or ("error", exception)."""
+    """The next item of ``job``: ("chunk", index, text, token_ids, logprobs) and ("choice", Outcome) per choice,
+    then ("done", None) or ("error", exception)."""
     return await job.queue.get()

@@ -10,7 +10,7 @@ import time
 
 from .engine import Engine, Outcome, _Job, next_item
 from .errors import api_error_for
-from .logprobs import response_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, response_logprobs
 from .request import GenRequest
 from .structured import ChoiceDeltas, chat_message
 
@@ -72,7 +72,7 @@ class _SseEvents:
 
     def __init__(self, rid: str, chunk_obj: str, created: int, engine: Engine, chat: bool, tools=None):
         self.rid, self.chunk_obj, self.created, self.chat = rid, chunk_obj, created, chat
-        self.tools, self._deltas = tools, {}  # per choice: its ChoiceDeltas (tool-call deltas)
+        self.tools, self._deltas = tools, {}  # per choice: its _ChoiceStream
         self.model_id, self.tokenizer = engine.model_id, engine.tokenizer
 
     def event(self, choices: list, **extra) -> str:
@@ -88,8 +88,9 @@ class _SseEvents:
         return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
     async def stream(self, job: _Job, first: tuple, include_usage: bool):
-        """The events: per choice (a role delta,) one per chunk, its logprobs (when asked: one event carrying
-        every token's entry, before the finish), its finish; then (usage,) ``[DONE]``; or an error event."""
+        """The events: per choice (a role delta,) one per chunk (with its tokens' logprobs when asked, as
+        OpenAI streams them), its finish (with the logprobs of tokens not streamed yet: held-back text, a stop
+        string); then (usage,) ``[DONE]``; or an error event."""
         chat = self.chat
         item, started, outcomes = first, set(), []
         try:
@@ -102,26 +103,70 @@ class _SseEvents:
                 if chat and index not in started:
                     started.add(index)
                     yield self.event([self.delta(index, None, role=True)])
-                deltas = self._deltas.setdefault(index, ChoiceDeltas(self.tools if chat else None))
+                state = self._deltas.setdefault(index, _ChoiceStream(ChoiceDeltas(self.tools if chat else None)))
                 if item[0] == "chunk":
-                    for d in (deltas.feed(item[2]) if chat else [{"content": item[2]}]):
-                        yield self.event([{**self.delta(index, d.get("content")), "delta": d}] if chat
-                                         else [self.delta(index, d["content"])])
+                    for e in self._chunk_events(index, state, item):
+                        yield e
                 else:
-                    outcome: Outcome = item[1]
-                    outcomes.append(outcome)
-                    rest, finish = deltas.finish(outcome.finish_reason)
-                    for d in rest:
-                        yield self.event([{**self.delta(index, None), "delta": d}])
-                    outcome = dataclasses.replace(outcome, finish_reason=finish)
-                    lp = response_logprobs(self.tokenizer, outcome, chat)
-                    if lp is not None:
-                        yield self.event([self.delta(index, None if chat else "", logprobs=lp)])
-                    yield self.event([self.delta(index, None if chat else "", outcome.finish_reason)],
-                                     specdec=outcome.specdec)
+                    outcomes.append(item[1])
+                    for e in self._finish_events(index, state, item[1]):
+                        yield e
                 item = await next_item(job)
             if include_usage:
                 yield self.event([], usage=usage(outcomes))
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled.set()  # a client gone mid-stream: the worker stops at the next chunk
+
+    def _logprobs(self, state: "_ChoiceStream", token_ids: list[int], logprobs: list) -> dict | None:
+        """The logprobs object of ``token_ids`` (the next ones of the choice not streamed yet), None if none."""
+        if not logprobs:
+            return None
+        state.num_logprobs += len(logprobs)
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, logprobs)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, state.num_chars)
+
+    def _chunk_events(self, index: int, state: "_ChoiceStream", item: tuple) -> list[str]:
+        """The events of one chunk; its tokens' logprobs go with the last (held over when its text is held)."""
+        text = item[2]
+        state.pending_ids += item[3] if len(item) > 3 else []
+        state.pending_logprobs += item[4] if len(item) > 4 else []
+        if self.chat:
+            choices = [{**self.delta(index, d.get("content")), "delta": d} for d in state.deltas.feed(text)]
+        else:
+            choices = [self.delta(index, text)]
+        if choices and state.pending_logprobs:
+            choices[-1]["logprobs"] = self._logprobs(state, state.pending_ids, state.pending_logprobs)
+            state.pending_ids, state.pending_logprobs = [], []
+        if not self.chat:
+            state.num_chars += len(text)
+        return [self.event([c]) for c in choices]
+
+    def _finish_events(self, index: int, state: "_ChoiceStream", outcome: Outcome) -> list[str]:
+        """The events of a choice's end: held-back text, the logprobs not streamed yet, the finish."""
+        rest, finish = state.deltas.finish(outcome.finish_reason)
+        outcome = dataclasses.replace(outcome, finish_reason=finish)
+        choices = [{**self.delta(index, None), "delta": d} for d in rest]
+        if outcome.logprobs is not None and len(outcome.logprobs) > state.num_logprobs:
+            n = state.num_logprobs
+            lp = self._logprobs(state, outcome.token_ids[n:], outcome.logprobs[n:])
+            if choices:
+                choices[-1]["logprobs"] = lp
+            else:
+                choices.append(self.delta(index, None if self.chat else "", logprobs=lp))
+        events = [self.event([c]) for c in choices]
+        events.append(self.event([self.delta(index, None if self.chat else "", outcome.finish_reason)],
+                                 specdec=outcome.specdec))
+        return events
+
+
+@dataclasses.dataclass
+class _ChoiceStream:
+    """What one streamed choice carries between its events."""
+
+    deltas: ChoiceDeltas  # tool-call deltas (chat)
+    num_logprobs: int = 0  # logprob entries streamed
+    num_chars: int = 0  # text streamed (completions: the next text_offset)
+    pending_ids: list = dataclasses.field(default_factory=list)  # tokens of held-back text, with their logprobs
+    pending_logprobs: list = dataclasses.field(default_factory=list)

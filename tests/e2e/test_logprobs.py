@@ -84,3 +84,18 @@ def test_logprobs_over_grpc(tiny_pair):
     assert len(res.logprobs) == 8
     for j, (t, lp) in enumerate(zip(res.token_ids, res.logprobs)):
         assert abs(lp.logprob - ref[j, t]) < 1e-4 and len(lp.top_token_ids) == 2
+
+
+def test_streamed_chunks_carry_their_tokens_logprobs(tiny_pair, backend):
+    """The SDK stream hands each committed token's logprobs with the chunk that carries the token: more than one
+    chunk has some, and together they are the result's, token for token."""
+    spec, _ = _clients(tiny_pair, backend)
+    ids = encode_prompt(spec.tokenizer, "Why is the sky blue?")
+    chunks = list(spec.stream_chunks(ids, max_new_tokens=N, ignore_eos=True, logprobs=True, top_logprobs=TOP))
+    res = spec.last_result
+    assert sum(1 for c in chunks if c.logprobs) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == res.token_ids
+    assert [lp for c in chunks for lp in c.logprobs] == res.logprobs
+    plain = list(spec.stream_chunks(ids, max_new_tokens=N, ignore_eos=True))
+    assert all(c.logprobs == () for c in plain) and [t for c in plain for t in c.token_ids] == res.token_ids

@@ -129,3 +129,26 @@ def test_out_of_range_is_400_naming_the_parameter(client, options, param):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, **options)
     assert param in str(e.value)
+
+
+def test_streamed_logprobs_arrive_with_their_chunks(client):
+    """OpenAI streams each chunk's tokens' logprobs with that chunk: more than one chunk carries them, and
+    together they equal the non-streamed response's, chat and completions."""
+    whole = _chat(client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    per_chunk = [ch.logprobs.content for chunk in _chat(client, stream=True, logprobs=True, top_logprobs=2)
+                 for ch in chunk.choices if ch.logprobs is not None and ch.logprobs.content]
+    assert len(per_chunk) > 1
+    streamed = [e for content in per_chunk for e in content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs] for e in whole]
+
+    c, model = client
+    kw = dict(model=model, prompt="The sky is", temperature=0, max_tokens=N, logprobs=2)
+    ref = c.completions.create(**kw).choices[0].logprobs
+    parts = [ch.logprobs for chunk in c.completions.create(stream=True, **kw) for ch in chunk.choices
+             if ch.logprobs is not None and ch.logprobs.tokens]
+    assert len(parts) > 1
+    assert [t for p in parts for t in p.tokens] == ref.tokens
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(ref.token_logprobs, abs=1e-4)
+    assert [o for p in parts for o in p.text_offset] == ref.text_offset
