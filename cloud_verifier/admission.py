@@ -64,9 +64,10 @@ class SessionAdmission:
     _update_gauges: Callable[[], None]
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                   tenant_id: str = "") -> Session:
+                   tenant_id: str = "", num_output_tokens: int = 0) -> Session:
         """Admit a new session (a fresh id; a random seed when ``sampling.seed`` is None), prefill ``prompt``
-        (validated token ids) and create its store record.
+        (validated token ids) and create its store record; its last ``num_output_tokens`` ids (validated) are
+        output already generated (a re-open after failover): the record's prompt_length leaves them out.
 
         Raises:
             CapacityError: max_sessions reached or no KV budget left.
@@ -79,7 +80,7 @@ class SessionAdmission:
             session_id=secrets.token_hex(12),
             verifier_id=self.info.verifier_id,
             model_id=self.info.model_id,
-            prompt_length=len(prompt),
+            prompt_length=len(prompt) - num_output_tokens,
             committed_token_ids=list(prompt),
             sampling=sampling,
             stopping=stopping,

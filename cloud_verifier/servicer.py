@@ -92,7 +92,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._check_serving()
         r = open_request_from_proto(request)
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
-                                                  r.tokenizer_fingerprint, **_tenant_kw())
+                                                  r.tokenizer_fingerprint, num_output_tokens=r.num_output_tokens,
+                                                  **_tenant_kw())
         return self._opened(opened)
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:

@@ -50,19 +50,26 @@ def check_open_request(
     tokenizer_fingerprint: str,
     info: ServedInfo,
     valid_vocab_size: int,
+    num_output_tokens: int = 0,
 ) -> None:
-    """Check an OpenSession request (``prompt``: token ids; ``tokenizer_fingerprint``: "" = not checked).
+    """Check an OpenSession request (``prompt``: token ids; ``tokenizer_fingerprint``: "" = not checked;
+    ``num_output_tokens``: the last prompt ids that are output already generated).
 
     Raises:
         InvalidRequestError: empty prompt; prompt token id outside the vocabulary; bad sampling or stopping
             parameters (a positive temperature below :data:`MIN_TEMPERATURE` included); prompt of
-            ``info.max_context_tokens`` tokens or more (no room to generate).
+            ``info.max_context_tokens`` tokens or more (no room to generate); num_output_tokens < 0, not below the
+            prompt's length or not below max_new_tokens.
         PreconditionError: the tokenizer fingerprint differs from the target's.
     """
     if not prompt:
         raise InvalidRequestError("empty prompt: at least one token id is needed")
     check_token_ids(prompt, "prompt", valid_vocab_size)
     check_generation_params(sampling, stopping, valid_vocab_size)
+    if not 0 <= num_output_tokens < len(prompt) or (num_output_tokens and num_output_tokens >= stopping.max_new_tokens):
+        raise InvalidRequestError(
+            f"num_output_tokens must be in [0, {min(len(prompt), stopping.max_new_tokens)}) (below the prompt's "
+            f"{len(prompt)} ids and max_new_tokens {stopping.max_new_tokens}), got {num_output_tokens}")
     if tokenizer_fingerprint and info.tokenizer_fingerprint and tokenizer_fingerprint != info.tokenizer_fingerprint:
         raise PreconditionError(
             f"tokenizer fingerprint {tokenizer_fingerprint} does not match the target's "

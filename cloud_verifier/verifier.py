@@ -221,9 +221,11 @@ class Verifier:
         stopping: StoppingCriteria,
         tokenizer_fingerprint: str = "",
         tenant_id: str = "",
+        num_output_tokens: int = 0,
     ) -> SessionOpened:
         """Validate, reserve a KV cache, prefill the prompt (chunked, interleaved with verify steps), record the
-        session as ``tenant_id``'s.
+        session as ``tenant_id``'s. ``num_output_tokens``: the last prompt ids that are output already generated
+        (a re-open after failover): penalties, min_tokens and max_new_tokens count them, as the lost session did.
 
         Raises:
             InvalidRequestError: empty prompt, token id out of range, prompt fills the context, bad params.
@@ -234,11 +236,12 @@ class Verifier:
         """
         self._check_running()
         prompt = [int(t) for t in prompt_token_ids]
-        check_open_request(prompt, sampling, stopping, tokenizer_fingerprint, self.info, self.valid_vocab_size)
+        check_open_request(prompt, sampling, stopping, tokenizer_fingerprint, self.info, self.valid_vocab_size,
+                           num_output_tokens)
         check_grammar(sampling.grammar, self.info.model_id, stopping)  # the engine's message when it cannot compile
         held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
         with self.limits.opening(tenant_id, held):
-            record = (await self.sessions.open(prompt, sampling, stopping, tenant_id)).record
+            record = (await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens)).record
         return SessionOpened.of(self.info, record.session_id, record.committed_length, record.seed)
 
     async def extend_session(

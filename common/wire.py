@@ -120,12 +120,14 @@ def stopping_from_proto(msg: pb.StoppingCriteria) -> StoppingCriteria:
 @dataclass(frozen=True)
 class OpenRequest:
     """An OpenSession request (:func:`open_request_from_proto`): prompt token ids, the session's sampling and
-    stopping parameters, and the edge tokenizer's fingerprint ("" = not sent)."""
+    stopping parameters, the edge tokenizer's fingerprint ("" = not sent), and how many of the last prompt ids
+    are output already generated (a re-open after failover; 0 = none)."""
 
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stopping: StoppingCriteria
     tokenizer_fingerprint: str
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,14 +162,17 @@ def open_request_to_proto(
     stopping: StoppingCriteria,
     tokenizer_fingerprint: str = "",
     client_id: str = "",
+    num_output_tokens: int = 0,
 ) -> pb.OpenSessionRequest:
     _check_int32(prompt_token_ids, "prompt token id")
+    _check_int32([num_output_tokens], "num_output_tokens")
     return pb.OpenSessionRequest(
         prompt_token_ids=[int(t) for t in prompt_token_ids],
         sampling=sampling_to_proto(sampling),
         stopping=stopping_to_proto(stopping),
         tokenizer_fingerprint=tokenizer_fingerprint,
         client_id=client_id,
+        num_output_tokens=int(num_output_tokens),
     )
 
 
@@ -175,7 +180,8 @@ def open_request_from_proto(msg: pb.OpenSessionRequest) -> OpenRequest:
     """The request's fields; missing sampling/stopping messages give the defaults."""
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else StoppingCriteria()
-    return OpenRequest(list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint)
+    return OpenRequest(list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint,
+                       msg.num_output_tokens)
 
 
 def session_opened_to_proto(opened: SessionOpened) -> pb.OpenSessionResponse:

@@ -30,7 +30,10 @@ class VerifierBackend(abc.ABC):
         stopping: StoppingCriteria,
         tokenizer_fingerprint: str = "",
         timeout_s: float | None = None,
-    ) -> SessionOpened: ...
+        num_output_tokens: int = 0,
+    ) -> SessionOpened:
+        """OpenSession (specdec.v1): ``num_output_tokens`` of the prompt's last ids are output already generated
+        (a re-open after the verifier lost a session): the verifier counts them as generated."""
 
     def extend_session(
         self,

@@ -26,14 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from common.errors import (
-    ConflictError,
-    DeadlineError,
-    InvalidRequestError,
-    PreconditionError,
-    SessionNotFoundError,
-    VerifierUnavailableError,
-)
+from common.errors import (ConflictError, DeadlineError, InvalidRequestError, PreconditionError, SessionNotFoundError,
+                           VerifierUnavailableError)
 from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SessionOpened, StoppingCriteria
 from common.vocab import tokenizer_fingerprint
 from edge_client.backend import SentBlock, VerifierBackend
@@ -387,8 +381,13 @@ class EdgeClient:
                 run.max_context_tokens = opened.max_context_tokens
                 run.first_seq = keep.last_seq + 1
                 return opened
-        opened = self.backend.open_session(run.committed, sampling, rest, self.fingerprint,
-                                           timeout_s=self.open_timeout_s)
+        if run.num_generated:  # a re-open mid-turn: the verifier counts the output so far as generated
+            # (penalties, min_tokens and the turn's max_new_tokens), as the lost session did
+            opened = self.backend.open_session(run.committed, sampling, run.stopping, self.fingerprint,
+                                               timeout_s=self.open_timeout_s, num_output_tokens=run.num_generated)
+        else:
+            opened = self.backend.open_session(run.committed, sampling, rest, self.fingerprint,
+                                               timeout_s=self.open_timeout_s)
         run.session_ids.append(opened.session_id)
         run.max_context_tokens = opened.max_context_tokens
         run.first_seq = 1

@@ -215,7 +215,8 @@ class FailoverBackend(VerifierBackend):
             return result
 
     def open_session(self, prompt_token_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                     tokenizer_fingerprint: str = "", timeout_s: float | None = None) -> SessionOpened:
+                     tokenizer_fingerprint: str = "", timeout_s: float | None = None,
+                     num_output_tokens: int = 0) -> SessionOpened:
         """OpenSession on the current address, retried on the next ones (a session half-opened on a replica
         that died expires there by TTL).
 
@@ -224,7 +225,9 @@ class FailoverBackend(VerifierBackend):
         """
         opened = self._with_retries(
             lambda b: b.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
-                                     timeout_s=timeout_s or self.open_timeout_s), "OpenSession")
+                                     timeout_s=timeout_s or self.open_timeout_s,
+                                     **({"num_output_tokens": num_output_tokens} if num_output_tokens else {})),
+            "OpenSession")
         self._remember(opened)
         return opened
 

@@ -216,9 +216,11 @@ class GrpcBackend(VerifierBackend):
         stopping: StoppingCriteria,
         tokenizer_fingerprint: str = "",
         timeout_s: float | None = None,
+        num_output_tokens: int = 0,
     ) -> SessionOpened:
         self._check_open()
-        request = open_request_to_proto(prompt_token_ids, sampling, stopping, tokenizer_fingerprint)
+        request = open_request_to_proto(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
+                                        num_output_tokens=num_output_tokens)
         try:
             response = self._stub.OpenSession(request, timeout=timeout_s or self.open_timeout_s,
                                              metadata=self._metadata)

@@ -141,9 +141,11 @@ class LocalBackend(VerifierBackend):
     def _call(self, coro, timeout_s: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def open_session(self, prompt_token_ids, sampling, stopping, tokenizer_fingerprint="", timeout_s=None):
+    def open_session(self, prompt_token_ids, sampling, stopping, tokenizer_fingerprint="", timeout_s=None,
+                     num_output_tokens=0):
         return self._call(
-            self.verifier.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint), timeout_s
+            self.verifier.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
+                                       num_output_tokens=num_output_tokens), timeout_s
         )
 
     def extend_session(self, session_id, committed_length, appended_token_ids, sampling=None, stopping=None,

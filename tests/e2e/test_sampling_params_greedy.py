@@ -126,3 +126,33 @@ def test_a_conversations_second_turn_rebuilds_the_counts(clients):
         res = conv.last_result
         assert res.token_ids == clients["target"].generate(res.prompt_token_ids, **kw).token_ids
     conv.close()
+
+
+def test_a_session_lost_mid_generation_keeps_its_output_counts(clients, backend):
+    """The verifier loses the session mid-generation (its record gone, as after a store restarted empty): the
+    SDK re-opens one over everything committed and says how much of it is output (num_output_tokens), so the
+    presence/frequency counts and min_tokens carry on as in the lost session: target-only's token ids."""
+    kw = dict(logit_bias={**COMPETE, EOS: 30.0}, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=12)
+    ids = encode_prompt(clients["target"].tokenizer, PROMPTS[0])
+    ref = _generate(clients["target"], ids, **kw).token_ids
+    assert len(ref) == 13 and ref[-1] == EOS  # EOS masked for 12 tokens, then it wins
+    for which in ("agree", "disagree"):
+        chunks = clients[which].stream_chunks(ids, max_new_tokens=N, **kw)
+        streamed = list(next(chunks).token_ids)
+        assert 0 < len(streamed) < 12
+        [session_id] = list(backend.verifier.sessions._sessions)  # the generation's one session
+        assert backend.verifier.close_session(session_id)
+        streamed += [t for chunk in chunks for t in chunk.token_ids]
+        res = clients[which].last_result
+        assert res.num_reopened_sessions == 1, which
+        assert res.token_ids == ref, which
+
+
+def test_num_output_tokens_out_of_range_is_refused(backend):
+    from common.errors import InvalidRequestError
+    from common.types import StoppingCriteria
+
+    for bad, stopping in ((3, StoppingCriteria(8)), (-1, StoppingCriteria(8)), (2, StoppingCriteria(2))):
+        with pytest.raises(InvalidRequestError, match="num_output_tokens"):
+            backend.open_session([5, 6, 7], SamplingParams(), stopping, num_output_tokens=bad)
+    assert backend.verifier.sessions.num_sessions == 0  # nothing opened
