@@ -8,9 +8,10 @@ Built on FastAPI (Starlette) + uvicorn; streaming with server-sent events, as Op
 
 - parameters: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p``, ``seed``, ``stop`` (string or list), ``stream``, ``stream_options.include_usage``; ``top_k`` and
-  ``ignore_eos`` as extensions (as vLLM's server has them). ``n`` > 1 and every parameter that would change the
-  output but is not supported (``logprobs``, ``logit_bias``, penalties != 0, ``tools``, a ``response_format``
-  other than text, ...) are refused with HTTP 400 and a message naming it: never silently ignored.
+  ``ignore_eos`` as extensions (as vLLM's server has them); ``n``, ``logprobs`` / ``top_logprobs`` (streamed
+  with each chunk's tokens), penalties, ``logit_bias`` and the extensions of docs/openai.md. Every parameter
+  that would change the output but is not supported is refused with HTTP 400 and a message naming it: never
+  silently ignored.
 - responses: ``usage`` (prompt, completion, total tokens), ``finish_reason`` (``stop``: EOS or a stop string;
   ``length``: max tokens or the context limit) and a ``specdec`` object (``acceptance_rate``,
   ``mean_accepted_length``, ``num_unverified_tokens``: tokens decoded by the draft alone during a device
