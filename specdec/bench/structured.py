@@ -8,6 +8,8 @@ Greedy constrained outputs of the two constrained arms must be equal (checked, r
 
     python3 -m specdec.bench.structured --json-schema FILE [--target DIR] [--draft DIR] [--prompts N]
         [--max-new-tokens N] [-g GAMMA]
+    specdec bench --json-schema FILE [--target DIR] [--draft DIR] [--limit N] [--max-new-tokens N] [-g GAMMA]
+        [--json]   (the same report; JSON on stdout either way)
 """
 
 from __future__ import annotations
@@ -49,6 +51,52 @@ def _grammar_cost_ms(spec, tokenizer, outputs) -> float:
     return t * 1e3 / max(1, positions)
 
 
+def run_structured(json_schema: Path, *, target=None, draft=None, limit: int | None = None,
+                   max_new_tokens: int = 96, num_speculative_tokens: int = 4) -> dict:
+    """The four arms over ``limit`` prompts (default: all of :data:`PROMPTS`) under the schema in the file
+    ``json_schema``; returns the report (keys: the module docstring). ``max_new_tokens``: tokens per output.
+
+    Raises:
+        InvalidRequestError: the file cannot be read, or is not a JSON schema (one line for the CLI)."""
+    from cloud_verifier.target import TargetRunner
+    from cloud_verifier.verifier import Verifier
+    from common.errors import InvalidRequestError
+    from common.grammar import GrammarSpec
+    from common.paths import resolve_draft_dir, resolve_target_dir
+    from edge_client.client import EdgeClient, encode_prompt
+    from edge_client.drafter import ModelDrafter
+    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec.embedded import LocalBackend
+
+    try:
+        spec = GrammarSpec.json_schema(Path(json_schema).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidRequestError(f"--json-schema {json_schema}: {e}") from None
+    backend = LocalBackend(Verifier(TargetRunner(resolve_target_dir(target))))
+    model = OnnxDraftModel(resolve_draft_dir(draft))
+    tok = model.tokenizer
+    prompts = [encode_prompt(tok, p) for p in (PROMPTS * 4)[: limit or len(PROMPTS)]]
+    spec_client = EdgeClient(backend, ModelDrafter(model), tok, num_speculative_tokens=num_speculative_tokens)
+    target_only = EdgeClient(backend, None, tok)
+    report: dict = {"mode": "structured", "schema": str(json_schema), "prompts": len(prompts),
+                    "max_new_tokens": max_new_tokens}
+    outs = {}
+    try:
+        for name, client, grammar in (("target_only", target_only, None), ("speculative", spec_client, None),
+                                      ("target_only_constrained", target_only, spec),
+                                      ("speculative_constrained", spec_client, spec)):
+            report[name], outs[name] = _arm(client, prompts, max_new_tokens, grammar)
+    finally:
+        backend.close()
+    rate = {k: report[k]["tokens_per_s"] for k in outs}
+    report["speedup_unconstrained"] = rate["speculative"] / rate["target_only"] if rate["target_only"] else None
+    report["speedup_constrained"] = (rate["speculative_constrained"] / rate["target_only_constrained"]
+                                     if rate["target_only_constrained"] else None)
+    report["constrained_outputs_equal"] = outs["speculative_constrained"] == outs["target_only_constrained"]
+    report["grammar_ms_per_position"] = _grammar_cost_ms(spec, tok, outs["speculative_constrained"])
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-schema", required=True, type=Path)
@@ -58,36 +106,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("-g", "--num-speculative-tokens", type=int, default=4)
     args = ap.parse_args()
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from common.grammar import GrammarSpec
-    from common.paths import resolve_draft_dir, resolve_target_dir
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
-    from specdec.embedded import LocalBackend
-
-    spec = GrammarSpec.json_schema(args.json_schema.read_text())
-    backend = LocalBackend(Verifier(TargetRunner(resolve_target_dir(args.target))))
-    model = OnnxDraftModel(resolve_draft_dir(args.draft))
-    tok = model.tokenizer
-    prompts = [encode_prompt(tok, p) for p in (PROMPTS * 4)[: args.prompts]]
-    spec_client = EdgeClient(backend, ModelDrafter(model), tok, num_speculative_tokens=args.num_speculative_tokens)
-    target_only = EdgeClient(backend, None, tok)
-    report: dict = {"schema": str(args.json_schema), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
-    outs = {}
-    for name, client, grammar in (("target_only", target_only, None), ("speculative", spec_client, None),
-                                  ("target_only_constrained", target_only, spec),
-                                  ("speculative_constrained", spec_client, spec)):
-        report[name], outs[name] = _arm(client, prompts, args.max_new_tokens, grammar)
-    backend.close()
-    rate = {k: report[k]["tokens_per_s"] for k in outs}
-    report["speedup_unconstrained"] = rate["speculative"] / rate["target_only"] if rate["target_only"] else None
-    report["speedup_constrained"] = (rate["speculative_constrained"] / rate["target_only_constrained"]
-                                     if rate["target_only_constrained"] else None)
-    report["constrained_outputs_equal"] = outs["speculative_constrained"] == outs["target_only_constrained"]
-    report["grammar_ms_per_position"] = _grammar_cost_ms(spec, tok, outs["speculative_constrained"])
-    print(json.dumps(report, indent=1))
+    print(json.dumps(run_structured(args.json_schema, target=args.target, draft=args.draft, limit=args.prompts,
+                                    max_new_tokens=args.max_new_tokens,
+                                    num_speculative_tokens=args.num_speculative_tokens), indent=1))
 
 
 if __name__ == "__main__":

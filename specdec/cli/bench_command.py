@@ -1,4 +1,5 @@
-"""`specdec bench`: the benchmark modes (default, --clients [--replay], --gamma-sweep, --edge-cloud)."""
+"""`specdec bench`: the benchmark modes (default, --clients [--replay], --gamma-sweep, --edge-cloud, --wan,
+--json-schema)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from specdec.cli.processing import (
 
 
 def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s, device,
-                         dtype) -> list[int] | None:
+                         dtype, json_schema=None) -> list[int] | None:
     """The client counts of --clients (None without it), or exit with one line on options that do not go
     together."""
-    if temperature > 0 and (clients or gamma_sweep or edge_cloud):
-        _fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud)")
+    if temperature > 0 and (clients or gamma_sweep or edge_cloud or json_schema):
+        _fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud, "
+              "--json-schema)")
     modes = [name for name, on in (("--clients", clients), ("--gamma-sweep", gamma_sweep),
-                                   ("--edge-cloud", edge_cloud)) if on]
+                                   ("--edge-cloud", edge_cloud), ("--json-schema", json_schema)) if on]
     if len(modes) > 1:
         _fail(f"{' and '.join(modes)} are separate modes: give one")
     if plot is not None and not gamma_sweep:
@@ -42,8 +44,13 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
 
 def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sweep, edge_cloud, delays_ms, adaptive,
               min_confidence, pin, plot, limit, max_new_tokens, num_speculative_tokens, target, draft, no_hf,
-              sampling, progress, cloud_replay=False) -> dict:
+              sampling, progress, cloud_replay=False, json_schema=None) -> dict:
     """The report of the one benchmark mode the options select."""
+    if json_schema is not None:  # constrained vs unconstrained side by side: specdec/bench/structured.py
+        from specdec.bench.structured import run_structured
+
+        return run_structured(json_schema, target=target, draft=draft, limit=limit, max_new_tokens=max_new_tokens,
+                              num_speculative_tokens=num_speculative_tokens)
     if replay:
         return bench_mod.run_replay_bench(
             prompts, client_counts,
@@ -84,6 +91,8 @@ ROUTE = typer.Option(None, "--route", help="--wan: routes compared (default: spe
                      "'speculative,cloud' also cloud-decodes the sessions")
 JITTER_MS = typer.Option(0.0, "--jitter-ms", help="--wan: ± jitter of each direction, ms")
 BANDWIDTH_KBPS = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per direction, kbit/s (0: none)")
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrained (this JSON schema file) vs unconstrained, "
+                           "target-only and specdec side by side: one JSON object (specdec/bench/structured.py)")
 DRAFT_SLOWDOWN = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower devices)")
 
 
@@ -137,6 +146,7 @@ def bench(
     jitter_ms: float = JITTER_MS,
     bandwidth_kbps: float = BANDWIDTH_KBPS,
     draft_slowdown: str = DRAFT_SLOWDOWN,
+    json_schema: Optional[Path] = JSON_SCHEMA,
     repetition_penalty: float = REPETITION_PENALTY,
     presence_penalty: float = PRESENCE_PENALTY,
     frequency_penalty: float = FREQUENCY_PENALTY,
@@ -144,8 +154,7 @@ def bench(
     min_tokens: int = MIN_TOKENS,
     min_p: float = MIN_P,
 ):
-    """Benchmark: target-only vs specdec vs HF assisted generation; or --clients [--replay], --gamma-sweep,
-    --edge-cloud."""
+    """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
     from common.types import SamplingParams
     from specdec import bench as bench_mod
 
@@ -153,7 +162,7 @@ def bench(
     processing = processing_options(  # the default benchmark's variants all run with them
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
-    if processing and (wan is not None or clients or gamma_sweep or edge_cloud):
+    if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema):
         _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
         _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, limit=limit, max_new_tokens=max_new_tokens,
@@ -162,12 +171,12 @@ def bench(
         return
     client_counts = _check_bench_options(
         temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,
-        replay=replay, duration_s=duration_s, device=device, dtype=dtype)
+        replay=replay, duration_s=duration_s, device=device, dtype=dtype, json_schema=json_schema)
     try:
         with bench_mod.target_placement(device, dtype):  # the target's device in every mode
             report = _run_mode(
                 bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
-                cloud_replay="cloud" in (route or "").split(","),
+                cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema,
                 edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
                 pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,
@@ -175,7 +184,7 @@ def bench(
             )
     except (*_user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         _fail(str(e))
-    if as_json:
+    if as_json or json_schema is not None:  # the structured report has no tables: JSON
         typer.echo(json.dumps(report, indent=None))
     else:
         bench_mod.print_report(report)

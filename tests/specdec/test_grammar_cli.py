@@ -73,3 +73,33 @@ def test_chat_json_schema_constrains_every_reply(tiny_pair, tmp_path):
     assert len(replies) == 2, r.stdout
     for reply in replies:
         jsonschema.validate(reply, schema)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--json-schema", "/nonexistent.json"), "--json-schema /nonexistent.json"),
+    (("--json-schema", "/nonexistent.json", "--clients", "1"), "separate modes"),
+])
+def test_bench_json_schema_refused_in_one_line(args, message):
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bench_json_schema_reports_both_speedups_as_json(tiny_pair, tmp_path):
+    """`specdec bench --json-schema FILE` (tiny pair, 2 prompts): one JSON object with the four arms, both
+    speedups, forced tokens, equal constrained outputs and the grammar's cost per position."""
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--json-schema", str(schema), "--target",
+                        str(tiny_pair.target_dir), "--draft", str(tiny_pair.draft_dir), "--limit", "2",
+                        "--max-new-tokens", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["mode"] == "structured" and report["prompts"] == 2
+    for arm in ("target_only", "speculative", "target_only_constrained", "speculative_constrained"):
+        assert report[arm]["tokens"] > 0
+    assert report["constrained_outputs_equal"] is True
+    assert report["speculative_constrained"]["num_forced_tokens"] > 0  # '{"ok": ' is forced
+    assert report["speedup_constrained"] > 0 and report["speedup_unconstrained"] > 0
+    assert report["grammar_ms_per_position"] >= 0
