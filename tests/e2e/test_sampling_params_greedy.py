@@ -148,11 +148,25 @@ def test_a_session_lost_mid_generation_keeps_its_output_counts(clients, backend)
         assert res.token_ids == ref, which
 
 
-def test_num_output_tokens_out_of_range_is_refused(backend):
+def test_num_output_tokens_out_of_range_is_refused(tiny_pair, backend):
+    """In-process and over gRPC (INVALID_ARGUMENT naming the field): not below the prompt's length, negative, or
+    not below max_new_tokens; nothing opened."""
     from common.errors import InvalidRequestError
     from common.types import StoppingCriteria
+    from edge_client.grpc_backend import GrpcBackend
+    from specdec.embedded import EmbeddedServer
 
-    for bad, stopping in ((3, StoppingCriteria(8)), (-1, StoppingCriteria(8)), (2, StoppingCriteria(2))):
+    bad = ((3, StoppingCriteria(8)), (-1, StoppingCriteria(8)), (2, StoppingCriteria(2)))
+    for n, stopping in bad:
         with pytest.raises(InvalidRequestError, match="num_output_tokens"):
-            backend.open_session([5, 6, 7], SamplingParams(), stopping, num_output_tokens=bad)
+            backend.open_session([5, 6, 7], SamplingParams(), stopping, num_output_tokens=n)
     assert backend.verifier.sessions.num_sessions == 0  # nothing opened
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0) as address:
+        remote = GrpcBackend(address)
+        try:
+            with pytest.raises(InvalidRequestError, match="num_output_tokens"):
+                remote.open_session([5, 6, 7], SamplingParams(), StoppingCriteria(8), num_output_tokens=3)
+            opened = remote.open_session([5, 6, 7], SamplingParams(), StoppingCriteria(8), num_output_tokens=2)
+            assert opened.committed_length == 3
+        finally:
+            remote.close()
