@@ -416,6 +416,7 @@ class Batcher:
             session.stop.restore(stop_state)
             raise
         session.confirm(verdict)
+        self.sessions.cache_committed(session)  # its newly final full blocks, for sessions opening from now on
         spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
         return verdict

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,6 +163,9 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, 0 references; oldest release first
         self._released: deque[int] = deque()  # cached blocks the pool released, not yet in _evictable
         self._lock = threading.Lock()
+        # per session KV (weakly: gone with it): (root, keys of its first blocks), so that the blocks its verify
+        # commits fill are hashed once each (cache_committed), not the whole sequence every step
+        self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         pool.on_release = self.on_release
 
     # ---------------------------------------------------------------- keys
@@ -382,6 +386,28 @@ def cache_prefilled(target, kv, token_ids: Sequence[int], num_tokens: int, tenan
     if cache is None:
         return 0
     return cache.cache_full_blocks(kv.blocks, token_ids, min(int(num_tokens), len(token_ids)), tenant_id)
+
+
+def cache_committed(target, kv, token_ids: Sequence[int], tenant_id: str = "") -> int:
+    """After a verify commit: register the full blocks of ``kv`` that the commit made final (every position below
+    ``len(token_ids) - 1``, ``token_ids`` being the session's committed ids: :func:`num_cacheable_blocks`) in
+    ``target.prefix_cache``, so a session sending this conversation later takes them instead of prefilling.
+    Incremental: each block is hashed once per session (its keys are kept with its KV), and a step that filled
+    no block costs a comparison. Returns blocks registered. Source: vLLM v1 ``cache_full_blocks`` after each
+    scheduler step (``KVCacheManager.cache_blocks``)."""
+    cache = target.prefix_cache
+    if cache is None or not cache.enabled:
+        return 0
+    bs = cache.block_size
+    n = min(num_cacheable_blocks(len(token_ids), bs), len(kv.blocks))
+    root = cache.root(tenant_id)
+    known_root, known = cache._chains.get(kv, (None, []))
+    known = known if known_root == root else []
+    if n <= len(known):
+        return 0
+    keys = full_block_hashes(token_ids[: n * bs], bs, root, known)
+    cache._chains[kv] = (root, keys)
+    return sum(cache.register(kv.blocks[d], keys[d], d) for d in range(len(known), n))
 
 
 def extend_session_kv(target, kv, token_ids: Sequence[int], start: int, tenant_id: str = "") -> tuple[int, int]:

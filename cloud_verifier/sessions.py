@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 from cloud_verifier import metrics
 from cloud_verifier.admission import PrefillChunk, SessionAdmission
+from cloud_verifier.prefix_cache import cache_committed
 from cloud_verifier.session_state import Session
 from cloud_verifier.store import SessionStore
 from cloud_verifier.target import TargetRunner
@@ -217,6 +218,17 @@ class SessionTable(SessionAdmission):
                 self.target.free(session.kv)
         self._update_gauges()
         return session
+
+    def cache_committed(self, session: Session) -> None:
+        """Share the KV blocks a verify commit of ``session`` filled (its full blocks below committed length - 1,
+        final: no later forward pass of it writes there) through the prefix cache, at once rather than at its
+        next ExtendSession: a session sending this conversation (a retried or forked chat) prefills only its tail.
+        Runs in the target thread after the store commit; a failure here is logged, never the verdict's."""
+        record = session.record
+        try:
+            cache_committed(self.target, session.kv, record.committed_token_ids, record.tenant_id)
+        except Exception:  # noqa: BLE001 - the commit is done; caching is an optimisation
+            log.exception("could not cache the committed blocks of session %s", record.session_id)
 
     def close(self, session_id: str) -> bool:
         """Release the session here and delete its store keys; False if it existed in neither."""

@@ -40,10 +40,10 @@ def hf_model(tiny_pair):
     return AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir, dtype=torch.float32).eval()
 
 
-def _reference(hf_model, prompt: list[int]) -> list[int]:
+def _reference(hf_model, prompt: list[int], new: int = NEW) -> list[int]:
     """Target-only greedy decoding with plain HF generate()."""
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                 pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -62,20 +62,21 @@ def _backend(runner, **kwargs) -> LocalBackend:
     return backend
 
 
-def _open(backend, prompt, tenant_id: str = ""):
+def _open(backend, prompt, tenant_id: str = "", new: int = NEW):
     """(opened, prompt tokens prefilled)."""
     before = _batch_tokens()
-    opened = backend._call(backend.verifier.open_session(prompt, *GREEDY, tenant_id=tenant_id), WAIT_S)
+    stopping = StoppingCriteria(max_new_tokens=new, ignore_eos=True)
+    opened = backend._call(backend.verifier.open_session(prompt, GREEDY[0], stopping, tenant_id=tenant_id), WAIT_S)
     return opened, int(_batch_tokens() - before)
 
 
 def _decode_with_rejections(backend, opened, reference: list[int], rng: random.Random, gamma: int = 4,
-                            tenant_id: str = "") -> list[int]:
+                            tenant_id: str = "", new: int = NEW) -> list[int]:
     """Verify blocks of the reference continuation with one token in most blocks made wrong (rejections, roll
     backs); returns the committed output."""
     record = backend.verifier.sessions.held(opened.session_id).record
     out, seq, length = [], record.last_seq + 1, opened.committed_length  # seq goes on after an ExtendSession
-    capacity = opened.committed_length + NEW
+    capacity = opened.committed_length + new
     while True:
         draft = list(reference[len(out) : len(out) + min(gamma, capacity - length)])
         if draft and rng.random() < 0.75:
@@ -231,3 +232,43 @@ def test_an_extension_takes_the_blocks_another_session_cached_for_the_same_histo
         assert out2 == _decode_with_rejections(backend, whole, reply2, rng)
     finally:
         backend.close()
+
+
+def test_generated_blocks_are_cached_at_each_commit_and_never_written_once_cached(runner, hf_model):
+    """A's generated tokens fill blocks; each verify commit registers the full ones (not only a later
+    ExtendSession): B, opening with A's whole conversation as its prompt, prefills only the last partial block;
+    both decode token-identically to target-only decoding, and no forward pass writes a block while it is cached."""
+    rng = random.Random(7)
+    gen = 56
+    prompt = _ids(rng, 40)
+    reply_a = _reference(hf_model, prompt, gen)
+    conversation = prompt + reply_a  # 96 tokens: (96 - 1) // 16 = 5 full blocks final in A's KV
+    reply_b = _reference(hf_model, conversation)
+    backend = _backend(runner)
+    cache = runner.prefix_cache
+    writes_into_cached: list[tuple[int, int]] = []  # (block, position) a forward pass wrote while it was cached
+    forward = runner.forward
+
+    def observed_forward(rows, *args, **kwargs):
+        for row in rows:
+            for p in range(row.start_position, row.start_position + len(row.token_ids)):
+                block = row.kv.blocks[p // BS] if p // BS < len(row.kv.blocks) else None
+                if block is not None and cache.is_cached(block):
+                    writes_into_cached.append((block, p))
+        return forward(rows, *args, **kwargs)
+
+    runner.forward = observed_forward  # observes the real forward pass (instance attribute, undone below)
+    try:
+        a, prefilled_a = _open(backend, prompt, new=gen)
+        assert prefilled_a == 39
+        assert _decode_with_rejections(backend, a, reply_a, rng, new=gen) == reply_a
+        a_blocks = backend.verifier.sessions.held(a.session_id).kv.blocks[:5]
+        assert all(cache.is_cached(x) for x in a_blocks)  # 2 from the prompt's prefill, 3 from verify commits
+        b, prefilled_b = _open(backend, conversation)
+        assert prefilled_b == 95 - 5 * BS  # only the tail past A's 5 full blocks
+        assert backend.verifier.sessions.held(b.session_id).kv.blocks[:5] == a_blocks
+        assert _decode_with_rejections(backend, b, reply_b, rng) == reply_b  # token-identical to target-only
+    finally:
+        del runner.forward
+        backend.close()
+    assert not writes_into_cached
