@@ -21,13 +21,20 @@
 - A stream that ends early (the client cancelled it, or it broke): its blocks still queued are dropped (nothing
   committed), those in a forward pass end committed wholly; the sessions are free for the client's next stream.
 
-Entry points: ``await serve(settings)`` (``specdec serve``); :class:`VerifierServer` on a running event loop
-(``specdec.embedded.EmbeddedServer`` runs one in a background thread for ``specdec generate`` and tests).
+Entry points: ``await serve(settings)`` (``specdec serve``, or ``python -m cloud_verifier.server`` with the same
+flags); :class:`VerifierServer` on a running event loop (``specdec.embedded.EmbeddedServer`` runs one in a
+background thread for ``specdec generate`` and tests).
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
+
+# Before torch is imported (it reads it once): idle OpenMP threads sleep instead of spinning. With the default
+# (active) policy each small CPU op cost ~15 ms on a loaded box. setdefault: OMP_WAIT_POLICY=ACTIVE still wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import asyncio  # noqa: E402 - after the environment default above
 import logging
 import signal
 import time
@@ -346,3 +353,11 @@ async def serve(
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.stop()
+
+
+if __name__ == "__main__":  # python -m cloud_verifier.server [flags of `specdec serve`]
+    import sys
+
+    from specdec.cli import app
+
+    app(["serve", *sys.argv[1:]], prog_name="python -m cloud_verifier.server")
