@@ -12,7 +12,9 @@ The order of the whole pipeline (as HF transformers' and vLLM's processors, one 
    processor for them; :class:`tests`' reference is a documented custom one with the same formula.
 4. ``min_tokens``: EOS and stop token ids get -inf until ``min_tokens`` tokens of the turn are generated (HF
    ``MinNewTokensLengthLogitsProcessor``; the token at output index i is generated with i tokens before it, so
-   the mask holds while i < min_tokens).
+   the mask holds while i < min_tokens) — except at a position where nothing else is left (a grammar that can
+   only end there): the grammar wins, as the output must match it, so min_tokens is a lower bound only where
+   the grammar leaves room (a row of nothing but -inf would have no distribution).
 5. then :func:`common.logits.logits_to_probs`: temperature -> top-k -> top-p -> min_p (greedy: the argmax of
    the processed logits).
 
@@ -138,7 +140,10 @@ class TokenHistory:
             if p.presence_penalty:
                 logits[ids] -= logits.dtype.type(p.presence_penalty)
         if p.min_tokens and self.num_generated < p.min_tokens and len(self.stop_token_ids):
+            kept = logits[self.stop_token_ids].copy()
             logits[self.stop_token_ids] = -np.inf
+            if not np.max(logits) > -np.inf:  # a grammar allows only a stop id here: the grammar wins, it ends
+                logits[self.stop_token_ids] = kept
         return logits
 
 

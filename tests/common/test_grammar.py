@@ -243,3 +243,19 @@ def test_the_spec_travels_in_sampling_params_on_the_wire_and_in_the_store_form()
     assert GrammarSpec.from_json(SamplingParams(**stored).grammar) == GrammarSpec.json_schema(SCHEMA)
     with pytest.raises(ValueError, match="grammar"):
         SamplingParams(grammar="x" * 300_000).validate()
+
+
+def test_min_tokens_yields_where_the_grammar_allows_only_a_stop_id():
+    """min_tokens masks EOS while other ids are left; where a grammar mask left only EOS, EOS stays (the grammar
+    wins: a row of nothing but -inf has no distribution)."""
+    from common.logits_processors import TokenHistory
+    from common.types import SamplingParams
+
+    history = TokenHistory(SamplingParams(min_tokens=5), 8, 1, [2], [1])
+    only_eos = np.full(8, -np.inf, dtype=np.float32)
+    only_eos[2] = 0.5
+    assert history.apply(only_eos.copy())[2] == np.float32(0.5)
+    eos_and_more = only_eos.copy()
+    eos_and_more[4] = 0.1
+    out = history.apply(eos_and_more, np.array([False, False, True, False, True, False, False, False]))
+    assert out[2] == -np.inf and out[4] == np.float32(0.1)

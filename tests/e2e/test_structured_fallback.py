@@ -104,3 +104,29 @@ def test_constrained_session_survives_a_replica_change(tiny_pair, hf_target, two
     assert result.num_failovers >= 1 and result.num_unverified_tokens == 0
     assert result.token_ids in (ref, ref[:-1]) and result.finish_reason == FinishReason.EOS
     jsonschema.validate(json.loads(result.text), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def local_verifier(tiny_pair):
+    from specdec.embedded import LocalBackend
+
+    backend = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir), max_num_speculative_tokens=8))
+    yield backend
+    backend.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_yields_to_a_grammar_that_can_only_end(tiny_pair, local_verifier, draft, temperature):
+    """min_tokens=20 under a grammar whose whole language is short: where the grammar allows only EOS the
+    grammar wins (EOS is not masked there; a row of nothing but −inf would have no distribution), on the verifier
+    and on the draft, speculative and target-only alike: the output is the grammar's, ended by EOS."""
+    spec = GrammarSpec("regex", "(yes|no)")
+    ids = encode_prompt(draft.tokenizer, "Answer:")
+    kw = dict(max_new_tokens=40, grammar=spec, min_tokens=20, temperature=temperature, seed=7)
+    outputs = []
+    for drafter in (ModelDrafter(draft, draft_top_k=5), None):
+        client = EdgeClient(local_verifier, drafter, draft.tokenizer, num_speculative_tokens=4)
+        result = client.generate(ids, **kw)
+        assert result.text in ("yes", "no") and result.finish_reason == FinishReason.EOS
+        outputs.append(result.token_ids)
+    assert temperature > 0 or outputs[0] == outputs[1]
