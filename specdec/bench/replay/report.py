@@ -12,7 +12,7 @@ def print_replay_report(report: dict, console) -> None:
     t = Table(title="Verifier under load: recorded blocks replayed by one asyncio process "
                     "(verifier in its own process)")
     for col in ("N", "tok/s", "serial tok/s", "speedup vs serial", "kernel limit", "kernel limit w/ prefill",
-                "mean batch", "p50 ms", "p99 ms", "errors", "mismatches", "sessions done", "KV after",
+                "mean batch", "host ms/step", "p50 ms", "p99 ms", "errors", "mismatches", "sessions done", "KV after",
                 "RSS idle→after"):
         t.add_column(col, justify="right")
     for n, m in report["replay"].items():
@@ -23,7 +23,14 @@ def print_replay_report(report: dict, console) -> None:
         t.add_row(n, _fmt(m["tokens_per_s"], ".1f"), _fmt((m.get("serial") or {}).get("tokens_per_s"), ".1f"),
                   _fmt(m["speedup_vs_serial"]), _fmt(m["kernel_limit_speedup"]),
                   _fmt(m["kernel"]["prefill_share"]["kernel_limit_speedup_with_prefill"]),
-                  _fmt(m["mean_batch_size"]), _fmt(m["verify_latency_ms"]["p50"], ".1f"),
+                  _fmt(m["mean_batch_size"]), _host(m), _fmt(m["verify_latency_ms"]["p50"], ".1f"),
                   _fmt(m["verify_latency_ms"]["p99"], ".1f"), str(m["errors"]), str(m["mismatches"]),
                   str(m["sessions_completed"]), _fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
     console.print(t)
+
+
+def _host(m: dict) -> str:
+    """The verifier's host time per step outside the forward pass and its share of the step: "3.1 (4%)"."""
+    if m.get("host_ms_per_step") is None:
+        return "—"
+    return f"{m['host_ms_per_step']:.1f} ({m['host_fraction_of_step']:.0%})"
