@@ -131,3 +131,18 @@ def test_nothing_is_drafted_after_eos(draft):
     block = propose_constrained(ModelDrafter(draft), DraftGrammar(compiled, len(prompt)), done, 4, SamplingParams(),
                                 0, 0.0, None, 0.0, _stack_rows)
     assert block.draft_token_ids == []
+
+
+def test_constrained_draft_applies_the_history_processors(draft):
+    """The draft's processors (here logit_bias) run after the grammar mask, as on the verifier: a bias of -100 on
+    the token the masked draft would pick moves its argmax to the other answer's first token."""
+    compiled = compile_grammar(GrammarSpec.choice(["yes", "no"]), grammar_tokenizer(draft.tokenizer, [2]))
+    prompt = draft.tokenizer.encode("Answer:", add_special_tokens=False)
+    drafter = ModelDrafter(draft)
+    plain = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1, SamplingParams(), 0, 0.0,
+                                None, 0.0, _stack_rows).draft_token_ids
+    biased = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1,
+                                 SamplingParams(logit_bias={plain[0]: -100.0}), 0, 0.0, None, 0.0,
+                                 _stack_rows).draft_token_ids
+    assert len(plain) == len(biased) == 1 and biased != plain
+    assert compiled.matcher().mask()[biased[0]]  # still an id the grammar allows
