@@ -188,7 +188,7 @@ def test_batched_path_output_is_distributed_as_the_target_with_negative_control(
     assert 0.5 * np.abs(lying - p).sum() > 0.1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available (scripts/gpu_check.sh runs this on a GPU)")
 def test_cuda_rows_match_the_reference():
     rng = np.random.default_rng(9)
     params = SAMPLED + [SamplingParams()]
