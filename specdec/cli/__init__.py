@@ -24,5 +24,24 @@ from specdec.cli import models_commands  # noqa: F401
 __all__ = ["DEFAULT_MIN_CONFIDENCE", "DEFAULT_PROMPTS", "app", "build_pipeline", "ensure_default_models", "main"]
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def main() -> None:
+    """The ``specdec`` command: the typer app, with its usage errors (an unknown option, a value that is not a
+    number) as one ``error: ...`` line and exit status 2, like every other argument error (typer would draw a
+    multi-line panel)."""
+    import sys
+
+    from typer import Abort, TyperException
+    from typer.main import get_command
+
+    try:
+        rv = get_command(app).main(standalone_mode=False)
+    except TyperException as e:  # typer's click exceptions (usage errors among them) derive from it
+        if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+            e.show()  # `specdec` alone: the help, as before
+        else:
+            print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except Abort:  # Ctrl-C outside a command's own handling
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -74,6 +74,9 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
 def _print_result(result, as_json: bool) -> None:
     """The end of a generation: a notice about unverified tokens, then the JSON object or a statistics line."""
     route = result.route or {}
+    if not as_json:  # the text ends its line before anything comes on stderr (flushed: same order)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if result.num_unverified_tokens:  # never pass the draft's tokens off as the target's
         why = "(--route device)" if route.get("requested") == "device" else "while no verifier answered"
         typer.echo(
@@ -85,8 +88,6 @@ def _print_result(result, as_json: bool) -> None:
         typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
     s = result.stats
-    sys.stdout.write("\n")  # the text ends its line before the statistics come on stderr (flushed: same order)
-    sys.stdout.flush()
     # no acceptance without drafted tokens (--target-only, or a draft that proposed nothing)
     drafting = (f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
                 if s.num_draft_tokens else "")

@@ -59,7 +59,8 @@ def processing_options(*, repetition_penalty: float, presence_penalty: float, fr
     try:
         SamplingParams(**opts).validate()
     except ValueError as e:
-        _fail(str(e))
+        # the one field whose name is not its flag's: say which flag set it
+        _fail(f"--logprobs: {e}" if str(e).startswith("top_logprobs") else str(e))
     return opts
 
 
