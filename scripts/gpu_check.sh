@@ -84,13 +84,16 @@ fi
 if [ "$DEVICE" != none ]; then
   step prepare_models 240 specdec models prepare
   TESTS=(tests/cloud_verifier/test_gpu.py tests/cloud_verifier/test_device.py tests/edge_client/test_onnx_device_kv.py
-         tests/cloud_verifier/test_paged_attention.py tests/cloud_verifier/test_kv_pool.py)
+         tests/cloud_verifier/test_paged_attention.py tests/cloud_verifier/test_kv_pool.py
+         tests/cloud_verifier/test_batched_rejection.py)
   if [ "$DEVICE" = cuda ]; then
     step tests 150 env SPECDEC_GPU_CHECK_REAL_MODEL=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" "${TESTS[@]}"
     # one forward pass of 64 verify rows: paged one-call attention vs the per-row loop, KV block sizes 16/32
     step attention 60 $PY -m specdec.bench.attention_bench --rows 64 --tokens 5 --context 300 --repeats 5 \
       --block-sizes 16,32 --device cuda --dtype bfloat16
+    # the verdict stage of 64 rows x 5 positions on the device vs the numpy loop
+    step verdict 40 $PY -m specdec.bench.verdict_bench --repeats 5 --device cuda
     step bench 90 specdec bench --limit 4 --max-new-tokens 64 --no-hf --device cuda --json
     step replay 200 specdec bench --replay --clients 1,16,64 --duration-s 10 --limit 8 --device cuda --json
   else  # smoke test on the CPU: the same steps, tiny sizes
