@@ -184,6 +184,7 @@ def _summaries(results: list, rig: Any, sampling: Any, costs: tuple, notes: list
         overall["logits_processing_ms"] = _logits_processing_ms(sampling, rig.valid_vocab, gamma_eff)
     if sampling.has_history_processors:  # penalties / bias / min_tokens: their cost per position, ms
         overall["history_processing_ms"] = _history_processing_ms(sampling, rig.valid_vocab)
+    if not sampling.greedy:  # greedy runs compare outputs token by token (greedy_agreement), penalties or not
         notes.append("sampled: outputs are not compared token by token; sampled_reproducibility re-runs the first "
                      "prompts with the same seed (null without --seed)")
     return overall, categories, agreement
