@@ -22,7 +22,7 @@ from common.draft_topk import draft_topk_distribution, draft_topk_from_probs
 from common.logits import logits_to_probs
 from common.types import SparseDraftProbs
 
-__all__ = ["Stream", "dense_draft_probs", "draft_topk_distribution", "logits_to_probs", "normalize_sparse",
+__all__ = ["Stream", "dense_draft_probs", "draft_token", "draft_topk_distribution", "logits_to_probs", "normalize_sparse",
            "sample_from", "draft_topk_from_probs", "uniform"]
 
 
@@ -84,3 +84,21 @@ def dense_draft_probs(
     else:
         q[draft_probs.token_ids[position]] = normalize_sparse(draft_probs.probs[position])
     return q
+
+
+def draft_token(
+    logits: np.ndarray,  # [vocab_size] the draft's logits at one position, history processors already applied
+    sampling,  # common.types.SamplingParams
+    draft_top_k: int,
+    valid_vocab_size: int,
+    seed: int,
+    position: int,  # absolute position of the drafted token, tokens
+) -> tuple[int, np.ndarray | None, np.ndarray | None]:  # (token id, [k] ids, [k] float32 q) or (id, None, None)
+    """The draft's token at one position: the argmax of the valid ids (greedy), or a draw from its top-k q
+    (:func:`draft_topk_distribution`) with ``uniform(seed, position, Stream.DRAFT_SAMPLE)``, returned with that
+    q so it goes on the wire as exactly the distribution the token was drawn from."""
+    if sampling.greedy:
+        return int(np.argmax(logits[:valid_vocab_size])), None, None
+    ids, q = draft_topk_distribution(logits, sampling, draft_top_k, valid_vocab_size)
+    j = sample_from(normalize_sparse(q), uniform(seed, position, Stream.DRAFT_SAMPLE))
+    return int(ids[j]), ids, q

@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from common.logits_processors import TokenHistory
-from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
+from common.sampling import draft_token
 from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
 from edge_client.grammar_drafting import draft_grammar_for, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
@@ -250,12 +250,8 @@ class ModelDrafter:
                 break
             if history is not None:  # this position's history: committed ids + tokens[:i] (pushed below)
                 logits = history.apply(np.array(logits, dtype=np.float32))
-            if greedy:
-                token = int(np.argmax(logits[: self.valid_vocab_size]))
-            else:
-                ids, q = draft_topk_distribution(logits, sampling, self.draft_top_k, self.valid_vocab_size)
-                j = sample_from(normalize_sparse(q), uniform(seed, start + i, Stream.DRAFT_SAMPLE))
-                token = int(ids[j])
+            token, ids, q = draft_token(logits, sampling, self.draft_top_k, self.valid_vocab_size, seed, start + i)
+            if not greedy:
                 rows_ids.append(ids)
                 rows_q.append(q)
             tokens.append(token)

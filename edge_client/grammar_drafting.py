@@ -24,7 +24,7 @@ import numpy as np
 from common.errors import InvalidRequestError
 from common.grammar import (CompiledGrammar, GrammarMatcher, GrammarSpec, apply_mask, compile_grammar,
                             grammar_tokenizer)
-from common.sampling import Stream, draft_topk_distribution, normalize_sparse, sample_from, uniform
+from common.sampling import draft_token
 from common.types import DraftBlock, SamplingParams
 
 __all__ = ["DraftGrammar", "draft_grammar_for", "propose_constrained"]
@@ -126,12 +126,8 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
                 apply_mask(logits, allowed)
             if i > 0 and min_confidence > 0.0 and _top_prob(logits[:valid]) < min_confidence:
                 break
-            if greedy:
-                token = int(np.argmax(logits[:valid]))
-            else:
-                ids, q = draft_topk_distribution(logits, sampling, drafter.draft_top_k, valid)
-                j = sample_from(normalize_sparse(q), uniform(seed, start + i, Stream.DRAFT_SAMPLE))
-                token = int(ids[j])
+            token, ids, q = draft_token(logits, sampling, drafter.draft_top_k, valid, seed, start + i)
+            if not greedy:
                 rows_ids.append(ids)
                 rows_q.append(q)
         tokens.append(token)
