@@ -130,3 +130,25 @@ def test_min_tokens_yields_to_a_grammar_that_can_only_end(tiny_pair, local_verif
         assert result.text in ("yes", "no") and result.finish_reason == FinishReason.EOS
         outputs.append(result.token_ids)
     assert temperature > 0 or outputs[0] == outputs[1]
+
+
+def test_a_constrained_session_lost_mid_generation_resumes_its_grammar(tiny_pair, hf_target, local_verifier):
+    """The verifier loses a schema-constrained session mid-generation (its record gone, as after a store restarted
+    empty): the SDK re-opens one over everything committed and says how much of it is output
+    (num_output_tokens), so the new session's grammar starts at the turn's output start and replays the partial
+    output into its matcher, not at the new prompt's end: the output is target-only constrained greedy's."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    model = OnnxDraftModel(tiny_pair.other_draft_dir)  # low acceptance: several blocks before the loss
+    ids = encode_prompt(model.tokenizer, "Describe a city.")
+    ref = masked_greedy(hf_target, model.tokenizer, ids, spec, MAX_NEW)
+    client = EdgeClient(local_verifier, ModelDrafter(model), model.tokenizer, num_speculative_tokens=2)
+    chunks = client.stream_chunks(ids, max_new_tokens=MAX_NEW, grammar=spec)
+    streamed = list(next(chunks).token_ids) + list(next(chunks).token_ids)
+    assert 0 < len(streamed) < len(ref) - 2
+    [session_id] = list(local_verifier.verifier.sessions._sessions)  # the generation's one session
+    assert local_verifier.verifier.close_session(session_id)
+    streamed += [t for chunk in chunks for t in chunk.token_ids]
+    result = client.last_result
+    assert result.num_reopened_sessions == 1
+    assert result.token_ids == streamed and result.token_ids in (ref, ref[:-1])
+    jsonschema.validate(json.loads(result.text), SCHEMA)
