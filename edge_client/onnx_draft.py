@@ -51,6 +51,11 @@ def _dims(buffer: Any) -> tuple[int, ...]:
 class OnnxDraftModel:
     """Draft causal LM in ONNX Runtime holding the KV cache of the tokens fed so far (batch 1).
 
+    Not thread-safe: the KV cache (and its IOBinding buffers) belong to one generation at a time, so two threads
+    drafting through one instance corrupt each other's cache. Give each concurrent generation its own instance
+    (the ONNX Runtime session's weights are read-only, but this class holds one session per instance), or
+    serialise the generations as ``edge-serve`` does (one worker thread per EdgeClient).
+
     Args:
         model_dir: ONNX draft directory (``model.onnx`` + tokenizer + ``config.json``).
         providers: ONNX Runtime execution providers; None = ``CUDAExecutionProvider`` when this onnxruntime
