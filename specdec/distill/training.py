@@ -108,6 +108,7 @@ class _Trainer:
                      self.state["train_s"])
         self.bar = None
         self.ema = None
+        self.max_steps: int | None = None
 
     def save_ckpt(self) -> None:
         from specdec.models import draft_own_state
@@ -146,8 +147,12 @@ class _Trainer:
         state = self.state
         ts = time.perf_counter()
         ids, mask, rows, cols, sub, tval, ans = _collate(batch, self.pad_id, self.lut, topk)
+        # The schedule follows the step count when one is set (the same run on any machine), else the clock.
+        frac = state["train_s"] / time_budget_s
+        if self.max_steps:
+            frac = max(frac, state["step"] / self.max_steps)
         for g in self.opt.param_groups:
-            g["lr"] = _lr_at(state["train_s"] / time_budget_s, lr)
+            g["lr"] = _lr_at(frac, lr)
         h = _hidden(self.draft, ids, mask)[rows, cols]
         loss, _ = _kd_loss(self.draft.lm_head.subset_logits(h), sub, tval)
         self.opt.zero_grad(set_to_none=True)
@@ -176,6 +181,7 @@ class _Trainer:
         """Train until the time budget (or ``max_steps``); epochs reload the data (new shards start a new epoch
         early). Returns the training records of the last epoch."""
         state = self.state
+        self.max_steps = max_steps
         if progress:
             from tqdm.auto import tqdm
 
@@ -266,7 +272,7 @@ def distill(
     eval_every_s: float = 300.0, ckpt_every_s: float = 180.0, reload_data_every_s: float = 300.0,
     threads: int | None = 1, seed: int = 0, export: bool = True, artefact_dir: Path | None = None,
     quantize_int8: bool = False, max_steps: int | None = None, init_layer_ids: list[int] | None = None,
-    head_prompt_weight: float = 0.5,
+    head_prompt_weight: float = 0.5, data_max_shards: int | None = None, max_prompt_tokens: int = 320,
 ) -> dict[str, Any]:
     """Distill an FR-Spec draft for ``target_dir`` into ``out_dir`` and export it as an ONNX draft.
 
@@ -275,13 +281,15 @@ def distill(
     1. data: the target's greedy answers to ``train_prompts`` with their top-k logits
        (:func:`generate_target_data`) into ``out_dir/data``, for at most ``data_time_budget_s`` (None = the
        whole plan; another process may keep adding shards meanwhile: training reloads them every
-       ``reload_data_every_s``);
+       ``reload_data_every_s``), or the first ``data_max_shards`` shards of the seeded plan (held-out first),
+       prompts of at most ``max_prompt_tokens`` tokens;
     2. head vocabulary: the ``head_vocab`` most frequent target tokens (fixed at the start of training, saved
        in the checkpoint);
     3. training: top-k KL against the target on the answer positions, AdamW, cosine schedule over
        ``time_budget_s`` of training wall time (accumulated across resumes), checkpoints to
        ``out_dir/ckpt.pt`` every ``ckpt_every_s``, held-out metrics every ``eval_every_s``; stops at the budget
-       (or ``max_steps``);
+       (or ``max_steps``; with ``max_steps`` the schedule runs over the steps, so a seeded run is the same
+       run on any machine unless the time budget cuts it first);
     4. :func:`export_checkpoint`: the head vocabulary re-chosen from all the data, the artefact
        (draft-specific tensors, fp16) to ``artefact_dir`` (default ``out_dir/artefact``), the draft rebuilt
        from target + artefact, exported to ``out_dir/onnx`` (ONNX vs PyTorch checked) and evaluated.
@@ -307,7 +315,8 @@ def distill(
         report["data_generation"] = generate_target_data(
             target_dir, data_dir, [q.prompt for q in load_prompts(train_prompts)], heldout_frac=heldout_frac,
             batch_size=gen_batch_size, max_new_tokens=max_new_tokens, topk=topk, time_budget_s=data_time_budget_s,
-            threads=threads, seed=seed, gen_dtype=gen_dtype, progress=progress,
+            threads=threads, seed=seed, gen_dtype=gen_dtype, progress=progress, max_shards=data_max_shards,
+            max_prompt_tokens=max_prompt_tokens,
         )
     train_recs, held_recs = load_data(data_dir)
     if len(train_recs) == 0:
