@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""A real cross-size pair, made reproducibly: a layer-pruned copy of the target as its ONNX draft, measured.
+"""A real cross-size pair, made reproducibly: a layer-pruned, distilled copy of the target as its ONNX draft, measured.
 
-The draft keeps ``--layers`` of the target's decoder layers (default 6 of SmolLM2-135M's 30: the first 3 and the
-last 3, :func:`specdec.distill.front_back_layer_ids`, the initialisation with the lowest held-out KL before
-training), with the target's embedding, final norm and head; nothing else changes, so it is deterministic. With
-``--distill-s S`` the pruned student is instead trained for S seconds by ``specdec draft distill``'s recipe
-(DistillSpec top-k KL on the target's own answers to the train prompts, FR-Spec head vocabulary) before export.
-The draft is exported with the project's exporter (:func:`specdec.models.export_onnx_draft`, int8 by default, like
-the prepared self-draft), then ``specdec bench``'s offline harness (:func:`specdec.bench.offline.run_bench`,
-greedy, HF assisted off) measures acceptance rate, mean accepted length τ and speedup vs target-only on the
-held-out prompts shipped in ``specdec/data/``, for the pruned draft and for the prepared int8 self-draft, side by
-side. Prints one JSON object.
+The draft keeps ``--layers`` of the target's decoder layers (default 10 of SmolLM2-135M's 30: the first 5 and the
+last 5, :func:`specdec.distill.front_back_layer_ids`), initialised from the target's weights, with the target's
+embedding, final norm and head. Untrained (``--distill-s 0``) it is deterministic but poor. With ``--distill-s S``
+it is trained by ``specdec draft distill``'s recipe (DistillSpec, Zhou et al. 2024: forward KL to the target's
+top-32 softmax at temperature 1 on the target's own greedy continuations of ``../shared/prompts/train_prompts.jsonl``
+only; FR-Spec head vocabulary, Zhao et al. 2025): ``--data-shards`` shards of 128 train prompts (at most
+``--prompt-tokens`` tokens, ``--gen-tokens`` greedy tokens each, teacher top-k stored once), then ``--steps``
+AdamW steps of ``--batch-tokens`` padded tokens (cosine schedule over the steps, peak ``--lr``), one torch thread,
+seed 0, checkpoints every 2 minutes (a run cut short by the ``S`` s cap still exports its last state). Everything
+is built once under ``--out`` (delete it to rebuild; never committed).
+The draft is exported int8 like the prepared self-draft (``--fp32`` for fp32), then ``specdec bench``'s offline
+harness (:func:`specdec.bench.offline.run_bench`, greedy, HF assisted off) measures acceptance rate, mean
+accepted length τ and speedup vs target-only on the held-out prompts shipped in ``specdec/data/``, for this draft
+and for the prepared int8 self-draft, side by side in one process. Prints one JSON object (``--json-out`` too).
 
-    python3 scripts/cross_size_pair.py --out /tmp/pruned-pair --limit 2 --max-new-tokens 32   # check it works
-    python3 scripts/cross_size_pair.py --out ~/.cache/specdec/pruned-pair --limit 40          # on a quiet machine
+    python3 scripts/cross_size_pair.py --out /tmp/pruned-pair --distill-s 0 --limit 2 --max-new-tokens 32  # untrained
+    python3 scripts/cross_size_pair.py --out /tmp/pair-run --distill-s 1500 --limit 26 --max-new-tokens 96
 
 Raises (as one ``error:`` line, exit 2): a target or self-draft that is not prepared, ``--layers`` out of range.
 """
@@ -57,31 +61,48 @@ def prune_target(target_dir: Path, out_dir: Path, layer_ids: list[int]) -> Path:
     return out_dir
 
 
-def build_draft(target_dir: Path, out: Path, num_layers: int, distill_s: float, int8: bool) -> tuple[Path, dict]:
-    """The pruned (optionally distilled) draft's ONNX directory and a description of how it was made."""
-    from specdec.distill import front_back_layer_ids
-    from specdec.models import export_onnx_draft
+def distill_recipe(args: argparse.Namespace) -> dict:
+    """The ``specdec.distill.distill`` settings of ``--distill-s`` (one torch thread, seeded, step-scheduled)."""
+    return {"num_layers": args.layers, "time_budget_s": args.distill_s, "max_steps": args.steps,
+            "data_time_budget_s": args.data_s, "data_max_shards": args.data_shards,
+            "max_new_tokens": args.gen_tokens, "max_prompt_tokens": args.prompt_tokens, "lr": args.lr,
+            "batch_tokens": args.batch_tokens, "head_vocab": args.head_vocab, "topk": 32, "threads": 1,
+            "seed": 0, "gen_batch_size": 32, "gen_dtype": "bfloat16", "eval_every_s": 300.0,
+            "ckpt_every_s": 120.0}
 
+
+def build_draft(target_dir: Path, out: Path, args: argparse.Namespace) -> tuple[Path, dict]:
+    """The pruned (optionally distilled) draft's ONNX directory and a description of how it was made.
+
+    Raises:
+        ValueError: ``--layers`` out of 1..num_target_layers-1.
+    """
+    from specdec.distill import front_back_layer_ids
+    from specdec.models import export_onnx_draft, is_complete
+
+    num_layers, int8 = args.layers, not args.fp32
     num_target_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
     if not 1 <= num_layers < num_target_layers:
         raise ValueError(f"--layers must be in 1..{num_target_layers - 1} (the target has {num_target_layers})")
     layer_ids = front_back_layer_ids(num_target_layers, num_layers)
-    made = {"layer_ids": layer_ids, "target_layers": num_target_layers, "int8": int8, "distill_s": distill_s}
+    made = {"layer_ids": layer_ids, "target_layers": num_target_layers, "int8": int8, "distill_s": args.distill_s}
     t0 = time.perf_counter()
-    if distill_s > 0:
+    if args.distill_s > 0:
         from specdec.distill import distill
 
-        report = distill(target_dir, out / "distill", train_prompts=TRAIN_PROMPTS, num_layers=num_layers,
-                         time_budget_s=distill_s, data_time_budget_s=distill_s / 2, init_layer_ids=layer_ids,
-                         quantize_int8=int8, progress=False)
-        made["distill_report"] = report
-        onnx_dir = Path(report.get("onnx_dir") or out / "distill" / "onnx")
+        recipe = distill_recipe(args)
+        run_dir = out / f"distill-{num_layers}l"
+        onnx_dir = run_dir / "onnx"
+        if is_complete(onnx_dir) and (run_dir / "distill_report.json").is_file():  # built once; delete to rebuild
+            made["distill_report"] = json.loads((run_dir / "distill_report.json").read_text())
+        else:
+            made["distill_report"] = distill(target_dir, run_dir, train_prompts=TRAIN_PROMPTS,
+                                             init_layer_ids=layer_ids, quantize_int8=int8, progress=False, **recipe)
+        made["recipe"] = recipe
     else:
-        onnx_dir = out / ("pruned-onnx-int8" if int8 else "pruned-onnx")
-        from specdec.models import is_complete
-
+        onnx_dir = out / (f"pruned-{num_layers}l-onnx-int8" if int8 else f"pruned-{num_layers}l-onnx")
         if not is_complete(onnx_dir):  # built once; delete --out to rebuild
-            hf_dir = prune_target(target_dir, out / "pruned-hf", layer_ids)
+            hf_dir = prune_target(target_dir, out / f"pruned-{num_layers}l-hf", layer_ids)
             export_onnx_draft(hf_dir, onnx_dir, quantize_int8=int8, progress=False)
     made["build_s"] = round(time.perf_counter() - t0, 1)
     return onnx_dir, made
@@ -103,8 +124,18 @@ def _summary(report: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="where the pruned model and its ONNX draft go")
-    ap.add_argument("--layers", type=int, default=6, help="decoder layers the draft keeps")
-    ap.add_argument("--distill-s", type=float, default=0.0, help="train the pruned draft this long, s (0 = no)")
+    ap.add_argument("--layers", type=int, default=10, help="decoder layers the draft keeps")
+    ap.add_argument("--distill-s", type=float, default=0.0,
+                    help="distill the pruned draft, at most this many s of training (0 = untrained)")
+    ap.add_argument("--steps", type=int, default=120, help="training steps (the LR schedule runs over them)")
+    ap.add_argument("--data-s", type=float, default=540.0, help="at most this long generating target data, s")
+    ap.add_argument("--data-shards", type=int, default=6, help="target-data shards (128 prompts; held-out first)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="target greedy continuation per train prompt")
+    ap.add_argument("--prompt-tokens", type=int, default=192, help="train prompts longer than this are left out")
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (cosine)")
+    ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training step")
+    ap.add_argument("--head-vocab", type=int, default=16384, help="FR-Spec head vocabulary of the draft")
+    ap.add_argument("--json-out", type=Path, help="also write the JSON object here")
     ap.add_argument("--fp32", action="store_true", help="export the draft in fp32 (default int8, as the self-draft)")
     ap.add_argument("--limit", type=int, default=8, help="prompts per run (held-out set, all categories)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -112,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-self-draft", action="store_true", help="skip the int8 self-draft comparison run")
     args = ap.parse_args(argv)
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # distill's progress
     from common.paths import default_model_paths
     from specdec.bench.offline import run_bench
     from specdec.models import is_complete
@@ -123,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        draft_dir, made = build_draft(paths.target_dir, args.out, args.layers, args.distill_s, not args.fp32)
+        draft_dir, made = build_draft(paths.target_dir, args.out, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -136,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                            num_speculative_tokens=args.num_speculative_tokens, target=paths.target_dir, draft=d,
                            hf_assisted=False)
         result["results"][name] = _summary(report)
-    print(json.dumps(result, indent=2, default=str))
+    text = json.dumps(result, indent=2, default=str)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    print(text)
     return 0
 
 
