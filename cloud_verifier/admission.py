@@ -6,8 +6,10 @@ state is defined there).
   each session takes KV blocks from the target's paged pool (:mod:`cloud_verifier.kv_pool`) for the tokens it
   actually holds: its prompt at open, more blocks as its blocks are verified (:meth:`SessionTable.block_in_flight`),
   whole blocks back when a rejected tail is rolled back. Its limit (prompt + ``max_new_tokens``, capped by the
-  context) bounds validation, not memory. Past either limit a session (or a block needing a new KV block) is
-  refused (:class:`~common.errors.CapacityError`) rather than slowing the others down.
+  context) bounds validation, and must fit the whole pool (else refused at open,
+  :class:`~common.errors.CapacityError`). Sessions may together need more blocks than the pool has: a row
+  that finds none waits, and later admitted sessions are preempted for earlier ones
+  (:mod:`cloud_verifier.kv_scheduler`); a client sees only delay.
 - **Prefill**: the committed tokens but the last are prefilled in chunks of ``prefill_chunk_tokens``, each
   chunk through the batcher (one chunk per forward pass, interleaved with other sessions' verify steps).
 - **Resume**: a session unknown here but present in the store (its replica crashed or drained) is rebuilt by
@@ -59,6 +61,7 @@ class SessionAdmission:
     _resuming: dict[str, asyncio.Future]
     _opening: int
     _lock: threading.Lock
+    _loading: dict[int, Session]
     release: Callable[[str], Session | None]
     _end_busy: Callable[[Session], None]
     _update_gauges: Callable[[], None]
@@ -158,7 +161,8 @@ class SessionAdmission:
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
         # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/prefix_cache.py)
-        kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
+        with self._lock:  # block tables change under the table's lock (the batcher preempts under it)
+            kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
         stop = StopChecker(
             self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
             self.info.max_context_tokens,
@@ -167,17 +171,23 @@ class SessionAdmission:
         if generated:
             stop.append(generated)
         session = Session(record=record, kv=kv, stop=stop, busy=True)
+        with self._lock:
+            self._loading[id(session)] = session  # preemptible while it is prefilled
         try:
             prefix = record.committed_token_ids[:-1]
             for begin in range(cached, len(prefix), self.prefill_chunk_tokens):
                 await self.prefill_chunk(session, prefix[begin : begin + self.prefill_chunk_tokens], begin)
                 # committed tokens: their full blocks are final, shared with sessions opening from now on
-                cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
+                with self._lock:
+                    cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
         except BaseException:
-            self.target.free(kv)
+            with self._lock:
+                self._loading.pop(id(session), None)
+                self.target.free(kv)
             raise
         session.busy = False
         with self._lock:
+            self._loading.pop(id(session), None)
             self._sessions[record.session_id] = session
         self._update_gauges()
         return session
@@ -225,13 +235,18 @@ class SessionAdmission:
             limit = session.kv.capacity
             session.kv.capacity = max(limit, needed)  # a limit: memory comes as blocks, no copy
             history = [*record.committed_token_ids, *appended]
-            # blocks of this history another session left in the prefix cache are taken, not prefilled
-            skip_begin, skip_end = extend_session_kv(self.target, session.kv, history, start, record.tenant_id)
-            try:
-                self.target.ensure(session.kv, new_length - 1)
-            except CapacityError:
-                session.kv.capacity = limit
-                raise
+            with self._lock:  # block tables change under the table's lock (the batcher preempts under it)
+                try:
+                    self.target.check_fits(session.kv.capacity)
+                except CapacityError:
+                    session.kv.capacity = limit
+                    raise
+                # blocks of this history another session left in the prefix cache are taken, not prefilled
+                skip_begin, skip_end = (extend_session_kv(self.target, session.kv, history, start, record.tenant_id)
+                                        if session.kv.rebuild_from is None else (start, start))
+                # best effort: a pool short now leaves it to the batcher (it preempts later sessions if it must)
+                self.target.try_ensure(session.kv, new_length - 1)
+                session.kv.pending_ids = history  # what a recomputation after a preemption reads
             chunk = self.prefill_chunk_tokens
             for begin, end in ((start, skip_begin), (skip_end, new_length - 1)):
                 for pos in range(begin, end, chunk):
@@ -246,11 +261,15 @@ class SessionAdmission:
             record.last_seen_at = now
             session.stop = StopChecker(self.target.tokenizer, stopping, self.eos_token_ids, new_length,
                                        self.info.max_context_tokens)
+            session.kv.pending_ids = None
             # committed now (not before the store's answer: the next block would write after the old length)
-            cache_prefilled(self.target, session.kv, record.committed_token_ids, new_length - 1, record.tenant_id)
+            with self._lock:
+                cache_prefilled(self.target, session.kv, record.committed_token_ids, new_length - 1,
+                                record.tenant_id)
         except (SessionNotFoundError, InvalidRequestError):
             self.release(sid)  # gone from the store, or held elsewhere: this copy is stale
             raise
         finally:
+            session.kv.pending_ids = None
             self._end_busy(session)
         return session

@@ -16,9 +16,12 @@ The verifier batches that step across sessions: continuous batching at verify-st
    in). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
    short prompts that fit in ``prefill_chunk_tokens``), the others wait for the next: a long prompt is
    prefilled interleaved with the running sessions' verify steps instead of stalling them.
-3. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
+3. **KV blocks**: every row's blocks, earliest admitted session first; when the paged pool is short, sessions
+   admitted later are preempted (their blocks dropped, their KV recomputed at their next row) and a row that
+   still finds none waits for the next step (:mod:`cloud_verifier.kv_scheduler`).
+4. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
    ragged, rows of different lengths, no padding), in the target thread.
-4. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
+5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
    0, speculative sampling otherwise, each session with its own counter-based random stream,
    so its output does not depend on which sessions share its batches); stopping over the candidate tokens
    (EOS, stop strings, length, context: nothing after the earliest stop is committed); the commit to the
@@ -37,28 +40,28 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from cloud_verifier import metrics
+from cloud_verifier.kv_scheduler import KVScheduler
 from cloud_verifier.session_state import Session
 from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import SessionStore
-from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.row_logits import committed_logprobs
+from cloud_verifier.row_verdicts import make_verdict, rejections
+from cloud_verifier.target import TargetRunner
 from common.errors import (
     InvalidRequestError,
     PreconditionError,
     SessionNotFoundError,
     SpecdecError,
-    TargetOutputError,
     VerifierUnavailableError,
 )
-from cloud_verifier.batched_rejection import VerifyRow
-from cloud_verifier.numerics import verify_rows
-from cloud_verifier.row_logits import committed_logprobs, prepare_row_logits, raw_logprobs
 from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
 
 log = logging.getLogger(__name__)
+
+_DEFERRED = object()  # a step's result for an item that got no KV blocks (it waits for the next step)
+_DEFERRED_WAIT_S = 0.01  # after a step that ran nothing, the longest wait for a new item before retrying, s
 
 
 # ---------------------------------------------------------------------------------------------- 1. the work item
@@ -81,6 +84,7 @@ class Work:
     seq: int = 0
     enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
     started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
+    deferred_since: float | None = None  # monotonic s of its first step without KV blocks (kv_scheduler)
     raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
 
 
@@ -128,6 +132,9 @@ class Batcher:
         self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
         self._step_started = 0.0  # perf_counter time, s, the current step's first item was taken
         self._last_forward_s: float | None = None  # the current step's forward pass, s (None: it raised)
+        self.kv = KVScheduler(target, sessions)  # blocks for each forward pass, preempting when the pool is short
+        self._deferred: list[Work] = []  # items handed back for want of KV blocks: first in the next batch
+        self._ran = True  # the last step ran a forward pass (else the next one waits a little for blocks)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -231,9 +238,18 @@ class Batcher:
             except Exception as e:  # a bug: fail this batch's requests, keep serving
                 log.exception("batch failed")
                 results = [e] * len(batch)
+            if self._ran:
+                self.kv.last_run = time.monotonic()  # rows ran: blocks come back as they end
             for work, result in zip(batch, results):
                 if work.future.done():
                     continue
+                if result is _DEFERRED:  # no KV blocks this step: offered again next step (cancellable meanwhile)
+                    work.started = False
+                    work.deferred_since = work.deferred_since or time.monotonic()
+                    result = self.kv.give_up(work, work.deferred_since)
+                    if result is None:
+                        self._deferred.append(work)
+                        continue
                 if isinstance(result, BaseException):
                     work.future.set_exception(result)
                 else:
@@ -254,10 +270,16 @@ class Batcher:
         the first; verify rows first, then prefill chunks up to ``prefill_chunk_tokens`` tokens in all (at least
         one chunk; the others go back to the queue). Empty when
         nothing arrived within ``heartbeat_interval_s`` (the loop beats and waits again)."""
+        batch = [w for w in self._deferred if not w.future.done()]  # handed back last step: first now
+        self._deferred = []
         try:
-            batch = [await asyncio.wait_for(queue.get(), self.heartbeat_interval_s)]
+            if not batch:
+                batch = [await asyncio.wait_for(queue.get(), self.heartbeat_interval_s)]
+            elif not self._ran:  # nothing ran last step: blocks come back as other sessions' rows end
+                batch.append(await asyncio.wait_for(queue.get(), _DEFERRED_WAIT_S))
         except asyncio.TimeoutError:
-            return []
+            if not batch:
+                return []
         self._step_started = time.perf_counter()  # the step starts here: idle time before it is not the step's
         deadline = loop.time() + self.max_batch_wait_s
         while len(batch) < self.max_batch_size:
@@ -276,8 +298,10 @@ class Batcher:
         # prefill: at most one chunk's worth of tokens per forward pass (one chunk, or several short prompts'
         # chunks that fit together); the others wait for the next pass (interleaving). One at a time, 64 sessions
         # opening together took 64 forward passes to start (bench --replay: OpenSession past 120 s under load).
+        # Earliest admitted sessions first (the KV scheduler's order: a session waiting for blocks does not hold
+        # the prefill budget against those admitted before it)
         prefills, budget = [], self.sessions.prefill_chunk_tokens
-        for w in batch:
+        for w in sorted(batch, key=lambda w: w.session.kv.order):
             if w.block is None:
                 if not prefills or len(w.tokens) <= budget:
                     prefills.append(w)
@@ -291,18 +315,29 @@ class Batcher:
         """Runs in the target thread: one forward pass, the verdicts of all its verify rows, then per verify row
         stopping and the commit.
 
-        Returns one result per item: a Verdict (verify), None (prefill) or the exception to raise."""
+        Returns one result per item: a Verdict (verify), None (prefill), the exception to raise, or _DEFERRED
+        (no KV blocks for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
         start = time.perf_counter()
-        rows = [ForwardRow(w.session.kv, w.tokens, w.start_position, "all" if w.block is not None else "none")
-                for w in batch]
-        logits = self.target.forward(rows)  # per verify row: [len(tokens), vocab_size] float32
-        forward_ms = (time.perf_counter() - start) * 1000
+        planned = self.kv.plan(batch)  # blocks for every row (preempting later sessions), or the item deferred
+        self._ran = bool(planned.runnable)
+        if not planned.runnable:
+            return [_DEFERRED] * len(batch)
+        forward_start = time.perf_counter()  # the plan is host work, not the forward pass
+        try:
+            run_logits = self.target.forward(planned.rows)  # per verify row: [len(tokens), vocab_size] float32
+        except BaseException:
+            self.kv.undo(planned)
+            raise
+        self.kv.after_forward(planned)
+        by_work = {id(w): x for w, x in zip(planned.runnable, run_logits)}
+        logits = [by_work.get(id(w), _DEFERRED) for w in batch]
+        forward_ms = (time.perf_counter() - forward_start) * 1000
         self._last_forward_s = forward_ms / 1000  # read by the batch loop once this step is answered
-        num_blocks = sum(1 for w in batch if w.block is not None)
-        metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(w.tokens) for w in batch))
-        verify = [i for i, w in enumerate(batch) if w.block is not None]
+        num_blocks = sum(1 for w in planned.runnable if w.block is not None)
+        metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(r.token_ids) for r in planned.rows))
+        verify = [i for i, w in enumerate(batch) if w.block is not None and logits[i] is not _DEFERRED]
         outcomes = self._rejections([batch[i] for i in verify], [logits[i] for i in verify])
-        results: list = [None] * len(batch)
+        results: list = [_DEFERRED if x is _DEFERRED else None for x in logits]
         for i, outcome in zip(verify, outcomes):
             work = batch[i]
             try:
@@ -318,40 +353,9 @@ class Batcher:
         return results
 
     def _rejections(self, works: list[Work], logits: list) -> list:
-        """The rejection rule of every verify row of one forward pass; per row a RejectionResult or the
-        exception that row raised (the other rows are unaffected).
-
-        ``logits``: per row [block.num_scored_positions, vocab_size] float32 (numpy or torch, on the target's
-        device). Each row first goes through its session's history-dependent processors
-        (:func:`cloud_verifier.row_logits.prepare_row_logits`). A row with NaN/inf logits gets
-        TargetOutputError (nothing committed) and its session's KV cache is released: it is rebuilt next block.
-        Then ONE batched verdict for all rows (:func:`cloud_verifier.numerics.verify_rows`; the per-row numpy
-        :func:`~cloud_verifier.numerics.verify_row` is its reference).
-        """
-        outcomes: list = [None] * len(works)
-        rows, at = [], []  # the rows the batched verdict runs on, and their places in outcomes
-        for j, (work, row_logits) in enumerate(zip(works, logits)):
-            record = work.session.record
-            try:
-                work.raw_logprobs = raw_logprobs(work.session, row_logits)  # raw: before the in-place processing
-                prepared = prepare_row_logits(work.session, work.block, record.committed_length,
-                                              torch.as_tensor(row_logits))
-            except Exception as e:  # noqa: BLE001 - one row's fault is that row's answer
-                outcomes[j] = e
-                continue
-            rows.append(VerifyRow(work.block, prepared, record.sampling, record.seed, record.committed_length))
-            at.append(j)
-        # one batched verdict for all rows (tensor ops where the logits are); only ids and counts come back
-        try:
-            verdicts = verify_rows(rows, self.valid_vocab_size, [works[j].session.record.session_id for j in at])
-        except Exception as e:  # noqa: BLE001 - a bug: these rows fail, the batch loop keeps serving
-            log.exception("batched verdict failed")
-            verdicts = [e] * len(rows)
-        for j, verdict in zip(at, verdicts):
-            if isinstance(verdict, TargetOutputError):
-                self.sessions.release(works[j].session.record.session_id)
-            outcomes[j] = verdict
-        return outcomes
+        """The rejection rule of every verify row of one forward pass (:func:`cloud_verifier.row_verdicts.rejections`);
+        per row a RejectionResult or the exception that row raised."""
+        return rejections(works, logits, self.valid_vocab_size, self.sessions)
 
     # ------------------------------------------------------------------ 4. the verdict
     def _apply_verdict(
@@ -391,7 +395,7 @@ class Batcher:
         candidates = [*block.draft_token_ids[:n]] + ([result.next_token_id] if result.next_token_id >= 0 else [])
         num_committed, reason = session.stop.append(candidates)
         committed = candidates[:num_committed]
-        verdict = self._verdict(work, result.next_token_id, n, num_committed, committed, reason, queue_ms,
+        verdict = make_verdict(work, result.next_token_id, n, num_committed, committed, reason, queue_ms,
                                 forward_ms, batch_size)
         verdict.logprobs = committed_logprobs(work.raw_logprobs, committed)  # None unless the session asked
         # the commit: compare-and-append on the committed length
@@ -420,25 +424,3 @@ class Batcher:
         spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
         return verdict
-
-    @staticmethod
-    def _verdict(work: Work, next_token_id: int, n: int, num_committed: int, committed: list[int],
-                 reason, queue_ms: float, forward_ms: float, batch_size: int) -> Verdict:
-        """The Verdict of a verify row whose rejection rule accepted ``n`` draft tokens and proposed
-        ``next_token_id`` (-1: none), of which stopping kept ``committed`` (``num_committed`` tokens)."""
-        block = work.block
-        gamma = len(block.draft_token_ids)
-        num_accepted = min(n, num_committed)
-        return Verdict(
-            num_accepted=num_accepted,
-            next_token_id=next_token_id if num_committed > n else -1,
-            is_bonus=(not block.bonus_drafted and num_committed > n and n == gamma and gamma > 0),
-            committed_token_ids=committed,
-            committed_length=work.start_position + 1 + len(committed),
-            finished=reason is not None,
-            finish_reason=reason,
-            queue_ms=queue_ms,
-            forward_ms=forward_ms,
-            batch_size=batch_size,
-            seq=work.seq,
-        )

@@ -363,15 +363,18 @@ def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: 
     the prefill starts at that position.
 
     Raises:
-        common.errors.CapacityError: too few free (or evictable) blocks; nothing stays taken.
+        common.errors.CapacityError: a session of ``capacity`` tokens could not fit in the whole pool.
     """
     from cloud_verifier.target import SessionKV
 
+    target.check_fits(capacity)
     cache = target.prefix_cache
     taken = cache.take_cached(token_ids, tenant_id) if cache is not None else []
     kv = SessionKV(capacity, list(taken))
     try:
-        target.ensure(kv, min(capacity, len(token_ids) - 1))
+        # a pool short now is no error: the prefill chunks get their blocks in the batcher (which waits for them,
+        # or preempts sessions admitted after this one: cloud_verifier.kv_scheduler)
+        target.try_ensure(kv, min(capacity, len(token_ids) - 1))
     except BaseException:
         target.free(kv)  # the cached blocks taken go back too
         raise

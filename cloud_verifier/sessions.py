@@ -75,6 +75,7 @@ class SessionTable(SessionAdmission):
         self._sessions: dict[str, Session] = {}
         self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
         self._opening = 0  # sessions being prefilled (count towards max_sessions)
+        self._loading: dict[int, Session] = {}  # id -> a session being prefilled (its KV may be preempted)
         self._lock = threading.Lock()
         metrics.KV_CACHE_CAPACITY_BYTES.set(target.kv_cache_budget_tokens * target.kv_bytes_per_token)
         metrics.KV_CACHE_BLOCKS_TOTAL.set(target.kv_pool.num_blocks)
@@ -87,6 +88,11 @@ class SessionTable(SessionAdmission):
     def held(self, session_id: str) -> Session | None:
         """The session if this replica holds it (no resume), else None."""
         return self._sessions.get(session_id)
+
+    def resident_kvs(self) -> list:
+        """The KV caches of every session held or being prefilled here (what preemption may drop); call under
+        the table's lock."""
+        return [s.kv for s in self._sessions.values()] + [s.kv for s in self._loading.values()]
 
     def tenant_session_count(self, tenant_id: str) -> int:
         """Sessions of ``tenant_id`` held (prefilled) on this replica."""
@@ -105,16 +111,17 @@ class SessionTable(SessionAdmission):
         length freed), and a session released meanwhile gets its KV cache freed now (the deferred release).
 
         Raises:
-            whatever ``validate`` raises; SessionNotFoundError: the session was closed; CapacityError: no free
-            KV block for the block's positions (nothing runs, nothing is committed).
+            whatever ``validate`` raises; SessionNotFoundError: the session was closed. A pool short of free
+            blocks is no error here: the batcher gets them before the forward pass (:mod:`cloud_verifier.kv_scheduler`).
         """
         with self._lock:
             validate()
             if session.released:
                 raise SessionNotFoundError(f"session {session.record.session_id!r} was closed")
             kv = session.kv
-            self.target.ensure(kv, min(kv.capacity, session.record.committed_length
-                                       + self.info.max_num_speculative_tokens))
+            # best effort: a pool short now leaves it to the batcher, which preempts later sessions if it must
+            self.target.try_ensure(kv, min(kv.capacity, session.record.committed_length
+                                           + self.info.max_num_speculative_tokens))
             session.busy = True
         try:
             yield

@@ -25,6 +25,7 @@ and backs the fast path in tests.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,12 +102,24 @@ class SessionKV:
     reach (prompt + max_new_tokens, capped by the context), tokens: a limit for validation, not memory; 0 once
     freed. Blocks are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
     (:meth:`TargetRunner.free`) by the runner.
+
+    Preemption (:mod:`cloud_verifier.kv_scheduler`): ``order`` ranks sessions by admission (lower = admitted
+    earlier = higher priority; a preempted session keeps its rank). ``rebuild_from``: None while the table
+    holds the KV of every position before the session's next row; after a preemption, the positions whose KV
+    is still held (0 once its blocks were dropped, more once a cached prefix was taken back): the next row
+    first recomputes the positions from there (vLLM's recompute preemption). ``pending_ids``: the token ids of
+    the positions an ExtendSession turn is prefilling (not committed yet), what a recomputation reads then.
     """
+
+    _admitted = itertools.count()
 
     def __init__(self, capacity: int, blocks: list[int] | None = None):
         self.capacity = int(capacity)
         self.blocks: list[int] = [] if blocks is None else blocks
         self.freed = False
+        self.order = next(SessionKV._admitted)
+        self.rebuild_from: int | None = None
+        self.pending_ids: list[int] | None = None  # an ExtendSession turn's history while it is prefilled
 
 
 @contextlib.contextmanager
@@ -130,13 +143,14 @@ class ForwardRow:
 
     token_ids: tokens fed at positions start_position .. start_position + len - 1; their keys/values are written
         into ``kv`` at those positions, and they attend to kv[:start_position] plus each other (causally).
-    logits: which of the row's positions need logits: "all", "last" or "none" (prefill).
+    logits: which of the row's positions need logits: "all", "last", "none" (prefill), or an int k: the last k
+        (a verify row behind the positions a preempted session recomputes).
     """
 
     kv: SessionKV
     token_ids: list[int]
     start_position: int
-    logits: str = "all"
+    logits: str | int = "all"
 
 
 class TargetRunner:
@@ -252,14 +266,45 @@ class TargetRunner:
         """
         if kv.freed:
             raise ValueError("KV cache used after it was freed")
-        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
-        if kv.capacity > pool_tokens:
-            raise CapacityError(f"KV cache full: a session of up to {kv.capacity} tokens cannot fit in the "
-                                f"{pool_tokens} tokens of the whole cache")
+        self.check_fits(kv.capacity)
         missing = -(-int(tokens) // self.kv_pool.block_size) - len(kv.blocks)
         if missing > 0:  # with a prefix cache, evictable cached blocks are evicted when the free list is short
             allocate = self.kv_pool.blocks.allocate if self.prefix_cache is None else self.prefix_cache.allocate
             kv.blocks.extend(allocate(missing))
+
+    def check_fits(self, capacity_tokens: int) -> None:
+        """Raises CapacityError when a session of up to ``capacity_tokens`` tokens could not fit in the whole
+        pool even alone (it could never finish: refused at open, never preempted for)."""
+        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
+        if capacity_tokens > pool_tokens:
+            raise CapacityError(f"KV cache full: a session of up to {capacity_tokens} tokens cannot fit in the "
+                                f"{pool_tokens} tokens of the whole cache")
+
+    def try_ensure(self, kv: SessionKV, tokens: int) -> bool:
+        """:meth:`ensure`, False instead of CapacityError when the pool is short right now (the batcher then
+        gets the blocks before the forward pass, preempting if it must). A preempted table is left alone.
+
+        Raises:
+            CapacityError: the session could not fit in the whole pool. ValueError: the cache was freed.
+        """
+        if kv.rebuild_from is not None:
+            return False
+        self.check_fits(kv.capacity)
+        try:
+            self.ensure(kv, tokens)
+        except CapacityError:
+            return False
+        return True
+
+    def preempt(self, kv: SessionKV) -> int:
+        """Drop every block of a session's table (recompute preemption): blocks no one else holds go back to the
+        pool, cached full blocks stay in the prefix cache as evictable; ``kv.rebuild_from`` = 0. Returns blocks
+        dropped. The caller (the target thread, between forward passes, under the session table's lock) makes
+        sure no forward pass uses the table."""
+        blocks, kv.blocks = kv.blocks, []
+        kv.rebuild_from = 0
+        self.kv_pool.blocks.decref(blocks)
+        return len(blocks)
 
     def truncate(self, kv: SessionKV, tokens: int) -> None:
         """Roll the block table back to positions 0..tokens-1: whole blocks past them go back to the pool (the
@@ -346,6 +391,9 @@ class TargetRunner:
             elif row.logits == "last":
                 spans.append((len(want), len(want) + 1))
                 want.append(begin + n - 1)
+            elif isinstance(row.logits, int) and 0 < row.logits <= n:
+                spans.append((len(want), len(want) + row.logits))
+                want.extend(range(begin + n - row.logits, begin + n))
             else:
                 spans.append(None)
         batch.finish(self.device)
