@@ -29,6 +29,35 @@ def read_step_times(url: str | None) -> dict[str, float] | None:
     return out if len(out) == len(wanted) else None
 
 
+PREEMPTION_COUNTERS = ("specdec_kv_preemptions_total", "specdec_kv_recomputed_tokens_total")
+
+
+def read_preemptions(url: str | None) -> dict[str, float] | None:
+    """{counter: value} of the verifier's KV preemption counters (cloud_verifier/kv_scheduler.py) at ``url`` (a
+    /metrics address); None when there is no URL or it does not answer (a counter it does not serve reads 0)."""
+    if not url:
+        return None
+    try:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+    out = dict.fromkeys(PREEMPTION_COUNTERS, 0.0)
+    for line in body.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in out:
+            out[name] = float(rest.split()[0])
+    return out
+
+
+def preemption_fields(before: dict | None, after: dict | None) -> dict:
+    """The replay report's ``kv_preemptions`` (sessions preempted) and ``kv_recomputed_tokens`` (positions
+    recomputed after a preemption) from the sessions' start to their last close; None when a reading is missing."""
+    if not before or not after:
+        return {"kv_preemptions": None, "kv_recomputed_tokens": None}
+    return {"kv_preemptions": int(after[PREEMPTION_COUNTERS[0]] - before[PREEMPTION_COUNTERS[0]]),
+            "kv_recomputed_tokens": int(after[PREEMPTION_COUNTERS[1]] - before[PREEMPTION_COUNTERS[1]])}
+
+
 def host_time_fields(start: dict | None, end: dict | None) -> dict:
     """The replay report's host-time fields over a window, from two :func:`read_step_times` readings:
     ``host_ms_per_step`` (mean host time of a step outside the forward pass, ms), ``host_fraction_of_step``

@@ -12,7 +12,8 @@ def print_replay_report(report: dict, console) -> None:
     t = Table(title="Verifier under load: recorded blocks replayed by one asyncio process "
                     "(verifier in its own process)")
     for col in ("N", "tok/s", "serial tok/s", "speedup vs serial", "kernel limit", "kernel limit w/ prefill",
-                "mean batch", "host ms/step", "p50 ms", "p99 ms", "errors", "mismatches", "sessions done", "KV after",
+                "mean batch", "host ms/step", "p50 ms", "p99 ms", "errors", "mismatches", "sessions done", "KV preempted",
+                "KV after",
                 "RSS idle→after"):
         t.add_column(col, justify="right")
     for n, m in report["replay"].items():
@@ -25,7 +26,8 @@ def print_replay_report(report: dict, console) -> None:
                   _fmt(m["kernel"]["prefill_share"]["kernel_limit_speedup_with_prefill"]),
                   _fmt(m["mean_batch_size"]), _host(m), _fmt(m["verify_latency_ms"]["p50"], ".1f"),
                   _fmt(m["verify_latency_ms"]["p99"], ".1f"), str(m["errors"]), str(m["mismatches"]),
-                  str(m["sessions_completed"]), _fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
+                  str(m["sessions_completed"]), _fmt(m.get("kv_preemptions"), ".0f"),
+                  _fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
     console.print(t)
 
 

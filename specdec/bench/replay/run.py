@@ -13,7 +13,7 @@ from typing import Any
 from .._shared import _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config, _versions
 from ..prompts import load_prompts
 from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
-from .host_time import host_time_fields, read_step_times
+from .host_time import host_time_fields, preemption_fields, read_preemptions, read_step_times
 from .kernel import _prefill_share, measure_kernel_limit
 from .memory import (
     RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, _poll_peak, _proc_cpu_s, _rss_back, _settled_memory, verifier_memory,
@@ -41,6 +41,9 @@ REPLAY_NOTES = [  # how to read the report (its "notes")
     "first item taken off the queue .. answers sent; collecting, rows, verdicts, stopping, commits), "
     "host_fraction_of_step = host s / step s, over the window (its specdec_batch_*_seconds histograms); "
     "collect_ms_per_step is the collecting part of it (waiting up to max_batch_wait_ms for more blocks included)",
+    "kv_preemptions = sessions whose KV blocks the verifier dropped for an earlier admitted session's rows "
+    "(recompute preemption) from the first open to the last close, kv_recomputed_tokens = positions recomputed "
+    "after them (0 and 0: the KV pool held every session)",
     "each verdict is compared with the recorded one (num_accepted, next_token_id, committed_length, "
     "finished): a difference is a mismatch and abandons the session",
 ]
@@ -327,9 +330,11 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
             stop.set()
             await poller
 
+    preempted_before = read_preemptions(proc.metrics_url)
     tally = asyncio.run(run())
+    preempted = preemption_fields(preempted_before, read_preemptions(proc.metrics_url))
     after = _settled_memory(proc, idle["rss_bytes"])
-    metrics = {"clients": clients, **_tally_metrics(tally)}
+    metrics = {"clients": clients, **_tally_metrics(tally), **preempted}
     cpu_s = (cpu["end"] - cpu["start"]) if cpu.get("end") is not None and cpu.get("start") is not None else None
     metrics["verifier_cpu_s"] = round(cpu_s, 2) if cpu_s is not None else None
     metrics["tokens_per_verifier_cpu_s"] = _ratio(tally.tokens, cpu_s or 0)
