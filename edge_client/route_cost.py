@@ -12,15 +12,19 @@ when the verifier is saturated: a row waits for the rows queued before it).
 
 α is estimated from blocks as A / (A + R): A accepted draft tokens, R blocks that ended in a rejection — the
 maximum-likelihood estimate for acceptances that are i.i.d. until the first rejection (a block's accepted count
-is a truncated geometric). Every estimate is an exponentially weighted mean (weight 1/4 for the newest), kept
-across generations of one client (the device and the network change slowly), so the next generation's first
-choice is already informed.
+is a truncated geometric). Once speculative blocks have run, their measured rate wins over the model: tokens
+committed per block / wall time per block (verdict to verdict: drafting, the round trip, the verify, the
+edge's own work — what the model leaves out or double counts, e.g. drafting ahead that overlaps the verify on a
+shared CPU), shifted by the change of RTT since it was measured. Every estimate is an exponentially weighted
+mean (weight 1/4 for the newest block, 1/16 for the newest cloud token), kept across generations of one client
+(the device and the network change slowly), so the next generation's first choice is already informed and no
+generation pays a probe: the RTT comes from the verdicts themselves (round trip − the verifier's queue and
+forward times it reports).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RouteEstimates", "expected_tokens_per_step"]
 
-_W = 0.25  # weight of the newest observation
+_W = 0.25  # weight of the newest block's observation
+_W_TOKEN = 1 / 16  # weight of the newest cloud token's (a chunk has dozens; one stalled token must not decide)
 STEP_OVERHEAD_MS = 0.5  # edge + server Python per step beyond the forward pass, ms (a floor, not measured)
 
 
@@ -44,8 +49,8 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + _W * (new - old)
+def _ewma(old: float | None, new: float, weight: float = _W) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 @dataclass
@@ -56,6 +61,9 @@ class RouteEstimates:
     draft_ms_per_token: float | None = None  # the draft's cost per drafted token on this device
     verify_ms: float | None = None  # a speculative block's queue + forward on the verifier
     cloud_step_ms: float | None = None  # time between two cloud-decoded tokens as they arrive
+    block_wall_ms: float | None = None  # wall time of a speculative block, verdict to verdict
+    tokens_per_block: float | None = None  # tokens committed per speculative block
+    block_rtt_ms: float | None = None  # the RTT estimate when block_wall_ms was last updated
     accepted: float | None = None  # EWMA of accepted draft tokens per block (A)
     rejected: float | None = None  # EWMA of blocks ending in a rejection (R)
     load: float = 0.0  # the verifier's load hint at the last open
@@ -64,45 +72,41 @@ class RouteEstimates:
 
     # ------------------------------------------------------------------ measurements
     def begin(self, client: "EdgeClient", opened: SessionOpened) -> None:
-        """At a session's start: take the load hint, and measure the RTT once by a health probe when none is
-        known (the backend's ``probe``/``check_health``; an in-process backend has neither: RTT 0)."""
+        """At a session's start: take the verifier's load hint (no probe: the RTT is learnt from the verdicts,
+        and is None until the first one of this client)."""
         self.load, self.hint_forward_ms = float(opened.load), float(opened.forward_ms)
-        if self.rtt_ms is not None:
-            return
-        probe = getattr(client.backend, "probe", None) or getattr(client.backend, "check_health", None)
-        if probe is None:
-            self.rtt_ms = 0.0
-            return
-        best = math.inf
-        for _ in range(2):
-            t0 = time.perf_counter()
-            if probe(2.0):
-                best = min(best, (time.perf_counter() - t0) * 1000)
-        self.rtt_ms = best if math.isfinite(best) else None
 
     def new_generation(self) -> None:
         self._first_block = True
 
-    def observe_block(self, block: DraftBlock, verdict: Verdict, round_trip_ms: float, draft_s: float) -> None:
-        """One speculative block and its verdict (the first block of a generation carries the draft's prompt
-        prefill: its draft time is not a per-token cost)."""
+    def observe_block(self, block: DraftBlock, verdict: Verdict, round_trip_ms: float, draft_s: float,
+                      wall_ms: float | None = None) -> None:
+        """One speculative block and its verdict. ``draft_s``: edge time spent drafting for it (the draft's
+        cost per token is the block's own ``draft_ms`` when set; the first block of a generation carries the
+        draft's prompt prefill: not a per-token cost). ``wall_ms``: the block's wall time since the previous
+        verdict (None for the first block of a segment: it carries the draft's catch-up)."""
         gamma = block.num_speculative_tokens
         self.rtt_ms = _ewma(self.rtt_ms, max(0.0, round_trip_ms - verdict.forward_ms - verdict.queue_ms))
         self.verify_ms = _ewma(self.verify_ms, verdict.forward_ms + verdict.queue_ms)
-        if gamma > 0 and draft_s > 0 and not self._first_block:
-            self.draft_ms_per_token = _ewma(self.draft_ms_per_token, draft_s * 1000 / len(block))
+        draft_ms = block.draft_ms if block.draft_ms > 0 else draft_s * 1000
+        if gamma > 0 and draft_ms > 0 and not self._first_block:
+            self.draft_ms_per_token = _ewma(self.draft_ms_per_token, draft_ms / len(block))
         self._first_block = False
         if gamma > 0:
             n = min(verdict.num_accepted, gamma)
             self.accepted = _ewma(self.accepted, float(n))
             self.rejected = _ewma(self.rejected, 1.0 if n < gamma else 0.0)
+        if wall_ms is not None and wall_ms > 0:
+            self.block_wall_ms = _ewma(self.block_wall_ms, wall_ms)
+            self.tokens_per_block = _ewma(self.tokens_per_block, float(len(verdict.committed_token_ids)))
+            self.block_rtt_ms = self.rtt_ms
 
     def observe_cloud(self, first: bool, since_last_ms: float, verdict: Verdict) -> None:
         """One cloud-decoded token, ``since_last_ms`` after the previous one (the first: after the call)."""
         if first:
             self.rtt_ms = _ewma(self.rtt_ms, max(0.0, since_last_ms - verdict.forward_ms - verdict.queue_ms))
         else:
-            self.cloud_step_ms = _ewma(self.cloud_step_ms, since_last_ms)
+            self.cloud_step_ms = _ewma(self.cloud_step_ms, since_last_ms, _W_TOKEN)
 
     # ------------------------------------------------------------------ predictions
     @property
@@ -116,7 +120,11 @@ class RouteEstimates:
         return max(1, int(client.num_speculative_tokens))
 
     def speculative_tokens_per_s(self, client: "EdgeClient") -> float | None:
-        """Expected tokens/s of speculative blocks (module docstring); None until α and the draft cost are known."""
+        """Expected tokens/s of speculative blocks (module docstring): measured blocks' rate when there are
+        some, else the model; None until either is known."""
+        if self.block_wall_ms is not None and self.tokens_per_block is not None:
+            shift = (self.rtt_ms or 0.0) - (self.block_rtt_ms or 0.0)  # the network changed since
+            return 1000 * self.tokens_per_block / max(self.block_wall_ms + shift, 1e-3)
         alpha, gamma = self.alpha, self._gamma(client)
         if alpha is None or self.draft_ms_per_token is None or self.rtt_ms is None:
             return None
@@ -157,5 +165,6 @@ class RouteEstimates:
 
     def to_json(self) -> dict:
         return {"rtt_ms": self.rtt_ms, "draft_ms_per_token": self.draft_ms_per_token, "verify_ms": self.verify_ms,
-                "cloud_step_ms": self.cloud_step_ms, "alpha": self.alpha, "load": self.load,
+                "cloud_step_ms": self.cloud_step_ms, "block_wall_ms": self.block_wall_ms,
+                "tokens_per_block": self.tokens_per_block, "alpha": self.alpha, "load": self.load,
                 "hint_forward_ms": self.hint_forward_ms}

@@ -6,8 +6,9 @@
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
 - ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to give more
-  tokens per second, chosen at the start from what is measured (the RTT of a health probe, the draft's cost per
-  token on this device from earlier generations, the verifier's load hint in OpenSessionResponse) and re-chosen
+  tokens per second, chosen at the start from what the client measured in earlier generations (the RTT from
+  verdicts, the draft's cost per token on this device, the measured rate of speculative blocks and of cloud
+  tokens) and the verifier's load hint in OpenSessionResponse — no probe, nothing paid per request — and re-chosen
   at block boundaries from running estimates (acceptance, verify time, RTT). Both routes are lossless and
   extend the same verifier session (the seq goes on, the committed length is the fence), so a switch neither
   loses nor repeats a token. ``auto`` never picks ``device`` (it is not the target's output).
@@ -68,6 +69,7 @@ class RouteRun:
     cloud_chunk: int = FIRST_CLOUD_CHUNK
     why: str = ""
     estimates: RouteEstimates | None = None  # the client's (reported under auto)
+    last_verdict_t: float | None = None  # perf_counter() at the segment's last speculative verdict
 
     def report(self) -> dict:
         """The ``"route"`` object of ``--json``: requested, initial, final mode, switches, tokens per mode."""
@@ -117,7 +119,7 @@ def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, samplin
             if run.finish_reason is None:
                 _after_chunk(client, run)
         else:
-            before = len(run.committed)
+            before, rr.last_verdict_t = len(run.committed), None
             try:
                 yield from client._verify_session(run, opened, sampling, requested_seed)
             finally:
@@ -161,8 +163,10 @@ def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_
     to cloud decode now (True ends the speculative segment at this block boundary)."""
     rr: RouteRun = run.route
     rr.steps_in_mode += 1
-    est = client.route_estimates
-    est.observe_block(block, verdict, round_trip_ms, draft_s)
+    est, now = client.route_estimates, time.perf_counter()
+    wall_ms = None if rr.last_verdict_t is None else (now - rr.last_verdict_t) * 1000
+    rr.last_verdict_t = now
+    est.observe_block(block, verdict, round_trip_ms, draft_s, wall_ms)
     if rr.switch_every is not None:
         if rr.steps_in_mode >= rr.switch_every:
             rr.switch("cloud", run.num_generated, f"test hook: every {rr.switch_every} blocks")

@@ -63,3 +63,33 @@ def test_choice_follows_the_round_trip_and_the_draft_cost():
     unknown = RouteEstimates(rtt_ms=200, hint_forward_ms=20.0)
     assert unknown.choose(client, run, 64)[0] == "cloud"
     assert RouteEstimates(rtt_ms=1, hint_forward_ms=20.0).choose(client, run, 64)[0] == "speculative"
+
+
+def test_measured_block_rate_overrides_the_model_and_follows_the_rtt():
+    """Blocks whose wall time says 4 tokens per 200 ms (20 tok/s) make the speculative estimate 20 tok/s, whatever
+    the model would say from α and the draft cost; a later RTT 100 ms longer (learnt from cloud tokens) moves it
+    to 4 tokens per 300 ms. The draft's cost per token is the block's own draft_ms, not the edge time spent
+    drafting for it (which includes drafting the next block ahead)."""
+    client, est = _Client(), RouteEstimates()
+    for i in range(30):
+        block = DraftBlock([1, 2, 3, 4], draft_ms=8.0)
+        est.observe_block(block, Verdict(3, 5, False, [1, 2, 3, 4], 10, forward_ms=20.0), 25.0, 0.5,
+                          None if i == 0 else 200.0)
+    model = RouteEstimates(rtt_ms=est.rtt_ms, draft_ms_per_token=est.draft_ms_per_token, verify_ms=est.verify_ms,
+                           accepted=est.accepted, rejected=est.rejected)
+    assert est.draft_ms_per_token == pytest.approx(2.0)
+    assert model.speculative_tokens_per_s(client) > 40  # the model alone: far faster than measured
+    assert est.speculative_tokens_per_s(client) == pytest.approx(20.0, rel=1e-6)
+    rtt = est.rtt_ms
+    for _ in range(200):  # cloud tokens whose first arrives a full RTT of 105 ms later
+        est.observe_cloud(True, 105.0 + 20.0, Verdict(0, 5, False, [5], 11, forward_ms=20.0))
+    assert est.rtt_ms == pytest.approx(105.0, abs=0.5) and rtt == pytest.approx(5.0)
+    assert est.speculative_tokens_per_s(client) == pytest.approx(1000 * 4 / 300, rel=0.01)
+
+
+def test_one_slow_cloud_token_barely_moves_the_step_estimate():
+    est = RouteEstimates()
+    for _ in range(40):
+        est.observe_cloud(False, 50.0, Verdict(0, 5, False, [5], 11))
+    est.observe_cloud(False, 850.0, Verdict(0, 5, False, [5], 11))  # one 800 ms stall
+    assert est.cloud_step_ms == pytest.approx(100.0)
