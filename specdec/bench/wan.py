@@ -2,10 +2,11 @@
 
 One verifier (in this process, served over gRPC on 127.0.0.1) and, per one-way latency, a :class:`WanProxy`
 (specdec.netem: latency ± jitter per direction, a bandwidth cap) between it and an EdgeClient, the gRPC traffic
-going through the proxy for real. For each point (latency × draft slowdown) every prompt is generated with each
-route (``speculative``, ``cloud``, ``auto``; a fresh client per point, so auto's first choice is made from
-that point's measurements only after a warm-up generation) and the client's tokens/s are reported, with
-``auto / max(speculative, cloud)`` and whether the greedy outputs are identical across routes.
+going through the proxy for real. For each point (latency × draft slowdown) a fresh client is warmed up once
+(a short speculative and a short cloud generation, the same for every route), then every prompt is generated
+with each route (``speculative``, ``cloud``, ``auto``, interleaved), and the client's tokens/s are reported,
+with ``auto / max(speculative, cloud)``, the time to the first token and whether the greedy outputs are
+identical across routes. auto chooses from the warm-up's and its own measurements only.
 
 Draft slowdown k (``--draft-slowdown 1,3``): each draft call is made to last k × its measured time (a sleep
 after it), standing for a device slower than this CPU (:class:`SlowDrafter`).
@@ -37,7 +38,8 @@ def parse_ms_list(spec: str, what: str = "--wan") -> list[float]:
 
 class SlowDrafter:
     """A drafter whose every ``propose`` lasts ``slowdown`` × its measured time (it sleeps the rest): a slower
-    device. Everything else is the wrapped drafter's (the same tokens and draft_probs)."""
+    device. Everything else is the wrapped drafter's (the same tokens and draft_probs); the block's
+    ``draft_ms`` is the slowed time (what the client measures the device by)."""
 
     def __init__(self, inner, slowdown: float):
         if slowdown < 1:
@@ -49,24 +51,51 @@ class SlowDrafter:
         block = self._inner.propose(*args, **kwargs)
         if self.slowdown > 1:
             time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
+            if getattr(block, "draft_ms", 0):
+                block.draft_ms *= self.slowdown
         return block
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
+WARMUP_TOKENS = 16  # per warm-up generation: speculative and cloud in turn, one per prompt (the same for every route)
+
+
 def _generate(client, prompt_ids: list[int], route: str, max_new_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    result = client.generate(prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=True, route=route)
-    elapsed = time.perf_counter() - t0
-    return {"token_ids": result.token_ids, "elapsed_s": elapsed, "route": result.route,
+    t0, first = time.perf_counter(), None
+    for chunk in client.stream_chunks(prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=True, route=route):
+        if first is None and chunk.text:
+            first = time.perf_counter() - t0
+    elapsed, result = time.perf_counter() - t0, client.last_result
+    return {"token_ids": result.token_ids, "elapsed_s": elapsed, "route": result.route, "first_token_s": first,
             "tokens_per_s": len(result.token_ids) / max(elapsed, 1e-9)}
+
+
+def _measure(client, prompts: list[list[int]], routes: tuple[str, ...], max_new_tokens: int) -> dict:
+    """Every prompt with every route, the routes interleaved (rotated per prompt) so that a change of load on
+    a shared machine falls on all of them. ``auto`` keeps its own running estimates (from the warm-up and its
+    own generations); the fixed routes run on a copy of the warm-up's, so auto learns nothing from them."""
+    import copy
+
+    warm = client.route_estimates
+    auto_est = copy.deepcopy(warm)
+    runs: dict[str, list] = {r: [None] * len(prompts) for r in routes}
+    for i, ids in enumerate(prompts):
+        for k in range(len(routes)):
+            r = routes[(i + k) % len(routes)]
+            client.route_estimates = auto_est if r == "auto" else copy.deepcopy(warm)
+            runs[r][i] = _generate(client, ids, r, max_new_tokens)
+    client.route_estimates = warm
+    return runs
 
 
 def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: float, slowdown: float, *,
            routes: tuple[str, ...], max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float,
            bandwidth_kbps: float, seed: int) -> dict:
-    """One grid point: every prompt with every route through one WanProxy."""
+    """One grid point: every prompt with every route through one WanProxy, after one warm-up shared by all
+    routes (short speculative and cloud generations, one per prompt: the channel, the draft, the prompts'
+    prefill, the client's estimates of both routes — what a client learns once, not per request)."""
     from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
     from edge_client.grpc_backend import GrpcBackend
@@ -77,13 +106,20 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         drafter = SlowDrafter(ModelDrafter(draft_model), slowdown)
         client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens,
                             adaptive=True, proactive=True)
-        client.generate(prompts[0], max_new_tokens=8, ignore_eos=True)  # warm-up: channel, draft, estimates
-        runs = {r: [_generate(client, ids, r, max_new_tokens) for ids in prompts] for r in routes}
-    point: dict[str, Any] = {"one_way_ms": latency_ms, "rtt_ms": 2 * latency_ms, "draft_slowdown": slowdown}
+        t0 = time.perf_counter()
+        for i, ids in enumerate(prompts):  # each prompt once (its prefill then is cached for every route alike)
+            client.generate(ids, max_new_tokens=WARMUP_TOKENS, ignore_eos=True, route=("speculative", "cloud")[i % 2])
+        if len(prompts) < 2:
+            client.generate(prompts[0], max_new_tokens=WARMUP_TOKENS, ignore_eos=True, route="cloud")
+        warmup_s = time.perf_counter() - t0
+        runs = _measure(client, prompts, routes, max_new_tokens)
+    point: dict[str, Any] = {"one_way_ms": latency_ms, "rtt_ms": 2 * latency_ms, "draft_slowdown": slowdown,
+                             "warmup_s": round(warmup_s, 3)}
     for r in routes:
         tokens = sum(len(x["token_ids"]) for x in runs[r])
         point[r] = {"tokens_per_s": tokens / max(sum(x["elapsed_s"] for x in runs[r]), 1e-9),
-                    "elapsed_s": [round(x["elapsed_s"], 4) for x in runs[r]]}
+                    "elapsed_s": [round(x["elapsed_s"], 4) for x in runs[r]],
+                    "first_token_s": [round(x["first_token_s"] or 0.0, 4) for x in runs[r]]}
     if "auto" in runs:
         point["auto"]["routes"] = [{k: x["route"][k] for k in ("initial", "final", "switches", "tokens")}
                                    for x in runs["auto"]]
@@ -143,23 +179,35 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     return report
 
 
+_STYLE = {"speculative": ("o", "-"), "cloud": ("s", "-"), "auto": ("^", "--")}
+
+
 def _plot(report: dict, path: Path) -> None:
-    """tokens/s against RTT, one panel per draft slowdown, one line per route (matplotlib, Agg)."""
+    """tokens/s against RTT, one panel per draft slowdown (shared y axis), one line per route (matplotlib, Agg),
+    each panel titled with its worst auto / best fixed route."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     slowdowns = sorted({p["draft_slowdown"] for p in report["points"]})
-    fig, axes = plt.subplots(1, len(slowdowns), figsize=(5 * len(slowdowns), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(slowdowns), figsize=(5.2 * len(slowdowns), 3.9), squeeze=False, sharey=True)
     for ax, k in zip(axes[0], slowdowns):
-        pts = [p for p in report["points"] if p["draft_slowdown"] == k]
+        pts = sorted((p for p in report["points"] if p["draft_slowdown"] == k), key=lambda p: p["rtt_ms"])
         for r in report["routes"]:
-            ax.plot([p["rtt_ms"] for p in pts], [p[r]["tokens_per_s"] for p in pts], marker="o", label=r)
-        ax.set_title(f"draft slowdown {k:g}x")
-        ax.set_xlabel("RTT, ms")
-        ax.set_ylabel("client tokens/s")
-        ax.legend()
+            marker, line = _STYLE.get(r, ("o", "-"))
+            ax.plot([p["rtt_ms"] for p in pts], [p[r]["tokens_per_s"] for p in pts], marker=marker, linestyle=line,
+                    label=r, linewidth=2 if r == "auto" else 1.5)
+        worst = min((p["auto_vs_best"] for p in pts if "auto_vs_best" in p), default=None)
+        ax.set_title(f"draft slowdown {k:g}x" + (f"  (min auto/best {worst:.2f})" if worst is not None else ""))
+        ax.set_xlabel("round-trip time, ms")
+        ax.set_xticks([p["rtt_ms"] for p in pts])
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("client tokens/s")
+    axes[0][0].legend()
+    fig.suptitle(f"{report['num_prompts']} prompts x {report['max_new_tokens']} tokens, greedy, "
+                 f"γ <= {report['num_speculative_tokens']}, through the WAN proxy", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
