@@ -107,6 +107,33 @@ def test_distill_reduces_loss_and_resumes(tiny):
     assert after < before * 0.95, (before, after, first, last)
 
 
+def test_distill_shard_cap_and_step_schedule(tiny, tmp_path):
+    """data_max_shards generates only the first shards of the plan (held-out first); with max_steps the cosine
+    schedule runs over the steps (a clock-driven one with this huge time budget would still be warming up at
+    2 % of the peak); the loss on the training answers falls."""
+    peak = 3e-3
+    r = D.distill(tiny["target_dir"], tmp_path, train_prompts=tiny["prompts"], num_layers=2, head_vocab=512,
+                  time_budget_s=1e6, progress=False, max_new_tokens=8, gen_batch_size=2, gen_dtype="float32",
+                  heldout_frac=0.25, data_max_shards=2, batch_tokens=128, lr=peak, threads=1, export=False,
+                  eval_every_s=1e9, max_steps=4)
+    plan = json.loads((tmp_path / "data" / "plan.json").read_text())
+    assert [s["heldout"] for s in plan["shards"][:2]] == [True, False] and len(plan["shards"]) > 2
+    assert sorted(p.name for p in (tmp_path / "data").glob("shard_*.pt")) == ["shard_00000.pt", "shard_00001.pt"]
+    assert r["train_records"] == len(plan["shards"][1]["prompts"]) and r["steps"] == 4
+    lr_last = torch.load(tmp_path / D.CKPT_FILE, weights_only=False)["opt"]["param_groups"][0]["lr"]
+    assert 0.1 * peak < lr_last < 0.5 * peak, lr_last  # step 4 of 4 runs at frac 3/4 of the cosine
+    train, _ = D.load_data(tmp_path / "data")
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny["target_dir"])).eval()
+    ckpt = torch.load(tmp_path / D.CKPT_FILE, weights_only=False)
+    lut = torch.full((49152,), -1, dtype=torch.long)
+    lut[torch.as_tensor(ckpt["head_ids"])] = torch.arange(len(ckpt["head_ids"]))
+    fresh = build_distilled_draft(target, 2, ckpt["head_ids"], init_layer_ids=ckpt["init_layer_ids"])
+    trained = build_distilled_draft(target, 2, ckpt["head_ids"], layer_state=ckpt["model"])
+    assert D.evaluate(trained, train, 2, lut)["loss"] < D.evaluate(fresh, train, 2, lut)["loss"]
+
+
 def test_frspec_head_masks_outside_its_vocabulary():
     target = _tiny_target()
     head = [0, 2, 5, 17, 100, 4000]
