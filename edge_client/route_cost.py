@@ -11,15 +11,15 @@ n / (RTT + n·t_step), with t_step the verifier's time per γ = 0 step (its forw
 when the verifier is saturated: a row waits for the rows queued before it).
 
 α is estimated from blocks as A / (A + R): A accepted draft tokens, R blocks that ended in a rejection — the
-maximum-likelihood estimate for acceptances that are i.i.d. until the first rejection (a block's accepted count
-is a truncated geometric). Once speculative blocks have run, their measured rate wins over the model: tokens
-committed per block / wall time per block (verdict to verdict: drafting, the round trip, the verify, the
-edge's own work — what the model leaves out or double counts, e.g. drafting ahead that overlaps the verify on a
-shared CPU), shifted by the change of RTT since it was measured. Every estimate is an exponentially weighted
-mean (weight 1/4 for the newest block, 1/16 for the newest cloud token), kept across generations of one client
-(the device and the network change slowly), so the next generation's first choice is already informed and no
-generation pays a probe: the RTT comes from the verdicts themselves (round trip − the verifier's queue and
-forward times it reports).
+maximum-likelihood estimate for acceptances that are i.i.d. until the first rejection (a block's accepted count is a
+truncated geometric). Once speculative blocks have run, their measured rate wins over the model: tokens committed
+per block / wall time per block (verdict to verdict: drafting, the round trip, the verify, the edge's own work —
+what the model leaves out or double counts, e.g. drafting ahead that overlaps the verify on a shared CPU), shifted
+by the change of RTT since it was measured. Every estimate is an exponentially weighted mean (weight 1/4 for the
+newest block, 1/8 for its wall time, 1/16 for the newest cloud token), kept across generations of one client (the
+device and the network change slowly), so the next generation's first choice is already informed and no generation
+pays a probe: the RTT comes from the verdicts themselves (round trip − the verifier's queue and forward times it
+reports).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["RouteEstimates", "expected_tokens_per_step"]
 
 _W = 0.25  # weight of the newest block's observation
+_W_BLOCK = 1 / 8  # weight of the newest block's wall time (a loaded device's blocks swing by 2x)
 _W_TOKEN = 1 / 16  # weight of the newest cloud token's (a chunk has dozens; one stalled token must not decide)
 STEP_OVERHEAD_MS = 0.5  # edge + server Python per step beyond the forward pass, ms (a floor, not measured)
 
@@ -97,8 +98,8 @@ class RouteEstimates:
             self.accepted = _ewma(self.accepted, float(n))
             self.rejected = _ewma(self.rejected, 1.0 if n < gamma else 0.0)
         if wall_ms is not None and wall_ms > 0:
-            self.block_wall_ms = _ewma(self.block_wall_ms, wall_ms)
-            self.tokens_per_block = _ewma(self.tokens_per_block, float(len(verdict.committed_token_ids)))
+            self.block_wall_ms = _ewma(self.block_wall_ms, wall_ms, _W_BLOCK)
+            self.tokens_per_block = _ewma(self.tokens_per_block, float(len(verdict.committed_token_ids)), _W_BLOCK)
             self.block_rtt_ms = self.rtt_ms
 
     def observe_cloud(self, first: bool, since_last_ms: float, verdict: Verdict) -> None:

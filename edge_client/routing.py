@@ -38,6 +38,9 @@ __all__ = ["ROUTES", "RouteEstimates", "RouteRun", "check_route", "decode_device
 ROUTES = ("speculative", "cloud", "device", "auto")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
 SWITCH_MARGIN = 1.15  # auto switches when the other mode is expected this much faster
+# no switch with fewer tokens left: the gain shrinks with the tokens left, the switch's cost (a round trip to
+# start a Decode stream, or the draft catching up on a cloud chunk) and the estimates' noise do not
+MIN_TOKENS_LEFT_TO_SWITCH = 16
 # tokens per Decode call under auto: each chunk costs a round trip before its first token (the committed length
 # must be known to start the next), so chunks are long and double (64, 128, ...); auto re-chooses between them
 FIRST_CLOUD_CHUNK = 64
@@ -172,13 +175,17 @@ def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_
             rr.switch("cloud", run.num_generated, f"test hook: every {rr.switch_every} blocks")
             return True
         return False
-    if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH:
+    if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH or _few_left(run):
         return False
     spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)
     if cloud is not None and spec is not None and cloud > SWITCH_MARGIN * spec:
         rr.switch("cloud", run.num_generated, f"expected {cloud:.1f} tok/s cloud vs {spec:.1f} speculative")
         return True
     return False
+
+
+def _few_left(run: "Run") -> bool:
+    return run.stopping.max_new_tokens - run.num_generated < MIN_TOKENS_LEFT_TO_SWITCH
 
 
 def _after_chunk(client: "EdgeClient", run: "Run") -> None:
@@ -188,7 +195,7 @@ def _after_chunk(client: "EdgeClient", run: "Run") -> None:
         if rr.steps_in_mode >= 1:
             rr.switch("speculative", run.num_generated, "test hook: after one cloud chunk")
         return
-    if rr.requested != "auto":
+    if rr.requested != "auto" or _few_left(run):
         return
     est = client.route_estimates
     spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)

@@ -93,3 +93,26 @@ def test_one_slow_cloud_token_barely_moves_the_step_estimate():
         est.observe_cloud(False, 50.0, Verdict(0, 5, False, [5], 11))
     est.observe_cloud(False, 850.0, Verdict(0, 5, False, [5], 11))  # one 800 ms stall
     assert est.cloud_step_ms == pytest.approx(100.0)
+
+
+def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
+    """Cloud expected far faster (RTT 200 ms, slow draft): auto leaves speculative after a block — unless fewer than
+    MIN_TOKENS_LEFT_TO_SWITCH tokens are left, where the switch's round trip and the estimates' noise outweigh the
+    gain."""
+    from edge_client.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, _after_block
+
+    class _AutoClient(_Client):
+        route_estimates = _estimates(rtt_ms=200, draft_ms=60)
+
+    class _AutoRun(_Run):
+        class stopping:
+            max_new_tokens = 64
+
+    block, verdict = DraftBlock([1, 2, 3, 4], draft_ms=240.0), Verdict(1, 5, False, [1, 5], 10, forward_ms=20.0)
+    switched = {}
+    for left in (MIN_TOKENS_LEFT_TO_SWITCH + 8, MIN_TOKENS_LEFT_TO_SWITCH - 1):
+        run = _AutoRun()
+        run.num_generated, run.route = 64 - left, RouteRun("auto", steps_in_mode=5)
+        switched[left] = _after_block(_AutoClient(), run, verdict, 220.0, block, 0.24)
+        assert run.route.mode == ("cloud" if switched[left] else "speculative")
+    assert switched == {MIN_TOKENS_LEFT_TO_SWITCH + 8: True, MIN_TOKENS_LEFT_TO_SWITCH - 1: False}
