@@ -54,7 +54,8 @@ def sparse_probs(
     # top-k: keep scaled >= the k-th largest (ties kept); exact here when the k-th is above the last candidate
     has_k = (top_k > 0) & (top_k < vocab)
     kth = scaled.gather(1, (top_k.clamp(1, c) - 1)[:, None])  # [n, 1]
-    decided = ~has_k | ((top_k < c) & (scaled[:, -1] < kth[:, 0]))
+    outside = scan.outside_logit.double() / temperature  # [n] >= every scaled logit outside the candidates
+    decided = ~has_k | ((top_k < c) & (outside < kth[:, 0]))
     keep_k = ~has_k[:, None] | (scaled >= kth)  # [n, c]
     e = torch.where(keep_k, torch.exp(scaled - scaled[:, :1]), 0.0)  # [n, c] exp(scaled - max)
     # the normaliser: exact over the candidates where top-k leaves only them, else known within the scan's
@@ -63,7 +64,7 @@ def sparse_probs(
     z_k = e.sum(-1)
     z_low, z_high = torch.where(has_k, z_k, scan.z_low), torch.where(has_k, z_k, scan.z_high)  # [n]
     ids, probs = _by_prob_then_id_descending(scan.cand_ids, e / z_low[:, None])  # [n, c]
-    least = probs[:, -1]  # [n] every token outside the candidates is at most this likely
+    least = torch.exp(outside - scaled[:, 0]) / z_low  # [n] no token outside the candidates is more likely
     complete = has_k & decided
     _, ok_high, kept_high = _top_p_sparse(probs * (z_low / z_high)[:, None], top_p, least, complete)
     probs, ok_p, kept = _top_p_sparse(probs, top_p, least, complete)

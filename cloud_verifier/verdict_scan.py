@@ -7,15 +7,15 @@ Two backends with one contract (tests/cloud_verifier/test_batched_rejection.py r
 
 - ``torch`` (CUDA, and any device): ``argmax``, a two-level top-k (:func:`top_candidates`) and an exact float32
   normaliser, all rows in one chunk on a GPU.
-- ``numpy`` (the default for CPU tensors, zero-copy views of them): numpy's CPU reductions are several times
-  torch's here (argmax over a 49,152-token row: 0.02 vs 0.13 ms); the candidates are the c blocks of b tokens
-  with the largest maxima, then a partition of those c·b tokens, and the normaliser is bounded instead of summed
-  over the vocabulary: exactly over the c·b gathered tokens (``z_low``), plus b·exp((block max − max) / T) for
-  every other block (``z_high``), so no pass of exp over the vocabulary is made. A top-p decision the bounds
-  leave open goes to the dense path.
+- ``numpy`` (the default for CPU tensors, zero-copy views of them; :mod:`cloud_verifier.verdict_scan_numpy`):
+  the max, two comparison passes, and a gather of the few hundred tokens within a gap of the max; the
+  normaliser is summed over those and bounded over the rest, so no pass of exp over the vocabulary is made,
+  and the candidates (at most c) are taken from the gathered tokens. A top-p decision the bounds leave open
+  is decided with the exact normaliser; one the candidates cannot decide goes to the dense path.
 
-Every token left out of the candidates is at most as likely as the least likely candidate (the block argument:
-at most c blocks hold a token above the c-th largest value).
+Every token left out of the candidates has a logit at most ``outside_logit``, itself at most the least
+candidate's (torch: the block argument, at most c blocks hold a token above the c-th largest value; numpy: the
+candidates are every gathered token above a cut, and the tokens not gathered are below the gap's threshold).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from cloud_verifier.verdict_scan_numpy import scan_numpy
 
 NUM_CANDIDATES = 64  # tokens the fast path keeps per position: real nuclei at top-p 0.9, T 0.7 have 1-57
 
@@ -38,6 +40,7 @@ class Scan:
     cand_ids: torch.Tensor  # [num_sampled, c] int64
     z_low: torch.Tensor  # [num_sampled] float64 <= sum(exp((logits - max) / T)) over the vocabulary
     z_high: torch.Tensor  # [num_sampled] float64 >= that sum (up to float rounding)
+    outside_logit: torch.Tensor  # [num_sampled] float32 >= the logit of every token that is not a candidate
 
 
 def scan_logits(
@@ -47,81 +50,27 @@ def scan_logits(
     temperature: np.ndarray,  # [num_tokens] float64 (used where sampled)
     num_candidates: int = NUM_CANDIDATES,
     backend: str = "auto",  # "auto": numpy for CPU tensors, torch otherwise
+    threads: int = 1,  # numpy backend: the rows' passes on this many threads
 ) -> Scan:
-    """The Scan of all rows, one verify row at a time on a CPU (no copy of the logits, temporaries in cache),
-    all rows in one chunk on a GPU."""
+    """The Scan of all rows, one verify row at a time on a CPU (no copy of the logits, temporaries in cache;
+    :mod:`cloud_verifier.verdict_scan_numpy`), all rows in one chunk on a GPU."""
     dev = rows[0].device
     c = min(num_candidates, valid_vocab_size)
     use_numpy = backend == "numpy" or (backend == "auto" and dev.type == "cpu")
     if dev.type != "cpu" and len(rows) > 1:  # one chunk: a few kernels for the whole batch
         rows = [torch.cat(rows)]
+    if use_numpy:
+        fields = scan_numpy(rows, valid_vocab_size, sampled, temperature, c, threads)
+        return Scan(*[torch.from_numpy(np.ascontiguousarray(f)).to(dev) for f in fields])
     parts: list[tuple] = []
     start = 0
     for x in rows:
         n = x.shape[0]
         chunk = (x[:, :valid_vocab_size], sampled[start:start + n], temperature[start:start + n], c)
-        parts.append(_scan_numpy(*chunk) if use_numpy else _scan_torch(*chunk))
+        parts.append(_scan_torch(*chunk))
         start += n
-    fields = [torch.cat([torch.as_tensor(p[j]) for p in parts]).to(dev) for j in range(6)]
+    fields = [torch.cat([torch.as_tensor(p[j]) for p in parts]).to(dev) for j in range(7)]
     return Scan(*fields)
-
-
-def _blocks(vocab: int, c: int, most: int = 64) -> tuple[int, int]:
-    """(tokens per block b, number of blocks); (0, 0) when the vocabulary is too small for blocks to pay."""
-    b = max(4, min(most, vocab // (4 * c)))
-    return (b, vocab // b) if vocab // b > c else (0, 0)
-
-
-def _scan_numpy(x: torch.Tensor, sampled: np.ndarray, temperature: np.ndarray, c: int) -> tuple:
-    x = x.numpy()  # [n, vocab_size] float32, a view
-    n, vocab = x.shape
-    max_logit = np.empty(n, dtype=np.float32)
-    argmax = np.zeros(n, dtype=np.int64)
-    greedy = np.flatnonzero(~sampled)
-    if greedy.size:
-        argmax[greedy] = x[greedy].argmax(-1)  # NaN propagates: the first NaN is the argmax
-        max_logit[greedy] = x[greedy, argmax[greedy]]
-    s = np.flatnonzero(sampled)
-    if not s.size:
-        return (max_logit, argmax, np.empty((0, c), np.float32), np.empty((0, c), np.int64), np.empty(0), np.empty(0))
-    xs = x if s.size == n else x[s]  # [s, vocab]
-    ns = len(s)
-    b, num_blocks = _blocks(vocab, c, most=16)
-    block_max = rest = None
-    if b:
-        # block j = tokens j, j + num_blocks, ..., j + (b - 1)·num_blocks: its maxima are b element-wise maxima
-        # of contiguous slices (vectorised; blocks of consecutive tokens are short reductions, 3× slower)
-        blocked = xs[:, : num_blocks * b].reshape(ns, b, num_blocks)
-        block_max = blocked.max(1)  # [s, num_blocks] (NaN propagates)
-        chosen = np.argpartition(block_max, num_blocks - c, axis=-1)[:, num_blocks - c:]  # [s, c] (NaN last)
-        rest = np.ones_like(block_max, dtype=bool)
-        np.put_along_axis(rest, chosen, False, axis=-1)
-        gathered = blocked[np.arange(ns)[:, None, None], np.arange(b)[None, :, None], chosen[:, None, :]]
-        gathered = gathered.reshape(ns, b * c)  # [s, b·c]
-        ids = (chosen[:, None, :] + (np.arange(b) * num_blocks)[None, :, None]).reshape(ns, b * c)
-        if num_blocks * b < vocab:  # the tail that fills no block: always gathered
-            gathered = np.concatenate([gathered, xs[:, num_blocks * b:]], axis=1)
-            tail = np.broadcast_to(np.arange(num_blocks * b, vocab), (ns, vocab - num_blocks * b))
-            ids = np.concatenate([ids, tail], axis=1)
-    else:
-        gathered, ids = xs, np.broadcast_to(np.arange(vocab), xs.shape)
-    width = gathered.shape[1]
-    top = np.argpartition(gathered, width - c, axis=-1)[:, width - c:]  # [s, c] (NaN last: taken)
-    cand = np.take_along_axis(gathered, top, axis=-1)
-    order = np.argsort(-cand, axis=-1, kind="stable")
-    cand = np.take_along_axis(cand, order, -1)
-    cand_ids = np.take_along_axis(np.take_along_axis(ids, top, -1), order, -1)
-    m = cand[:, 0].copy()  # [s] the max logit (NaN sorts last in -cand... so check every candidate)
-    m[np.isnan(cand).any(-1)] = np.nan
-    max_logit[s] = m
-    t = temperature[s][:, None]
-    with np.errstate(all="ignore"):  # faulty rows give NaN here; the guard refuses them
-        z_low = np.exp((gathered.astype(np.float64) - m[:, None]) / t).sum(-1)
-        z_high = z_low.copy()
-        if block_max is not None:  # every token of a block not gathered is at most its block's max
-            bound = np.exp((block_max - m[:, None].astype(np.float32)) / t.astype(np.float32))  # float32
-            z_high += b * np.where(rest, bound, 0.0).sum(-1, dtype=np.float64) * (1 + 1e-5)
-    return max_logit, argmax, cand, cand_ids, z_low * (1 - 1e-12), z_high * (1 + 1e-12)
 
 
 def _scan_torch(x: torch.Tensor, sampled: np.ndarray, temperature: np.ndarray, c: int) -> tuple:
@@ -137,7 +86,7 @@ def _scan_torch(x: torch.Tensor, sampled: np.ndarray, temperature: np.ndarray, c
     if not sampled.any():
         empty = torch.empty((0, c), device=dev)
         none = torch.empty(0, dtype=torch.float64, device=dev)
-        return max_logit, argmax, empty, empty.long(), none, none
+        return max_logit, argmax, empty, empty.long(), none, none, torch.empty(0, device=dev)
     at = torch.from_numpy(np.flatnonzero(sampled)).to(dev)
     if not sampled.all():
         x = x.index_select(0, at)
@@ -146,7 +95,7 @@ def _scan_torch(x: torch.Tensor, sampled: np.ndarray, temperature: np.ndarray, c
     max_logit[at] = m
     t32 = torch.from_numpy(temperature[sampled]).to(dev).float()[:, None]
     z = torch.exp((x - m[:, None]) / t32).sum(-1).double()  # [s] float32 exp and sum (relative error ~1e-6)
-    return max_logit, argmax, cand_logits, cand_ids, z * (1 - 1e-5), z * (1 + 1e-5)
+    return max_logit, argmax, cand_logits, cand_ids, z * (1 - 1e-5), z * (1 + 1e-5), cand_logits[:, -1]
 
 
 def top_candidates(
