@@ -10,6 +10,7 @@ it is tested against.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +66,11 @@ class BatchedRejectionSampler:
     :mod:`cloud_verifier.numerics`); a faulty row never affects the others.
     """
 
-    def __init__(self, num_candidates: int = NUM_CANDIDATES, scan_backend: str = "auto"):
+    def __init__(self, num_candidates: int = NUM_CANDIDATES, scan_backend: str = "auto",
+                 scan_threads: int | None = None):
         self.num_candidates = num_candidates  # 1: every sampled position takes the dense path
         self.scan_backend = scan_backend  # verdict_scan.scan_logits: "auto", "numpy" (CPU only) or "torch"
+        self.scan_threads = scan_threads  # numpy scan's threads; None: torch's intra-op thread count
 
     def __call__(self, rows: list[VerifyRow], valid_vocab_size: int) -> list[RejectionResult | str]:
         """Per row its RejectionResult (``next_token_id`` -1 only after a fully accepted bonus_drafted block)
@@ -78,11 +81,18 @@ class BatchedRejectionSampler:
         """
         if not rows:
             return []
-        lay = _Layout(rows)
         logits = _as_tensors(rows)  # per row [positions, vocab_size] float32, on the logits' device
+        threads = self.scan_threads or torch.get_num_threads()
+        with _one_intra_op_thread(logits[0].device):
+            return self._verdicts(rows, logits, valid_vocab_size, threads)
+
+    def _verdicts(self, rows: list[VerifyRow], logits: list[torch.Tensor], valid_vocab_size: int,
+                  threads: int) -> list:
+        lay = _Layout(rows)
         sampled = np.repeat([not r.sampling.greedy for r in rows], np.diff(lay.offsets))  # [num_tokens] bool
         temperature = np.repeat([r.sampling.temperature for r in rows], np.diff(lay.offsets))
-        scan = scan_logits(logits, valid_vocab_size, sampled, temperature, self.num_candidates, self.scan_backend)
+        scan = scan_logits(logits, valid_vocab_size, sampled, temperature, self.num_candidates, self.scan_backend,
+                           threads)
         faults = _row_faults(scan.max_logit.cpu().numpy(), lay)  # the guard, vectorised: one pass, one copy
         ok = [i for i in range(len(rows)) if faults[i] is None]
         accept = np.zeros(lay.num_tokens, dtype=bool)  # [num_tokens]
@@ -109,6 +119,23 @@ class BatchedRejectionSampler:
             for (i, _), tok in zip(chosen_s, part.sample([t for _, t in chosen_s])):
                 results[i] = _NO_DISTRIBUTION if tok < 0 else RejectionResult(results[i].num_accepted, tok)
         return results
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread(device: torch.device):
+    """On a CPU, torch's intra-op parallelism off while the verdict runs (restored after): its tensors are
+    [num_tokens, num_candidates] and smaller, and a parallel region costs more than such an op (an index of a
+    [320, 64] tensor: 8 µs on one thread, ms on two when the other core is busy); the passes over the full
+    logits are numpy's (:mod:`cloud_verifier.verdict_scan`), single-threaded anyway."""
+    before = torch.get_num_threads()
+    if device.type != "cpu" or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _as_tensors(rows: list[VerifyRow]) -> list[torch.Tensor]:
