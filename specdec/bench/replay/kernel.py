@@ -27,10 +27,7 @@ def measure_kernel_limit(runner, prompts: list[RecordedPrompt], n: int, num_spec
     repeats = repeats or (KERNEL_REPEATS if n > 16 else 2 * KERNEL_REPEATS - 1)
     rows, kvs, contexts = [], [], []
     try:
-        for i in range(n):
-            p = prompts[i % len(prompts)]
-            full = [k for k, s in enumerate(p.steps) if len(s.draft_token_ids) == gamma] or list(range(len(p.steps)))
-            k = full[len(full) // 2]
+        for p, k in _kernel_steps(prompts, n, gamma):
             committed = p.committed_before(k)
             draft = list(p.steps[k].draft_token_ids)
             draft = (draft + committed[-gamma:] * gamma)[:gamma]  # short block (end of a session): padded
@@ -70,6 +67,25 @@ def measure_kernel_limit(runner, prompts: list[RecordedPrompt], n: int, num_spec
         "tokens_per_row": gamma + 1,
         "repeats": repeats,
     }
+
+
+def _kernel_steps(prompts: list[RecordedPrompt], n: int, gamma: int) -> list[tuple[RecordedPrompt, int]]:
+    """(prompt, step index) of each of the N rows: recorded prompt i mod P half-way through its session."""
+    out = []
+    for i in range(n):
+        p = prompts[i % len(prompts)]
+        full = [k for k, s in enumerate(p.steps) if len(s.draft_token_ids) == gamma] or list(range(len(p.steps)))
+        out.append((p, full[len(full) // 2]))
+    return out
+
+
+def kernel_kv_tokens(prompts: list[RecordedPrompt], n: int, gamma: int, block_size: int = 16) -> int:
+    """KV pool tokens the kernel limit of N rows (and the prefill share's prompt) holds at once: every row's
+    context + γ in whole blocks, plus the longest prompt. The bench's own runner is sized to it (the verifier's
+    default pool may be smaller than 256 half-way sessions need: its admission counts blocks held)."""
+    tokens = sum(-(-(p.steps[k].committed_length + gamma) // block_size) * block_size
+                 for p, k in _kernel_steps(prompts, n, gamma))
+    return tokens + max(len(p.prompt_token_ids) for p in prompts) + block_size
 
 
 def _prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_cores, v_threads: int) -> dict:

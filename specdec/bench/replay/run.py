@@ -14,7 +14,7 @@ from .._shared import _progress_bar, _ratio, _resolve_dirs, _target_placement, _
 from ..prompts import load_prompts
 from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
 from .host_time import host_time_fields, preemption_fields, read_preemptions, read_step_times
-from .kernel import _prefill_share, measure_kernel_limit
+from .kernel import _prefill_share, kernel_kv_tokens, measure_kernel_limit
 from .memory import (
     RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, _poll_peak, _proc_cpu_s, _rss_back, _settled_memory, verifier_memory,
 )
@@ -133,7 +133,12 @@ def run_replay_bench(
     rec = load_or_record(prompts, questions, limit, target_dir, draft_dir, runner_factory,
                          max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
                          device=str(dev), dtype=dtype_name, cache_dir=cache_dir, progress=progress)
-    runner = runner_factory()
+    # the bench's own runner holds the kernel limit's N half-way contexts at once: its pool is sized to them
+    kv_tokens = max(65536, kernel_kv_tokens(rec.prompts, max(counts), num_speculative_tokens))
+    if runner_box and runner_box[0].kv_cache_budget_tokens < kv_tokens:
+        runner_box.clear()  # the recording's runner: too small a pool (weights loaded once more)
+    runner = runner_box[0] if runner_box else TargetRunner(target_dir, device=str(dev), dtype=dt,
+                                                           kv_cache_budget_tokens=kv_tokens)
     lg_cores, v_cores = _core_plan(pin, notes)
     v_threads = len(v_cores) if v_cores else max(1, (os.cpu_count() or 2) // 2)
     batched_proc, serial_proc = _verifier_processes(
