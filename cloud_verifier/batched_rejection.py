@@ -235,7 +235,7 @@ class _SampledPart:
         seeds = [lay.rows[i].seed for i in row_of]
         positions = lay.positions(tokens)
         u_accept = torch.from_numpy(uniform_many(seeds, positions, [Stream.ACCEPT] * len(tokens))).to(dev)
-        self.u_sample = uniform_many(seeds, positions, [Stream.TARGET_SAMPLE] * len(tokens))  # [n] host
+        self.seeds, self.positions = seeds, positions  # u_sample: drawn in sample(), for the chosen tokens only
         q_ids, q_probs = lay.draft_probs(tokens)
         self.q_ids, self.q_probs = torch.from_numpy(q_ids).to(dev), torch.from_numpy(q_probs).to(dev)  # [n, k]
         x = torch.from_numpy(lay.draft[tokens]).to(dev)  # [n] draft token (-1: bonus position)
@@ -276,7 +276,8 @@ class _SampledPart:
         dev = self.dev
         sparse = [j for j, t in enumerate(local) if t not in self.dense_row and not self.bad[t]]
         dense = [j for j, t in enumerate(local) if t in self.dense_row]
-        u = self.u_sample[local]
+        u = uniform_many([self.seeds[j] for j in local], self.positions[local],
+                         [Stream.TARGET_SAMPLE] * len(local))  # [len(tokens)] host
         if sparse:
             at = torch.as_tensor([local[j] for j in sparse], device=dev)
             out[sparse] = _residual_sample_sparse(self.ids[at], self.probs[at], self.q_ids[at], self.q_probs[at],
