@@ -71,6 +71,7 @@ class BatchedRejectionSampler:
         self.num_candidates = num_candidates  # 1: every sampled position takes the dense path
         self.scan_backend = scan_backend  # verdict_scan.scan_logits: "auto", "numpy" (CPU only) or "torch"
         self.scan_threads = scan_threads  # numpy scan's threads; None: torch's intra-op thread count
+        self.last_paths: dict = {}  # where the last call's sampled positions were decided (_SampledPart.paths)
 
     def __call__(self, rows: list[VerifyRow], valid_vocab_size: int) -> list[RejectionResult | str]:
         """Per row its RejectionResult (``next_token_id`` -1 only after a fully accepted bonus_drafted block)
@@ -106,6 +107,7 @@ class BatchedRejectionSampler:
             faulty = np.repeat([f is not None for f in faults], np.diff(lay.offsets))
             part = _SampledPart(logits, scan, np.flatnonzero(sampled).tolist(), faulty, lay, valid_vocab_size,
                                 accept)
+            self.last_paths = part.paths
         results: list[RejectionResult | str] = list(faults)
         chosen_s = []  # (row, token) whose recovered / bonus token is sampled
         for i in ok:
@@ -268,6 +270,9 @@ class _SampledPart:
         accept[tokens] = accepted.cpu().numpy()
         self.bad = bad.cpu().numpy()
         self.dev = dev
+        # where the sampled positions were decided (the benchmark reports it): fast path, the exact normaliser
+        # (the scan's bounds left a top-p decision open), the dense path
+        self.paths = {"positions": len(tokens), "exact_normaliser": len(z_open_at), "dense": len(dense_at)}
 
     def sample(self, tokens: list[int]) -> list[int]:
         """Recovered / bonus token at each given token's position (-1: no distribution to sample from)."""

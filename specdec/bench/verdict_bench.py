@@ -11,7 +11,10 @@ LM-like otherwise. The two paths' verdicts are compared row for row (``agree``).
     python -m specdec.bench.verdict_bench [--rows 64] [--positions 5] [--repeats 20] [--device cpu|cuda]
         [--synthetic]
 
-prints one JSON object: per setting the median ms of each path and their ratio.
+prints one JSON object: per setting the median ms (wall and process CPU) of each path and their ratio, the batched
+path also with its numpy scan on one thread (the default uses torch's intra-op thread count), and where the
+sampled positions were decided (``exact_normaliser``: the scan's normaliser bounds left a top-p decision open;
+``dense``: the candidates could not decide it; the rest: the fast path).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cloud_verifier.batched_rejection import VerifyRow  # noqa: E402
+from cloud_verifier import numerics  # noqa: E402
 from cloud_verifier.numerics import verify_row, verify_rows  # noqa: E402
 from common.draft_topk import draft_topk_distribution  # noqa: E402
 from common.errors import TargetOutputError  # noqa: E402
@@ -72,8 +76,12 @@ def _numpy_loop(rows: list[VerifyRow], vocab: int) -> list:
     return out
 
 
-def _batched(rows: list[VerifyRow], vocab: int) -> list:
-    return [str(v) if isinstance(v, TargetOutputError) else v for v in verify_rows(rows, vocab)]
+def _batched(rows: list[VerifyRow], vocab: int, scan_threads: int | None = None) -> list:
+    before, numerics._SAMPLER.scan_threads = numerics._SAMPLER.scan_threads, scan_threads
+    try:
+        return [str(v) if isinstance(v, TargetOutputError) else v for v in verify_rows(rows, vocab)]
+    finally:
+        numerics._SAMPLER.scan_threads = before
 
 
 def _median_ms(fn, repeats: int) -> tuple[float, float]:
@@ -108,6 +116,7 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
             torch.cuda.synchronize()
         loop_ms, loop_cpu = _median_ms(lambda: _numpy_loop(rows, VOCAB), repeats)
         batched_ms, batched_cpu = _median_ms(lambda: _batched(on_device, VOCAB), repeats)
+        one_ms, one_cpu = _median_ms(lambda: _batched(on_device, VOCAB, scan_threads=1), repeats)
         reference, got = _numpy_loop(rows, VOCAB), _batched(on_device, VOCAB)
         report[name] = {
             "numpy_loop_ms": round(loop_ms, 3),
@@ -116,7 +125,11 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
             "numpy_loop_cpu_ms": round(loop_cpu, 3),
             "batched_cpu_ms": round(batched_cpu, 3),
             "speedup_cpu": round(loop_cpu / batched_cpu, 2),
+            "batched_scan_1_thread_ms": round(one_ms, 3),
+            "batched_scan_1_thread_cpu_ms": round(one_cpu, 3),
+            "speedup_scan_1_thread": round(loop_ms / one_ms, 2),
             "agree": sum(a == b for a, b in zip(reference, got)),
+            "sampled_positions_decided_by": dict(numerics._SAMPLER.last_paths) if not sampling.greedy else None,
             "mean_accepted": round(float(np.mean([v.num_accepted for v in got if not isinstance(v, str)])), 2),
         }
     return report
