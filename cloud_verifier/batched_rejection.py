@@ -195,6 +195,7 @@ class _Layout:
                        if self.rows[i].block.draft_probs is not None])
         ids = np.full((self.num_tokens, k), -1, dtype=np.int64)
         probs = np.zeros((self.num_tokens, k), dtype=np.float64)
+        sparse: dict[int, list] = {}  # width -> [(destination rows, ids, wire probs)]: one renormalisation each
         for i in rows:
             block, lo = self.rows[i].block, self.offsets[i]
             gamma = len(block.draft_token_ids)
@@ -204,9 +205,13 @@ class _Layout:
                 ids[lo:lo + gamma, 0] = block.draft_token_ids
                 probs[lo:lo + gamma, 0] = 1.0
             else:
-                width = np.shape(block.draft_probs.token_ids)[-1]
-                ids[lo:lo + gamma, :width] = np.asarray(block.draft_probs.token_ids)[:gamma]
-                probs[lo:lo + gamma, :width] = normalize_sparse(np.asarray(block.draft_probs.probs)[:gamma])
+                q_ids = np.asarray(block.draft_probs.token_ids)[:gamma]
+                sparse.setdefault(q_ids.shape[-1], []).append(
+                    (np.arange(lo, lo + gamma), q_ids, np.asarray(block.draft_probs.probs)[:gamma]))
+        for width, parts in sparse.items():  # row-wise, so the same values as one call per row
+            at = np.concatenate([d for d, _, _ in parts])
+            ids[at, :width] = np.concatenate([q for _, q, _ in parts])
+            probs[at, :width] = normalize_sparse(np.concatenate([p for _, _, p in parts]))
         return ids[tokens], probs[tokens]
 
 
