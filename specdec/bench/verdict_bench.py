@@ -84,23 +84,27 @@ def _batched(rows: list[VerifyRow], vocab: int, scan_threads: int | None = None)
         numerics._SAMPLER.scan_threads = before
 
 
-def _median_ms(fn, repeats: int) -> tuple[float, float]:
-    """(median wall ms, median process CPU ms) of ``repeats`` calls after a warm-up. The CPU time is the
-    figure to read on a busy machine: it does not count the time other jobs hold the cores."""
-    fn()  # warm-up
-    wall, cpu = [], []
+def _median_ms(fns: list, repeats: int) -> list[tuple[float, float]]:
+    """Per function (median wall ms, median process CPU ms) of ``repeats`` calls after a warm-up, the functions
+    interleaved (one call of each per repeat) so that each sees the same load on a shared machine. The CPU time
+    is the figure to read on a busy machine: it does not count the time other jobs hold the cores."""
+    for fn in fns:
+        fn()  # warm-up
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.process_time() - c0) * 1e3)
-    return statistics.median(wall), statistics.median(cpu)
+        for i, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[i].append((time.perf_counter() - t0) * 1e3)
+            cpu[i].append((time.process_time() - c0) * 1e3)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
 def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, device: str = "cpu",
                    synthetic: bool = False) -> dict:
-    """Median ms of the numpy loop and the batched verdict on the same rows, sampled and greedy (interleaved
-    repeats would not help here: each path's repeats run back to back, the paths one after the other)."""
+    """Median ms of the numpy loop and the batched verdict on the same rows, sampled and greedy, their repeats
+    interleaved."""
     logits = None if synthetic else real_logits(positions, VOCAB)
     source = "real" if logits is not None else "synthetic"
     if logits is None:
@@ -114,9 +118,9 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
                      for r in rows]
         if device != "cpu":
             torch.cuda.synchronize()
-        loop_ms, loop_cpu = _median_ms(lambda: _numpy_loop(rows, VOCAB), repeats)
-        batched_ms, batched_cpu = _median_ms(lambda: _batched(on_device, VOCAB), repeats)
-        one_ms, one_cpu = _median_ms(lambda: _batched(on_device, VOCAB, scan_threads=1), repeats)
+        (loop_ms, loop_cpu), (batched_ms, batched_cpu), (one_ms, one_cpu) = _median_ms(
+            [lambda: _numpy_loop(rows, VOCAB), lambda: _batched(on_device, VOCAB),
+             lambda: _batched(on_device, VOCAB, scan_threads=1)], repeats)
         reference, got = _numpy_loop(rows, VOCAB), _batched(on_device, VOCAB)
         report[name] = {
             "numpy_loop_ms": round(loop_ms, 3),
