@@ -121,8 +121,8 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
                     "elapsed_s": [round(x["elapsed_s"], 4) for x in runs[r]],
                     "first_token_s": [round(x["first_token_s"] or 0.0, 4) for x in runs[r]]}
     if "auto" in runs:
-        point["auto"]["routes"] = [{k: x["route"][k] for k in ("initial", "final", "switches", "tokens")}
-                                   for x in runs["auto"]]
+        point["auto"]["routes"] = [{k: x["route"].get(k) for k in ("initial", "final", "why", "switches", "tokens",
+                                                                   "estimates")} for x in runs["auto"]]
         fixed = [point[r]["tokens_per_s"] for r in routes if r != "auto"]
         if fixed:
             point["auto_vs_best"] = point["auto"]["tokens_per_s"] / max(fixed)
