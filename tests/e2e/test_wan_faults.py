@@ -82,11 +82,15 @@ def _session(i, address, model, start, progress, results, errors):
 
 def _reset_at_progress(wan, progress, marks, done, log):
     """Reset every open connection each time the sessions of a route have received ``n`` chunks, for each
-    (route, n) of ``marks``."""
+    (route, n) of ``marks`` — and at least one chunk more than at the previous reset, so that a route already
+    past its mark when the previous reset came is hit once it streams again (not in the same instant, when
+    no connection is open yet)."""
     for route, n in marks:
-        if not progress.wait_for(route, n, done):
+        with progress.cond:
+            at_last_reset = progress.chunks[route] if log else -1
+        if not progress.wait_for(route, max(n, at_last_reset + 1), done):
             return
-        log.append((route, n, wan.reset_connections()))
+        log.append((route, n, wan.reset_connections(), dict(progress.chunks)))
 
 
 def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
@@ -132,7 +136,7 @@ def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
         assert result.num_unverified_tokens == 0, i
         assert result.route["tokens"][_route(i)] == NEW_TOKENS, (i, result.route)
     # the faults happened and hit live streams
-    assert len(reset_log) == 2 and all(n >= 1 for _, _, n in reset_log), reset_log
+    assert len(reset_log) == 2 and all(n >= 1 for _, _, n, _ in reset_log), reset_log
     assert stats.reset_events >= 2 and stats.resets >= 2
     assert failovers >= 1 and sum(n for i, (_, n) in results.items() if _route(i) == "cloud") >= 1
     assert stats.stalls >= 1  # both directions together: one alone sees ~100 chunks, P(no stall) ~ 0.6 %
