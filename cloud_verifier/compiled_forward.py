@@ -147,7 +147,12 @@ class CompiledForward:
         key = (size, n, kind, tuple((k, p[5]) for k, p in sorted(plans.items(), key=str)))
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _Graph(self, ids, pos, index, frozen.slots, plans, self.replay_eagerly)
+            try:
+                graph = self.graphs[key] = _Graph(self, ids, pos, index, frozen.slots, plans, self.replay_eagerly)
+            except RuntimeError as exc:  # an op the capture refuses: eager from now on, said once
+                log.warning("CUDA graph capture failed (%s): running eagerly", str(exc).splitlines()[0])
+                self.mode = "off"
+                return None
         return graph.replay(ids, pos, frozen.slots, plans)[: real * per_row].clone()  # the buffer is reused
 
 
