@@ -67,7 +67,7 @@ class CompiledForward:
         ValueError: an unknown mode.
     """
 
-    def __init__(self, runner, mode: str, replay_eagerly: bool = False):
+    def __init__(self, runner, mode: str, replay_eagerly: bool = False, dynamic: bool = True):
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}: use {', '.join(COMPILE_MODES)}")
         self.runner = runner
@@ -84,7 +84,7 @@ class CompiledForward:
             mode = "off"
         self.mode = mode
         # one graph for decoder + LM head (a per-layer graph is specialised on the layer index: one per layer)
-        self._compiled = torch.compile(self._decode, dynamic=True) if mode == "torch_compile" else None
+        self._compiled = torch.compile(self._decode, dynamic=dynamic) if mode == "torch_compile" else None
 
     def _decode(self, input_ids, position_ids, index, batch):  # [1, T], [1, T], [W] -> [W, vocab]
         from cloud_verifier.architectures import apply_logits_transforms

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=300, help="KV tokens each session holds before its row")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=None, help="cut the target to its first N layers")
+    parser.add_argument("--static", action="store_true", help="torch.compile(dynamic=False): a graph per shape")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
@@ -126,7 +127,13 @@ def main(argv: list[str] | None = None) -> None:
         out = {"mode": args.mode, "tokens": args.tokens, "context": args.context, "repeats": args.repeats,
                "layers": runners[0].num_layers, "torch": torch.__version__, "device": str(runners[0].device),
                "dtype": str(runners[0].dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
-               "active_mode": runners[1]._compiled.mode, "results": []}
+               "active_mode": runners[1]._compiled.mode, "dynamic": not args.static, "results": []}
+        if args.static and args.mode == "torch_compile":
+            from cloud_verifier.compiled_forward import CompiledForward
+
+            keys = runners[1]._compiled.plan_keys
+            runners[1]._compiled = CompiledForward(runners[1], "torch_compile", dynamic=False)
+            runners[1]._compiled.plan_keys = keys
         for n in row_counts:
             out["results"].append(measure(runners, n, args.tokens, args.context, args.repeats))
             print(json.dumps(out), flush=True)  # partial results survive a cut-short run
