@@ -15,8 +15,13 @@ decoder + LM head see only tensors:
   TensorRT-LLM). Other batches (prefill chunks, mixed lengths) run eagerly. Where CUDA is absent it logs one line
   and runs eagerly.
 
-Measured on the CPU (specdec.bench.compile_bench, docs/architecture.md): see the bench's JSON; the setting
-defaults to ``off``.
+Measured on a shared 2-core CPU (``python -m specdec.bench.compile_bench --rows 16,64 --tokens 5 --context 300
+--layers 2``, SmolLM2-135M cut to 2 layers, float32, torch 2.13): torch.compile is SLOWER than eager - 16 rows:
+634 vs 220 ms, 64 rows: 964 vs 494 ms (dynamic shapes; the first pass compiles for 77 s; other row counts and
+lengths did not recompile); with ``dynamic=False`` 1075 vs 315 and 1060 vs 516 ms, and a recompilation (about a
+minute) for every new shape. So the setting defaults to ``off``; on CUDA it is measured by scripts/gpu_check.sh.
+A compiled graph per decoder layer would compile once for all layers, but dynamo specialises it on the layer
+index (one graph per layer), hence the one whole-model graph.
 """
 
 from __future__ import annotations
