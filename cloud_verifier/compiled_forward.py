@@ -126,7 +126,8 @@ class CompiledForward:
     def _run_graph(self, batch, input_ids, position_ids, rows) -> torch.Tensor | None:
         n = len(rows[0].token_ids)
         kind = rows[0].logits
-        if n > PIECE_TOKENS or kind == "none" or any(len(r.token_ids) != n or r.logits != kind for r in rows):
+        if n > PIECE_TOKENS or kind not in ("all", "last") or any(len(r.token_ids) != n or r.logits != kind
+                                                                    for r in rows):
             return None
         real = len(rows)
         size = _bucket(real)
