@@ -141,6 +141,13 @@ class VerifierSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache of the target: ``auto`` = bfloat16 on CUDA, float32 on CPU."""
 
+    compile: Literal["off", "torch_compile", "cuda_graphs"] = "off"
+    """How the target's verify/decode forward runs (:mod:`cloud_verifier.compiled_forward`): ``off`` = eagerly;
+    ``torch_compile`` = decoder + LM head through ``torch.compile`` (dynamic shapes; the first passes compile,
+    seconds to minutes); ``cuda_graphs`` = captured CUDA graphs for uniform verify/decode batches (rows bucketed
+    to powers of two; prefill stays eager), eager with one log line off CUDA. Off by default: on the CPU the
+    compiled forward was measured 2-3x slower than eager (specdec.bench.compile_bench)."""
+
     health_check_interval_s: float = Field(1.0, ge=0)
     """Period of the health task (session store ping, batch-loop heartbeat), seconds; 0 = no health task."""
 

@@ -35,6 +35,7 @@ import torch
 
 from cloud_verifier.architectures import apply_logits_transforms, check_target_architecture, self_check
 from cloud_verifier.attention import ATTN_IMPLEMENTATION, PagedBatch, register_attention
+from cloud_verifier.compiled_forward import CompiledForward
 from cloud_verifier.kv_pool import KVPool
 from common.errors import CapacityError
 
@@ -168,6 +169,8 @@ class TargetRunner:
         check_architecture: after loading, compare a 12-token ragged forward with the HF reference
             (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
         kv_block_size: tokens per KV block of the paged pool (:mod:`cloud_verifier.kv_pool`).
+        compile_mode: "off", "torch_compile" or "cuda_graphs" (:mod:`cloud_verifier.compiled_forward`;
+            cuda_graphs off the GPU logs one line and runs eagerly).
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
@@ -185,6 +188,7 @@ class TargetRunner:
         num_threads: int | None = None,
         check_architecture: bool = True,
         kv_block_size: int = 16,
+        compile_mode: str = "off",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -221,6 +225,7 @@ class TargetRunner:
         self._forwards_since_trim = 0  # forward passes since release_idle_memory last trimmed the heap
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
+        self._compiled = CompiledForward(self, compile_mode)
         if check_architecture:
             self_check(self)
 
@@ -399,13 +404,16 @@ class TargetRunner:
         batch.finish(self.device)
         input_ids = torch.tensor([flat_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        hidden = self._decoder(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
-        ).last_hidden_state  # [1, T, hidden_size]
-        if not want:
-            return [None] * len(rows)
         index = torch.tensor(want, dtype=torch.long, device=self.device)
-        logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index))).float()
+        logits = self._compiled.run(batch, input_ids, position_ids, index, rows) if want else None
+        if logits is None:  # eager (compile off, a first pass, a prefill, a shape without a CUDA graph)
+            hidden = self._decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
+            ).last_hidden_state  # [1, T, hidden_size]
+            self._compiled.record(batch)
+            if not want:
+                return [None] * len(rows)
+            logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index))).float()
         if not as_tensors:  # [num_wanted, vocab_size]
             logits = logits.cpu().numpy()
         return [None if span is None else logits[span[0] : span[1]] for span in spans]

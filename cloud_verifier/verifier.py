@@ -133,6 +133,7 @@ class Verifier:
             device=settings.device,
             dtype=settings.dtype,
             num_threads=settings.torch_threads,
+            compile_mode=settings.compile,
         )
         return cls(
             runner,

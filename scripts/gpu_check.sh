@@ -7,11 +7,13 @@
 #   3. the GPU tests: greedy exactness on CUDA in float32 (exact) and bfloat16 (identical wherever the top-2 logit
 #      gap exceeds the measured rounding), the draft on the CUDA provider with its KV cache on the device, the
 #      device settings, the paged KV pool and one-call-per-layer attention against the per-row reference
-#      (tests/cloud_verifier/test_gpu.py, test_device.py, test_paged_attention.py, test_kv_pool.py,
+#      and the compiled forward (torch.compile, CUDA graphs) against eager (tests/cloud_verifier/test_gpu.py,
+#      test_device.py, test_paged_attention.py, test_kv_pool.py, test_compiled_forward.py,
 #      tests/edge_client/test_onnx_device_kv.py);
 #   4. a short benchmark: target-only vs specdec (`specdec bench --no-hf`), and the verifier under load
 #      (`specdec bench --replay --clients 1,16,64`, short windows), and one forward pass of 64 verify rows, paged
-#      attention vs the per-row loop, KV block sizes 16 and 32 (`python -m specdec.bench.attention_bench`).
+#      attention vs the per-row loop, KV block sizes 16 and 32 (`python -m specdec.bench.attention_bench`), and
+#      the verify forward eager vs CUDA graphs / torch.compile (`python -m specdec.bench.compile_bench`).
 # Each step has a time budget, and the whole run is kept under SPECDEC_GPU_CHECK_BUDGET_S (default 470 s): a step
 # that would not fit is skipped and reported. Exit status 0 when every step that ran passed.
 #
@@ -85,15 +87,21 @@ if [ "$DEVICE" != none ]; then
   step prepare_models 240 specdec models prepare
   TESTS=(tests/cloud_verifier/test_gpu.py tests/cloud_verifier/test_device.py tests/edge_client/test_onnx_device_kv.py
          tests/cloud_verifier/test_paged_attention.py tests/cloud_verifier/test_kv_pool.py
-         tests/cloud_verifier/test_batched_rejection.py)
+         tests/cloud_verifier/test_batched_rejection.py tests/cloud_verifier/test_compiled_forward.py)
   if [ "$DEVICE" = cuda ]; then
-    step tests 150 env SPECDEC_GPU_CHECK_REAL_MODEL=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
+    step tests 210 env SPECDEC_GPU_CHECK_REAL_MODEL=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" "${TESTS[@]}"
     # one forward pass of 64 verify rows: paged one-call attention vs the per-row loop, KV block sizes 16/32
     step attention 60 $PY -m specdec.bench.attention_bench --rows 64 --tokens 5 --context 300 --repeats 5 \
       --block-sizes 16,32 --device cuda --dtype bfloat16
     # the verdict stage of 64 rows x 5 positions on the device vs the numpy loop
     step verdict 40 $PY -m specdec.bench.verdict_bench --repeats 5 --device cuda
+    # the verify forward of 16 and 64 rows x 5 tokens: eager vs CUDA graphs (whole model), eager vs torch.compile
+    # (first 4 layers: bounded compile time; the JSON has the compile time and whether other shapes recompiled)
+    step compile_graphs 60 $PY -m specdec.bench.compile_bench --mode cuda_graphs --rows 16,64 --tokens 5 \
+      --context 300 --repeats 5 --device cuda --dtype bfloat16
+    step compile_torch 120 $PY -m specdec.bench.compile_bench --mode torch_compile --rows 16,64 --tokens 5 \
+      --context 300 --repeats 5 --layers 4 --device cuda --dtype bfloat16
     step bench 90 specdec bench --limit 4 --max-new-tokens 64 --no-hf --device cuda --json
     step replay 200 specdec bench --replay --clients 1,16,64 --duration-s 10 --limit 8 --device cuda --json
   else  # smoke test on the CPU: the same steps, tiny sizes
@@ -104,6 +112,8 @@ if [ "$DEVICE" != none ]; then
       --device cpu --json
     step attention 120 $PY -m specdec.bench.attention_bench --rows 4 --tokens 5 --context 40 --repeats 1 \
       --block-sizes 16 --device cpu --dtype float32
+    step compile_graphs 60 $PY -m specdec.bench.compile_bench --mode cuda_graphs --rows 2 --tokens 5 --context 40 \
+      --repeats 1 --layers 1 --device cpu --dtype float32
   fi
 fi
 
@@ -191,6 +201,7 @@ if r:
         replay[n]["memory_back_to_idle"] = bool(mem.get("kv_back_to_idle") and mem.get("rss_back_to_idle"))
 
 attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV block size
+compiled = {m: last_json(f"compile_{m}") for m in ("graphs", "torch")}  # eager vs compiled forward
 
 ran = [s for s in steps.values() if s["rc"] != "skipped"]
 ok = (device != "none" and all(s["rc"] == 0 for s in ran)
@@ -205,7 +216,7 @@ if device == "cpu":
 if any(s["rc"] == "skipped" for s in steps.values()):
     notes.append(f"steps skipped: the run's budget of {budget} s was spent")
 print(json.dumps({"ok": ok, "device": device, "elapsed_s": elapsed, "budget_s": budget, "environment": env,
-                  "steps": steps, "tests": tests, "bench": bench, "replay": replay, "attention": attention,
+                  "steps": steps, "tests": tests, "bench": bench, "replay": replay, "attention": attention, "compiled": compiled,
                   "outputs": str(out),
                   "notes": notes}))
 sys.exit(0 if ok else 1)
