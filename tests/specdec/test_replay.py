@@ -15,6 +15,7 @@ from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from specdec.bench.prompts import load_prompts
 from specdec.bench.replay import load_or_record, measure_kernel_limit, recording_key, replay_sessions
+from specdec.bench.replay.kernel import kernel_kv_tokens
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,6 +93,11 @@ def test_kernel_limit(setup):
     assert k["speedup"] > 0 and k["batched_ms"] > 0 and k["single_row_ms"] > 0
     assert k["tokens_per_row"] == 5 and k["mean_context_tokens"] > 0
     assert setup["runner"].kv_reserved_tokens == 0
+    # the bench sizes its own runner's pool with kernel_kv_tokens: a pool of exactly that holds the N rows
+    need = kernel_kv_tokens(rec.prompts, 4, 4)
+    assert need >= 4 * (k["mean_context_tokens"] + 4)
+    exact = TargetRunner(setup["runner"].model_dir, kv_cache_budget_tokens=need, check_architecture=False)
+    assert measure_kernel_limit(exact, rec.prompts, 4, 4, repeats=1)["speedup"] > 0
 
 
 def test_cloud_decoded_replay_gets_the_recorded_outputs(setup):
