@@ -16,6 +16,7 @@ from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from specdec.bench.prompts import load_prompts
 from specdec.bench.replay import host_time_fields, load_or_record, read_step_times, replay_sessions
+from specdec.bench.replay.host_time import preemption_fields, read_preemptions
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,5 +56,9 @@ def test_replay_reports_host_time_per_step(tiny_pair, tmp_path):
     assert 0 < fields["host_ms_per_step"] < fields["step_ms_per_step"], fields
     assert 0 < fields["host_fraction_of_step"] < 1, fields
     assert 0 <= fields["collect_ms_per_step"] <= fields["host_ms_per_step"], fields
+    # the verifier's KV preemption counters are served (none here: the pool holds the three sessions)
+    assert preemption_fields(read_preemptions(url), read_preemptions(url)) == {"kv_preemptions": 0,
+                                                                               "kv_recomputed_tokens": 0}
+    assert preemption_fields(None, read_preemptions(url))["kv_preemptions"] is None
     # missing readings (a verifier without /metrics) give None fields, not an error
     assert host_time_fields(None, readings["end"])["host_ms_per_step"] is None
