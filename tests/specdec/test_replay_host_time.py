@@ -56,6 +56,8 @@ def test_replay_reports_host_time_per_step(tiny_pair, tmp_path):
     assert 0 < fields["host_ms_per_step"] < fields["step_ms_per_step"], fields
     assert 0 < fields["host_fraction_of_step"] < 1, fields
     assert 0 <= fields["collect_ms_per_step"] <= fields["host_ms_per_step"], fields
+    # each batch step runs one target forward pass (the capacity comparison's forward-pass count)
+    assert fields["target_forward_passes"] == fields["steps"], fields
     # the verifier's KV preemption counters are served (none here: the pool holds the three sessions)
     assert preemption_fields(read_preemptions(url), read_preemptions(url)) == {"kv_preemptions": 0,
                                                                                "kv_recomputed_tokens": 0}

@@ -9,11 +9,13 @@ from __future__ import annotations
 import urllib.request
 
 STEP_METRICS = ("specdec_batch_step_seconds", "specdec_batch_host_seconds", "specdec_batch_collect_seconds")
+FORWARD_PASSES = "specdec_target_forward_passes_total"  # the target runner's counter (cloud_verifier/metrics.py)
 
 
 def read_step_times(url: str | None) -> dict[str, float] | None:
-    """{"<histogram>_sum": s, "<histogram>_count": steps} of the step histograms at ``url`` (a /metrics address);
-    None when there is no URL, it does not answer or does not serve them."""
+    """{"<histogram>_sum": s, "<histogram>_count": steps} of the step histograms at ``url`` (a /metrics address),
+    and the target's forward-pass counter (``FORWARD_PASSES``, 0 when not served); None when there is no URL, it
+    does not answer or does not serve the histograms."""
     if not url:
         return None
     try:
@@ -26,7 +28,11 @@ def read_step_times(url: str | None) -> dict[str, float] | None:
         name, _, rest = line.partition(" ")
         if name in wanted:
             out[name] = float(rest.split()[0])
-    return out if len(out) == len(wanted) else None
+    if len(out) != len(wanted):
+        return None
+    out[FORWARD_PASSES] = next((float(line.split()[1]) for line in body.splitlines()
+                                if line.startswith(FORWARD_PASSES + " ")), 0.0)
+    return out
 
 
 PREEMPTION_COUNTERS = ("specdec_kv_preemptions_total", "specdec_kv_recomputed_tokens_total")
@@ -62,9 +68,11 @@ def host_time_fields(start: dict | None, end: dict | None) -> dict:
     """The replay report's host-time fields over a window, from two :func:`read_step_times` readings:
     ``host_ms_per_step`` (mean host time of a step outside the forward pass, ms), ``host_fraction_of_step``
     (host seconds / step seconds), ``step_ms_per_step``, ``collect_ms_per_step`` (the collecting part of the host
-    time, waiting for more blocks included) and ``steps``. All None when a reading is missing or no step ran."""
+    time, waiting for more blocks included), ``steps`` and ``target_forward_passes`` (the target's forward passes
+    over the window: a step runs one, prefill chunks included). All None when a reading is missing or no step
+    ran."""
     fields = {"host_ms_per_step": None, "host_fraction_of_step": None, "step_ms_per_step": None,
-              "collect_ms_per_step": None, "steps": None}
+              "collect_ms_per_step": None, "steps": None, "target_forward_passes": None}
     if not start or not end:
         return fields
 
@@ -74,6 +82,7 @@ def host_time_fields(start: dict | None, end: dict | None) -> dict:
     steps = delta("specdec_batch_step_seconds_count")
     step_s = delta("specdec_batch_step_seconds_sum")
     fields["steps"] = int(steps)
+    fields["target_forward_passes"] = int(end.get(FORWARD_PASSES, 0.0) - start.get(FORWARD_PASSES, 0.0))
     if steps <= 0 or step_s <= 0:
         return fields
     host_s = delta("specdec_batch_host_seconds_sum")

@@ -365,7 +365,10 @@ def _entry(out: dict, kernel: dict, memory: dict) -> dict:
         entry["cloud"] = out["cloud"]
         entry["speculative_vs_cloud"] = {name: {
             "tokens_per_s": m["tokens_per_s"],
-            "verifier_cpu_s_per_1000_tokens": _ratio(1000, m["tokens_per_verifier_cpu_s"] or 0)}
+            "verifier_cpu_s_per_1000_tokens": _ratio(1000, m["tokens_per_verifier_cpu_s"] or 0),
+            "target_forward_passes": m.get("target_forward_passes"),
+            "forward_passes_per_1000_tokens": _ratio(1000 * (m.get("target_forward_passes") or 0),
+                                                     m.get("num_tokens") or 0)}
             for name, m in (("speculative", batched), ("cloud", out["cloud"]))}
     if "serial" in out:
         entry["serial"] = out["serial"]
