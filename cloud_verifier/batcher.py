@@ -13,7 +13,9 @@ The verifier batches that step across sessions: continuous batching at verify-st
 1. **Queue**: each verify request (a block) and each prefill chunk is a :class:`Work` item on one queue.
 2. **Collect**: the batch loop takes the first waiting item, then more, up to ``max_batch_size`` items,
    waiting at most ``max_batch_wait_ms`` for them (it stops early once every open session has its block
-   in). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
+   in), and up to ``straggler_wait_fraction`` of the last forward pass for the sessions answered last step that
+   have not sent their next block yet (a session that misses a step waits a whole forward pass; on a CPU, 256
+   clients answering one 6 s step need ~100 ms to send theirs back). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
    short prompts that fit in ``prefill_chunk_tokens``), the others wait for the next: a long prompt is
    prefilled interleaved with the running sessions' verify steps instead of stalling them.
 3. **KV blocks**: every row's blocks, earliest admitted session first; when the paged pool is short, sessions
@@ -98,6 +100,10 @@ class Batcher:
         valid_vocab_size: token ids at or past it are logit padding, never chosen.
         max_batch_size: most queued items (verify blocks + prefill chunks) taken per forward pass.
         max_batch_wait_ms: longest wait for more items once one is waiting, ms.
+        straggler_wait_fraction: longest wait, as a fraction of the last forward pass, for the next blocks of
+            the sessions that the last step answered and did not finish (0: wait only ``max_batch_wait_ms``).
+            It costs the rows already collected at most that fraction of a step; a straggler it catches saves a
+            whole step.
         heartbeat_interval_s: the batch loop beats :attr:`heartbeat` at least this often while idle, s.
 
     Cancellation: a verify or prefill request cancelled while its item is queued is dropped (nothing of it is
@@ -115,6 +121,7 @@ class Batcher:
         valid_vocab_size: int,
         max_batch_size: int,
         max_batch_wait_ms: float,
+        straggler_wait_fraction: float = 0.05,
         heartbeat_interval_s: float = 1.0,
     ):
         self.target = target
@@ -123,6 +130,9 @@ class Batcher:
         self.valid_vocab_size = valid_vocab_size
         self.max_batch_size = max_batch_size  # read before each batch (may be changed between batches)
         self.max_batch_wait_s = max_batch_wait_ms / 1000.0
+        self.straggler_wait_fraction = straggler_wait_fraction
+        self._returning: set[int] = set()  # id() of sessions the last step answered and did not finish
+        self._prev_forward_s = 0.0  # the last step's forward pass, s
         self._queue: asyncio.Queue[Work] | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
@@ -254,7 +264,14 @@ class Batcher:
                     work.future.set_exception(result)
                 else:
                     work.future.set_result(result)
+            self._note_returning(batch, results)
             self._observe_step(collected)
+
+    def _note_returning(self, batch: list[Work], results: list) -> None:
+        """The sessions whose block this step answered without finishing them: their next block is expected."""
+        self._returning = {id(w.session) for w, r in zip(batch, results)
+                           if w.block is not None and isinstance(r, Verdict) and not r.finished}
+        self._prev_forward_s = self._last_forward_s or 0.0
 
     def _observe_step(self, collected: float) -> None:
         """Time the step just answered: from its first item taken off the queue to its futures resolved
@@ -281,12 +298,15 @@ class Batcher:
             if not batch:
                 return []
         self._step_started = time.perf_counter()  # the step starts here: idle time before it is not the step's
-        deadline = loop.time() + self.max_batch_wait_s
+        now = loop.time()
+        deadline = now + self.max_batch_wait_s
+        stragglers_deadline = now + self.straggler_wait_fraction * self._prev_forward_s
+        expected = self._returning - {id(w.session) for w in batch}
         while len(batch) < self.max_batch_size:
             if sum(1 for w in batch if w.block is not None) >= self.sessions.num_sessions > 0:
                 break  # every open session already has its block here: nothing else can come
             if queue.empty():
-                timeout = deadline - loop.time()
+                timeout = (max(deadline, stragglers_deadline) if expected else deadline) - loop.time()
                 if timeout <= 0:
                     break
                 try:
@@ -295,6 +315,7 @@ class Batcher:
                     break
             else:
                 batch.append(queue.get_nowait())
+            expected.discard(id(batch[-1].session))
         # prefill: at most one chunk's worth of tokens per forward pass (one chunk, or several short prompts'
         # chunks that fit together); the others wait for the next pass (interleaving). One at a time, 64 sessions
         # opening together took 64 forward passes to start (bench --replay: OpenSession past 120 s under load).

@@ -116,6 +116,10 @@ class VerifierSettings(BaseSettings):
     max_batch_wait_ms: float = Field(2.0, ge=0)
     """How long the batcher waits for more blocks once one is queued, milliseconds."""
 
+    straggler_wait_fraction: float = Field(0.05, ge=0, le=1)
+    """How long the batcher waits for the next blocks of the sessions its last step answered (and did not finish),
+    as a fraction of the last forward pass: a block that misses a step waits a whole forward pass."""
+
     kv_cache_budget_tokens: int = Field(262144, ge=1)
     """Total target KV-cache budget over all sessions, tokens (RESOURCE_EXHAUSTED past it)."""
 

@@ -47,6 +47,8 @@ class Verifier:
         max_sessions: open sessions allowed on this replica.
         max_batch_size: most verify blocks in one forward pass.
         max_batch_wait_ms: longest wait for more blocks once one is waiting, ms.
+        straggler_wait_fraction: longest wait for the next blocks of the sessions the last step answered, as a
+            fraction of the last forward pass (:class:`cloud_verifier.batcher.Batcher`).
         prefill_chunk_tokens: prompt tokens prefilled per forward pass.
         session_ttl_s: idle time after which a session is freed, s.
         reap_interval_s: how often idle sessions are looked for, s.
@@ -72,6 +74,7 @@ class Verifier:
         max_sessions: int = 256,
         max_batch_size: int = 32,
         max_batch_wait_ms: float = 2.0,
+        straggler_wait_fraction: float = 0.05,
         prefill_chunk_tokens: int = 256,
         session_ttl_s: int = 600,
         reap_interval_s: float = 5.0,
@@ -111,6 +114,7 @@ class Verifier:
         self.batcher = Batcher(
             target, self.store, self.sessions, valid_vocab_size=self.valid_vocab_size,
             max_batch_size=max_batch_size, max_batch_wait_ms=max_batch_wait_ms,
+            straggler_wait_fraction=straggler_wait_fraction,
         )
         self._reaper: asyncio.Task | None = None
 
@@ -144,6 +148,7 @@ class Verifier:
             max_sessions=settings.max_sessions,
             max_batch_size=settings.max_batch_size,
             max_batch_wait_ms=settings.max_batch_wait_ms,
+            straggler_wait_fraction=settings.straggler_wait_fraction,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             session_ttl_s=settings.session_ttl_s,
             reap_interval_s=settings.reap_interval_s,
