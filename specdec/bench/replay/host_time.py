@@ -12,27 +12,32 @@ STEP_METRICS = ("specdec_batch_step_seconds", "specdec_batch_host_seconds", "spe
 FORWARD_PASSES = "specdec_target_forward_passes_total"  # the target runner's counter (cloud_verifier/metrics.py)
 
 
-def read_step_times(url: str | None) -> dict[str, float] | None:
-    """{"<histogram>_sum": s, "<histogram>_count": steps} of the step histograms at ``url`` (a /metrics address),
-    and the target's forward-pass counter (``FORWARD_PASSES``, 0 when not served); None when there is no URL, it
-    does not answer or does not serve the histograms."""
+def _read_metrics(url: str | None) -> dict[str, float] | None:
+    """{sample name: value} of every unlabelled sample the /metrics address ``url`` serves; None when there is no
+    URL or it does not answer."""
     if not url:
         return None
     try:
         body = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return None
-    wanted = {f"{m}_{part}" for m in STEP_METRICS for part in ("sum", "count")}
     out = {}
     for line in body.splitlines():
         name, _, rest = line.partition(" ")
-        if name in wanted:
+        if rest and not name.startswith("#") and "{" not in name:
             out[name] = float(rest.split()[0])
-    if len(out) != len(wanted):
-        return None
-    out[FORWARD_PASSES] = next((float(line.split()[1]) for line in body.splitlines()
-                                if line.startswith(FORWARD_PASSES + " ")), 0.0)
     return out
+
+
+def read_step_times(url: str | None) -> dict[str, float] | None:
+    """{"<histogram>_sum": s, "<histogram>_count": steps} of the step histograms at ``url`` (a /metrics address),
+    and the target's forward-pass counter (``FORWARD_PASSES``, 0 when not served); None when there is no URL, it
+    does not answer or does not serve the histograms."""
+    served = _read_metrics(url)
+    wanted = [f"{m}_{part}" for m in STEP_METRICS for part in ("sum", "count")]
+    if served is None or any(name not in served for name in wanted):
+        return None
+    return {**{name: served[name] for name in wanted}, FORWARD_PASSES: served.get(FORWARD_PASSES, 0.0)}
 
 
 PREEMPTION_COUNTERS = ("specdec_kv_preemptions_total", "specdec_kv_recomputed_tokens_total")
@@ -41,18 +46,8 @@ PREEMPTION_COUNTERS = ("specdec_kv_preemptions_total", "specdec_kv_recomputed_to
 def read_preemptions(url: str | None) -> dict[str, float] | None:
     """{counter: value} of the verifier's KV preemption counters (cloud_verifier/kv_scheduler.py) at ``url`` (a
     /metrics address); None when there is no URL or it does not answer (a counter it does not serve reads 0)."""
-    if not url:
-        return None
-    try:
-        body = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
-        return None
-    out = dict.fromkeys(PREEMPTION_COUNTERS, 0.0)
-    for line in body.splitlines():
-        name, _, rest = line.partition(" ")
-        if name in out:
-            out[name] = float(rest.split()[0])
-    return out
+    served = _read_metrics(url)
+    return None if served is None else {name: served.get(name, 0.0) for name in PREEMPTION_COUNTERS}
 
 
 def preemption_fields(before: dict | None, after: dict | None) -> dict:

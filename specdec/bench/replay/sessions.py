@@ -68,6 +68,7 @@ async def replay_sessions(address: str, prompts: list[RecordedPrompt], n: int, d
         results = await asyncio.gather(*(_Slot(run).run() for _ in range(n)), return_exceptions=True)
     finally:
         watchdog.cancel()
+    run.close_window()
     tally = run.tally
     for r in results:
         if isinstance(r, BaseException):
@@ -95,6 +96,8 @@ class _Replay:
         self.end = float("inf")
         self.ready = 0  # slots that have had their first verdict
         self.cloud = False  # sessions cloud-decoded (Decode) instead of replaying the recorded blocks
+        self._window_timer: asyncio.TimerHandle | None = None
+        self._window_closed = False
 
     def open_window(self, timed_out: bool = False) -> None:
         if self.start is None:
@@ -104,7 +107,15 @@ class _Replay:
             self.tally.ramp_timed_out = timed_out
             if self.on_window is not None:
                 self.on_window("start")
-                self.loop.call_later(self.duration_s, self.on_window, "end")
+                self._window_timer = self.loop.call_later(self.duration_s, self.close_window)
+
+    def close_window(self) -> None:
+        """Call ``on_window("end")`` once: from the window's timer, or when the slots return first (every slot
+        saw the window's end and closed before the timer's turn on the loop came)."""
+        if self.start is not None and self.on_window is not None and not self._window_closed:
+            self._window_closed = True
+            self._window_timer.cancel()
+            self.on_window("end")
 
     async def ramp_watchdog(self, ramp_timeout_s: float) -> None:
         await asyncio.sleep(ramp_timeout_s)
