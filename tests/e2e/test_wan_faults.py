@@ -6,9 +6,10 @@ greedy output token-identical to target-only decoding (HF generate).
 Resets: the issue's rate is "one per minute" of a long run; this run lasts a few seconds, so a Poisson rate
 scaled to it would give no reset at all with a fair probability (rate × duration ≈ 1 → P(0) ≈ 37 %). The rate is
 scaled to "one per run, certainly" and made deterministic in progress instead of time: every open connection is
-reset once the speculative sessions have received a third of their fewest possible chunks, and again once the
-cloud sessions have received half their tokens (so a cloud Decode stream is cut too, and sessions that have
-reconnected are hit a second time). Progress, not wall time, keeps the resets inside the run however loaded the
+reset once the cloud sessions have received half their tokens (so a cloud Decode stream is cut mid-stream: they
+are the faster ones here and may finish before the speculative sessions are far along), and again once the
+speculative sessions have received a third of their fewest possible chunks and one more than at the first reset
+(so sessions that have reconnected are hit a second time). Progress, not wall time, keeps the resets inside the run however loaded the
 machine is. (gRPC shares one TCP connection among channels to the same address, so each reset cuts every
 session's calls at once.)
 """
@@ -102,11 +103,11 @@ def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
     verifier = Verifier(TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=16384), max_batch_wait_ms=2.0)
     profile = LinkProfile.symmetric(latency_ms=5, jitter_ms=2, stall_probability=0.05, stall_ms=200)
     # speculative: at least one chunk per block of GAMMA + 1 tokens; cloud decode: a chunk per token. The first
-    # reset comes at a third of the speculative sessions' fewest chunks, the second at half the cloud tokens
-    # (while some cloud session still streams, so a Decode stream is cut too).
+    # reset comes at half the cloud tokens (while every cloud session still streams, so a Decode stream is cut),
+    # the second at a third of the speculative sessions' fewest chunks (the slower route: still streaming).
     num_cloud = sum(_route(i) == "cloud" for i in range(NUM_SESSIONS))
-    marks = (("speculative", (NUM_SESSIONS - num_cloud) * NEW_TOKENS // (GAMMA + 1) // 3),
-             ("cloud", num_cloud * NEW_TOKENS // 2))
+    marks = (("cloud", num_cloud * NEW_TOKENS // 2),
+             ("speculative", (NUM_SESSIONS - num_cloud) * NEW_TOKENS // (GAMMA + 1) // 3))
     results, errors, reset_log = {}, [], []
     progress, done = _Progress(), threading.Event()
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address, WanProxy(0, address, profile, seed=3) as wan:
