@@ -96,7 +96,7 @@ def build_draft(target_dir: Path, out: Path, args: argparse.Namespace) -> tuple[
         if is_complete(onnx_dir) and (run_dir / "distill_report.json").is_file():  # built once; delete to rebuild
             made["distill_report"] = json.loads((run_dir / "distill_report.json").read_text())
         else:
-            made["distill_report"] = distill(target_dir, run_dir, train_prompts=TRAIN_PROMPTS,
+            made["distill_report"] = distill(target_dir, run_dir, train_prompts=args.train_prompts,
                                              init_layer_ids=layer_ids, quantize_int8=int8, progress=False, **recipe)
         made["recipe"] = recipe
     else:
@@ -141,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-g", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--no-self-draft", action="store_true", help="skip the int8 self-draft comparison run")
+    ap.add_argument("--train-prompts", type=Path, default=TRAIN_PROMPTS,
+                    help="JSONL of training prompts for --distill-s (default: the workspace's shared file)")
     args = ap.parse_args(argv)
+    if args.distill_s > 0 and not args.train_prompts.is_file():
+        print(f"error: no training prompts at {args.train_prompts}: pass --train-prompts FILE (one JSON object "
+              "per line, as ../shared/prompts/train_prompts.jsonl)", file=sys.stderr)
+        return 2
 
     import logging
 

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="int8-quantize the draft (default fp32)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1", file=sys.stderr)
+        return 2
     if not args.prompt_tokens < args.draft_context < args.target_context:
         print("error: need --prompt-tokens < --draft-context < --target-context", file=sys.stderr)
         return 2

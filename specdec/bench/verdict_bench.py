@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--synthetic", action="store_true", help="synthetic logits even when the target is there")
     args = parser.parse_args(argv)
+    if min(args.rows, args.positions, args.repeats) < 1:
+        parser.error("--rows, --positions and --repeats must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     print(json.dumps(bench_verdicts(args.rows, args.positions, args.repeats, args.device, args.synthetic)))

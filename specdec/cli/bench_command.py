@@ -31,6 +31,7 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
         _fail(f"{' and '.join(modes)} are separate modes: give one")
     if plot is not None and not gamma_sweep:
         _fail("--plot goes with --gamma-sweep")
+    _check_plot(plot)
     if replay and not clients:
         _fail("--replay needs --clients (e.g. --clients 1,16,64)")
     if duration_s is not None and not replay:
@@ -96,10 +97,17 @@ JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrained (this JSON s
 DRAFT_SLOWDOWN = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower devices)")
 
 
+def _check_plot(plot) -> None:
+    if plot is not None and not plot.resolve().parent.is_dir():  # before the run, not after it
+        _fail(f"--plot: no directory {plot.resolve().parent}")
+
+
 def _run_wan(prompts, wan, route, **kwargs) -> None:
     """`bench --wan`: the routes side by side behind the WAN proxy, one JSON object on stdout (or one line on a
     bad option)."""
     from specdec.bench.wan import run_wan_from_cli
+
+    _check_plot(kwargs.get("plot"))
 
     try:
         typer.echo(json.dumps(run_wan_from_cli(prompts, wan, route, **kwargs)))

@@ -127,6 +127,8 @@ def serve(
     except ValidationError as e:
         err = e.errors()[0]
         _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
+    if settings.metrics_port and settings.metrics_port == settings.port:
+        _fail(f"--metrics-port must differ from --port (both {settings.port})")
     check_port_free(settings.host, settings.port, "--port")
     if settings.metrics_port:
         check_port_free(settings.host, settings.metrics_port, "--metrics-port")

@@ -85,6 +85,14 @@ def test_port_in_use(used_port):
                f"--port {used_port}: the port is in use")
 
 
+def test_one_port_for_grpc_and_metrics_and_a_plot_without_its_directory(tmp_path):
+    """Refused up front, one line each (they failed after the model loaded, or after the whole benchmark ran)."""
+    _one_error(["serve", "--port", "50998", "--metrics-port", "50998"], "--metrics-port must differ from --port")
+    missing = tmp_path / "no-such-dir" / "grid.png"
+    _one_error(["bench", "--wan", "0", "--limit", "1", "--plot", str(missing)], "--plot: no directory")
+    _one_error(["bench", "--gamma-sweep", "1,2", "--limit", "1", "--plot", str(missing)], "--plot: no directory")
+
+
 def test_serve_tls_files_missing(tmp_path):
     _one_error(["serve", "--port", "0", "--metrics-port", "0", "--tls-cert-file", str(tmp_path / "c.pem"),
                 "--tls-key-file", str(tmp_path / "k.pem")], "no such file")
