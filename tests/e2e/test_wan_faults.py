@@ -139,5 +139,9 @@ def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
     # the faults happened and hit live streams
     assert len(reset_log) == 2 and all(n >= 1 for _, _, n, _ in reset_log), reset_log
     assert stats.reset_events >= 2 and stats.resets >= 2
-    assert failovers >= 1 and sum(n for i, (_, n) in results.items() if _route(i) == "cloud") >= 1
+    # Not asserted: that a cloud session itself saw a failover. The progress marks count chunks the sessions have
+    # consumed, and gRPC may already hold the rest of a Decode stream when the reset comes (seen: 0 cloud
+    # failovers in 1 run of 5). A Decode stream cut mid-stream, deterministically: test_cloud_decode.py's
+    # test_cloud_route_survives_a_reset_mid_stream.
+    assert failovers >= 1
     assert stats.stalls >= 1  # both directions together: one alone sees ~100 chunks, P(no stall) ~ 0.6 %
