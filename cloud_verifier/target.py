@@ -390,16 +390,11 @@ class TargetRunner:
             batch.add_row(row.kv.blocks, begin, n, row.start_position)
             flat_ids.extend(row.token_ids)
             positions.extend(range(row.start_position, row.start_position + n))
-            if row.logits == "all":
-                spans.append((len(want), len(want) + n))
-                want.extend(range(begin, begin + n))
-            elif row.logits == "last":
-                spans.append((len(want), len(want) + 1))
-                want.append(begin + n - 1)
-            elif isinstance(row.logits, int) and 0 < row.logits <= n:
-                spans.append((len(want), len(want) + row.logits))
-                want.extend(range(begin + n - row.logits, begin + n))
-            else:
+            k = {"all": n, "last": 1}.get(row.logits, row.logits)  # logits of the row's last k positions
+            if isinstance(k, int) and 0 < k <= n:
+                spans.append((len(want), len(want) + k))
+                want.extend(range(begin + n - k, begin + n))
+            else:  # "none" (prefill)
                 spans.append(None)
         batch.finish(self.device)
         input_ids = torch.tensor([flat_ids], dtype=torch.long, device=self.device)
