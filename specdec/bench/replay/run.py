@@ -29,8 +29,11 @@ REPLAY_WARMUP_S = 3.0  # untimed replay on each verifier process before its firs
 # at once (N sessions opening together put N prefills in its FIFO queue before any block).
 SERIAL_CLIENTS = 2
 REPLAY_NOTES = [  # how to read the report (its "notes")
-    "tokens_per_s = committed tokens of the verdicts received inside the window / the window (sessions open, "
-    "prefill and close included); the window starts once every session slot has had its first verdict "
+    "tokens_per_s = the sum over session slots of committed tokens from the slot's first to its last verdict "
+    "inside the window / that span (sessions open, prefill and close included): a rate between verdicts, which "
+    "does not depend on where the window cuts a batch step (tokens_per_s_window = tokens received inside the "
+    "window / the window: with steps of S s it counts floor(W / S) steps in W s, e.g. 0.9x at S = 9, W = 20); "
+    "the window starts once every session slot has had its first verdict "
     "(ramp_s: the initial burst of N prefills); speedup_vs_serial = tokens_per_s / that of the same verifier "
     f"process type with max_batch_size=1 driven by min(N, {SERIAL_CLIENTS}) sessions over the same window "
     "(one block per forward pass whatever is queued: its throughput does not depend on N)",
@@ -356,6 +359,8 @@ def _entry(out: dict, kernel: dict, memory: dict) -> dict:
         "tokens_per_s": batched["tokens_per_s"],
         "speedup_vs_serial": (_ratio(batched["tokens_per_s"] or 0, out["serial"]["tokens_per_s"] or 0)
                               if "serial" in out else None),
+        "speedup_vs_serial_window": (_ratio(batched["tokens_per_s_window"] or 0,
+                                            out["serial"]["tokens_per_s_window"] or 0) if "serial" in out else None),
         "kernel_limit_speedup": kernel["speedup"],
         **{k: v for k, v in batched.items() if k != "tokens_per_s"},
         "kernel": kernel,
