@@ -5,11 +5,13 @@
   :mod:`edge_client.cloud_decode`); the device does not draft.
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
-- ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to give more
-  tokens per second, chosen at the start from what the client measured in earlier generations (the RTT from
-  verdicts, the draft's cost per token on this device, the measured rate of speculative blocks and of cloud
-  tokens) and the verifier's load hint in OpenSessionResponse — no probe, nothing paid per request — and re-chosen
-  at block boundaries from running estimates (acceptance, verify time, RTT). Both routes are lossless and
+- ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to finish the
+  tokens left sooner, start-up included (the draft's catch-up over the context it has not seen and a first block
+  without overlap; a Decode call's first token), chosen at the start from what the client measured in earlier
+  generations (the RTT from verdicts, the draft's cost per token and per token of catch-up on this device, the
+  measured rate of speculative blocks and of cloud tokens) and the verifier's load hint in OpenSessionResponse —
+  no probe, nothing paid per request — and re-chosen at block and chunk boundaries from running estimates
+  (acceptance, verify time, RTT), a switch paying the new mode's start-up. Both routes are lossless and
   extend the same verifier session (the seq goes on, the committed length is the fence), so a switch neither
   loses nor repeats a token. ``auto`` never picks ``device`` (it is not the target's output).
 
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
 from edge_client.cloud_decode import cloud_verdicts
-from edge_client.route_cost import RouteEstimates
+from edge_client.route_cost import RouteEstimates, draft_unseen
 
 if TYPE_CHECKING:
     from edge_client.client import EdgeClient
@@ -37,7 +39,7 @@ __all__ = ["ROUTES", "RouteEstimates", "RouteRun", "check_route", "decode_device
 
 ROUTES = ("speculative", "cloud", "device", "auto")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
-SWITCH_MARGIN = 1.15  # auto switches when the other mode is expected this much faster
+SWITCH_MARGIN = 1.15  # auto switches when the other mode is expected to finish this much sooner
 # no switch with fewer tokens left: the gain shrinks with the tokens left, the switch's cost (a round trip to
 # start a Decode stream, or the draft catching up on a cloud chunk) and the estimates' noise do not
 MIN_TOKENS_LEFT_TO_SWITCH = 16
@@ -96,7 +98,6 @@ def start_route(client: "EdgeClient", route: str | None) -> RouteRun:
     rr = RouteRun(requested, switch_every=getattr(client, "route_switch_every", None),
                   estimates=client.route_estimates)
     rr.mode = requested if requested in ("cloud", "device") else "speculative"
-    client.route_estimates.new_generation()
     return rr
 
 
@@ -109,7 +110,9 @@ def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, samplin
     if rr.requested == "auto":
         client.route_estimates.begin(client, opened)
         if not rr.initial:
-            rr.mode, rr.why = client.route_estimates.choose(client, run, rr.cloud_chunk)
+            rr.mode, rr.why = client.route_estimates.choose(client, _tokens_left(run),
+                                                            draft_unseen(client.drafter, run.committed),
+                                                            rr.cloud_chunk, MAX_CLOUD_CHUNK)
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
@@ -123,6 +126,7 @@ def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, samplin
                 _after_chunk(client, run)
         else:
             before, rr.last_verdict_t = len(run.committed), None
+            client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
             try:
                 yield from client._verify_session(run, opened, sampling, requested_seed)
             finally:
@@ -177,15 +181,28 @@ def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_
         return False
     if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH or _few_left(run):
         return False
-    spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)
-    if cloud is not None and spec is not None and cloud > SWITCH_MARGIN * spec:
-        rr.switch("cloud", run.num_generated, f"expected {cloud:.1f} tok/s cloud vs {spec:.1f} speculative")
+    left = _tokens_left(run)
+    spec = est.speculative_finish_ms(client, left, None)  # running: the draft is caught up
+    cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)
+    if cloud is not None and spec is not None and SWITCH_MARGIN * cloud < spec:
+        rr.switch("cloud", run.num_generated, _why("cloud", cloud, "speculative", spec, left))
         return True
     return False
 
 
+def _tokens_left(run: "Run") -> int:
+    left = run.stopping.max_new_tokens - run.num_generated
+    if run.max_context_tokens:  # the verifier ends the generation at its context limit
+        left = min(left, run.max_context_tokens - len(run.committed))
+    return max(0, left)
+
+
 def _few_left(run: "Run") -> bool:
     return run.stopping.max_new_tokens - run.num_generated < MIN_TOKENS_LEFT_TO_SWITCH
+
+
+def _why(to: str, to_ms: float, stay: str, stay_ms: float, left: int) -> str:
+    return f"expected {to_ms / 1000:.2f} s {to} vs {stay_ms / 1000:.2f} s {stay} for {left} tokens"
 
 
 def _after_chunk(client: "EdgeClient", run: "Run") -> None:
@@ -197,10 +214,11 @@ def _after_chunk(client: "EdgeClient", run: "Run") -> None:
         return
     if rr.requested != "auto" or _few_left(run):
         return
-    est = client.route_estimates
-    spec, cloud = est.speculative_tokens_per_s(client), est.cloud_tokens_per_s(run, rr.cloud_chunk)
-    if spec is not None and cloud is not None and spec > SWITCH_MARGIN * cloud:
-        rr.switch("speculative", run.num_generated, f"expected {spec:.1f} tok/s speculative vs {cloud:.1f} cloud")
+    est, left = client.route_estimates, _tokens_left(run)
+    spec = est.speculative_finish_ms(client, left, draft_unseen(client.drafter, run.committed))  # + its catch-up
+    cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)  # the next chunk's first token too
+    if spec is not None and cloud is not None and SWITCH_MARGIN * spec < cloud:
+        rr.switch("speculative", run.num_generated, _why("speculative", spec, "cloud", cloud, left))
 
 
 def decode_device(client: "EdgeClient", run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:

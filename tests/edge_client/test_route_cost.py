@@ -1,6 +1,7 @@
 """The cost model behind route="auto" (edge_client/route_cost.py), as pure functions of its estimates: Leviathan et
-al.'s expected tokens per step, the α estimate from truncated blocks, and the choice of speculative at a short round
-trip vs cloud at a long one (with the draft cost that decides between them)."""
+al.'s expected tokens per step, the α estimate from truncated blocks, the choice of speculative at a short round
+trip vs cloud at a long one (with the draft cost that decides between them), and the start-up each route pays (the
+draft's catch-up, a Decode call's first token) deciding short generations and switches."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class _Run:
         max_new_tokens = 256
 
     num_generated = 0
+    committed: list[int] = []
+    max_context_tokens = None
 
 
 def test_expected_tokens_per_step_is_leviathan_eq_1():
@@ -55,14 +58,92 @@ def _estimates(rtt_ms: float, draft_ms: float) -> RouteEstimates:
 
 
 def test_choice_follows_the_round_trip_and_the_draft_cost():
-    client, run = _Client(), _Run()
-    assert _estimates(rtt_ms=2, draft_ms=2).choose(client, run, 64)[0] == "speculative"
-    assert _estimates(rtt_ms=200, draft_ms=2).choose(client, run, 64)[0] == "cloud"
-    assert _estimates(rtt_ms=2, draft_ms=60).choose(client, run, 64)[0] == "cloud"  # a slow device
+    client = _Client()
+    assert _estimates(rtt_ms=2, draft_ms=2).choose(client, 256, 0, 64)[0] == "speculative"
+    assert _estimates(rtt_ms=200, draft_ms=2).choose(client, 256, 0, 64)[0] == "cloud"
+    assert _estimates(rtt_ms=2, draft_ms=60).choose(client, 256, 0, 64)[0] == "cloud"  # a slow device
     # nothing known of the draft: cloud only when it beats a perfect one
     unknown = RouteEstimates(rtt_ms=200, hint_forward_ms=20.0)
-    assert unknown.choose(client, run, 64)[0] == "cloud"
-    assert RouteEstimates(rtt_ms=1, hint_forward_ms=20.0).choose(client, run, 64)[0] == "speculative"
+    assert unknown.choose(client, 256, 0, 64)[0] == "cloud"
+    assert RouteEstimates(rtt_ms=1, hint_forward_ms=20.0).choose(client, 256, 0, 64)[0] == "speculative"
+
+
+def _slow_draft() -> RouteEstimates:
+    """Measured: speculative blocks commit 3 tokens per 60 ms (50 tok/s), cloud tokens come every 25 ms (40 tok/s)
+    after a first one 100 ms after the call; the draft ingests unseen context at 4 ms per token (a slow device's
+    prefill), drafts at 10 ms per token, RTT 50 ms, verify 20 ms."""
+    return RouteEstimates(rtt_ms=50.0, draft_ms_per_token=10.0, catchup_ms_per_token=4.0, verify_ms=20.0,
+                          cloud_step_ms=25.0, cloud_first_ms=100.0, cloud_first_rtt_ms=50.0, block_wall_ms=60.0,
+                          tokens_per_block=3.0, block_rtt_ms=50.0, accepted=2.0, rejected=1.0)
+
+
+def test_start_up_decides_short_generations_steady_rates_long_ones():
+    """Steady rates favour speculative (50 vs 40 tok/s). For 32 tokens after a 200-token prompt the draft's
+    catch-up (800 ms) and first block (~110 ms) make cloud sooner (~0.88 s vs ~1.49 s); for 2,000 tokens the
+    start-up is paid once and speculative wins (~40.9 s vs ~50.5 s); with the prompt already in the draft's cache
+    (0 unseen) speculative wins the short one too. A rate-only model picks speculative for all three."""
+    client, est = _Client(), _slow_draft()
+    assert est.speculative_tokens_per_s(client) > est.cloud_tokens_per_s(1024)  # steady: speculative faster
+    assert est.speculative_finish_ms(client, 32, 200) == pytest.approx(800 + 110.5 + 1000 * 29 / 50)
+    assert est.cloud_finish_ms(32, 64, 1024) == pytest.approx(100 + 31 * 25)
+    assert est.choose(client, 32, 200, 64, 1024)[0] == "cloud"
+    assert est.choose(client, 2000, 200, 64, 1024)[0] == "speculative"
+    assert est.choose(client, 32, 0, 64, 1024)[0] == "speculative"
+
+
+def test_cloud_chunks_each_pay_the_first_token_delay_shifted_by_the_rtt():
+    """64 + 128 + 8 tokens: three Decode calls, each 100 ms to its first token; an RTT 30 ms longer than when the
+    first token was measured adds 30 ms to each."""
+    est = _slow_draft()
+    assert est.cloud_finish_ms(200, 64, 1024) == pytest.approx(3 * 100 + (63 + 127 + 7) * 25)
+    assert est.cloud_finish_ms(200, 64) == pytest.approx(100 + 199 * 25)  # one call for the rest
+    est.rtt_ms = 80.0
+    assert est.cloud_finish_ms(200, 64, 1024) == pytest.approx(3 * 130 + (63 + 127 + 7) * 25)
+
+
+def test_switching_back_to_speculative_pays_the_draft_catch_up():
+    """Between cloud chunks with 100 tokens left (cloud: ~2.65 s), speculative is expected to finish ~23 % sooner
+    when the draft is caught up (~2.05 s), but only ~3 % when it must first ingest the 128 tokens cloud decode
+    committed (+0.51 s): below the switch margin, auto stays on cloud (a rate-only model switched: 50 vs 39 tok/s)."""
+    from edge_client.routing import RouteRun, _after_chunk
+
+    class _Drafter:
+        _cached_ids: list[int] = []
+
+    client, run = _Client(), _Run()
+    client.route_estimates, client.drafter = _slow_draft(), _Drafter()
+    run.committed = list(range(200))
+    run.num_generated, run.route = 156, RouteRun("auto", mode="cloud", steps_in_mode=1)
+    _Drafter._cached_ids = list(range(71))  # the prompt and the first speculative tokens: 128 cloud tokens unseen
+    _after_chunk(client, run)
+    assert run.route.mode == "cloud"
+    _Drafter._cached_ids = list(range(199))  # caught up: the switch pays no catch-up and wins
+    _after_chunk(client, run)
+    assert run.route.mode == "speculative"
+
+
+def test_first_block_of_a_segment_measures_the_catch_up_not_the_draft_cost():
+    """A segment's first block drafts 4 tokens after ingesting 100 unseen ones (430 ms); the next blocks draft 4 in
+    40 ms. c_draft stays 10 ms (the first block is not a per-token sample), c_catchup = (430 − 4·10) / 100; the same
+    after a second segment (a switch back from cloud decode) with 50 unseen tokens."""
+    est = RouteEstimates()
+    verdict = Verdict(3, 5, False, [1, 2, 3, 4], 10, forward_ms=20.0)
+    for unseen, first_ms in ((100, 430.0), (50, 235.0)):
+        est.begin_segment(unseen)
+        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=first_ms), verdict, 25.0, first_ms / 1000)
+        for _ in range(5):
+            est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=40.0), verdict, 25.0, 0.04, 70.0)
+        assert est.draft_ms_per_token == pytest.approx(10.0)
+        assert est.catchup_ms_per_token == pytest.approx(3.9)
+
+
+def test_running_means_are_unbiased_by_the_first_sample():
+    """A short warm-up chunk: 15 cloud tokens, the first gap 100 ms (a stalled token), the rest 20 ms: the estimate
+    is their mean, not ~60 % the first one (an EWMA started from it)."""
+    est = RouteEstimates()
+    for gap in [100.0] + [20.0] * 14:
+        est.observe_cloud(False, gap, Verdict(0, 5, False, [5], 11))
+    assert est.cloud_step_ms == pytest.approx((100 + 14 * 20) / 15)
 
 
 def test_measured_block_rate_overrides_the_model_and_follows_the_rtt():
