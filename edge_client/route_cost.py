@@ -120,7 +120,8 @@ class RouteEstimates:
                       wall_ms: float | None = None) -> None:
         """One speculative block and its verdict. ``draft_s``: edge time spent drafting for it (the draft's
         cost per token is the block's own ``draft_ms`` when set). ``wall_ms``: the block's wall time since the
-        previous verdict (None for the first block of a segment: it carries the draft's catch-up)."""
+        previous verdict (None for the first block of a segment: it carries the draft's catch-up; the block that
+        finishes a generation is no rate sample either: it is cut to the tokens left)."""
         gamma = block.num_speculative_tokens
         self._update("rtt_ms", max(0.0, round_trip_ms - verdict.forward_ms - verdict.queue_ms), _W)
         self._update("verify_ms", verdict.forward_ms + verdict.queue_ms, _W)
@@ -139,7 +140,7 @@ class RouteEstimates:
             n = min(verdict.num_accepted, gamma)
             self._update("accepted", float(n), _W)
             self._update("rejected", 1.0 if n < gamma else 0.0, _W)
-        if wall_ms is not None and wall_ms > 0:
+        if wall_ms is not None and wall_ms > 0 and not verdict.finished:  # a last block is cut to the tokens left
             self._update("block_wall_ms", wall_ms, _W_BLOCK)
             self._update("tokens_per_block", float(len(verdict.committed_token_ids)), _W_BLOCK)
             self.block_rtt_ms = self.rtt_ms

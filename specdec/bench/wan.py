@@ -6,7 +6,9 @@ going through the proxy for real. For each point (latency × draft slowdown) a f
 (a short speculative and a short cloud generation, the same for every route), then every prompt is generated
 with each route (``speculative``, ``cloud``, ``auto``, interleaved), and the client's tokens/s are reported,
 with ``auto / max(speculative, cloud)``, the time to the first token and whether the greedy outputs are
-identical across routes. auto chooses from the warm-up's and its own measurements only.
+identical across routes. auto chooses from the warm-up's and its own measurements only. Every generation starts
+from an empty draft KV cache (:func:`_generate`), so each speculative start pays the draft's prefill of its prompt,
+whichever route ran before it.
 
 Draft slowdown k (``--draft-slowdown 1,3``): each draft call is made to last k × its measured time (a sleep
 after it), standing for a device slower than this CPU (:class:`SlowDrafter`).
@@ -59,10 +61,18 @@ class SlowDrafter:
         return getattr(self._inner, name)
 
 
-WARMUP_TOKENS = 16  # per warm-up generation: speculative and cloud in turn, one per prompt (the same for every route)
+# per warm-up generation: speculative and cloud in turn, one per prompt (the same for every route); 16 tokens
+# gave 2-3 speculative blocks past the first, whose mean wall time swung by a third between points
+WARMUP_TOKENS = 32
 
 
 def _generate(client, prompt_ids: list[int], route: str, max_new_tokens: int) -> dict:
+    """One timed generation from an empty draft KV cache: the draft holds one sequence, so without the reset a
+    route run after a speculative one on the same prompt would find the draft's prefill done, and the order of
+    the routes would decide who pays it; empty, every route starts as on a new prompt (the verifier's prefix
+    cache is warm for all of them alike)."""
+    if hasattr(client.drafter, "reset"):
+        client.drafter.reset()
     t0, first = time.perf_counter(), None
     for chunk in client.stream_chunks(prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=True, route=route):
         if first is None and chunk.text:
@@ -107,10 +117,10 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens,
                             adaptive=True, proactive=True)
         t0 = time.perf_counter()
-        for i, ids in enumerate(prompts):  # each prompt once (its prefill then is cached for every route alike)
-            client.generate(ids, max_new_tokens=WARMUP_TOKENS, ignore_eos=True, route=("speculative", "cloud")[i % 2])
+        for i, ids in enumerate(prompts):  # each prompt once (the verifier's prefix cache then holds it)
+            _generate(client, ids, ("speculative", "cloud")[i % 2], WARMUP_TOKENS)
         if len(prompts) < 2:
-            client.generate(prompts[0], max_new_tokens=WARMUP_TOKENS, ignore_eos=True, route="cloud")
+            _generate(client, prompts[0], "cloud", WARMUP_TOKENS)
         warmup_s = time.perf_counter() - t0
         runs = _measure(client, prompts, routes, max_new_tokens)
     point: dict[str, Any] = {"one_way_ms": latency_ms, "rtt_ms": 2 * latency_ms, "draft_slowdown": slowdown,
@@ -129,6 +139,20 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
     point["greedy_identical"] = all(runs[r][i]["token_ids"] == runs[routes[0]][i]["token_ids"]
                                     for r in routes for i in range(len(prompts)))
     return point
+
+
+def _warm_process(address: str, draft_model, prompt_ids: list[int]) -> None:
+    """One untimed speculative and one cloud generation straight to the verifier, before the first point: the
+    process's first forward passes (allocations, kernel choices) are slower, and the first point's warm-up would
+    otherwise give its client estimates no later point's client sees."""
+    from edge_client.client import EdgeClient
+    from edge_client.drafter import ModelDrafter
+    from edge_client.grpc_backend import GrpcBackend
+
+    with GrpcBackend(address) as backend:
+        client = EdgeClient(backend, ModelDrafter(draft_model), draft_model.tokenizer, adaptive=True, proactive=True)
+        for route in ("speculative", "cloud"):
+            _generate(client, prompt_ids, route, WARMUP_TOKENS)
 
 
 def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] = WAN_ROUTES,
@@ -163,6 +187,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype), max_batch_wait_ms=1.0)
     points = []
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
+        _warm_process(address, draft_model, ids[0])
         for slowdown in draft_slowdowns:
             for latency in one_way_ms:
                 points.append(_point(address, draft_model, ids, latency, slowdown, routes=tuple(routes),

@@ -197,3 +197,14 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
         switched[left] = _after_block(_AutoClient(), run, verdict, 220.0, block, 0.24)
         assert run.route.mode == ("cloud" if switched[left] else "speculative")
     assert switched == {MIN_TOKENS_LEFT_TO_SWITCH + 8: True, MIN_TOKENS_LEFT_TO_SWITCH - 1: False}
+
+
+def test_a_generation_s_last_block_is_not_a_rate_sample():
+    """Blocks of 4 tokens per 200 ms, then the last block of a generation, cut to the 1 token left (finished, 120
+    ms): the speculative rate stays 20 tok/s (counting it: 13 tokens per 720 ms, 18 tok/s)."""
+    client, est = _Client(), RouteEstimates()
+    for _ in range(3):
+        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+                          0.01, 200.0)
+    est.observe_block(DraftBlock([1], draft_ms=2.0), Verdict(0, 5, False, [1], 10, finished=True), 25.0, 0.002, 120.0)
+    assert est.speculative_tokens_per_s(client) == pytest.approx(20.0)
