@@ -121,17 +121,17 @@ def test_cloud_decoded_replay_gets_the_recorded_outputs(setup):
 
 
 def test_steady_rate_does_not_depend_on_where_the_window_cuts_a_step():
-    """Batch steps of 9 s committing 3 tokens to each of 8 slots, a 20 s window opened at a step: the window
-    holds 2 steps' verdicts (0.9x the true 8 * 3 / 9 tokens/s over the window); the rate between verdicts is the
-    true one. A slot with one verdict in the window counts over the window."""
+    """Batch steps of 18 s committing 3 tokens to each of 8 slots, a 20 s window opened by a step's verdicts: the
+    window receives that step's verdicts and the next one's (1.8x the true 8 * 3 / 18 tokens/s over the window);
+    the rate between verdicts is the true one. A slot with one verdict in the window counts over the window."""
     from specdec.bench.replay.sessions import ReplayTally
 
     tally = ReplayTally(window_s=20.0)
-    true_rate = 8 * 3 / 9.0
-    for _ in range(8):  # verdicts at 9 s and 18 s after the window opened
-        tally.add_slot(first_t=109.0, last_t=118.0, tokens_after_first=3, tokens_in_window=6)
+    true_rate = 8 * 3 / 18.0
+    for _ in range(8):  # verdicts as the window opens (100 s) and one step later
+        tally.add_slot(first_t=100.0, last_t=118.0, tokens_after_first=3, tokens_in_window=6)
     assert tally.steady_tokens_per_s() == pytest.approx(true_rate, abs=0.005)
-    assert 8 * 6 / tally.window_s == pytest.approx(0.9 * true_rate, rel=1e-3)  # what tokens / window says
+    assert 8 * 6 / tally.window_s == pytest.approx(1.8 * true_rate, rel=1e-3)  # what tokens / window says
     tally.add_slot(first_t=109.0, last_t=109.0, tokens_after_first=0, tokens_in_window=4)
     assert tally.steady_tokens_per_s() == pytest.approx(true_rate + 4 / 20.0, abs=0.005)
     assert ReplayTally(window_s=20.0).steady_tokens_per_s() is None
