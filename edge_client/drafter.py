@@ -162,15 +162,26 @@ class ModelDrafter:
             return 1 << 30
         return max(0, int(context) - int(num_committed) + 1)
 
+    def _cached_prefix(self, committed_token_ids) -> int:
+        """Tokens of ``committed[:-1]`` whose KV the cache holds: the longest common prefix (the last committed
+        token is always fed, it yields the logits)."""
+        keep, limit = 0, min(len(committed_token_ids) - 1, len(self._cached_ids))
+        while keep < limit and self._cached_ids[keep] == committed_token_ids[keep]:
+            keep += 1
+        return keep
+
+    def uncached(self, committed_token_ids) -> int:
+        """Tokens the next block must feed before the last committed one (its catch-up prefill): those of
+        ``committed[:-1]`` past the cached prefix; 0 when caught up."""
+        if not committed_token_ids:
+            return 0
+        return len(committed_token_ids) - 1 - self._cached_prefix(committed_token_ids)
+
     def _sync(self, committed_token_ids: list[int]) -> np.ndarray:
         """Bring the KV cache to ``committed[:-1]`` (+ nothing) and feed from there; return last-row logits."""
         if self.model.num_cached != len(self._cached_ids):  # the model was used behind our back
             self.reset()
-        target = len(committed_token_ids) - 1
-        keep = 0
-        limit = min(target, len(self._cached_ids))
-        while keep < limit and self._cached_ids[keep] == committed_token_ids[keep]:
-            keep += 1
+        keep = self._cached_prefix(committed_token_ids)
         self.model.rollback(keep)
         del self._cached_ids[keep:]
         missing = [int(t) for t in committed_token_ids[keep:]]  # >= 1 token: the last committed one at least

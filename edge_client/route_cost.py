@@ -62,18 +62,13 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
 
 def draft_unseen(drafter, token_ids: Sequence[int]) -> int:
     """Tokens of ``token_ids`` the draft must ingest before it drafts after them, beyond the last one (which every
-    block feeds): those past the longest prefix it holds KV for, as ``ModelDrafter`` syncs its cache (its record
-    of the cached ids); 0 without a drafter or when it is caught up; all but the last for a drafter that keeps no
-    such record (one with nothing to prefill, e.g. prompt lookup, is then measured at ~0 ms per token)."""
+    block feeds): those past the longest prefix it holds KV for (``ModelDrafter.uncached``); 0 without a drafter
+    or when it is caught up; all but the last for a drafter that keeps no such record (one with nothing to
+    prefill, e.g. prompt lookup, is then measured at ~0 ms per token)."""
     if drafter is None or not token_ids:
         return 0
-    cached = getattr(drafter, "_cached_ids", None)
-    if cached is None:
-        return len(token_ids) - 1
-    limit, keep = min(len(token_ids) - 1, len(cached)), 0
-    while keep < limit and cached[keep] == token_ids[keep]:
-        keep += 1
-    return len(token_ids) - 1 - keep
+    uncached = getattr(drafter, "uncached", None)  # ModelDrafter's (a wrapper's __getattr__ passes it on)
+    return len(token_ids) - 1 if uncached is None else uncached(token_ids)
 
 
 @dataclass

@@ -105,10 +105,12 @@ def test_switching_back_to_speculative_pays_the_draft_catch_up():
     """Between cloud chunks with 100 tokens left (cloud: ~2.65 s), speculative is expected to finish ~23 % sooner
     when the draft is caught up (~2.05 s), but only ~3 % when it must first ingest the 128 tokens cloud decode
     committed (+0.51 s): below the switch margin, auto stays on cloud (a rate-only model switched: 50 vs 39 tok/s)."""
+    from edge_client.drafter import ModelDrafter
     from edge_client.routing import RouteRun, _after_chunk
 
-    class _Drafter:
+    class _Drafter:  # ModelDrafter's record of its cache, without a model
         _cached_ids: list[int] = []
+        _cached_prefix, uncached = ModelDrafter._cached_prefix, ModelDrafter.uncached
 
     client, run = _Client(), _Run()
     client.route_estimates, client.drafter = _slow_draft(), _Drafter()
