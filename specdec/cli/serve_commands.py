@@ -112,6 +112,9 @@ def serve(
     Binds 127.0.0.1 unless --host says otherwise; any other address needs TLS and API keys, or --insecure."""
     import asyncio
 
+    from specdec.cli._shared import require_extra
+
+    require_extra("verifier", "specdec serve")
     from cloud_verifier.config import VerifierSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

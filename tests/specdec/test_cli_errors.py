@@ -172,3 +172,24 @@ def test_wrong_api_key(tiny_pair, tmp_path):
         _one_error([*base, "--api-key", "sk-specdec-wrong"], "invalid API key: pass the verifier's key with --api-key",
                    bound_s=30)
         _one_error(base, "API key", bound_s=30, env={"SPECDEC_API_KEY": ""})
+
+
+def _edge_only(tmp_path: Path) -> dict:
+    """The environment of an edge-only install (`pip install 'specdec[edge]'`): the verifier's packages hidden
+    from the subprocess (a sitecustomize that marks them absent)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nfor m in ('torch', 'transformers', 'pydantic_settings'):\n    sys.modules[m] = None\n")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_edge_only_install_names_the_missing_extra(tmp_path, tiny_pair):
+    """Without the verifier's packages, what needs them (the embedded verifier, serve, bench, models prepare) says
+    which extra to install, in one line; the edge alone (--server) still runs as far as the network."""
+    env = _edge_only(tmp_path)
+    for args, extra in ((["generate", "--draft", str(tiny_pair.draft_dir), "--target", str(tiny_pair.target_dir),
+                          "hi"], "verifier"), (["serve", "--target", str(tiny_pair.target_dir)], "verifier"),
+                        (["bench", "--limit", "1"], "tools"), (["models", "prepare"], "tools")):
+        line = _one_error(args, f"needs specdec[{extra}] (torch, transformers", env=env)
+        assert "pip install 'specdec[all]'" in line, line
+    _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "hi"],
+               "cannot reach verifier at 127.0.0.1:1: connection refused", bound_s=30.0, env=env)
