@@ -82,27 +82,30 @@ def _generate(client, prompt_ids: list[int], route: str, max_new_tokens: int) ->
             "tokens_per_s": len(result.token_ids) / max(elapsed, 1e-9)}
 
 
-def _measure(client, prompts: list[list[int]], routes: tuple[str, ...], max_new_tokens: int) -> dict:
-    """Every prompt with every route, the routes interleaved (rotated per prompt) so that a change of load on
-    a shared machine falls on all of them. ``auto`` keeps its own running estimates (from the warm-up and its
-    own generations); the fixed routes run on a copy of the warm-up's, so auto learns nothing from them."""
+def _measure(client, prompts: list[list[int]], routes: tuple[str, ...], max_new_tokens: int,
+             repeats: int = 1) -> dict:
+    """Every prompt with every route, ``repeats`` times, the routes interleaved (rotated per prompt and per
+    repeat) so that a change of load on a shared machine falls on all of them. ``auto`` keeps its own running
+    estimates (from the warm-up and its own generations); the fixed routes run on a copy of the warm-up's, so auto
+    learns nothing from them. Per route: the runs in order, prompt by prompt within each repeat."""
     import copy
 
     warm = client.route_estimates
     auto_est = copy.deepcopy(warm)
-    runs: dict[str, list] = {r: [None] * len(prompts) for r in routes}
-    for i, ids in enumerate(prompts):
-        for k in range(len(routes)):
-            r = routes[(i + k) % len(routes)]
-            client.route_estimates = auto_est if r == "auto" else copy.deepcopy(warm)
-            runs[r][i] = _generate(client, ids, r, max_new_tokens)
+    runs: dict[str, list] = {r: [] for r in routes}
+    for rep in range(repeats):
+        for i, ids in enumerate(prompts):
+            for k in range(len(routes)):
+                r = routes[(i + rep + k) % len(routes)]
+                client.route_estimates = auto_est if r == "auto" else copy.deepcopy(warm)
+                runs[r].append(_generate(client, ids, r, max_new_tokens))
     client.route_estimates = warm
     return runs
 
 
 def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: float, slowdown: float, *,
            routes: tuple[str, ...], max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float,
-           bandwidth_kbps: float, seed: int) -> dict:
+           bandwidth_kbps: float, seed: int, repeats: int = 1) -> dict:
     """One grid point: every prompt with every route through one WanProxy, after one warm-up shared by all
     routes (short speculative and cloud generations, one per prompt: the channel, the draft, the prompts'
     prefill, the client's estimates of both routes — what a client learns once, not per request)."""
@@ -122,7 +125,7 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         if len(prompts) < 2:
             _generate(client, prompts[0], "cloud", WARMUP_TOKENS)
         warmup_s = time.perf_counter() - t0
-        runs = _measure(client, prompts, routes, max_new_tokens)
+        runs = _measure(client, prompts, routes, max_new_tokens, repeats)
     point: dict[str, Any] = {"one_way_ms": latency_ms, "rtt_ms": 2 * latency_ms, "draft_slowdown": slowdown,
                              "warmup_s": round(warmup_s, 3)}
     for r in routes:
@@ -136,8 +139,8 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         fixed = [point[r]["tokens_per_s"] for r in routes if r != "auto"]
         if fixed:
             point["auto_vs_best"] = point["auto"]["tokens_per_s"] / max(fixed)
-    point["greedy_identical"] = all(runs[r][i]["token_ids"] == runs[routes[0]][i]["token_ids"]
-                                    for r in routes for i in range(len(prompts)))
+    point["greedy_identical"] = all(run["token_ids"] == runs[routes[0]][i]["token_ids"]
+                                    for r in routes for i, run in enumerate(runs[r]))
     return point
 
 
@@ -159,17 +162,20 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
                   draft_slowdowns: tuple[float, ...] = (1.0,), max_new_tokens: int = 64,
                   num_speculative_tokens: int = 4, jitter_ms: float = 0.0, bandwidth_kbps: float = 0.0,
                   target: Path | None = None, draft: Path | None = None, device: str = "auto", dtype: str = "auto",
-                  seed: int = 0, plot: Path | None = None) -> dict:
+                  seed: int = 0, plot: Path | None = None, repeats: int = 1) -> dict:
     """The grid one-way latency × draft slowdown → client tokens/s per route (greedy), as one JSON-able dict.
 
     Args:
         prompts: :class:`specdec.bench.prompts.BenchPrompt` list (their text gets the chat template).
         one_way_ms: one-way latency of each direction, ms (RTT = 2 ×).
         routes: subset of speculative, cloud, auto (the CLI's ``--route``).
+        repeats: every prompt on every route this many times per point (``--wan-repeats``).
 
     Raises:
-        ValueError: an unknown route, a slowdown < 1, a bad link profile.
+        ValueError: an unknown route, a slowdown < 1, a bad link profile, repeats < 1.
     """
+    if repeats < 1:  # before anything loads
+        raise ValueError(f"--wan-repeats must be at least 1, got {repeats}")
     from cloud_verifier.target import TargetRunner
     from cloud_verifier.verifier import Verifier
     from edge_client.client import encode_prompt
@@ -192,8 +198,10 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
             for latency in one_way_ms:
                 points.append(_point(address, draft_model, ids, latency, slowdown, routes=tuple(routes),
                                      max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-                                     jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, seed=seed))
-    report = {"mode": "wan", "routes": list(routes), "num_prompts": len(ids), "max_new_tokens": max_new_tokens,
+                                     jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, seed=seed,
+                                     repeats=repeats))
+    report = {"mode": "wan", "routes": list(routes), "num_prompts": len(ids), "repeats": repeats,
+              "max_new_tokens": max_new_tokens,
               "num_speculative_tokens": num_speculative_tokens, "jitter_ms": jitter_ms,
               "bandwidth_kbps": bandwidth_kbps, "points": points,
               "min_auto_vs_best": min((p["auto_vs_best"] for p in points if "auto_vs_best" in p), default=None),
@@ -231,14 +239,16 @@ def _plot(report: dict, path: Path) -> None:
         ax.set_ylim(bottom=0)
     axes[0][0].set_ylabel("client tokens/s")
     axes[0][0].legend()
-    fig.suptitle(f"{report['num_prompts']} prompts x {report['max_new_tokens']} tokens, greedy, "
+    times = f" x {report['repeats']}" if report.get("repeats", 1) > 1 else ""
+    fig.suptitle(f"{report['num_prompts']} prompts{times} x {report['max_new_tokens']} tokens, greedy, "
                  f"γ <= {report['num_speculative_tokens']}, through the WAN proxy", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_slowdown: str, limit: int | None,
+def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_slowdown: str, repeats: int,
+                     limit: int | None,
                      max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float, bandwidth_kbps: float,
                      target: Path | None, draft: Path | None, device: str, dtype: str, plot: Path | None) -> dict:
     """`specdec bench --wan`: parse the CLI's lists (``route``: comma-separated routes, None = all three) and run
@@ -251,4 +261,4 @@ def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_s
                          draft_slowdowns=slowdowns, max_new_tokens=max_new_tokens,
                          num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms,
                          bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device, dtype=dtype,
-                         plot=plot)
+                         plot=plot, repeats=repeats)

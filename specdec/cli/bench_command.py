@@ -97,6 +97,8 @@ BANDWIDTH_KBPS = typer.Option(0.0, "--bandwidth-kbps", help="--wan: cap per dire
 JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrained (this JSON schema file) vs unconstrained, "
                            "target-only and specdec side by side: one JSON object (specdec/bench/structured.py)")
 DRAFT_SLOWDOWN = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower devices)")
+WAN_REPEATS = typer.Option(1, "--wan-repeats", help="--wan: every prompt on every route this many times per point "
+                           "(the routes rotated each time): less noise, proportionally longer")
 
 
 def _check_plot(plot) -> None:
@@ -156,6 +158,7 @@ def bench(
     jitter_ms: float = JITTER_MS,
     bandwidth_kbps: float = BANDWIDTH_KBPS,
     draft_slowdown: str = DRAFT_SLOWDOWN,
+    wan_repeats: int = WAN_REPEATS,
     json_schema: Optional[Path] = JSON_SCHEMA,
     repetition_penalty: float = REPETITION_PENALTY,
     presence_penalty: float = PRESENCE_PENALTY,
@@ -175,7 +178,8 @@ def bench(
     if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema):
         _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
-        _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, limit=limit, max_new_tokens=max_new_tokens,
+        _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit,
+                 max_new_tokens=max_new_tokens,
                  num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps,
                  target=target, draft=draft, device=device, dtype=dtype, plot=plot)
         return

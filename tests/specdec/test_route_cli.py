@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(120)
     (["edge-serve", "--route", "fastest"], "--route must be one of"),
     (["bench", "--wan", "10,-5"], "--wan needs numbers >= 0"),
     (["bench", "--wan", "10", "--route", "device"], "--route for --wan: speculative, cloud, auto"),
+    (["bench", "--wan", "10", "--wan-repeats", "0"], "--wan-repeats must be at least 1, got 0"),
 ])
 def test_bad_route_options_fail_in_one_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=100,
