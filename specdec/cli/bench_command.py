@@ -178,11 +178,9 @@ def bench(
     if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema):
         _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
-        _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit,
-                 max_new_tokens=max_new_tokens,
-                 num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps,
-                 target=target, draft=draft, device=device, dtype=dtype, plot=plot)
-        return
+        return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
+                        max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                        jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device)
     client_counts = _check_bench_options(
         temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,
         replay=replay, duration_s=duration_s, device=device, dtype=dtype, json_schema=json_schema)
