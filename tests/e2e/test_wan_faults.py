@@ -85,13 +85,22 @@ def _reset_at_progress(wan, progress, marks, done, log):
     """Reset every open connection each time the sessions of a route have received ``n`` chunks, for each
     (route, n) of ``marks`` — and at least one chunk more than at the previous reset, so that a route already
     past its mark when the previous reset came is hit once it streams again (not in the same instant, when
-    no connection is open yet)."""
+    no connection is open yet). A reset that finds no open connection (a chunk gRPC had buffered before the
+    previous reset arrives while every session is still reconnecting) is tried again after the next chunk, up to
+    5 times."""
     for route, n in marks:
         with progress.cond:
             at_last_reset = progress.chunks[route] if log else -1
-        if not progress.wait_for(route, max(n, at_last_reset + 1), done):
-            return
-        log.append((route, n, wan.reset_connections(), dict(progress.chunks)))
+        target = max(n, at_last_reset + 1)
+        for _ in range(5):
+            if not progress.wait_for(route, target, done):
+                return
+            hit = wan.reset_connections()
+            if hit:
+                break
+            with progress.cond:
+                target = progress.chunks[route] + 1
+        log.append((route, n, hit, dict(progress.chunks)))
 
 
 def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
