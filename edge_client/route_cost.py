@@ -44,7 +44,7 @@ from common.types import DraftBlock, SessionOpened, Verdict
 if TYPE_CHECKING:
     from edge_client.client import EdgeClient
 
-__all__ = ["RouteEstimates", "draft_unseen", "expected_tokens_per_step"]
+__all__ = ["RouteEstimates", "draft_unseen", "expected_tokens_per_step", "route_reason"]
 
 _W = 0.25  # weight of the newest block's observation (and of a start-up's)
 _W_BLOCK = 1 / 8  # weight of the newest block's wall time (a loaded device's blocks swing by 2x)
@@ -58,6 +58,11 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     if alpha >= 1.0 - 1e-9:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def route_reason(mode: str, mode_ms: float, other: str, other_ms: float, tokens_left: int) -> str:
+    """The reason reported for a choice between the routes: both expected finish times (ms in, s out)."""
+    return f"expected {mode_ms / 1000:.2f} s {mode} vs {other_ms / 1000:.2f} s {other} for {tokens_left} tokens"
 
 
 def draft_unseen(drafter, token_ids: Sequence[int]) -> int:
@@ -238,8 +243,8 @@ class RouteEstimates:
         cloud = self.cloud_finish_ms(tokens_left, chunk, max_chunk)
         spec = self.speculative_finish_ms(client, tokens_left, unseen)
         if cloud is not None and spec is not None:
-            why = f"expected {cloud / 1000:.2f} s cloud vs {spec / 1000:.2f} s speculative for {tokens_left} tokens"
-            return ("cloud" if cloud < spec else "speculative"), why
+            mode = "cloud" if cloud < spec else "speculative"
+            return mode, route_reason("cloud", cloud, "speculative", spec, tokens_left)
         if cloud is not None and self.rtt_ms is not None:
             gamma = self._gamma(client)
             bound = tokens_left / (gamma + 1) * (self.rtt_ms + self._forward_ms() + STEP_OVERHEAD_MS)

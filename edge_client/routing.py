@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
 from edge_client.cloud_decode import cloud_verdicts
-from edge_client.route_cost import RouteEstimates, draft_unseen
+from edge_client.route_cost import RouteEstimates, draft_unseen, route_reason
 
 if TYPE_CHECKING:
     from edge_client.client import EdgeClient
@@ -185,7 +185,7 @@ def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_
     spec = est.speculative_finish_ms(client, left, None)  # running: the draft is caught up
     cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)
     if cloud is not None and spec is not None and SWITCH_MARGIN * cloud < spec:
-        rr.switch("cloud", run.num_generated, _why("cloud", cloud, "speculative", spec, left))
+        rr.switch("cloud", run.num_generated, route_reason("cloud", cloud, "speculative", spec, left))
         return True
     return False
 
@@ -201,10 +201,6 @@ def _few_left(run: "Run") -> bool:
     return run.stopping.max_new_tokens - run.num_generated < MIN_TOKENS_LEFT_TO_SWITCH
 
 
-def _why(to: str, to_ms: float, stay: str, stay_ms: float, left: int) -> str:
-    return f"expected {to_ms / 1000:.2f} s {to} vs {stay_ms / 1000:.2f} s {stay} for {left} tokens"
-
-
 def _after_chunk(client: "EdgeClient", run: "Run") -> None:
     """Between two cloud chunks: switch back to speculative when it is expected faster (auto, test hook)."""
     rr: RouteRun = run.route
@@ -218,7 +214,7 @@ def _after_chunk(client: "EdgeClient", run: "Run") -> None:
     spec = est.speculative_finish_ms(client, left, draft_unseen(client.drafter, run.committed))  # + its catch-up
     cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)  # the next chunk's first token too
     if spec is not None and cloud is not None and SWITCH_MARGIN * spec < cloud:
-        rr.switch("speculative", run.num_generated, _why("speculative", spec, "cloud", cloud, left))
+        rr.switch("speculative", run.num_generated, route_reason("speculative", spec, "cloud", cloud, left))
 
 
 def decode_device(client: "EdgeClient", run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:
