@@ -3,11 +3,13 @@
 normaliser. Everything after it (:mod:`cloud_verifier.batched_warpers`, :mod:`cloud_verifier.batched_rejection`)
 works on [num_tokens, num_candidates] tensors, except the few positions the candidates cannot decide.
 
-Two backends with one contract (tests/cloud_verifier/test_batched_rejection.py runs both here):
+Three backends with one contract (tests/cloud_verifier/test_batched_rejection.py runs them all here):
 
 - ``torch`` (CUDA, and any device): ``argmax``, a two-level top-k (:func:`top_candidates`) and an exact float32
   normaliser, all rows in one chunk on a GPU.
-- ``numpy`` (the default for CPU tensors, zero-copy views of them; :mod:`cloud_verifier.verdict_scan_numpy`):
+- ``native`` (the default for CPU tensors where a C compiler is found; :mod:`cloud_verifier.verdict_scan_native`):
+  the numpy backend's computation, compiled: one pass from memory and one in cache per position.
+- ``numpy`` (CPU tensors without a compiler, zero-copy views of them; :mod:`cloud_verifier.verdict_scan_numpy`):
   the max, two comparison passes, and a gather of the few hundred tokens within a gap of the max; the
   normaliser is summed over those and bounded over the rest, so no pass of exp over the vocabulary is made,
   and the candidates (at most c) are taken from the gathered tokens. A top-p decision the bounds leave open
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cloud_verifier.verdict_scan_native import available as native_available, scan_native
 from cloud_verifier.verdict_scan_numpy import scan_numpy
 
 NUM_CANDIDATES = 64  # tokens the fast path keeps per position: real nuclei at top-p 0.9, T 0.7 have 1-57
@@ -49,18 +52,20 @@ def scan_logits(
     sampled: np.ndarray,  # [num_tokens] bool: positions of sampled (not greedy) rows
     temperature: np.ndarray,  # [num_tokens] float64 (used where sampled)
     num_candidates: int = NUM_CANDIDATES,
-    backend: str = "auto",  # "auto": numpy for CPU tensors, torch otherwise
-    threads: int = 1,  # numpy backend: the rows' passes on this many threads
+    backend: str = "auto",  # "auto": native (else numpy) for CPU tensors, torch otherwise
+    threads: int = 1,  # native and numpy backends: the passes on this many threads
 ) -> Scan:
     """The Scan of all rows, one verify row at a time on a CPU (no copy of the logits, temporaries in cache;
     :mod:`cloud_verifier.verdict_scan_numpy`), all rows in one chunk on a GPU."""
     dev = rows[0].device
     c = min(num_candidates, valid_vocab_size)
-    use_numpy = backend == "numpy" or (backend == "auto" and dev.type == "cpu")
+    if backend == "auto" and dev.type == "cpu":
+        backend = "native" if native_available() else "numpy"
     if dev.type != "cpu" and len(rows) > 1:  # one chunk: a few kernels for the whole batch
         rows = [torch.cat(rows)]
-    if use_numpy:
-        fields = scan_numpy(rows, valid_vocab_size, sampled, temperature, c, threads)
+    if backend in ("native", "numpy"):
+        scan = scan_native if backend == "native" else scan_numpy
+        fields = scan(rows, valid_vocab_size, sampled, temperature, c, threads)
         return Scan(*[torch.from_numpy(np.ascontiguousarray(f)).to(dev) for f in fields])
     parts: list[tuple] = []
     start = 0

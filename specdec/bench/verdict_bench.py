@@ -76,12 +76,14 @@ def _numpy_loop(rows: list[VerifyRow], vocab: int) -> list:
     return out
 
 
-def _batched(rows: list[VerifyRow], vocab: int, scan_threads: int | None = None) -> list:
-    before, numerics._SAMPLER.scan_threads = numerics._SAMPLER.scan_threads, scan_threads
+def _batched(rows: list[VerifyRow], vocab: int, scan_threads: int | None = None, backend: str = "auto") -> list:
+    sampler = numerics._SAMPLER
+    before = sampler.scan_threads, sampler.scan_backend
+    sampler.scan_threads, sampler.scan_backend = scan_threads, backend
     try:
         return [str(v) if isinstance(v, TargetOutputError) else v for v in verify_rows(rows, vocab)]
     finally:
-        numerics._SAMPLER.scan_threads = before
+        sampler.scan_threads, sampler.scan_backend = before
 
 
 def _median_ms(fns: list, repeats: int) -> list[tuple[float, float]]:
@@ -118,9 +120,12 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
                      for r in rows]
         if device != "cpu":
             torch.cuda.synchronize()
-        (loop_ms, loop_cpu), (batched_ms, batched_cpu), (one_ms, one_cpu) = _median_ms(
-            [lambda: _numpy_loop(rows, VOCAB), lambda: _batched(on_device, VOCAB),
-             lambda: _batched(on_device, VOCAB, scan_threads=1)], repeats)
+        fns = [lambda: _numpy_loop(rows, VOCAB), lambda: _batched(on_device, VOCAB),
+               lambda: _batched(on_device, VOCAB, scan_threads=1)]
+        if device == "cpu":  # the numpy scan beside the compiled one (where the compiled one is the default)
+            fns.append(lambda: _batched(on_device, VOCAB, backend="numpy"))
+        timed = _median_ms(fns, repeats)
+        (loop_ms, loop_cpu), (batched_ms, batched_cpu), (one_ms, one_cpu) = timed[:3]
         reference, got = _numpy_loop(rows, VOCAB), _batched(on_device, VOCAB)
         report[name] = {
             "numpy_loop_ms": round(loop_ms, 3),
@@ -132,11 +137,20 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
             "batched_scan_1_thread_ms": round(one_ms, 3),
             "batched_scan_1_thread_cpu_ms": round(one_cpu, 3),
             "speedup_scan_1_thread": round(loop_ms / one_ms, 2),
+            "scan_backend": _cpu_scan_backend() if device == "cpu" else "torch",
+            **({"batched_numpy_scan_ms": round(timed[3][0], 3), "batched_numpy_scan_cpu_ms": round(timed[3][1], 3),
+                "speedup_numpy_scan": round(loop_ms / timed[3][0], 2)} if len(timed) > 3 else {}),
             "agree": sum(a == b for a, b in zip(reference, got)),
             "sampled_positions_decided_by": dict(numerics._SAMPLER.last_paths) if not sampling.greedy else None,
             "mean_accepted": round(float(np.mean([v.num_accepted for v in got if not isinstance(v, str)])), 2),
         }
     return report
+
+
+def _cpu_scan_backend() -> str:
+    from cloud_verifier.verdict_scan_native import available
+
+    return "native" if available() else "numpy"
 
 
 def main(argv: list[str] | None = None) -> None:

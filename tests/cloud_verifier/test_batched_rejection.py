@@ -12,6 +12,7 @@ import torch
 
 from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
 from cloud_verifier.numerics import verify_row, verify_rows
+from cloud_verifier.verdict_scan_native import available as native_available
 from cloud_verifier.verdict_draws import uniform_many
 from common.errors import TargetOutputError
 from common.sampling import Stream, logits_to_probs, uniform
@@ -119,14 +120,16 @@ def test_dense_and_sparse_paths_agree():
     assert fast == dense
 
 
-def test_torch_scan_backend_gives_the_reference_tokens():
-    """The scan's torch backend (CUDA's, exact float32 normaliser, two-level torch top-k) on the CPU: the same
-    verdicts as the reference and as the numpy backend (the CPU default)."""
+def test_every_scan_backend_gives_the_reference_tokens():
+    """The scan's torch backend (CUDA's, exact float32 normaliser, two-level torch top-k) on the CPU, the numpy
+    one and the compiled one (the CPU default where a C compiler is found): the same verdicts as the reference."""
     rng = np.random.default_rng(6)
     params = SAMPLED + [SamplingParams()]
     rows = [make_row(rng, params[i % len(params)], ties=i % 5 == 0) for i in range(300)]
     on_torch = BatchedRejectionSampler(scan_backend="torch")(rows, VALID)
     assert on_torch == BatchedRejectionSampler(scan_backend="numpy")(rows, VALID)
+    if native_available():
+        assert on_torch == BatchedRejectionSampler(scan_backend="native")(rows, VALID)
     assert [x if isinstance(x, str) else x for x in on_torch] == [reference(r) for r in rows]
 
 

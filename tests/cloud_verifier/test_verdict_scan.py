@@ -1,10 +1,14 @@
-"""The numpy scan of the batched verdict (cloud_verifier.verdict_scan_numpy) at a real vocabulary size: its
-contract checked against exact float64 arithmetic over whole rows (normaliser bounds, candidates, the bound on
+"""The CPU scans of the batched verdict (cloud_verifier.verdict_scan_numpy, and verdict_scan_native, the same
+computation compiled) at a real vocabulary size: their contract checked against exact float64 arithmetic over whole rows (normaliser bounds, candidates, the bound on
 every token left out), its fast top-p decisions against the reference's full sort, and the rows it must leave
 to the exact paths (a normaliser the bounds leave open, a nucleus wider than the candidates, ties at the top).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
 from cloud_verifier.batched_warpers import sparse_probs
 from cloud_verifier.numerics import verify_row
 from cloud_verifier.verdict_scan import Scan, scan_logits
+from cloud_verifier.verdict_scan_native import available as native_available
 from cloud_verifier.verdict_scan_numpy import EXACT_GAP
 from common.types import DraftBlock, SamplingParams
 
@@ -42,10 +47,16 @@ def _special_rows() -> np.ndarray:  # [5, V] float32: the cases the scan must no
     return rows
 
 
-def _scan(rows: list[np.ndarray], temperature: float, valid: int = V, threads: int = 1) -> Scan:
+CPU_BACKENDS = ["numpy", pytest.param("native", marks=pytest.mark.skipif(
+    not native_available(), reason="no C compiler: the compiled scan is unavailable"))]
+
+
+def _scan(rows: list[np.ndarray], temperature: float, valid: int = V, threads: int = 1, backend: str = "numpy",
+          sampled: np.ndarray | None = None) -> Scan:
     tensors = [torch.from_numpy(r) for r in rows]
     n = sum(len(r) for r in rows)
-    return scan_logits(tensors, valid, np.ones(n, dtype=bool), np.full(n, temperature), C, "numpy", threads)
+    sampled = np.ones(n, dtype=bool) if sampled is None else sampled
+    return scan_logits(tensors, valid, sampled, np.full(n, temperature), C, backend, threads)
 
 
 def _check_contract(x: np.ndarray, scan: Scan, temperature: float) -> None:
@@ -66,20 +77,22 @@ def _check_contract(x: np.ndarray, scan: Scan, temperature: float) -> None:
             assert left_out.max() <= scan.outside_logit[i] <= cand[i][real].min()
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
-def test_numpy_scan_contract_on_lm_like_and_special_rows(temperature):
+def test_cpu_scan_contract_on_lm_like_and_special_rows(temperature, backend):
     """Normaliser bounds, candidates and the bound on the tokens left out hold exactly on 60 LM-like positions
     and the special rows; the bounds are tight (within 1e-3 of the normaliser) on the LM-like ones."""
     rng = np.random.default_rng(int(temperature * 10))
     rows = [_lm_rows(rng, 4) for _ in range(15)] + [_special_rows()]
-    scan = _scan(rows, temperature)
+    scan = _scan(rows, temperature, backend=backend)
     x = np.concatenate(rows)
     _check_contract(x, scan, temperature)
     width = ((scan.z_high - scan.z_low) / scan.z_low).numpy()[:60]
     assert np.median(width) < 1e-3, np.median(width)
 
 
-def test_numpy_scan_on_a_view_of_the_valid_vocabulary_and_on_two_threads():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_scan_on_a_view_of_the_valid_vocabulary_and_on_two_threads(backend):
     """Columns past valid_vocab_size (a non-contiguous view) are never read as tokens; two threads give the
     same fields as one."""
     rng = np.random.default_rng(1)
@@ -87,11 +100,39 @@ def test_numpy_scan_on_a_view_of_the_valid_vocabulary_and_on_two_threads():
     valid = V - 5
     for r in rows:
         r[:, valid:] = 100.0  # padding columns: far above every token, must be ignored
-    one = _scan(rows, 0.7, valid)
+    one = _scan(rows, 0.7, valid, backend=backend)
     _check_contract(np.concatenate(rows)[:, :valid], one, 0.7)
-    two = _scan(rows, 0.7, valid, threads=2)
+    two = _scan(rows, 0.7, valid, threads=2, backend=backend)
     for a, b in zip(vars(one).values(), vars(two).values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not native_available(), reason="no C compiler: the compiled scan is unavailable")
+@pytest.mark.parametrize("temperature", [0.3, 1.0])
+def test_native_scan_gives_the_numpy_scans_fields(temperature):
+    """The compiled scan computes what the numpy one does, field for field: max, argmax and candidates equal
+    (candidates as sets: the order among tied logits is free), normaliser bounds within 1e-13 (exp of two
+    libraries), on LM-like rows, the special rows, faulty ones (NaN, +inf, all -inf) and greedy positions mixed
+    in, from rows of 1 to 5 positions and a non-contiguous column."""
+    rng = np.random.default_rng(int(temperature * 10) + 50)
+    faulty = _lm_rows(rng, 3)
+    faulty[0, 77], faulty[1, 5], faulty[2, :] = np.nan, np.inf, -np.inf
+    rows = [_lm_rows(rng, int(rng.integers(1, 6))) for _ in range(12)] + [_special_rows(), faulty, faulty.copy()]
+    rows.append(np.asfortranarray(_lm_rows(rng, 2)))  # each token's logits strided
+    n = sum(len(r) for r in rows)
+    sampled = rng.random(n) < 0.8
+    sampled[n - 8:n - 5], sampled[n - 5:n - 2] = True, False  # the faulty positions sampled, then greedy
+    a, b = (_scan(rows, temperature, sampled=sampled, backend=k) for k in ("numpy", "native"))
+    assert torch.equal(a.max_logit.isnan(), b.max_logit.isnan())
+    ok = ~a.max_logit.isnan()
+    assert torch.equal(a.max_logit[ok], b.max_logit[ok]) and torch.equal(a.argmax[ok], b.argmax[ok])
+    fine = torch.isfinite(a.max_logit[torch.from_numpy(sampled)])  # faulty positions: the guard refuses them
+    for i in torch.nonzero(fine)[:, 0].tolist():
+        assert set(a.cand_ids[i].tolist()) == set(b.cand_ids[i].tolist()), i
+        assert torch.equal(a.cand_logits[i].sort().values, b.cand_logits[i].sort().values)
+        assert a.outside_logit[i] == b.outside_logit[i]
+        for za, zb in ((a.z_low[i], b.z_low[i]), (a.z_high[i], b.z_high[i])):
+            assert abs(za - zb) <= 1e-13 * za, (i, za, zb)
 
 
 def _row(logits: np.ndarray, sampling: SamplingParams, seed: int, draft: list[int]) -> VerifyRow:
@@ -128,3 +169,26 @@ def test_fast_decisions_and_their_fallbacks_give_the_reference_tokens():
     got = BatchedRejectionSampler()(rows, V)
     want = [verify_row(r.block, r.logits, r.sampling, r.seed, r.start_position, V) for r in rows]
     assert got == want
+
+
+@pytest.mark.parametrize("env", [{"SPECDEC_NATIVE_SCAN": "0"}, {"CC": "/nonexistent/cc"}])
+def test_without_the_compiled_scan_the_numpy_one_runs(env, tmp_path):
+    """Switched off, or with no working compiler (and nothing compiled in this cache): the compiled scan is
+    unavailable and the batched verdict runs on the numpy scan, same tokens as the reference."""
+    code = (
+        "import numpy as np\n"
+        "from cloud_verifier.verdict_scan_native import available\n"
+        "from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow\n"
+        "from cloud_verifier.numerics import verify_row\n"
+        "from common.types import DraftBlock, SamplingParams\n"
+        "assert not available()\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = (rng.standard_normal((3, 4096)) * 2).astype(np.float32)\n"
+        "row = VerifyRow(DraftBlock([int(x[0].argmax()), 5], None), x, SamplingParams(temperature=0.7, top_p=0.9),"
+        " 3, 10)\n"
+        "got = BatchedRejectionSampler()([row], 4096)\n"
+        "assert got == [verify_row(row.block, x, row.sampling, 3, 10, 4096)], got\n"
+        "print('numpy scan ok')\n")
+    run_env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path), "TMPDIR": str(tmp_path), **env}
+    out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "numpy scan ok" in out.stdout, out.stderr[-2000:]
