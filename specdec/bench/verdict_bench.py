@@ -12,7 +12,8 @@ LM-like otherwise. The two paths' verdicts are compared row for row (``agree``).
         [--synthetic]
 
 prints one JSON object: per setting the median ms (wall and process CPU) of each path and their ratio, the batched
-path also with its numpy scan on one thread (the default uses torch's intra-op thread count), and where the
+path also with its scan on one thread (the default uses torch's intra-op thread count) and, on a CPU, with the
+numpy scan instead of the compiled one (``scan_backend``: which one the default used), and where the
 sampled positions were decided (``exact_normaliser``: the scan's normaliser bounds left a top-p decision open;
 ``dense``: the candidates could not decide it; the rest: the fast path).
 """
