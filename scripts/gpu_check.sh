@@ -193,7 +193,8 @@ if b:
 replay = None
 r = last_json("replay")
 if r:
-    keys = ("tokens_per_s", "speedup_vs_serial", "kernel_limit_speedup", "mean_batch_size", "verify_latency_ms",
+    keys = ("tokens_per_s", "speedup_vs_serial", "speedup_vs_serial_blocks", "kernel_limit_speedup",
+            "fraction_of_kernel_limit", "host_fraction_of_step", "mean_batch_size", "verify_latency_ms",
             "errors", "mismatches", "sessions_completed")
     replay = {n: {k: m.get(k) for k in keys} for n, m in r.get("replay", {}).items()}
     for n, m in r.get("replay", {}).items():

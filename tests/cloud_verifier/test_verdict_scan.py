@@ -1,7 +1,8 @@
 """The CPU scans of the batched verdict (cloud_verifier.verdict_scan_numpy, and verdict_scan_native, the same
-computation compiled) at a real vocabulary size: their contract checked against exact float64 arithmetic over whole rows (normaliser bounds, candidates, the bound on
-every token left out), its fast top-p decisions against the reference's full sort, and the rows it must leave
-to the exact paths (a normaliser the bounds leave open, a nucleus wider than the candidates, ties at the top).
+computation compiled) at a real vocabulary size: their contract checked against exact float64 arithmetic over
+whole rows (normaliser bounds, candidates, the bound on every token left out), their fast top-p decisions against
+the reference's full sort, and the rows they must leave to the exact paths (a normaliser the bounds leave open, a
+nucleus wider than the candidates, ties at the top); the compiled scan field for field against the numpy one.
 """
 
 from __future__ import annotations

@@ -129,8 +129,10 @@ def test_steady_rate_does_not_depend_on_where_the_window_cuts_a_step():
     tally = ReplayTally(window_s=20.0)
     true_rate = 8 * 3 / 18.0
     for _ in range(8):  # verdicts as the window opens (100 s) and one step later
-        tally.add_slot(first_t=100.0, last_t=118.0, tokens_after_first=3, tokens_in_window=6)
+        tally.add_slot(first_t=100.0, last_t=118.0, tokens_after_first=3, tokens_in_window=6,
+                       verdicts_after_first=1, verdicts_in_window=2)
     assert tally.steady_tokens_per_s() == pytest.approx(true_rate, abs=0.005)
+    assert tally.steady_verdicts_per_s() == pytest.approx(8 / 18.0, abs=0.001)  # one block per slot and step
     assert 8 * 6 / tally.window_s == pytest.approx(1.8 * true_rate, rel=1e-3)  # what tokens / window says
     tally.add_slot(first_t=109.0, last_t=109.0, tokens_after_first=0, tokens_in_window=4)
     assert tally.steady_tokens_per_s() == pytest.approx(true_rate + 4 / 20.0, abs=0.005)

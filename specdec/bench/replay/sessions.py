@@ -31,16 +31,19 @@ class ReplayTally:
     ramp_timed_out: bool = False  # the window started after ramp_timeout_s, some slot still without a verdict
     drain_s: float = 0.0  # from the end of the window to the last session closed
     slot_rate_sum: float = 0.0  # sum over slots of their steady rates, tokens/s (see steady_tokens_per_s)
+    slot_verdict_rate_sum: float = 0.0  # the same in verdicts (blocks verified) per second
 
     def add_slot(self, first_t: float | None, last_t: float | None, tokens_after_first: int,
-                 tokens_in_window: int) -> None:
-        """One slot's share of :meth:`steady_tokens_per_s`: tokens after its first in-window verdict / the
-        time from that verdict to its last one (s); a slot with fewer than two in-window verdicts counts its
-        window tokens over the whole window."""
+                 tokens_in_window: int, verdicts_after_first: int = 0, verdicts_in_window: int = 0) -> None:
+        """One slot's share of :meth:`steady_tokens_per_s` (and of :meth:`steady_verdicts_per_s`, from the
+        verdict counts): tokens after its first in-window verdict / the time from that verdict to its last one
+        (s); a slot with fewer than two in-window verdicts counts its window tokens over the whole window."""
         if first_t is not None and last_t is not None and last_t > first_t:
             self.slot_rate_sum += tokens_after_first / (last_t - first_t)
+            self.slot_verdict_rate_sum += verdicts_after_first / (last_t - first_t)
         elif self.window_s > 0:
             self.slot_rate_sum += tokens_in_window / self.window_s
+            self.slot_verdict_rate_sum += verdicts_in_window / self.window_s
 
     def steady_tokens_per_s(self) -> float | None:
         """Throughput measured between verdicts, summed over slots: each slot's committed tokens from its first
@@ -49,6 +52,11 @@ class ReplayTally:
         that step's verdicts, computed before the window (at N = 256 with ~18 s steps: 1.75x the rate), and
         leaves out the step the window's end cuts."""
         return round(self.slot_rate_sum, 2) if self.slot_rate_sum > 0 else None
+
+    def steady_verdicts_per_s(self) -> float | None:
+        """Blocks verified per second, measured as :meth:`steady_tokens_per_s` is: the rate the kernel limit
+        compares (rows verified), whatever the recorded acceptance of the blocks this replay happened to reach."""
+        return round(self.slot_verdict_rate_sum, 3) if self.slot_verdict_rate_sum > 0 else None
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -96,7 +104,8 @@ async def replay_sessions(address: str, prompts: list[RecordedPrompt], n: int, d
     end = run.loop.time()
     tally.window_s = duration_s if run.start is not None else 0.0
     for slot in slots:
-        tally.add_slot(slot.first_t, slot.last_t, slot.tokens_after_first, slot.tokens_in_window)
+        tally.add_slot(slot.first_t, slot.last_t, slot.tokens_after_first, slot.tokens_in_window,
+                       slot.verdicts_after_first, slot.verdicts_in_window)
     tally.drain_s = max(0.0, end - run.end) if run.start is not None else 0.0
     return tally
 
@@ -169,6 +178,8 @@ class _Slot:
         self.last_t: float | None = None  # ... and of its last
         self.tokens_after_first = 0  # committed tokens of its in-window verdicts after the first
         self.tokens_in_window = 0
+        self.verdicts_after_first = 0
+        self.verdicts_in_window = 0
 
     def count(self, tokens: int, batch_size: int, latency_s: float, t: float) -> None:
         """A verdict received inside the window, at perf_counter() ``t``: tallied, and this slot's span."""
@@ -178,10 +189,12 @@ class _Slot:
         tally.batch_size_sum += batch_size
         tally.latencies_s.append(latency_s)
         self.tokens_in_window += tokens
+        self.verdicts_in_window += 1
         if self.first_t is None:
             self.first_t = t
         else:
             self.tokens_after_first += tokens
+            self.verdicts_after_first += 1
         self.last_t = t
 
     async def run(self) -> None:
@@ -319,6 +332,8 @@ def _tally_metrics(t: ReplayTally) -> dict:
     lat = np.array(t.latencies_s) * 1000 if t.latencies_s else None
     return {
         "tokens_per_s": t.steady_tokens_per_s(),
+        "verdicts_per_s": t.steady_verdicts_per_s(),
+        "tokens_per_verdict": _ratio(t.tokens, t.verdicts),
         "tokens_per_s_window": _ratio(t.tokens, t.window_s),
         "mean_batch_size": _ratio(t.batch_size_sum, t.verdicts),
         "verify_latency_ms": {
