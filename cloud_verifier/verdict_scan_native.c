@@ -62,6 +62,18 @@ static float chunk_max(const float *x, int64_t n, int *nan) {
     return mx;
 }
 
+/* Appends the tokens of x whose bits are set in hit (ids first + bit) to out[k..]; returns the new k. */
+static inline int64_t append_hits(const float *x, int64_t first, unsigned hit, token_t *out, int64_t k) {
+    while (hit) {
+        int j = __builtin_ctz(hit);
+        out[k].v = x[j];
+        out[k].id = first + j;
+        k++;
+        hit &= hit - 1;
+    }
+    return k;
+}
+
 /* Counts the tokens of x[0:n] at or above thr_bound and appends those at or above thr_exact (>= thr_bound; ids
  * first + j) to out[k..]; returns the new k. The count is branch-free; the gather branches once per 16 tokens
  * on whether any is that close to the max (a few hundred of 49,152 on real logits). */
@@ -74,13 +86,7 @@ static int64_t count_and_gather(const float *x, int64_t n, int64_t first, float 
         __m512 v = _mm512_loadu_ps(x + i);
         count += __builtin_popcount(_mm512_cmp_ps_mask(v, tb, _CMP_GE_OQ));
         unsigned hit = _mm512_cmp_ps_mask(v, te, _CMP_GE_OQ);
-        while (hit) {
-            int j = __builtin_ctz(hit);
-            out[k].v = x[i + j];
-            out[k].id = first + i + j;
-            k++;
-            hit &= hit - 1;
-        }
+        k = append_hits(x + i, first + i, hit, out, k);
     }
 #elif defined(__AVX2__)
     __m256 tb = _mm256_set1_ps(thr_bound), te = _mm256_set1_ps(thr_exact);
@@ -88,13 +94,7 @@ static int64_t count_and_gather(const float *x, int64_t n, int64_t first, float 
         __m256 v = _mm256_loadu_ps(x + i);
         count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v, tb, _CMP_GE_OQ)));
         unsigned hit = _mm256_movemask_ps(_mm256_cmp_ps(v, te, _CMP_GE_OQ));
-        while (hit) {
-            int j = __builtin_ctz(hit);
-            out[k].v = x[i + j];
-            out[k].id = first + i + j;
-            k++;
-            hit &= hit - 1;
-        }
+        k = append_hits(x + i, first + i, hit, out, k);
     }
 #endif
     for (; i < n; i++) {

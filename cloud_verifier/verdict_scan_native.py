@@ -75,23 +75,33 @@ def _library():
         path = directory / f"verdict_scan-{key.hexdigest()[:16]}.so"
         try:
             if not path.exists():
-                _compile(compiler, flags, path)
-            lib = ctypes.CDLL(str(path))
+                compile_to(path, compiler, flags)
+            return load(path)
         except (OSError, subprocess.SubprocessError) as e:
             log.info("compiling the verdict scan with %s %s into %s failed: %s", compiler, " ".join(flags),
                      directory, e)
-            continue
-        lib.scan_sampled.argtypes = _ARGTYPES
-        lib.scan_sampled.restype = ctypes.c_int
-        lib.argmax_greedy.argtypes = _ARGMAX_ARGTYPES
-        lib.argmax_greedy.restype = None
-        return lib
     log.warning("the compiled verdict scan is unavailable (see the log above): the scan runs in numpy")
     return None
 
 
-def _compile(compiler: str, flags: list[str], path: Path) -> None:
-    """Compile the source into ``path`` (atomically: a concurrent process sees the old file or the new one)."""
+def load(path: Path) -> ctypes.CDLL:
+    """The compiled scan at ``path`` (built by :func:`compile_to`), its functions typed.
+
+    Raises:
+        OSError: it cannot be loaded."""
+    lib = ctypes.CDLL(str(path))
+    lib.scan_sampled.argtypes = _ARGTYPES
+    lib.scan_sampled.restype = ctypes.c_int
+    lib.argmax_greedy.argtypes = _ARGMAX_ARGTYPES
+    lib.argmax_greedy.restype = None
+    return lib
+
+
+def compile_to(path: Path, compiler: str, flags: list[str]) -> None:
+    """Compile the source into ``path`` (atomically: a concurrent process sees the old file or the new one).
+
+    Raises:
+        OSError, subprocess.SubprocessError: no compiler, a failed build, a folder that cannot be written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -111,6 +121,7 @@ def scan_native(
     temperature: np.ndarray,  # [num_tokens] float64 (used where sampled, > 0 there)
     c: int,  # candidates per sampled position, 1 <= c <= valid_vocab_size
     threads: int = 1,
+    lib: ctypes.CDLL | None = None,  # a library of :func:`load`; None: this machine's (compiled if needed)
 ) -> tuple:
     """:func:`cloud_verifier.verdict_scan_numpy.scan_numpy`'s fields (same shapes, dtypes and padding), every
     position scanned in C (greedy ones: the argmax and its logit, as numpy's argmax).
@@ -118,7 +129,7 @@ def scan_native(
     Raises:
         RuntimeError: the compiled library is unavailable (check :func:`available` first) or out of memory.
     """
-    lib = _library()
+    lib = lib or _library()
     if lib is None:
         raise RuntimeError("the compiled verdict scan is unavailable")
     num_tokens = len(sampled)

@@ -19,8 +19,8 @@ from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
 from cloud_verifier.batched_warpers import sparse_probs
 from cloud_verifier.numerics import verify_row
 from cloud_verifier.verdict_scan import Scan, scan_logits
-from cloud_verifier.verdict_scan_native import available as native_available
-from cloud_verifier.verdict_scan_numpy import EXACT_GAP
+from cloud_verifier.verdict_scan_native import available as native_available, scan_native
+from cloud_verifier.verdict_scan_numpy import BOUND_GAP, EXACT_GAP
 from common.types import DraftBlock, SamplingParams
 
 V = 32768  # a real vocabulary's scale: the scan's bounds and gathers only matter at this size
@@ -35,8 +35,8 @@ def _lm_rows(rng: np.random.Generator, n: int) -> np.ndarray:  # [n, V] float32,
     return x.astype(np.float32)
 
 
-def _special_rows() -> np.ndarray:  # [5, V] float32: the cases the scan must not get wrong
-    rows = np.zeros((5, V), dtype=np.float32)  # row 0: all tied (the top bucket alone holds > C tokens)
+def _special_rows() -> np.ndarray:  # [6, V] float32: the cases the scan must not get wrong
+    rows = np.zeros((6, V), dtype=np.float32)  # row 0: all tied (the top bucket alone holds > C tokens)
     rows[1, :] = -40.0  # row 1: one peak, nothing else within EXACT_GAP (fewer than C gathered: padding)
     rows[1, 123] = 0.0
     rows[2, :] = -17.5  # row 2 at T 1: every other token between the two gaps (the band's bound is what counts)
@@ -45,6 +45,10 @@ def _special_rows() -> np.ndarray:  # [5, V] float32: the cases the scan must no
     rows[3, 5] = 0.0
     rows[4, :100] = 3.0  # row 4: 100 tokens tied at the top, the rest far below
     rows[4, 100:] = -30.0
+    rows[5, :] = -40.0  # row 5 at T 1: tokens exactly at both thresholds (max - 16 and max - 20), in every tail
+    rows[5, 0] = 0.0
+    rows[5, 1::7] = -EXACT_GAP
+    rows[5, 3::11] = -BOUND_GAP
     return rows
 
 
@@ -108,9 +112,37 @@ def test_cpu_scan_on_a_view_of_the_valid_vocabulary_and_on_two_threads(backend):
         assert torch.equal(a, b)
 
 
+def _avx512() -> bool:
+    try:
+        return " avx512f" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def _library_built_with(flags: list[str] | None, tmp_path):  # None: this machine's default build
+    if flags is None:
+        return None
+    if not native_available():
+        pytest.skip("no C compiler: the compiled scan is unavailable")
+    if "-march=native" in flags and not _avx512():
+        pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
+    import shutil
+
+    from cloud_verifier.verdict_scan_native import compile_to, load
+
+    path = tmp_path / "scan.so"
+    compile_to(path, shutil.which("cc") or shutil.which("gcc"), flags)
+    return load(path)
+
+
+# each code path of verdict_scan_native.c: AVX-512, AVX2 (a CPU without AVX-512), plain C (neither)
+BUILDS = [None, ["-O3", "-march=native"], ["-O3", "-mavx2", "-mfma", "-mno-avx512f"], ["-O3", "-mno-avx", "-mno-avx2"]]
+
+
 @pytest.mark.skipif(not native_available(), reason="no C compiler: the compiled scan is unavailable")
+@pytest.mark.parametrize("flags", BUILDS, ids=["default", "avx512", "avx2", "plain"])
 @pytest.mark.parametrize("temperature", [0.3, 1.0])
-def test_native_scan_gives_the_numpy_scans_fields(temperature):
+def test_native_scan_gives_the_numpy_scans_fields(temperature, flags, tmp_path):
     """The compiled scan computes what the numpy one does, field for field: max, argmax and candidates equal
     (candidates as sets: the order among tied logits is free), normaliser bounds within 1e-13 (exp of two
     libraries), on LM-like rows, the special rows, faulty ones (NaN, +inf, all -inf) and greedy positions mixed
@@ -123,7 +155,12 @@ def test_native_scan_gives_the_numpy_scans_fields(temperature):
     n = sum(len(r) for r in rows)
     sampled = rng.random(n) < 0.8
     sampled[n - 8:n - 5], sampled[n - 5:n - 2] = True, False  # the faulty positions sampled, then greedy
-    a, b = (_scan(rows, temperature, sampled=sampled, backend=k) for k in ("numpy", "native"))
+    valid = V - 3  # not a multiple of the vector widths: the scalar tails run too
+    a = _scan(rows, temperature, valid, sampled=sampled, backend="numpy")
+    lib = _library_built_with(flags, tmp_path)
+    tensors = [torch.from_numpy(r) for r in rows]
+    b = Scan(*[torch.from_numpy(np.ascontiguousarray(f)) for f in scan_native(
+        tensors, valid, sampled, np.full(n, temperature), C, 1, lib=lib)])
     assert torch.equal(a.max_logit.isnan(), b.max_logit.isnan())
     ok = ~a.max_logit.isnan()
     assert torch.equal(a.max_logit[ok], b.max_logit[ok]) and torch.equal(a.argmax[ok], b.argmax[ok])
