@@ -70,6 +70,7 @@ def _library():
     # the model cache may be read-only to the service's user (a container image): then a private temp folder
     directories = [default_cache_dir() / "native",
                    Path(tempfile.gettempdir()) / f"specdec-native-{os.getuid() if hasattr(os, 'getuid') else 0}"]
+    last_error = ""
     for flags, directory in ((f, d) for f in _FLAG_SETS for d in directories):
         key = hashlib.sha256(source + " ".join([compiler, *flags]).encode() + _cpu_fingerprint().encode())
         path = directory / f"verdict_scan-{key.hexdigest()[:16]}.so"
@@ -78,9 +79,9 @@ def _library():
                 compile_to(path, compiler, flags)
             return load(path)
         except (OSError, subprocess.SubprocessError) as e:
-            log.info("compiling the verdict scan with %s %s into %s failed: %s", compiler, " ".join(flags),
-                     directory, e)
-    log.warning("the compiled verdict scan is unavailable (see the log above): the scan runs in numpy")
+            last_error = f"{compiler} {' '.join(flags)} into {directory}: {e}"
+            log.info("compiling the verdict scan with %s failed", last_error)
+    log.warning("the compiled verdict scan is unavailable (the last try, %s): the scan runs in numpy", last_error)
     return None
 
 
