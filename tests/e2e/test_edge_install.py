@@ -84,7 +84,7 @@ def test_cli_generate_edge_only_sampled(tiny_pair, verifier_address):
 
 def test_sdk_edge_only_is_greedy_identical(tiny_pair, verifier_address, expected):
     code = textwrap.dedent(f"""
-        from edge_client.client import EdgeClient
+        from specdec import EdgeClient  # the front door, as an app developer writes it
         with EdgeClient.connect({verifier_address!r}, {str(tiny_pair.draft_dir)!r}) as client:
             text = "".join(client.stream({PROMPT!r}, max_new_tokens={MAX_NEW}, ignore_eos=True))
             print(json.dumps({{"ids": client.last_result.token_ids, "text": text}}))
