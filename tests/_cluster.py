@@ -91,8 +91,10 @@ class Replica:
 
 
 def start_replicas(n: int, target_dir: Path, redis_url: str, prefix: str, workdir: Path, *,
-                   env: dict | None = None, names: list[str] | None = None) -> list[Replica]:
-    """Start ``n`` `specdec serve` replicas (in parallel) sharing Redis; return once all answer SERVING.
+                   env: dict | None = None, names: list[str] | None = None,
+                   wait_serving: bool = True) -> list[Replica]:
+    """Start ``n`` `specdec serve` replicas (in parallel) sharing Redis; return once all answer SERVING
+    (``wait_serving``; else at once).
 
     Raises:
         RuntimeError: a replica exited or did not become SERVING within START_TIMEOUT_S (its log attached).
@@ -113,6 +115,8 @@ def start_replicas(n: int, target_dir: Path, redis_url: str, prefix: str, workdi
                 stdout=logf, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT),
             )
         replicas.append(Replica(vid, port, metrics_port, proc, log_path))
+    if not wait_serving:
+        return replicas
     deadline = time.monotonic() + START_TIMEOUT_S
     for r in replicas:
         while health_status(r.address, timeout_s=0.5) != "SERVING":

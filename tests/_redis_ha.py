@@ -193,11 +193,19 @@ class ClusterSet(_Procs):
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
 
     def start(self) -> "ClusterSet":
+        return self.start_nodes().create()
+
+    def start_nodes(self) -> "ClusterSet":
+        """The nodes up, cluster-enabled, no slots assigned yet (a cluster still forming)."""
         for i in range(3 * (1 + self.replicas_per_master)):
             port_conf = f"nodes-{i}-{time.monotonic_ns()}.conf"
             self._start(["--cluster-enabled", "yes", "--cluster-config-file", port_conf, "--cluster-node-timeout",
                          str(self.node_timeout_ms), "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay",
                          "0"], f"node{i}", port=_cluster_port())
+        return self
+
+    def create(self) -> "ClusterSet":
+        """``redis-cli --cluster create`` over the nodes; returns once every node says cluster_state:ok."""
         out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                               "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
                              capture_output=True, text=True, timeout=60)
