@@ -17,24 +17,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.bench.chaos.procs import free_port, stop_process, wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 START_TIMEOUT_S = 120.0  # a replica loads torch + the target: ~10 s on 2 busy cores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred, timeout_s: float, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return bool(pred())
 
 
 def health_status(address: str, service: str = "specdec.v1.Verifier", timeout_s: float = 1.0) -> str:
@@ -49,17 +36,6 @@ def health_status(address: str, service: str = "specdec.v1.Verifier", timeout_s:
         except grpc.RpcError:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``timeout_s`` (only this process, by its pid)."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
 
 
 @dataclass
@@ -91,8 +67,10 @@ class Replica:
 
 
 def start_replicas(n: int, target_dir: Path, redis_url: str, prefix: str, workdir: Path, *,
-                   env: dict | None = None, names: list[str] | None = None) -> list[Replica]:
-    """Start ``n`` `specdec serve` replicas (in parallel) sharing Redis; return once all answer SERVING.
+                   env: dict | None = None, names: list[str] | None = None,
+                   wait_serving: bool = True) -> list[Replica]:
+    """Start ``n`` `specdec serve` replicas (in parallel) sharing Redis; return once all answer SERVING
+    (``wait_serving``; else at once).
 
     Raises:
         RuntimeError: a replica exited or did not become SERVING within START_TIMEOUT_S (its log attached).
@@ -113,6 +91,8 @@ def start_replicas(n: int, target_dir: Path, redis_url: str, prefix: str, workdi
                 stdout=logf, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT),
             )
         replicas.append(Replica(vid, port, metrics_port, proc, log_path))
+    if not wait_serving:
+        return replicas
     deadline = time.monotonic() + START_TIMEOUT_S
     for r in replicas:
         while health_status(r.address, timeout_s=0.5) != "SERVING":

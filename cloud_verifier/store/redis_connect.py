@@ -23,6 +23,7 @@ reconnect aside).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -150,7 +151,56 @@ def connect(target: RedisTarget, socket_timeout_s: float, *, sentinel_username: 
                                    health_check_interval=30)
     from redis.cluster import ClusterNode, RedisCluster
 
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], **common, **auth, **tls)
+    return LazyCluster(lambda: RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
+                                            **common, **auth, **tls))
+
+
+class LazyCluster:
+    """A ``RedisCluster`` built on first use, and built again on the next use while building fails.
+
+    ``RedisCluster(...)`` reads the slot map as it is constructed and raises ``RedisClusterException`` while
+    the cluster is still forming (nodes up, ``redis-cli --cluster create`` not yet run: "All slots are not
+    covered") or no node answers. Pods start together, so that is the usual order: the server must start,
+    say NOT_SERVING and find the cluster once it is formed, as it does for a standalone or Sentinel store
+    that is down at start. Building here answers ``ClusterDownError`` instead (a retryable error for
+    :class:`StoreCaller`, "not answering" for the health check). ``factory``: builds the client (no
+    arguments)."""
+
+    PRIMARIES, REPLICAS, ALL_NODES, RANDOM = "primaries", "replicas", "all", "random"
+
+    def __init__(self, factory: Callable[[], Any]):
+        self._factory, self._client = factory, None
+        self._lock = threading.Lock()
+
+    def built(self):
+        """The ``RedisCluster``, built now if not yet.
+
+        Raises:
+            redis.exceptions.ClusterDownError: the slot map cannot be read yet (its reason in the message).
+        """
+        if self._client is None:
+            from redis.exceptions import ClusterDownError, RedisClusterException
+
+            with self._lock:
+                if self._client is None:
+                    try:
+                        self._client = self._factory()
+                    except RedisClusterException as e:
+                        raise ClusterDownError(f"cluster not ready: {' '.join(str(e).split())[:200]}") from e
+        return self._client
+
+    def register_script(self, script: str):
+        """A ``Script`` bound to this client: it builds the cluster client when first run, not now."""
+        from redis.commands.core import Script
+
+        return Script(self, script.encode() if isinstance(script, str) else script)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.built(), name)
 
 
 def _retryable() -> tuple[type[BaseException], ...]:

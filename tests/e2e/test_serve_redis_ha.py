@@ -82,3 +82,30 @@ def test_serve_on_a_cluster(redis_binaries, tiny_pair, tmp_path):
         for r in replicas:
             stop_process(r.proc)
         cluster.stop()
+
+
+def test_serve_started_before_the_cluster_is_created(redis_binaries, tiny_pair, tmp_path):
+    """Pods start together: the nodes are up but ``redis-cli --cluster create`` has not run yet. The server
+    stays up NOT_SERVING (one log line, no traceback), turns SERVING once the cluster is formed, and serves."""
+    cluster = ClusterSet(*redis_binaries, replicas_per_master=0).start_nodes()
+    replicas = []
+    try:
+        replicas = start_replicas(1, tiny_pair.target_dir, cluster.url, f"specdec-test:{uuid.uuid4().hex}:",
+                                  tmp_path, env={"SPECDEC_HEALTH_CHECK_INTERVAL_S": "0.2"}, wait_serving=False)
+        (replica,) = replicas
+        assert wait_until(lambda: health_status(replica.address) == "NOT_SERVING" or not replica.alive(), 120.0,
+                          step_s=0.2), replica.log()
+        assert not wait_until(lambda: not replica.alive() or health_status(replica.address) != "NOT_SERVING",
+                              3.0, step_s=0.2), replica.log()
+        log = replica.log()
+        assert "Traceback" not in log and "NOT_SERVING: session store unreachable" in log, log
+
+        cluster.create()
+        assert wait_until(lambda: health_status(replica.address) == "SERVING", 30.0, step_s=0.2), replica.log()
+        ids, result = _generate(replica.address, tiny_pair)
+        assert result.token_ids == hf_greedy(tiny_pair.target_dir, ids, MAX_NEW_TOKENS)
+        assert "Traceback" not in replica.log()
+    finally:
+        for r in replicas:
+            stop_process(r.proc)
+        cluster.stop()
