@@ -17,7 +17,7 @@ class BuildPyWithProtos(build_py):
         finally:
             sys.path.pop(0)
         generate(ROOT)  # into the source tree: serves editable installs
-        super().run()  # copies specdec/v1/*_pb2*.py into the wheel for normal installs
+        super().run()  # copies common/v1/*_pb2*.py into the wheel for normal installs
 
 
 setup(cmdclass={"build_py": BuildPyWithProtos})

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from common.errors import InvalidRequestError, RateLimitedError, VerifierUnavailableError
 from common.types import DraftBlock, Verdict
 from common.wire import verdict_to_proto
-from specdec.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2 as pb
 
 if TYPE_CHECKING:
     from cloud_verifier.verifier import Verifier

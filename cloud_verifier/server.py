@@ -50,8 +50,8 @@ from cloud_verifier.verify_stream import STREAM_WINDOW
 from common.errors import SpecdecError, VerifierUnavailableError
 from common.keepalive import server_keepalive_options
 from common.wire import MAX_MESSAGE_BYTES
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.config import VerifierSettings

@@ -27,8 +27,8 @@ from common.wire import (
     session_opened_to_proto,
     verdict_to_proto,
 )
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.store import SessionRecord

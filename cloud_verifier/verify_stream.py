@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from common.errors import SpecdecError, VerifierUnavailableError
 from common.types import Verdict
 from common.wire import BlockRequest, block_from_proto, verdict_to_proto
-from specdec.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2 as pb
 
 if TYPE_CHECKING:
     from cloud_verifier.verifier import Verifier

@@ -1,4 +1,4 @@
-"""Conversions between the wire messages (specdec.v1, protos/specdec/v1/verifier.proto) and common.types.
+"""Conversions between the wire messages (specdec.v1, protos/common/v1/verifier.proto) and common.types.
 
 Used by both sides: the verifier's gRPC servicer (cloud_verifier.servicer) and the edge's gRPC backend
 (edge_client.grpc_backend). Incoming requests convert to typed results (:class:`OpenRequest`,
@@ -21,7 +21,7 @@ from common.types import (
     DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, TokenLogprobs,
     Verdict,
 )
-from specdec.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2 as pb
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 

@@ -49,8 +49,8 @@ from edge_client.backend import VerifierBackend
 from edge_client.credentials import ChannelSecurity
 from edge_client.grpc_errors import is_broken_stream, map_rpc_error
 from edge_client.verify_stream import Pending, VerifyStream
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 __all__ = ["AFFINITY_HEADER", "CHANNEL_OPTIONS", "GrpcBackend", "WireStats", "is_broken_stream"]
 

@@ -20,7 +20,7 @@ import grpc
 
 from common.errors import SpecdecError, VerifierUnavailableError
 from common.wire import verdict_from_proto
-from specdec.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2 as pb
 
 if TYPE_CHECKING:
     from edge_client.grpc_backend import GrpcBackend

@@ -1,6 +1,9 @@
-"""Generate the gRPC/protobuf stubs of ``protos/specdec/v1/*.proto`` into ``specdec/v1/``.
+"""Generate the gRPC/protobuf stubs of ``protos/common/v1/*.proto`` into ``common/v1/``.
 
-This is the one build step that produces stubs (they are never committed nor edited by hand).
+This is the one build step that produces stubs (they are never committed nor edited by hand). The stubs'
+Python package follows the proto's path under ``protos/`` (``common/v1/verifier.proto`` -> ``common.v1``): the
+runtime's own package, so edge_client/ and cloud_verifier/ never import the tooling package for them. The proto
+package inside the file stays ``specdec.v1`` (the service's full name on the wire, ``specdec.v1.Verifier``).
 It runs from ``setup.py`` on every install/build (``pip install .`` and ``pip install -e .``)
 and from ``make proto``; ``python -m specdec.protogen`` runs it by hand.
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
+STUBS_PACKAGE = Path("common", "v1")  # where the generated modules land, relative to the output root
 
 
 def generate(root: Path = ROOT, out_dir: Path | None = None) -> list[Path]:
@@ -40,7 +44,7 @@ def generate(root: Path = ROOT, out_dir: Path | None = None) -> list[Path]:
     rc = protoc.main(args)
     if rc != 0:
         raise RuntimeError(f"grpc_tools.protoc failed with exit code {rc}: {' '.join(args)}")
-    return sorted((out / "specdec" / "v1").glob("*_pb2*.py*"))
+    return sorted((out / STUBS_PACKAGE).glob("*_pb2*.py*"))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ from cloud_verifier.store import RedisSessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 from _reference import hf_greedy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.redis]

@@ -1,6 +1,6 @@
 """The wire contract's checks, one by one, over real gRPC (EmbeddedServer + raw ``specdec.v1`` stub calls).
 
-protos/specdec/v1/verifier.proto documents which requests the verifier refuses and with which status code;
+protos/common/v1/verifier.proto documents which requests the verifier refuses and with which status code;
 for every such check this file sends a request that fails exactly that check and asserts
 
 - the exact status code (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED);
@@ -9,7 +9,7 @@ for every such check this file sends a request that fails exactly that check and
 - that a correct request afterwards still works (the next block with the next seq is verified and committed).
 
 Block checks run on both transports: the unary ``VerifyBlock`` and the bidi ``Verify`` stream (a failing block
-ends the stream with its status). Messages are built by hand with ``specdec.v1.verifier_pb2`` so that malformed
+ends the stream with its status). Messages are built by hand with ``common.v1.verifier_pb2`` so that malformed
 ones (ragged rows, NaN, ids outside int32 ranges the SDK refuses to build) reach the server as such.
 """
 
@@ -28,8 +28,8 @@ from cloud_verifier.store import MemorySessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 

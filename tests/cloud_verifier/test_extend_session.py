@@ -166,7 +166,7 @@ def test_errors_leave_the_session_unchanged(local, runner, turns):
 def test_grpc_status_codes(runner, turns):
     """The wire answers each error with its documented status code (never INTERNAL)."""
     from common.wire import extend_request_to_proto
-    from specdec.v1 import verifier_pb2_grpc as pb_grpc
+    from common.v1 import verifier_pb2_grpc as pb_grpc
     from edge_client.grpc_backend import GrpcBackend
 
     prompt, reply1, appended, reply2 = turns
@@ -254,7 +254,7 @@ def test_failover_retry_of_an_applied_extension_is_reconciled(tiny_pair, runner,
     from cloud_verifier.store import RedisSessionStore
     from common.wire import extend_request_to_proto
     from edge_client.failover import FailoverBackend, RetryPolicy
-    from specdec.v1 import verifier_pb2_grpc as pb_grpc
+    from common.v1 import verifier_pb2_grpc as pb_grpc
 
     prompt, reply1, appended, reply2 = turns
     prefix = f"specdec-test:{uuid.uuid4().hex}:"

@@ -40,8 +40,8 @@ from cloud_verifier.security import ServerSecurity
 from cloud_verifier.store import MemorySessionStore
 from common.types import SamplingParams, StoppingCriteria
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(600)
 

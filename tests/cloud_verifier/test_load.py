@@ -35,8 +35,8 @@ from edge_client.grpc_backend import GrpcBackend
 from edge_client.ngram import NgramDrafter
 from edge_client.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(240)
 

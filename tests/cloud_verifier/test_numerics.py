@@ -25,8 +25,8 @@ from common.errors import TargetOutputError
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
 from common.wire import block_to_proto, open_request_to_proto
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -36,8 +36,8 @@ from common.wire import MAX_MESSAGE_BYTES, block_to_proto, open_request_to_proto
 from edge_client.credentials import ChannelSecurity
 from edge_client.grpc_backend import CHANNEL_OPTIONS, GrpcBackend
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -29,8 +29,8 @@ from common.errors import (
 )
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
 from common.wire import block_to_proto, open_request_to_proto
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,8 @@ from cloud_verifier.verifier import Verifier
 from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
 from edge_client.grpc_backend import GrpcBackend
 from specdec.embedded import EmbeddedServer
-from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as pb_grpc
+from common.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

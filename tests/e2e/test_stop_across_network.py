@@ -29,7 +29,7 @@ from edge_client.drafter import ModelDrafter
 from edge_client.grpc_backend import GrpcBackend
 from edge_client.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
-from specdec.v1 import verifier_pb2 as pb
+from common.v1 import verifier_pb2 as pb
 
 pytestmark = [pytest.mark.timeout(180)]
 

@@ -144,7 +144,7 @@ def test_block_committed_before_the_failure_is_reconciled_once(replicas, prompt_
     """Replica A commits a block and goes away before its verdict reaches the client: the retry on B (same seq,
     same committed length) is refused, and the verdict is rebuilt from the store — not committed twice."""
     from common.wire import block_to_proto
-    from specdec.v1 import verifier_pb2_grpc as pb_grpc
+    from common.v1 import verifier_pb2_grpc as pb_grpc
 
     (addr_a, addr_b), _, (server_a, _), store = replicas
     backend = FailoverBackend([addr_a, addr_b], policy=RetryPolicy(connect_timeout_s=2.0, budget_s=20.0))

@@ -201,7 +201,7 @@ class _Slot:
         import grpc
 
         from edge_client.grpc_backend import CHANNEL_OPTIONS
-        from specdec.v1 import verifier_pb2_grpc as pb_grpc
+        from common.v1 import verifier_pb2_grpc as pb_grpc
 
         channel = grpc.aio.insecure_channel(self.r.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.VerifierStub(channel)
@@ -222,7 +222,7 @@ class _Slot:
 
         from common.types import SamplingParams, StoppingCriteria
         from common.wire import open_request_to_proto
-        from specdec.v1 import verifier_pb2 as pb
+        from common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         request = open_request_to_proto(p.prompt_token_ids, SamplingParams(),
@@ -259,7 +259,7 @@ class _Slot:
         the window ended first or a verdict differs from the recorded one (a mismatch)."""
         import grpc
 
-        from specdec.v1 import verifier_pb2 as pb
+        from common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         for step in p.steps:
@@ -292,7 +292,7 @@ class _Slot:
     async def _decode(self, p: RecordedPrompt, sid: str) -> bool:
         """Cloud decode of the session (one Decode stream from the prompt): True when the whole recorded output
         came and matched, False when the window ended first (the call is cancelled) or a token differs."""
-        from specdec.v1 import verifier_pb2 as pb
+        from common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         call = self.stub.Decode(pb.DecodeRequest(session_id=sid, seq=1, committed_length=len(p.prompt_token_ids)))

@@ -1,1 +1,0 @@
-"""Generated stubs of protos/specdec/v1 (made by specdec/protogen.py at install time; not committed)."""
