@@ -94,6 +94,11 @@ class EdgeTokenizer:
             raise ValueError(f"{model_dir}: cannot read the tokenizer: {e}") from None
         return cls(tok, config, _read_chat_template(model_dir, config))
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` underneath (the attribute an HF fast tokenizer has by this name)."""
+        return self._tok
+
     # ------------------------------------------------------------------ ids
     def __len__(self) -> int:
         """Number of ids, added tokens included (``len()`` of an HF tokenizer)."""

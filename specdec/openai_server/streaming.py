@@ -10,7 +10,7 @@ import time
 
 from .engine import Engine, Outcome, _Job, next_item
 from .errors import api_error_for
-from .logprobs import chat_logprobs, completion_logprobs, response_logprobs
+from .logprobs import TextOffsets, chat_logprobs, completion_logprobs, response_logprobs
 from .request import GenRequest
 from .structured import ChoiceDeltas, chat_message
 
@@ -125,7 +125,7 @@ class _SseEvents:
         state.num_logprobs += len(logprobs)
         if self.chat:
             return chat_logprobs(self.tokenizer, token_ids, logprobs)
-        return completion_logprobs(self.tokenizer, token_ids, logprobs, state.num_chars)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, state.offsets)
 
     def _chunk_events(self, index: int, state: "_ChoiceStream", item: tuple) -> list[str]:
         """The events of one chunk; its tokens' logprobs go with the last (held over when its text is held)."""
@@ -139,8 +139,6 @@ class _SseEvents:
         if choices and state.pending_logprobs:
             choices[-1]["logprobs"] = self._logprobs(state, state.pending_ids, state.pending_logprobs)
             state.pending_ids, state.pending_logprobs = [], []
-        if not self.chat:
-            state.num_chars += len(text)
         return [self.event([c]) for c in choices]
 
     def _finish_events(self, index: int, state: "_ChoiceStream", outcome: Outcome) -> list[str]:
@@ -167,6 +165,6 @@ class _ChoiceStream:
 
     deltas: ChoiceDeltas  # tool-call deltas (chat)
     num_logprobs: int = 0  # logprob entries streamed
-    num_chars: int = 0  # text streamed (completions: the next text_offset)
+    offsets: TextOffsets = dataclasses.field(default_factory=TextOffsets)  # completions: text_offset so far
     pending_ids: list = dataclasses.field(default_factory=list)  # tokens of held-back text, with their logprobs
     pending_logprobs: list = dataclasses.field(default_factory=list)
