@@ -128,7 +128,14 @@ def test_n_choices_greedy_and_seeded(client, target_only):
 def test_out_of_range_is_400_naming_the_parameter(client, options, param):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, **options)
-    assert param in str(e.value)
+    assert e.value.param == param, e.value.body
+
+
+def test_completions_logit_bias_out_of_the_vocabulary_names_it(client):
+    c, model = client
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias={"49152": 1})
+    assert e.value.param == "logit_bias" and "[0, 49152)" in e.value.message
 
 
 def test_streamed_logprobs_arrive_with_their_chunks(client):
