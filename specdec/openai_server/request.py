@@ -94,8 +94,9 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     return kind(value)
 
 
-def _processing_kwargs(body: dict, chat: bool) -> tuple[dict, bool]:
-    """The logits-processing options of ``body`` (only those set) and whether logprobs are reported."""
+def _processing_kwargs(body: dict, chat: bool, vocab_size: int) -> tuple[dict, bool]:
+    """The logits-processing options of ``body`` (only those set) and whether logprobs are reported
+    (``vocab_size``: logit_bias token ids must be below it)."""
     from common.types import MAX_TOP_LOGPROBS
 
     kw: dict = {}
@@ -112,7 +113,7 @@ def _processing_kwargs(body: dict, chat: bool) -> tuple[dict, bool]:
         kw["repetition_penalty"] = rep
     bias = body.get("logit_bias")
     if bias:
-        kw["logit_bias"] = _logit_bias(bias)
+        kw["logit_bias"] = _logit_bias(bias, vocab_size)
     if chat:
         logprobs = body.get("logprobs") or False
         if not isinstance(logprobs, bool):
@@ -129,8 +130,8 @@ def _processing_kwargs(body: dict, chat: bool) -> tuple[dict, bool]:
     return kw, logprobs
 
 
-def _logit_bias(bias) -> dict[int, float]:
-    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as {id: bias}."""
+def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as {id: bias}; ids in [0, vocab_size)."""
     if not isinstance(bias, dict):
         raise ApiError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
     out = {}
@@ -141,6 +142,9 @@ def _logit_bias(bias) -> dict[int, float]:
             raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100 or token < 0:
             raise ApiError(400, f"'logit_bias' of token {key} must be a number in [-100, 100], got {value!r}",
+                           param="logit_bias")
+        if token >= vocab_size:
+            raise ApiError(400, f"'logit_bias' token id must be in [0, {vocab_size}), got {token}",
                            param="logit_bias")
         out[token] = float(value)
     return out
@@ -187,9 +191,9 @@ def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
     return kwargs, stream, bool(options.get("include_usage"))
 
 
-def _request(body: dict, prompt_ids: list[int], chat: bool) -> GenRequest:
+def _request(body: dict, prompt_ids: list[int], chat: bool, vocab_size: int) -> GenRequest:
     kwargs, stream, include_usage = _generation_kwargs(body, chat)
-    processing, logprobs = _processing_kwargs(body, chat)
+    processing, logprobs = _processing_kwargs(body, chat, vocab_size)
     n = _number(body, "n", 1, int, 1, MAX_N)
     return GenRequest(prompt_ids, {**kwargs, **processing}, stream, include_usage, chat=chat, n=n,
                       logprobs=logprobs)
@@ -267,12 +271,12 @@ def chat_request(body: dict, tokenizer) -> GenRequest:
     grammar, tools, raw_messages = structured_request(body, tokenizer)
     messages = parse_messages(raw_messages)
     _generation_kwargs(body, chat=True)  # parameter errors before template errors
-    _processing_kwargs(body, chat=True)
+    _processing_kwargs(body, chat=True, vocab_size=len(tokenizer))
     try:
         prompt_ids = render_chat_ids(tokenizer, messages)
     except (ValueError, TypeError) as e:  # the template refused the messages (e.g. roles out of order)
         raise ApiError(400, f"cannot render the messages: {e}", param="messages") from None
-    req = _request(body, prompt_ids, chat=True)
+    req = _request(body, prompt_ids, chat=True, vocab_size=len(tokenizer))
     req.kwargs.update(grammar)
     req.tools = tools
     return req
@@ -294,4 +298,4 @@ def completion_request(body: dict, tokenizer) -> GenRequest:
     else:
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per "
                        "request)", param="prompt")
-    return _request(body, prompt_ids, chat=False)
+    return _request(body, prompt_ids, chat=False, vocab_size=len(tokenizer))

@@ -128,7 +128,14 @@ def test_n_choices_greedy_and_seeded(client, target_only):
 def test_out_of_range_is_400_naming_the_parameter(client, options, param):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, **options)
-    assert param in str(e.value)
+    assert e.value.param == param, e.value.body
+
+
+def test_completions_logit_bias_out_of_the_vocabulary_names_it(client):
+    c, model = client
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias={"49152": 1})
+    assert e.value.param == "logit_bias" and "[0, 49152)" in e.value.message
 
 
 def test_streamed_logprobs_arrive_with_their_chunks(client):
@@ -152,3 +159,48 @@ def test_streamed_logprobs_arrive_with_their_chunks(client):
     assert [t for p in parts for t in p.tokens] == ref.tokens
     assert [v for p in parts for v in p.token_logprobs] == pytest.approx(ref.token_logprobs, abs=1e-4)
     assert [o for p in parts for o in p.text_offset] == ref.text_offset
+
+
+# a value that is not neutral for each parameter docs/openai.md may list as refused or as supported
+_DOC_SAMPLES = {
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto", "echo": True,
+    "best_of": 2, "suffix": "!", "modalities": ["audio"], "audio": {"voice": "x"}, "prediction": {"type": "content"},
+    "reasoning_effort": "low", "web_search_options": {}, "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+}
+
+
+def _doc_row(title: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    return next(line for line in text.splitlines() if line.startswith(f"| {title} |"))
+
+
+def _named(text: str) -> list[str]:
+    import re
+
+    return [n for n in re.findall(r"`(\w+)`", text) if n in _DOC_SAMPLES]
+
+
+def test_docs_refused_and_supported_parameters_are_so(client):
+    """docs/openai.md's 'refused with 400' row names what the endpoint refuses (chat, then `/v1/completions`
+    after 'on `/v1/completions`'), and its structured-output row what chat accepts."""
+    c, model = client
+    chat_part, completions_part = _doc_row("refused with 400").split("on `/v1/completions`", 1)
+    refused = [("chat", n) for n in _named(chat_part)] + [("completions", n) for n in _named(completions_part)]
+    assert len(refused) >= 10, refused
+    for api, name in refused:
+        extra = {name: _DOC_SAMPLES[name]}
+        with pytest.raises(openai.BadRequestError) as e:
+            if api == "chat":
+                c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=extra)
+            else:
+                c.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert e.value.param == name, (api, name, e.value.body)
+    supported = _named(_doc_row("structured output and tools (chat)"))
+    assert set(supported) == {"response_format", "tools"}
+    for name in supported:
+        out = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                        extra_body={name: _DOC_SAMPLES[name]})
+        assert out.choices[0].finish_reason
