@@ -3,11 +3,11 @@ multi-turn session (ExtendSession). Part of :class:`cloud_verifier.sessions.Sess
 state is defined there).
 
 - **Admission**: at most ``max_sessions`` sessions per replica, sessions being opened (prefilled) included;
-  each session takes KV blocks from the target's paged pool (:mod:`cloud_verifier.kv_pool`) for the tokens it
-  actually holds: its prompt at open, more blocks as its blocks are verified (:meth:`SessionTable.block_in_flight`),
-  whole blocks back when a rejected tail is rolled back. Its limit (prompt + ``max_new_tokens``, capped by the
+  each session takes KV pages from the target's paged pool (:mod:`cloud_verifier.kv_pool`) for the tokens it
+  actually holds: its prompt at open, more pages as its blocks are verified (:meth:`SessionTable.block_in_flight`),
+  whole pages back when a rejected tail is rolled back. Its limit (prompt + ``max_new_tokens``, capped by the
   context) bounds validation, and must fit the whole pool (else refused at open,
-  :class:`~common.errors.CapacityError`). Sessions may together need more blocks than the pool has: a row
+  :class:`~common.errors.CapacityError`). Sessions may together need more pages than the pool has: a row
   that finds none waits, and later admitted sessions are preempted for earlier ones
   (:mod:`cloud_verifier.kv_scheduler`); a client sees only delay.
 - **Prefill**: the committed tokens but the last are prefilled in chunks of ``prefill_chunk_tokens``, each
@@ -15,7 +15,7 @@ state is defined there).
 - **Resume**: a session unknown here but present in the store (its replica crashed or drained) is rebuilt by
   prefilling its committed tokens, then claimed in the store. Concurrent requests for the same session share
   one resume (one prefill).
-- **Extend**: the next turn's tokens are prefilled after the KV cache of everything before (more blocks, no
+- **Extend**: the next turn's tokens are prefilled after the KV cache of everything before (more pages, no
   copy), then committed to the store.
 """
 
@@ -157,11 +157,11 @@ class SessionAdmission:
                 self._opening -= 1
 
     async def _prefill(self, record: SessionRecord) -> Session:
-        """Take KV blocks for ``record``'s committed tokens except the last, prefill them (in chunks), add the
+        """Take KV pages for ``record``'s committed tokens except the last, prefill them (in chunks), add the
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
         # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/prefix_cache.py)
-        with self._lock:  # block tables change under the table's lock (the batcher preempts under it)
+        with self._lock:  # page tables change under the table's lock (the batcher preempts under it)
             kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
         stop = StopChecker(
             self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
@@ -177,7 +177,7 @@ class SessionAdmission:
             prefix = record.committed_token_ids[:-1]
             for begin in range(cached, len(prefix), self.prefill_chunk_tokens):
                 await self.prefill_chunk(session, prefix[begin : begin + self.prefill_chunk_tokens], begin)
-                # committed tokens: their full blocks are final, shared with sessions opening from now on
+                # committed tokens: their full pages are final, shared with sessions opening from now on
                 with self._lock:
                     cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
         except BaseException:
@@ -197,14 +197,14 @@ class SessionAdmission:
                      stopping: StoppingCriteria) -> Session:
         """Continue a finished (or not started) session with the next turn of its conversation: raise its KV
         limit to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
-        take blocks for the new tokens and prefill only them (the last committed token, then ``appended`` but its
+        take pages for the new tokens and prefill only them (the last committed token, then ``appended`` but its
         last, in chunks of ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the turn
         in the store
         (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's output starts
         at the new committed length. ``appended``: validated token ids; ``sampling`` with the seed to draw with.
 
         Nothing committed changes on any error (positions the prefill wrote lie past the committed length: their
-        blocks are dropped when the turn ends).
+        pages are dropped when the turn ends).
 
         Raises:
             ConflictError: ``expected_length`` differs from the session's committed length.
@@ -233,15 +233,15 @@ class SessionAdmission:
             new_length = record.committed_length + len(appended)
             needed = min(self.info.max_context_tokens, new_length + stopping.max_new_tokens)
             limit = session.kv.capacity
-            session.kv.capacity = max(limit, needed)  # a limit: memory comes as blocks, no copy
+            session.kv.capacity = max(limit, needed)  # a limit: memory comes as pages, no copy
             history = [*record.committed_token_ids, *appended]
-            with self._lock:  # block tables change under the table's lock (the batcher preempts under it)
+            with self._lock:  # page tables change under the table's lock (the batcher preempts under it)
                 try:
                     self.target.check_fits(session.kv.capacity)
                 except CapacityError:
                     session.kv.capacity = limit
                     raise
-                # blocks of this history another session left in the prefix cache are taken, not prefilled
+                # pages of this history another session left in the prefix cache are taken, not prefilled
                 skip_begin, skip_end = (extend_session_kv(self.target, session.kv, history, start, record.tenant_id)
                                         if session.kv.rebuild_from is None else (start, start))
                 # best effort: a pool short now leaves it to the batcher (it preempts later sessions if it must)

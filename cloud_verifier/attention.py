@@ -2,7 +2,7 @@
 
 All rows of a batch (draft blocks of different sessions, prefill chunks) are flattened into one sequence of
 T tokens by :class:`cloud_verifier.target.TargetRunner`; projections and MLPs run over it as one matmul. Each
-row's keys/values live in the blocks of its session's block table in the :class:`~cloud_verifier.kv_pool.KVPool`.
+row's keys/values live in the pages of its session's page table in the :class:`~cloud_verifier.kv_pool.KVPool`.
 :func:`ragged_attention`, registered under ``ATTN_IMPLEMENTATION`` so that any HF causal LM whose attention
 layers use the interface (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ...) runs it, sliding
 windows and score soft-capping included, does per layer:
@@ -10,7 +10,7 @@ windows and score soft-capping included, does per layer:
 1. one ``index_copy_`` of the batch's new keys and values into the pool (a slot mapping [T], computed once
    per forward pass);
 2. ONE attention call for the whole batch: rows are cut into pieces of at most ``piece`` queries (a prefill
-   chunk becomes several pieces, a verify row is one), each piece's key blocks are gathered from the pool with
+   chunk becomes several pieces, a verify row is one), each piece's key pages are gathered from the pool with
    one ``index_select`` into a padded batch [pieces, num_kv_heads, keys, head_dim], and one
    ``scaled_dot_product_attention`` (or, with soft-capping, one batched matmul-softmax-matmul) runs over it
    with a boolean mask (causal, window, padding). The gather indices and masks are built once per forward
@@ -48,55 +48,55 @@ class PagedBatch:
     def __init__(self, pool: KVPool, reference: bool = False):
         self.pool = pool
         self.reference = reference
-        self.rows: list[tuple[list[int], int, int, int]] = []  # (block table, first flat index, n, start position)
+        self.rows: list[tuple[list[int], int, int, int]] = []  # (page table, first flat index, n, start position)
         self.slots: torch.Tensor | None = None  # [T] flat pool slot of each token
         self._plans: dict[tuple[int | None, int], tuple] = {}
 
-    def add_row(self, blocks: list[int], begin: int, n: int, start: int) -> None:
-        self.rows.append((blocks, begin, n, start))
+    def add_row(self, pages: list[int], begin: int, n: int, start: int) -> None:
+        self.rows.append((pages, begin, n, start))
 
     def finish(self, device: torch.device) -> None:
-        """Compute the slot mapping [T]: token at position p of a row goes to slot blocks[p // bs] * bs + p % bs."""
-        bs = self.pool.block_size
+        """Compute the slot mapping [T]: token at position p of a row goes to slot pages[p // bs] * bs + p % bs."""
+        bs = self.pool.page_size
         slots = []
-        for blocks, _, n, start in self.rows:
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        for pages, _, n, start in self.rows:
+            slots.extend(pages[p // bs] * bs + p % bs for p in range(start, start + n))
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
 
     def plan(self, window: int | None, group: int, device: torch.device) -> tuple:
-        """(query index [P * Q], key block index [P * NB], mask [P, 1, group * Q, NB * bs], output index [T],
-        Q, NB) of the pieces for ``window`` (None = full attention), cached: P pieces of Q queries, NB key blocks
+        """(query index [P * Q], key page index [P * NB], mask [P, 1, group * Q, NB * bs], output index [T],
+        Q, NB) of the pieces for ``window`` (None = full attention), cached: P pieces of Q queries, NB key pages
         each; the mask is repeated for the ``group`` query heads stacked per KV head."""
         if (window, group) not in self._plans:
             self._plans[(window, group)] = self._build_plan(window, group, device)
         return self._plans[(window, group)]
 
     def _build_plan(self, window: int | None, group: int, device: torch.device) -> tuple:
-        bs = self.pool.block_size
+        bs = self.pool.page_size
         longest = max(n for _, _, n, _ in self.rows)
         q = longest if len(self.rows) == 1 else min(longest, PIECE_TOKENS)
-        pieces = []  # (block table, first flat index, piece length, first position, first key block)
-        for blocks, begin, n, start in self.rows:
+        pieces = []  # (page table, first flat index, piece length, first position, first key page)
+        for pages, begin, n, start in self.rows:
             for off in range(0, n, q):
                 m = min(q, n - off)
-                pieces.append((blocks, begin + off, m, start + off, _first_key(start + off, window) // bs))
-        num_blocks = max(-(-(pos + m) // bs) - lo for _, _, m, pos, lo in pieces)
+                pieces.append((pages, begin + off, m, start + off, _first_key(start + off, window) // bs))
+        num_pages = max(-(-(pos + m) // bs) - lo for _, _, m, pos, lo in pieces)
         qidx, kidx, qpos, kfirst, oidx = [], [], [], [], []
-        for i, (blocks, first, m, pos, lo) in enumerate(pieces):
+        for i, (pages, first, m, pos, lo) in enumerate(pieces):
             # padded queries repeat the piece's last token (a real row of the mask: no all-masked softmax)
             qidx.extend(first + min(j, m - 1) for j in range(q))
             qpos.extend(pos + min(j, m - 1) for j in range(q))
-            table = blocks[lo : -(-(pos + m) // bs)]
-            kidx.extend(table + [table[0]] * (num_blocks - len(table)))  # padding blocks: masked out
+            table = pages[lo : -(-(pos + m) // bs)]
+            kidx.extend(table + [table[0]] * (num_pages - len(table)))  # padding pages: masked out
             kfirst.append(lo * bs)
             oidx.extend(i * q + j for j in range(m))
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         qp = as_long(qpos).view(len(pieces), 1, q, 1)
-        kp = (as_long(kfirst).view(-1, 1) + torch.arange(num_blocks * bs, device=device)).view(len(pieces), 1, 1, -1)
+        kp = (as_long(kfirst).view(-1, 1) + torch.arange(num_pages * bs, device=device)).view(len(pieces), 1, 1, -1)
         mask = kp <= qp
         if window is not None:
             mask &= kp > qp - window
-        return as_long(qidx), as_long(kidx), mask.repeat(1, 1, group, 1), as_long(oidx), q, num_blocks
+        return as_long(qidx), as_long(kidx), mask.repeat(1, 1, group, 1), as_long(oidx), q, num_pages
 
 
 def ragged_attention(
@@ -117,7 +117,7 @@ def ragged_attention(
 
     ``sliding_window`` (Mistral, Qwen2, Phi-3, Gemma's local layers; None = full attention): a query at position
     i sees keys at positions i - sliding_window < j <= i, HF's convention. The whole cache is kept (rolling back
-    stays free); only the window's key blocks are read. ``softcap`` (Gemma 2): scores become
+    stays free); only the window's key pages are read. ``softcap`` (Gemma 2): scores become
     softcap * tanh(s / softcap) before the softmax. HF's ``attention_mask`` is ignored: rows never see each
     other, and padding inside the call is masked out.
 
@@ -137,13 +137,13 @@ def ragged_attention(
     pool = batch.pool.tensor
     num_heads, head_dim, num_kv = query.shape[1], query.shape[3], pool.shape[4]
     group = num_heads // num_kv
-    qidx, kidx, mask, oidx, q, num_blocks = batch.plan(window, group, query.device)
+    qidx, kidx, mask, oidx, q, num_pages = batch.plan(window, group, query.device)
     pieces = mask.shape[0]
     # queries [pieces, num_kv, group * q, head_dim]: query head h uses KV head h // group, as HF's repeat_kv
     qs = query[0].transpose(0, 1).index_select(0, qidx).view(pieces, q, num_kv, group, head_dim)
     qs = qs.permute(0, 2, 3, 1, 4).reshape(pieces, num_kv, group * q, head_dim)
-    ks = pool[layer, 0].index_select(0, kidx).view(pieces, num_blocks * batch.pool.block_size, num_kv, head_dim)
-    vs = pool[layer, 1].index_select(0, kidx).view(pieces, num_blocks * batch.pool.block_size, num_kv, head_dim)
+    ks = pool[layer, 0].index_select(0, kidx).view(pieces, num_pages * batch.pool.page_size, num_kv, head_dim)
+    vs = pool[layer, 1].index_select(0, kidx).view(pieces, num_pages * batch.pool.page_size, num_kv, head_dim)
     o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), mask, scaling, softcap)
     o = o.view(pieces, num_kv, group, q, head_dim).permute(0, 3, 1, 2, 4).reshape(pieces * q, num_heads, head_dim)
     return o.index_select(0, oidx).unsqueeze(0), None
@@ -171,16 +171,16 @@ def reference_attention(
     softcap: float | None,
 ) -> torch.Tensor:  # [1, T, num_heads, head_dim]
     """The per-row reference loop (the attention before the paged pool): per row, its keys/values gathered from
-    its block table, then one SDPA call (a prefill chunk of more than ``SMALL_ROW_TOKENS`` tokens) or
+    its page table, then one SDPA call (a prefill chunk of more than ``SMALL_ROW_TOKENS`` tokens) or
     :func:`small_attention` (two ``bmm`` calls). Kept only for the tests that compare the paged path with it.
     The new keys must already be in the pool."""
-    bs = batch.pool.block_size
+    bs = batch.pool.page_size
     keys, values = batch.pool.layer(layer, 0), batch.pool.layer(layer, 1)
     num_tokens = query.shape[2]
     out = query.new_empty(1, num_tokens, query.shape[1], query.shape[3])
-    for blocks, begin, n, start in batch.rows:
+    for pages, begin, n, start in batch.rows:
         end = begin + n
-        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start + n)], device=query.device)
+        slots = torch.tensor([pages[p // bs] * bs + p % bs for p in range(start + n)], device=query.device)
         k = keys.index_select(0, slots).transpose(0, 1)  # [num_kv_heads, start + n, head_dim]
         v = values.index_select(0, slots).transpose(0, 1)
         if n > SMALL_ROW_TOKENS and softcap is None:

@@ -18,8 +18,8 @@ The verifier batches that step across sessions: continuous batching at verify-st
    clients answering one 6 s step need ~100 ms to send theirs back). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
    short prompts that fit in ``prefill_chunk_tokens``), the others wait for the next: a long prompt is
    prefilled interleaved with the running sessions' verify steps instead of stalling them.
-3. **KV blocks**: every row's blocks, earliest admitted session first; when the paged pool is short, sessions
-   admitted later are preempted (their blocks dropped, their KV recomputed at their next row) and a row that
+3. **KV pages**: every row's pages, earliest admitted session first; when the paged pool is short, sessions
+   admitted later are preempted (their pages dropped, their KV recomputed at their next row) and a row that
    still finds none waits for the next step (:mod:`cloud_verifier.kv_scheduler`).
 4. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
    ragged, rows of different lengths, no padding), in the target thread.
@@ -62,7 +62,7 @@ from common.types import DraftBlock, Verdict
 
 log = logging.getLogger(__name__)
 
-_DEFERRED = object()  # a step's result for an item that got no KV blocks (it waits for the next step)
+_DEFERRED = object()  # a step's result for an item that got no KV pages (it waits for the next step)
 _DEFERRED_WAIT_S = 0.01  # after a step that ran nothing, the longest wait for a new item before retrying, s
 
 
@@ -86,7 +86,7 @@ class Work:
     seq: int = 0
     enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
     started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
-    deferred_since: float | None = None  # monotonic s of its first step without KV blocks (kv_scheduler)
+    deferred_since: float | None = None  # monotonic s of its first step without KV pages (kv_scheduler)
     raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
 
 
@@ -142,8 +142,8 @@ class Batcher:
         self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
         self._step_started = 0.0  # perf_counter time, s, the current step's first item was taken
         self._last_forward_s: float | None = None  # the current step's forward pass, s (None: it raised)
-        self.kv = KVScheduler(target, sessions)  # blocks for each forward pass, preempting when the pool is short
-        self._deferred: list[Work] = []  # items handed back for want of KV blocks: first in the next batch
+        self.kv = KVScheduler(target, sessions)  # pages for each forward pass, preempting when the pool is short
+        self._deferred: list[Work] = []  # items handed back for want of KV pages: first in the next batch
         self._ran = True  # the last step ran a forward pass (else the next one waits a little for blocks)
 
     # ------------------------------------------------------------------ lifecycle
@@ -249,11 +249,11 @@ class Batcher:
                 log.exception("batch failed")
                 results = [e] * len(batch)
             if self._ran:
-                self.kv.last_run = time.monotonic()  # rows ran: blocks come back as they end
+                self.kv.last_run = time.monotonic()  # rows ran: pages come back as they end
             for work, result in zip(batch, results):
                 if work.future.done():
                     continue
-                if result is _DEFERRED:  # no KV blocks this step: offered again next step (cancellable meanwhile)
+                if result is _DEFERRED:  # no KV pages this step: offered again next step (cancellable meanwhile)
                     work.started = False
                     work.deferred_since = work.deferred_since or time.monotonic()
                     result = self.kv.give_up(work, work.deferred_since)
@@ -292,7 +292,7 @@ class Batcher:
         try:
             if not batch:
                 batch = [await asyncio.wait_for(queue.get(), self.heartbeat_interval_s)]
-            elif not self._ran:  # nothing ran last step: blocks come back as other sessions' rows end
+            elif not self._ran:  # nothing ran last step: pages come back as other sessions' rows end
                 batch.append(await asyncio.wait_for(queue.get(), _DEFERRED_WAIT_S))
         except asyncio.TimeoutError:
             if not batch:
@@ -319,7 +319,7 @@ class Batcher:
         # prefill: at most one chunk's worth of tokens per forward pass (one chunk, or several short prompts'
         # chunks that fit together); the others wait for the next pass (interleaving). One at a time, 64 sessions
         # opening together took 64 forward passes to start (bench --replay: OpenSession past 120 s under load).
-        # Earliest admitted sessions first (the KV scheduler's order: a session waiting for blocks does not hold
+        # Earliest admitted sessions first (the KV scheduler's order: a session waiting for pages does not hold
         # the prefill budget against those admitted before it)
         prefills, budget = [], self.sessions.prefill_chunk_tokens
         for w in sorted(batch, key=lambda w: w.session.kv.order):
@@ -337,9 +337,9 @@ class Batcher:
         stopping and the commit.
 
         Returns one result per item: a Verdict (verify), None (prefill), the exception to raise, or _DEFERRED
-        (no KV blocks for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
+        (no KV pages for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
         start = time.perf_counter()
-        planned = self.kv.plan(batch)  # blocks for every row (preempting later sessions), or the item deferred
+        planned = self.kv.plan(batch)  # pages for every row (preempting later sessions), or the item deferred
         self._ran = bool(planned.runnable)
         if not planned.runnable:
             return [_DEFERRED] * len(batch)
@@ -441,7 +441,7 @@ class Batcher:
             session.stop.restore(stop_state)
             raise
         session.confirm(verdict)
-        self.sessions.cache_committed(session)  # its newly final full blocks, for sessions opening from now on
+        self.sessions.cache_committed(session)  # its newly final full pages, for sessions opening from now on
         spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
         return verdict

@@ -7,11 +7,11 @@ decoder + LM head see only tensors:
 
 - ``torch_compile``: ``torch.compile(dynamic=True)`` of decoder + LM head (``torch._dynamo``/Inductor). The
   batch's token count, piece count and key length are symbolic, so new batch sizes and context lengths do not
-  recompile (the plan's piece length Q and key-block count are read from tensor shapes, not guarded ints).
-- ``cuda_graphs``: one ``torch.cuda.CUDAGraph`` per (rows bucket, tokens per row, key-blocks bucket, logits
+  recompile (the plan's piece length Q and key-page count are read from tensor shapes, not guarded ints).
+- ``cuda_graphs``: one ``torch.cuda.CUDAGraph`` per (rows bucket, tokens per row, key-pages bucket, logits
   kind) for the uniform batches of decode and verify (every row the same length, at most ``PIECE_TOKENS``
-  tokens): static input buffers, rows padded to a power of two with rows that write to scratch KV blocks
-  reserved from the pool, key blocks padded (masked) to a power of two (the graph-capture technique of vLLM and
+  tokens): static input buffers, rows padded to a power of two with rows that write to scratch KV pages
+  reserved from the pool, key pages padded (masked) to a power of two (the graph-capture technique of vLLM and
   TensorRT-LLM). Other batches (prefill chunks, mixed lengths) run eagerly. Where CUDA is absent it logs one line
   and runs eagerly.
 
@@ -37,7 +37,7 @@ COMPILE_MODES = ("off", "torch_compile", "cuda_graphs")
 
 
 class FrozenBatch(PagedBatch):
-    """A :class:`PagedBatch` whose plans are all built: :meth:`plan` is a lookup, and its Q and key-block count
+    """A :class:`PagedBatch` whose plans are all built: :meth:`plan` is a lookup, and its Q and key-page count
     come from the tensors' shapes (symbolic under ``torch.compile``), not from Python ints."""
 
     def plan(self, window: int | None, group: int, device: torch.device) -> tuple:
@@ -57,7 +57,7 @@ def freeze(batch: PagedBatch, plan_keys, device: torch.device) -> FrozenBatch:
 
 
 def _bucket(n: int) -> int:
-    """The power of two >= n (graph buckets: rows, key blocks)."""
+    """The power of two >= n (graph buckets: rows, key pages)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -115,12 +115,12 @@ class CompiledForward:
         return logits
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _scratch_blocks(self, n: int) -> list[int]:
-        """Blocks of the pool kept for padding rows (held for the runner's life)."""
-        bs = self.runner.kv_pool.block_size
+    def _scratch_pages(self, n: int) -> list[int]:
+        """Pages of the pool kept for padding rows (held for the runner's life)."""
+        bs = self.runner.kv_pool.page_size
         need = -(-n // bs) - len(self._scratch)
         if need > 0:
-            self._scratch.extend(self.runner.kv_pool.blocks.allocate(need))
+            self._scratch.extend(self.runner.kv_pool.pages.allocate(need))
         return self._scratch
 
     def _run_graph(self, batch, input_ids, position_ids, rows) -> torch.Tensor | None:
@@ -131,15 +131,15 @@ class CompiledForward:
             return None
         real = len(rows)
         size = _bucket(real)
-        scratch = self._scratch_blocks(n)
+        scratch = self._scratch_pages(n)
         padded = PagedBatch(batch.pool)
         padded.rows = batch.rows + [(scratch, real * n + i * n, n, 0) for i in range(size - real)]
         padded.finish(input_ids.device)
         frozen = freeze(padded, self.plan_keys, input_ids.device)
-        bs = batch.pool.block_size
+        bs = batch.pool.page_size
         plans = {}
         for key, (qidx, kidx, mask, oidx, q, nb) in frozen._plans.items():
-            nbb = _bucket(nb)  # padding key blocks: repeat the first, masked out
+            nbb = _bucket(nb)  # padding key pages: repeat the first, masked out
             kidx = kidx.view(size, nb)
             kidx = torch.cat([kidx, kidx[:, :1].expand(size, nbb - nb)], 1).reshape(-1)
             mask = torch.nn.functional.pad(mask, (0, (nbb - nb) * bs), value=False)

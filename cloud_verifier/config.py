@@ -6,12 +6,19 @@ See ``deploy/verifier.env.example`` for an annotated example.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+log = logging.getLogger(__name__)
+
+# the KV page size's environment variable before "block" came to mean only a draft block; read for one release
+DEPRECATED_KV_PAGE_SIZE_ENV = "SPECDEC_KV_BLOCK_SIZE"
 
 
 def _default_verifier_id() -> str:
@@ -21,7 +28,9 @@ def _default_verifier_id() -> str:
 class VerifierSettings(BaseSettings):
     """Configuration of one verifier replica (``specdec serve``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore", validate_default=True)
+    # populate_by_name: a field with an alias (kv_page_size) is still given by its name as a keyword
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore", validate_default=True,
+                                      populate_by_name=True)
 
     host: str = "127.0.0.1"
     """Interface the gRPC server (and /metrics) binds to. Loopback by default; any other address needs TLS and
@@ -123,8 +132,11 @@ class VerifierSettings(BaseSettings):
     kv_cache_budget_tokens: int = Field(262144, ge=1)
     """Total target KV-cache budget over all sessions, tokens (RESOURCE_EXHAUSTED past it)."""
 
-    kv_block_size: int = Field(16, ge=1, le=1024)
-    """Tokens per block of the paged KV pool (sessions use whole blocks; prefix caching shares whole blocks)."""
+    kv_page_size: int = Field(16, ge=1, le=1024,
+                              validation_alias=AliasChoices("SPECDEC_KV_PAGE_SIZE", DEPRECATED_KV_PAGE_SIZE_ENV))
+    """Tokens per page of the paged KV pool (sessions use whole pages; prefix caching shares whole pages).
+    ``SPECDEC_KV_BLOCK_SIZE`` (its former name: "block" now means only a draft block) is still read, with a
+    warning, for one release; ``SPECDEC_KV_PAGE_SIZE`` wins when both are set."""
 
     prefill_chunk_tokens: int = Field(256, ge=1)
     """Prompt tokens per prefill forward pass (chunked prefill), tokens."""
@@ -159,10 +171,17 @@ class VerifierSettings(BaseSettings):
     """Health turns NOT_SERVING when the batch loop has not beaten for this long (stuck forward pass), seconds."""
 
     prefix_caching: bool = True
-    """Automatic prefix caching: full KV blocks of committed tokens are shared by every session whose tokens up to
+    """Automatic prefix caching: full KV pages of committed tokens are shared by every session whose tokens up to
     them are identical (a prompt starting with a cached prefix prefills only the rest); False = off."""
 
     prefix_cache_salt: Literal["none", "tenant"] = "none"
-    """Who shares cached blocks: ``none`` = every tenant (vLLM's default; a cached prefix opens faster, which
+    """Who shares cached KV pages: ``none`` = every tenant (vLLM's default; a cached prefix opens faster, which
     another tenant can time: docs/security.md), ``tenant`` = only sessions of the same tenant (the tenant id
-    salts the block hashes)."""
+    salts the page hashes)."""
+
+    @model_validator(mode="after")
+    def _warn_deprecated_names(self) -> "VerifierSettings":
+        if any(name.upper() == DEPRECATED_KV_PAGE_SIZE_ENV for name in os.environ):
+            log.warning("%s is deprecated and will be dropped in the next release: use SPECDEC_KV_PAGE_SIZE "
+                        "(the same setting)", DEPRECATED_KV_PAGE_SIZE_ENV)
+        return self

@@ -1,29 +1,29 @@
-"""KV blocks for one forward pass, with recompute preemption when the paged pool is short.
+"""KV pages for one forward pass, with recompute preemption when the paged pool is short.
 
-Admission counts the KV blocks sessions actually hold (:mod:`cloud_verifier.admission`), so the sessions of one
-replica may together need more blocks than the pool has. Before each forward pass the batcher asks
-:meth:`KVScheduler.plan` for the blocks of every row, in priority order (earliest admitted first, vLLM v1's FCFS
-scheduler order). When the pool (free plus evictable cached blocks) is short for a row, the lowest-priority
-session holding blocks (the most recently admitted one, not already given blocks for this pass, ranked after the
-row's own) is preempted: its whole block table is dropped (:meth:`cloud_verifier.target.TargetRunner.preempt`;
-its committed full blocks stay in the prefix cache as evictable), its queued work, if any, waits. A row that
-still finds no blocks (every session ranked after it holds none) is deferred: it goes back to the batcher, which
+Admission counts the KV pages sessions actually hold (:mod:`cloud_verifier.admission`), so the sessions of one
+replica may together need more pages than the pool has. Before each forward pass the batcher asks
+:meth:`KVScheduler.plan` for the pages of every row, in priority order (earliest admitted first, vLLM v1's FCFS
+scheduler order). When the pool (free plus evictable cached pages) is short for a row, the lowest-priority
+session holding pages (the most recently admitted one, not already given pages for this pass, ranked after the
+row's own) is preempted: its whole page table is dropped (:meth:`cloud_verifier.target.TargetRunner.preempt`;
+its committed full pages stay in the prefix cache as evictable), its queued work, if any, waits. A row that
+still finds no pages (every session ranked after it holds none) is deferred: it goes back to the batcher, which
 offers it again at the next step; its client only waits.
 
 A preempted session's next row (a verify block, a cloud-decode step, a prefill chunk) first takes the longest
 cached prefix of its tokens back, then recomputes the rest of its KV from its committed token ids in the same
 forward pass (one row: the recomputed positions, then the row's own tokens; logits only for the row's own).
 This is vLLM v1's recompute preemption (``vllm/v1/core/sched/scheduler.py``: ``_preempt_request`` frees the
-blocks, a resumed request is prefilled again and hits the prefix cache for its computed blocks). Nothing
+pages, a resumed request is prefilled again and hits the prefix cache for its computed pages). Nothing
 committed is lost and no token changes: the KV of committed tokens is a function of the token ids.
 
 Bounded: a session is preempted only for a session admitted before it, so the earliest admitted session with
-work is never preempted and always gets its blocks (any session fits the whole pool alone: refused at open
+work is never preempted and always gets its pages (any session fits the whole pool alone: refused at open
 otherwise); it finishes, and the next one becomes the earliest. Recomputation per step is capped at
 ``prefill_chunk_tokens`` tokens (at least one preempted row per step) so it does not stall the other rows.
 
 Locks: :meth:`plan` runs in the target thread between forward passes, under the session table's lock (every
-change of a block table from the event loop's side holds that lock too), never under the runner's forward lock.
+change of a page table from the event loop's side holds that lock too), never under the runner's forward lock.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from cloud_verifier.prefix_cache import cache_prefilled
 from cloud_verifier.target import ForwardRow
 from common.errors import CapacityError
 
-PREEMPTIONS = Counter("specdec_kv_preemptions", "Sessions whose KV blocks were dropped for an earlier admitted "
+PREEMPTIONS = Counter("specdec_kv_preemptions", "Sessions whose KV pages were dropped for an earlier admitted "
                       "session's rows (recompute preemption; their next row recomputes the KV)")
 # a deferred row gives up (CapacityError, RESOURCE_EXHAUSTED as before preemption) when no forward pass has run
-# for STALL_S while it waited (the blocks are held by idle sessions admitted before it: nothing will free them
+# for STALL_S while it waited (the pages are held by idle sessions admitted before it: nothing will free them
 # soon), or after MAX_WAIT_S in all
 STALL_S = 1.0
 MAX_WAIT_S = 60.0
@@ -51,7 +51,7 @@ RECOMPUTED_TOKENS = Counter("specdec_kv_recomputed_tokens", "Positions whose KV 
 @dataclass
 class Planned:
     """The outcome of :meth:`KVScheduler.plan`: ``rows`` (one per ``runnable`` item, in its order),
-    ``deferred`` items (no blocks this step), and per runnable item the position its row starts recomputing
+    ``deferred`` items (no pages this step), and per runnable item the position its row starts recomputing
     from (None: no recomputation)."""
 
     runnable: list
@@ -68,13 +68,13 @@ def context_ids(work) -> list[int]:
 
 
 class KVScheduler:
-    """Block allocation (and preemption) for the batcher's forward passes.
+    """Page allocation (and preemption) for the batcher's forward passes.
 
     Args:
         target: the :class:`cloud_verifier.target.TargetRunner` (its pool, prefix cache, ``ensure``, ``preempt``).
         sessions: the :class:`cloud_verifier.sessions.SessionTable` (its lock, ``resident_kvs``,
             ``prefill_chunk_tokens``).
-        preemption: False: a row that finds no blocks is deferred, nobody is preempted (tests show it bites).
+        preemption: False: a row that finds no pages is deferred, nobody is preempted (tests show it bites).
     """
 
     def __init__(self, target, sessions, preemption: bool = True):
@@ -85,8 +85,8 @@ class KVScheduler:
         self.last_run = time.monotonic()  # when a plan last had rows to run, monotonic s
 
     def plan(self, batch: list) -> Planned:
-        """Blocks for every item of ``batch`` (batcher Work items), earliest admitted session first; the
-        :class:`Planned` rows to run. Never raises CapacityError: an item without blocks is deferred."""
+        """Pages for every item of ``batch`` (batcher Work items), earliest admitted session first; the
+        :class:`Planned` rows to run. Never raises CapacityError: an item without pages is deferred."""
         runnable, deferred, rebuilt = [], [], []
         budget = self.sessions.prefill_chunk_tokens
         with self.sessions._lock:
@@ -96,7 +96,7 @@ class KVScheduler:
                 kv = work.session.kv
                 start = None
                 if kv.rebuild_from is not None:
-                    if not kv.blocks:
+                    if not kv.pages:
                         self._take_cached(work)
                     start = kv.rebuild_from
                     recompute = work.start_position - start
@@ -128,32 +128,32 @@ class KVScheduler:
 
     def give_up(self, work, waiting_since: float) -> CapacityError | None:
         """The error to answer a deferred ``work`` with, or None to keep it waiting: no forward pass ran for
-        :data:`STALL_S` s while it waited (every block is held by idle sessions admitted before it), or it waited
+        :data:`STALL_S` s while it waited (every page is held by idle sessions admitted before it), or it waited
         :data:`MAX_WAIT_S` s in all. ``waiting_since``: its first deferral, monotonic s."""
         now = time.monotonic()
         if now - max(waiting_since, self.last_run) < STALL_S and now - waiting_since < MAX_WAIT_S:
             return None
-        pool = self.target.kv_pool.blocks
-        return CapacityError(f"KV cache full: no KV blocks for {len(work.tokens)} positions within "
-                             f"{now - waiting_since:.1f} s ({pool.num_used} of {pool.num_blocks} blocks held by "
+        pool = self.target.kv_pool.pages
+        return CapacityError(f"KV cache full: no KV pages for {len(work.tokens)} positions within "
+                             f"{now - waiting_since:.1f} s ({pool.num_used} of {pool.num_pages} pages held by "
                              f"sessions admitted before this one)")
 
     def _take_cached(self, work) -> None:
-        """A preempted table with no block takes back the longest cached prefix of the positions before the
+        """A preempted table with no page takes back the longest cached prefix of the positions before the
         row (never past them: those are the row's to write)."""
         kv, cache = work.session.kv, self.target.prefix_cache
         kv.rebuild_from = 0
         if cache is None or not cache.enabled:
             return
-        bs = cache.block_size
+        bs = cache.page_size
         n = work.start_position // bs
         ids = context_ids(work)[: n * bs]
-        taken = cache.take_prefix(cache.block_hashes(ids, work.session.record.tenant_id), n)
-        kv.blocks.extend(taken)
+        taken = cache.take_prefix(cache.page_hashes(ids, work.session.record.tenant_id), n)
+        kv.pages.extend(taken)
         kv.rebuild_from = len(taken) * bs
 
     def _grow(self, kv, tokens: int, granted: set[int], victims: list) -> bool:
-        """Blocks for positions 0..tokens-1 of ``kv``, preempting the latest admitted sessions ranked after it
+        """Pages for positions 0..tokens-1 of ``kv``, preempting the latest admitted sessions ranked after it
         (and not granted this step) while the pool is short. False: still short (nothing more to preempt)."""
         while True:
             try:
@@ -168,7 +168,7 @@ class KVScheduler:
                 if candidate.order <= kv.order:
                     victims.append(candidate)
                     break
-                if candidate.blocks and id(candidate) not in granted and not candidate.freed:
+                if candidate.pages and id(candidate) not in granted and not candidate.freed:
                     victim = candidate
                     break
             if victim is None:
@@ -185,7 +185,7 @@ class KVScheduler:
                 work.session.kv.rebuild_from = start
 
     def after_forward(self, planned: Planned) -> None:
-        """The forward pass ran: the full blocks a recomputing row rebuilt that hold committed tokens go back
+        """The forward pass ran: the full pages a recomputing row rebuilt that hold committed tokens go back
         into the prefix cache (sessions opening from now on, or this one's next preemption, find them)."""
         for work, start in zip(planned.runnable, planned.rebuilt_from):
             if start is None:

@@ -1,30 +1,31 @@
-"""Automatic prefix caching across sessions: full KV blocks keyed by a hash chain of their token ids.
+"""Automatic prefix caching across sessions: full KV pages keyed by a hash chain of their token ids.
 
-Follows vLLM v1 (``vllm/v1/core/kv_cache_utils.py`` ``hash_block_tokens``, ``block_pool.py``
+A KV page is vLLM's "KV block" (its names are kept where its sources are cited); here "block" means only a
+draft block. Follows vLLM v1 (``vllm/v1/core/kv_cache_utils.py`` ``hash_block_tokens``, ``block_pool.py``
 ``BlockPool.cache_full_blocks`` / ``get_cached_block`` / the LRU free-block queue, ``kv_cache_manager.py``
 ``get_computed_blocks``), reduced to what one verifier replica needs:
 
-- **Keys.** Block ``i`` of a sequence (token positions ``[i*B, (i+1)*B)``, ``B`` = block size) is keyed by
-  ``hash(parent_hash, its B token ids, extra keys)``, the parent being block ``i-1``'s key, and block 0's parent
-  the *root*: a hash of the model id and, when salting per tenant, the tenant id. Two blocks share a key only
+- **Keys.** Page ``i`` of a sequence (token positions ``[i*B, (i+1)*B)``, ``B`` = page size) is keyed by
+  ``hash(parent_hash, its B token ids, extra keys)``, the parent being page ``i-1``'s key, and page 0's parent
+  the *root*: a hash of the model id and, when salting per tenant, the tenant id. Two pages share a key only
   when every token id up to and including them is the same (and the model, and the tenant where salted).
   SHA-256 over a fixed byte encoding: collisions are not a practical concern, and keys are stable across
   processes (unlike Python's ``hash``).
-- **What gets cached.** Only FULL blocks whose every position holds the KV of a COMMITTED token. A session's
-  KV holds ``committed[:-1]`` (the last committed token is fed with the next draft block), so the full blocks
-  ready to cache are the first ``(committed_length - 1) // B`` (:func:`num_cacheable_blocks`). Every later
-  forward pass of that session writes at positions ``>= committed_length - 1``: never inside a cached block.
-  A session's last, partial block is always its own, and positions a rejection rolls back are never in one.
-- **Lookup.** A new prompt takes the longest chain of its leading block keys that is cached, capped so that at
+- **What gets cached.** Only FULL pages whose every position holds the KV of a COMMITTED token. A session's
+  KV holds ``committed[:-1]`` (the last committed token is fed with the next draft block), so the full pages
+  ready to cache are the first ``(committed_length - 1) // B`` (:func:`num_cacheable_pages`). Every later
+  forward pass of that session writes at positions ``>= committed_length - 1``: never inside a cached page.
+  A session's last, partial page is always its own, and positions a rejection rolls back are never in one.
+- **Lookup.** A new prompt takes the longest chain of its leading page keys that is cached, capped so that at
   least the prompt's last token is prefilled (its KV is not needed, but vLLM recomputes the last prompt token
-  too: here the prefill covers ``prompt[:-1]``, so the cap is ``(len(prompt) - 1) // B`` blocks).
-- **Reference counts and eviction.** The KV block pool (:mod:`cloud_verifier.kv_pool`) counts the sessions
-  using each block. When a cached block's count drops to 0 the pool's release hook
+  too: here the prefill covers ``prompt[:-1]``, so the cap is ``(len(prompt) - 1) // B`` pages).
+- **Reference counts and eviction.** The KV page pool (:mod:`cloud_verifier.kv_pool`) counts the sessions
+  using each page. When a cached page's count drops to 0 the pool's release hook
   (:meth:`PrefixCache.on_release`) keeps it here as *evictable* instead of freeing it; a later session may take
-  it again (:meth:`PrefixCache.take_prefix`); an allocation short of free blocks evicts the least recently
-  released ones and drops their keys (:meth:`PrefixCache.allocate`). A block in use (count > 0) is never evicted.
+  it again (:meth:`PrefixCache.take_prefix`); an allocation short of free pages evicts the least recently
+  released ones and drops their keys (:meth:`PrefixCache.allocate`). A page in use (count > 0) is never evicted.
 
-Tenant isolation: a block is shared only where token ids (and model) are identical, so no tenant ever reads
+Tenant isolation: a page is shared only where token ids (and model) are identical, so no tenant ever reads
 another's KV for different tokens. Sharing is still observable as time to open (a cached prefix opens faster):
 docs/security.md, "Prefix caching", and ``SPECDEC_PREFIX_CACHE_SALT=tenant`` to confine sharing to a tenant.
 
@@ -44,16 +45,16 @@ from dataclasses import dataclass
 from cloud_verifier import metrics
 from common.errors import CapacityError
 
-BlockHash = bytes  # a SHA-256 digest, 32 bytes
+PageHash = bytes  # a SHA-256 digest, 32 bytes
 
 SALT_MODES = ("none", "tenant")
 
 
-def root_hash(model_id: str, salt: str = "") -> BlockHash:
-    """The parent key of every sequence's first block: the model id and the salt (a tenant id, or "").
+def root_hash(model_id: str, salt: str = "") -> PageHash:
+    """The parent key of every sequence's first page: the model id and the salt (a tenant id, or "").
 
-    vLLM seeds its chain with ``NONE_HASH`` and puts a request's ``cache_salt`` in the first block's extra keys;
-    folding both into the root is equivalent (each key still depends on them) and keeps per-block hashing uniform.
+    vLLM seeds its chain with ``NONE_HASH`` and puts a request's ``cache_salt`` in the first page's extra keys;
+    folding both into the root is equivalent (each key still depends on them) and keeps per-page hashing uniform.
     """
     h = hashlib.sha256(b"specdec-prefix-cache-v1\0")
     for part in (model_id, salt):
@@ -63,8 +64,8 @@ def root_hash(model_id: str, salt: str = "") -> BlockHash:
     return h.digest()
 
 
-def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
-    """Key of one block: SHA-256 of the parent key, the block's token ids (int64 little-endian) and extra keys.
+def hash_page_tokens(parent: PageHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> PageHash:
+    """Key of one page: SHA-256 of the parent key, the page's token ids (int64 little-endian) and extra keys.
 
     Source: vLLM v1 ``kv_cache_utils.hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids,
     extra_keys)``.
@@ -76,42 +77,42 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: b
     return h.digest()
 
 
-def full_block_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash,
-                      known: Sequence[BlockHash] = ()) -> list[BlockHash]:
-    """Keys of every full block of ``token_ids`` (``len(token_ids) // block_size`` of them), in order.
+def full_page_hashes(token_ids: Sequence[int], page_size: int, root: PageHash,
+                      known: Sequence[PageHash] = ()) -> list[PageHash]:
+    """Keys of every full page of ``token_ids`` (``len(token_ids) // page_size`` of them), in order.
 
-    ``known``: keys already computed for the first blocks of the same sequence (a session extends its list as it
-    commits tokens, so each block is hashed once); they are reused, not checked.
+    ``known``: keys already computed for the first pages of the same sequence (a session extends its list as it
+    commits tokens, so each page is hashed once); they are reused, not checked.
 
     Raises:
-        ValueError: block_size < 1.
+        ValueError: page_size < 1.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes = list(known[: len(token_ids) // block_size])
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    hashes = list(known[: len(token_ids) // page_size])
     parent = hashes[-1] if hashes else root
-    for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[begin : begin + block_size])
+    for begin in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page_tokens(parent, token_ids[begin : begin + page_size])
         hashes.append(parent)
     return hashes
 
 
-def num_cacheable_blocks(committed_length: int, block_size: int) -> int:
-    """Full blocks of a session whose KV is final: its KV cache holds ``committed[:-1]``, so the first
-    ``(committed_length - 1) // block_size`` blocks (0 for an empty session)."""
-    return max(0, committed_length - 1) // block_size
+def num_cacheable_pages(committed_length: int, page_size: int) -> int:
+    """Full pages of a session whose KV is final: its KV cache holds ``committed[:-1]``, so the first
+    ``(committed_length - 1) // page_size`` pages (0 for an empty session)."""
+    return max(0, committed_length - 1) // page_size
 
 
-def max_prefix_blocks(prompt_length: int, block_size: int) -> int:
-    """Most cached blocks a prompt of ``prompt_length`` tokens may take: its prefill covers ``prompt[:-1]``
+def max_prefix_pages(prompt_length: int, page_size: int) -> int:
+    """Most cached pages a prompt of ``prompt_length`` tokens may take: its prefill covers ``prompt[:-1]``
     (the last token goes with the first draft block), so a cached prefix never covers the last token."""
-    return num_cacheable_blocks(prompt_length, block_size)
+    return num_cacheable_pages(prompt_length, page_size)
 
 
 @dataclass
 class PrefixCacheStats:
     """Counters since start, as vLLM's ``PrefixCacheStats``: ``queries`` prompt tokens looked up, ``hits`` of
-    them found cached, tokens; ``evicted`` blocks dropped from the cache."""
+    them found cached, tokens; ``evicted`` pages dropped from the cache."""
 
     requests: int = 0
     queries: int = 0
@@ -125,176 +126,176 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """The key → block map over one :class:`cloud_verifier.kv_pool.BlockPool`, and its evictable cached blocks
+    """The key → page map over one :class:`cloud_verifier.kv_pool.PagePool`, and its evictable cached pages
     (reference count 0) in LRU order. Installs itself as the pool's ``on_release`` hook.
 
     Args:
-        pool: the block pool (``allocate``, ``incref``, ``refcount``, ``release_cached``, ``num_free``,
+        pool: the page pool (``allocate``, ``incref``, ``refcount``, ``release_cached``, ``num_free``,
             ``on_release``).
-        block_size: tokens per KV block (the pool's).
+        page_size: tokens per KV page (the pool's).
         model_id: the served model's id (in every key's root).
-        salt: ``"none"``: blocks shared by all tenants (vLLM's default); ``"tenant"``: the tenant id is in the
-            root, so blocks are shared only within a tenant.
+        salt: ``"none"``: pages shared by all tenants (vLLM's default); ``"tenant"``: the tenant id is in the
+            root, so pages are shared only within a tenant.
         enabled: False: lookups find nothing and nothing is registered (prefix caching off).
 
     Locks: the pool calls :meth:`on_release` under its own lock, so that hook takes no lock (it queues the
-    block); every other method takes the cache's lock and may call the pool under it (order: cache, then pool).
-    A cached block's reference count rises only under the cache's lock (:meth:`take_prefix`), so a block seen
-    at 0 references under it cannot be taken by anyone meanwhile: eviction never hands back a block in use.
+    page); every other method takes the cache's lock and may call the pool under it (order: cache, then pool).
+    A cached page's reference count rises only under the cache's lock (:meth:`take_prefix`), so a page seen
+    at 0 references under it cannot be taken by anyone meanwhile: eviction never hands back a page in use.
 
     Raises:
-        ValueError: block_size < 1 or an unknown salt mode.
+        ValueError: page_size < 1 or an unknown salt mode.
     """
 
-    def __init__(self, pool, block_size: int, model_id: str, salt: str = "none", enabled: bool = True):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+    def __init__(self, pool, page_size: int, model_id: str, salt: str = "none", enabled: bool = True):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         if salt not in SALT_MODES:
             raise ValueError(f"unknown prefix cache salt {salt!r}: use {' or '.join(SALT_MODES)}")
         self.pool = pool
-        self.block_size = int(block_size)
+        self.page_size = int(page_size)
         self.model_id = model_id
         self.salt = salt
         self.enabled = bool(enabled)
         self.stats = PrefixCacheStats()
-        self._block_of: dict[BlockHash, int] = {}  # key -> block id
-        self._key_of: dict[int, BlockHash] = {}  # block id -> key
-        self._depth: dict[int, int] = {}  # block id -> its index in its chain (0 = a sequence's first block)
+        self._page_of: dict[PageHash, int] = {}  # key -> page id
+        self._key_of: dict[int, PageHash] = {}  # page id -> key
+        self._depth: dict[int, int] = {}  # page id -> its index in its chain (0 = a sequence's first page)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, 0 references; oldest release first
-        self._released: deque[int] = deque()  # cached blocks the pool released, not yet in _evictable
+        self._released: deque[int] = deque()  # cached pages the pool released, not yet in _evictable
         self._lock = threading.Lock()
-        # per session KV (weakly: gone with it): (root, keys of its first blocks), so that the blocks its verify
+        # per session KV (weakly: gone with it): (root, keys of its first pages), so that the pages its verify
         # commits fill are hashed once each (cache_committed), not the whole sequence every step
         self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         pool.on_release = self.on_release
 
     # ---------------------------------------------------------------- keys
-    def root(self, tenant_id: str = "") -> BlockHash:
+    def root(self, tenant_id: str = "") -> PageHash:
         """The root key of a tenant's sequences (the tenant matters only with ``salt="tenant"``)."""
         return root_hash(self.model_id, tenant_id if self.salt == "tenant" else "")
 
-    def block_hashes(self, token_ids: Sequence[int], tenant_id: str = "",
-                     known: Sequence[BlockHash] = ()) -> list[BlockHash]:
-        """Keys of the full blocks of ``token_ids`` for ``tenant_id`` (:func:`full_block_hashes`)."""
-        return full_block_hashes(token_ids, self.block_size, self.root(tenant_id), known)
+    def page_hashes(self, token_ids: Sequence[int], tenant_id: str = "",
+                     known: Sequence[PageHash] = ()) -> list[PageHash]:
+        """Keys of the full pages of ``token_ids`` for ``tenant_id`` (:func:`full_page_hashes`)."""
+        return full_page_hashes(token_ids, self.page_size, self.root(tenant_id), known)
 
     # ---------------------------------------------------------------- lookup
-    def take_prefix(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
-        """The block ids of the longest cached chain ``hashes[:n]``, ``n <= max_blocks``, each with one more
-        reference for the caller (who decrefs them with the rest of its blocks when done).
+    def take_prefix(self, hashes: Sequence[PageHash], max_pages: int) -> list[int]:
+        """The page ids of the longest cached chain ``hashes[:n]``, ``n <= max_pages``, each with one more
+        reference for the caller (who decrefs them with the rest of its pages when done).
 
-        Counts ``max_blocks * block_size`` queried and ``n * block_size`` hit tokens (vLLM counts the prompt;
+        Counts ``max_pages * page_size`` queried and ``n * page_size`` hit tokens (vLLM counts the prompt;
         here the part that could have come from the cache). Source: vLLM v1 ``find_longest_cache_hit``.
         """
-        max_blocks = max(0, min(int(max_blocks), len(hashes)))
-        blocks: list[int] = []
+        max_pages = max(0, min(int(max_pages), len(hashes)))
+        pages: list[int] = []
         with self._lock:
             self.stats.requests += 1
-            self.stats.queries += max_blocks * self.block_size
+            self.stats.queries += max_pages * self.page_size
             if not self.enabled:
-                metrics.PREFIX_CACHE_QUERIES.inc(max_blocks * self.block_size)
-                return blocks
+                metrics.PREFIX_CACHE_QUERIES.inc(max_pages * self.page_size)
+                return pages
             self._drain()
-            for key in hashes[:max_blocks]:
-                block = self._block_of.get(key)
-                if block is None:
+            for key in hashes[:max_pages]:
+                page = self._page_of.get(key)
+                if page is None:
                     break
-                blocks.append(block)
-            for block in blocks:
-                self._evictable.pop(block, None)
-            self.pool.incref(blocks)
-            self.stats.hits += len(blocks) * self.block_size
-        metrics.PREFIX_CACHE_QUERIES.inc(max_blocks * self.block_size)
-        metrics.PREFIX_CACHE_HITS.inc(len(blocks) * self.block_size)
-        return blocks
+                pages.append(page)
+            for page in pages:
+                self._evictable.pop(page, None)
+            self.pool.incref(pages)
+            self.stats.hits += len(pages) * self.page_size
+        metrics.PREFIX_CACHE_QUERIES.inc(max_pages * self.page_size)
+        metrics.PREFIX_CACHE_HITS.inc(len(pages) * self.page_size)
+        return pages
 
     def take_cached(self, token_ids: Sequence[int], tenant_id: str = "") -> list[int]:
-        """For a session about to prefill ``token_ids[:-1]`` (its committed tokens): the blocks of the longest
-        cached prefix of them, at most :func:`max_prefix_blocks` (each with one more reference for the session:
-        its block table starts with them, and its prefill starts at ``len(result) * block_size``)."""
-        n = max_prefix_blocks(len(token_ids), self.block_size)
-        return self.take_prefix(self.block_hashes(token_ids[: n * self.block_size], tenant_id), n)
+        """For a session about to prefill ``token_ids[:-1]`` (its committed tokens): the pages of the longest
+        cached prefix of them, at most :func:`max_prefix_pages` (each with one more reference for the session:
+        its page table starts with them, and its prefill starts at ``len(result) * page_size``)."""
+        n = max_prefix_pages(len(token_ids), self.page_size)
+        return self.take_prefix(self.page_hashes(token_ids[: n * self.page_size], tenant_id), n)
 
-    def cached_block(self, key: BlockHash) -> int | None:
-        """The block id cached under ``key``, or None (no side effect)."""
+    def cached_page(self, key: PageHash) -> int | None:
+        """The page id cached under ``key``, or None (no side effect)."""
         with self._lock:
-            return self._block_of.get(key)
+            return self._page_of.get(key)
 
     # ---------------------------------------------------------------- registering
-    def register(self, block_id: int, key: BlockHash, depth: int = 0) -> bool:
-        """Cache ``block_id`` under ``key``: a FULL block of COMMITTED tokens (:func:`num_cacheable_blocks`)
-        that the caller holds and will not write again; ``depth``: its index in the sequence (block 0, 1, ...).
+    def register(self, page_id: int, key: PageHash, depth: int = 0) -> bool:
+        """Cache ``page_id`` under ``key``: a FULL page of COMMITTED tokens (:func:`num_cacheable_pages`)
+        that the caller holds and will not write again; ``depth``: its index in the sequence (page 0, 1, ...).
 
-        Returns False, changing nothing, when caching is off, the block is already cached, or another block
+        Returns False, changing nothing, when caching is off, the page is already cached, or another page
         already holds ``key`` (two sessions prefilled the same prefix at once: the first stays, as in vLLM's
         ``cache_full_blocks``; the caller's copy is freed normally when released).
 
         Raises:
-            ValueError: the caller holds no reference to ``block_id``.
+            ValueError: the caller holds no reference to ``page_id``.
         """
         with self._lock:
-            if not self.enabled or block_id in self._key_of or key in self._block_of:
+            if not self.enabled or page_id in self._key_of or key in self._page_of:
                 return False
-            if self.pool.refcount(block_id) < 1:
-                raise ValueError(f"block {block_id} is not in use: only a held block can be cached")
-            self._block_of[key] = block_id
-            self._key_of[block_id] = key
-            self._depth[block_id] = int(depth)
+            if self.pool.refcount(page_id) < 1:
+                raise ValueError(f"page {page_id} is not in use: only a held page can be cached")
+            self._page_of[key] = page_id
+            self._key_of[page_id] = key
+            self._depth[page_id] = int(depth)
             return True
 
-    def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int], num_tokens: int,
+    def cache_full_pages(self, pages: Sequence[int], token_ids: Sequence[int], num_tokens: int,
                           tenant_id: str = "") -> int:
-        """Register a session's full blocks whose KV is final: ``blocks`` is its block table, its KV holds
+        """Register a session's full pages whose KV is final: ``pages`` is its page table, its KV holds
         ``token_ids[:num_tokens]`` and ``num_tokens`` must not exceed its committed length - 1 (so no later
-        forward pass of the session writes there). Blocks already cached are skipped. Returns how many were
+        forward pass of the session writes there). Pages already cached are skipped. Returns how many were
         registered. Source: vLLM v1 ``BlockPool.cache_full_blocks``."""
-        n = min(int(num_tokens) // self.block_size, len(blocks), len(token_ids) // self.block_size)
+        n = min(int(num_tokens) // self.page_size, len(pages), len(token_ids) // self.page_size)
         if not self.enabled or n <= 0:
             return 0
-        keys = self.block_hashes(token_ids[: n * self.block_size], tenant_id)
-        return sum(self.register(block, key, depth) for depth, (block, key) in enumerate(zip(blocks[:n], keys)))
+        keys = self.page_hashes(token_ids[: n * self.page_size], tenant_id)
+        return sum(self.register(page, key, depth) for depth, (page, key) in enumerate(zip(pages[:n], keys)))
 
-    def is_cached(self, block_id: int) -> bool:
-        return block_id in self._key_of
+    def is_cached(self, page_id: int) -> bool:
+        return page_id in self._key_of
 
     # ---------------------------------------------------------------- the pool's side
-    def on_release(self, block_id: int) -> bool:
-        """The pool's hook (under the pool's lock) when ``block_id``'s reference count drops to 0. True: the
-        block is cached and stays valid, evictable once queued (most recently released last); False: not cached,
-        the pool frees it. Takes no lock: the block is queued, and moved to the LRU order under the cache's."""
-        if block_id not in self._key_of:
+    def on_release(self, page_id: int) -> bool:
+        """The pool's hook (under the pool's lock) when ``page_id``'s reference count drops to 0. True: the
+        page is cached and stays valid, evictable once queued (most recently released last); False: not cached,
+        the pool frees it. Takes no lock: the page is queued, and moved to the LRU order under the cache's."""
+        if page_id not in self._key_of:
             return False
-        self._released.append(block_id)
+        self._released.append(page_id)
         return True
 
     def _drain(self) -> None:
-        """Released blocks into the LRU order (under the cache's lock); one taken again since is skipped.
+        """Released pages into the LRU order (under the cache's lock); one taken again since is skipped.
 
-        Blocks released together (a session freed) enter deepest first, so the tail of a sequence is evicted
-        before its head: a chain's head is what every longer prompt needs (vLLM frees a request's blocks in
+        Pages released together (a session freed) enter deepest first, so the tail of a sequence is evicted
+        before its head: a chain's head is what every longer prompt needs (vLLM frees a request's pages in
         reverse order for the same reason)."""
         released = []
         while self._released:
             released.append(self._released.popleft())
         released.sort(key=lambda b: -self._depth.get(b, 0))  # stable: same depth keeps release order
-        for block in released:
-            if block in self._key_of and self.pool.refcount(block) == 0:
-                self._evictable[block] = None
-                self._evictable.move_to_end(block)
+        for page in released:
+            if page in self._key_of and self.pool.refcount(page) == 0:
+                self._evictable[page] = None
+                self._evictable.move_to_end(page)
 
-    def evict(self, num_blocks: int) -> int:
-        """Drop up to ``num_blocks`` evictable blocks, least recently released first, and give them back to the
-        pool's free list; returns how many. Blocks in use are never evicted."""
+    def evict(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` evictable pages, least recently released first, and give them back to the
+        pool's free list; returns how many. Pages in use are never evicted."""
         out: list[int] = []
         with self._lock:
             self._drain()
-            while self._evictable and len(out) < num_blocks:
-                block, _ = self._evictable.popitem(last=False)
-                if self.pool.refcount(block) != 0:  # taken again: not evictable (cannot happen; kept safe)
+            while self._evictable and len(out) < num_pages:
+                page, _ = self._evictable.popitem(last=False)
+                if self.pool.refcount(page) != 0:  # taken again: not evictable (cannot happen; kept safe)
                     continue
-                del self._block_of[self._key_of.pop(block)]
-                self._depth.pop(block, None)
-                out.append(block)
+                del self._page_of[self._key_of.pop(page)]
+                self._depth.pop(page, None)
+                out.append(page)
             if out:
                 self.pool.release_cached(out)
             self.stats.evicted += len(out)
@@ -302,35 +303,35 @@ class PrefixCache:
         return len(out)
 
     def evict_all(self) -> int:
-        """Every evictable block back to the pool (:meth:`evict`)."""
-        return self.evict(self.pool.num_blocks)
+        """Every evictable page back to the pool (:meth:`evict`)."""
+        return self.evict(self.pool.num_pages)
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """``num_blocks`` fresh blocks from the pool, evicting least recently used cached blocks when the free
-        list is short (vLLM's free-block queue, where cached blocks at 0 references are the last to be reused).
+    def allocate(self, num_pages: int) -> list[int]:
+        """``num_pages`` fresh pages from the pool, evicting least recently used cached pages when the free
+        list is short (vLLM's free-block queue, where cached pages at 0 references are the last to be reused).
 
         Raises:
-            common.errors.CapacityError: not enough free plus evictable blocks (nothing is allocated).
+            common.errors.CapacityError: not enough free plus evictable pages (nothing is allocated).
         """
-        short = num_blocks - self.pool.num_free
+        short = num_pages - self.pool.num_free
         if short > 0:
             evictable = self.num_evictable
             if short > evictable:  # refused without evicting anything: the cache stays useful
-                raise CapacityError(f"KV cache full: {num_blocks} blocks requested, {self.pool.num_free} free and "
-                                    f"{evictable} cached of {self.pool.num_blocks}")
+                raise CapacityError(f"KV cache full: {num_pages} pages requested, {self.pool.num_free} free and "
+                                    f"{evictable} cached of {self.pool.num_pages}")
             self.evict(short)
-        return self.pool.allocate(num_blocks)
+        return self.pool.allocate(num_pages)
 
     @property
     def num_evictable(self) -> int:
-        """Cached blocks no session uses (free for admission's accounting), blocks."""
+        """Cached pages no session uses (free for admission's accounting), pages."""
         with self._lock:
             self._drain()
             return len(self._evictable)
 
     @property
     def num_cached(self) -> int:
-        """Blocks with a key (in use or evictable), blocks."""
+        """Pages with a key (in use or evictable), pages."""
         return len(self._key_of)
 
 
@@ -338,7 +339,7 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
     """The prefix cache of ``target`` (a :class:`cloud_verifier.target.TargetRunner`; one per KV pool), made on
     first use and set as ``target.prefix_cache`` (its allocations evict through it), else reconfigured: a runner
     shared by several verifiers (tests, benchmarks) keeps one cache. Turning it off gives back every evictable
-    block at once.
+    page at once.
 
     Raises:
         ValueError: an unknown salt mode.
@@ -347,7 +348,7 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
         raise ValueError(f"unknown prefix cache salt {salt!r}: use {' or '.join(SALT_MODES)}")
     cache = getattr(target, "prefix_cache", None)
     if cache is None:
-        cache = PrefixCache(target.kv_pool.blocks, target.kv_block_size, model_id, salt, enabled)
+        cache = PrefixCache(target.kv_pool.pages, target.kv_page_size, model_id, salt, enabled)
         target.prefix_cache = cache
     else:
         cache.model_id, cache.salt, cache.enabled = model_id, salt, bool(enabled)
@@ -358,8 +359,8 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
 
 def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: str = "") -> tuple[object, int]:
     """A session's KV cache (:class:`cloud_verifier.target.SessionKV`, limit ``capacity`` tokens) about to
-    prefill ``token_ids[:-1]``: its block table starts with the longest cached prefix (taken from
-    ``target.prefix_cache``, when there is one), then fresh blocks for the rest. Returns (kv, tokens cached):
+    prefill ``token_ids[:-1]``: its page table starts with the longest cached prefix (taken from
+    ``target.prefix_cache``, when there is one), then fresh pages for the rest. Returns (kv, tokens cached):
     the prefill starts at that position.
 
     Raises:
@@ -372,67 +373,67 @@ def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: 
     taken = cache.take_cached(token_ids, tenant_id) if cache is not None else []
     kv = SessionKV(capacity, list(taken))
     try:
-        # a pool short now is no error: the prefill chunks get their blocks in the batcher (which waits for them,
+        # a pool short now is no error: the prefill chunks get their pages in the batcher (which waits for them,
         # or preempts sessions admitted after this one: cloud_verifier.kv_scheduler)
         target.try_ensure(kv, min(capacity, len(token_ids) - 1))
     except BaseException:
-        target.free(kv)  # the cached blocks taken go back too
+        target.free(kv)  # the cached pages taken go back too
         raise
-    return kv, len(taken) * target.kv_block_size
+    return kv, len(taken) * target.kv_page_size
 
 
 def cache_prefilled(target, kv, token_ids: Sequence[int], num_tokens: int, tenant_id: str = "") -> int:
-    """Register the full blocks of ``kv`` holding ``token_ids[:num_tokens]`` in ``target.prefix_cache`` (none:
-    nothing). ``num_tokens`` must not exceed the session's committed length - 1 (blocks no later forward pass
-    of the session writes): :meth:`PrefixCache.cache_full_blocks`. Returns blocks registered."""
+    """Register the full pages of ``kv`` holding ``token_ids[:num_tokens]`` in ``target.prefix_cache`` (none:
+    nothing). ``num_tokens`` must not exceed the session's committed length - 1 (pages no later forward pass
+    of the session writes): :meth:`PrefixCache.cache_full_pages`. Returns pages registered."""
     cache = target.prefix_cache
     if cache is None:
         return 0
-    return cache.cache_full_blocks(kv.blocks, token_ids, min(int(num_tokens), len(token_ids)), tenant_id)
+    return cache.cache_full_pages(kv.pages, token_ids, min(int(num_tokens), len(token_ids)), tenant_id)
 
 
 def cache_committed(target, kv, token_ids: Sequence[int], tenant_id: str = "") -> int:
-    """After a verify commit: register the full blocks of ``kv`` that the commit made final (every position below
-    ``len(token_ids) - 1``, ``token_ids`` being the session's committed ids: :func:`num_cacheable_blocks`) in
+    """After a verify commit: register the full pages of ``kv`` that the commit made final (every position below
+    ``len(token_ids) - 1``, ``token_ids`` being the session's committed ids: :func:`num_cacheable_pages`) in
     ``target.prefix_cache``, so a session sending this conversation later takes them instead of prefilling.
-    Incremental: each block is hashed once per session (its keys are kept with its KV), and a step that filled
-    no block costs a comparison. Returns blocks registered. Source: vLLM v1 ``cache_full_blocks`` after each
+    Incremental: each page is hashed once per session (its keys are kept with its KV), and a step that filled
+    no page costs a comparison. Returns pages registered. Source: vLLM v1 ``cache_full_blocks`` after each
     scheduler step (``KVCacheManager.cache_blocks``)."""
     cache = target.prefix_cache
     if cache is None or not cache.enabled:
         return 0
-    bs = cache.block_size
-    n = min(num_cacheable_blocks(len(token_ids), bs), len(kv.blocks))
+    bs = cache.page_size
+    n = min(num_cacheable_pages(len(token_ids), bs), len(kv.pages))
     root = cache.root(tenant_id)
     known_root, known = cache._chains.get(kv, (None, []))
     known = known if known_root == root else []
     if n <= len(known):
         return 0
-    keys = full_block_hashes(token_ids[: n * bs], bs, root, known)
+    keys = full_page_hashes(token_ids[: n * bs], bs, root, known)
     cache._chains[kv] = (root, keys)
-    return sum(cache.register(kv.blocks[d], keys[d], d) for d in range(len(known), n))
+    return sum(cache.register(kv.pages[d], keys[d], d) for d in range(len(known), n))
 
 
 def extend_session_kv(target, kv, token_ids: Sequence[int], start: int, tenant_id: str = "") -> tuple[int, int]:
     """An ExtendSession turn about to prefill ``token_ids[start:-1]`` (``start`` = the old committed length - 1;
-    ``kv`` holds the positions before it): the blocks after the one holding ``start`` are taken from the cache
-    where it has them for these tokens (its block table gets them, fresh blocks past them are dropped).
+    ``kv`` holds the positions before it): the pages after the one holding ``start`` are taken from the cache
+    where it has them for these tokens (its page table gets them, fresh pages past them are dropped).
 
     Returns (begin, end): positions [begin, end) need no prefill (begin == end: nothing taken). They start at a
-    block boundary past ``start``, so if the turn is not committed, rolling the table back to the old length
-    drops every block taken and the next block of the session writes none of them.
+    page boundary past ``start``, so if the turn is not committed, rolling the table back to the old length
+    drops every page taken and the next block of the session writes none of them.
     """
     cache = target.prefix_cache
-    bs = target.kv_block_size
-    first = -(-int(start) // bs)  # the first block holding no position before ``start``
-    n = max_prefix_blocks(len(token_ids), bs)
-    if cache is None or n <= first or len(kv.blocks) < first:
+    bs = target.kv_page_size
+    first = -(-int(start) // bs)  # the first page holding no position before ``start``
+    n = max_prefix_pages(len(token_ids), bs)
+    if cache is None or n <= first or len(kv.pages) < first:
         return start, start
-    taken = cache.take_prefix(cache.block_hashes(token_ids[: n * bs], tenant_id)[first:], n - first)
+    taken = cache.take_prefix(cache.page_hashes(token_ids[: n * bs], tenant_id)[first:], n - first)
     if not taken:
         return start, start
-    dropped = kv.blocks[first:]
-    kv.blocks[first:] = taken
+    dropped = kv.pages[first:]
+    kv.pages[first:] = taken
     if dropped:
-        target.kv_pool.blocks.decref(dropped)
+        target.kv_pool.pages.decref(dropped)
     return first * bs, (first + len(taken)) * bs

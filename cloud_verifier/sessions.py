@@ -7,7 +7,7 @@
   freed at once too, unless one of its blocks is queued or in a forward pass: then it is freed as soon as that
   block is done (never under a running forward pass).
 - **Reaping**: sessions idle for more than ``session_ttl_s`` seconds, or whose store record expired, are freed.
-- **Gauges**: open sessions, KV bytes and blocks in use (:mod:`cloud_verifier.metrics`).
+- **Gauges**: open sessions, KV bytes and pages in use (:mod:`cloud_verifier.metrics`).
 
 The store record is the source of truth for committed tokens; the table keeps this replica's copy of it, its
 KV cache and its stopping state (:class:`cloud_verifier.session_state.Session`).
@@ -78,7 +78,7 @@ class SessionTable(SessionAdmission):
         self._loading: dict[int, Session] = {}  # id -> a session being prefilled (its KV may be preempted)
         self._lock = threading.Lock()
         metrics.KV_CACHE_CAPACITY_BYTES.set(target.kv_cache_budget_tokens * target.kv_bytes_per_token)
-        metrics.KV_CACHE_BLOCKS_TOTAL.set(target.kv_pool.num_blocks)
+        metrics.KV_CACHE_PAGES_TOTAL.set(target.kv_pool.num_pages)
 
     @property
     def num_sessions(self) -> int:
@@ -105,14 +105,14 @@ class SessionTable(SessionAdmission):
         """Mark one block of ``session`` in flight for the ``with`` body (its verification).
 
         ``validate`` (block validation) runs first, under the table's lock, so no other block of the session
-        can slip in between the checks and the mark; then the session's block table grows to hold the positions
+        can slip in between the checks and the mark; then the session's page table grows to hold the positions
         the largest block may write (committed + max_num_speculative_tokens, capped by its limit). On exit: the
-        session's last-seen time is updated, its rejected tail rolled back (whole blocks past the committed
+        session's last-seen time is updated, its rejected tail rolled back (whole pages past the committed
         length freed), and a session released meanwhile gets its KV cache freed now (the deferred release).
 
         Raises:
             whatever ``validate`` raises; SessionNotFoundError: the session was closed. A pool short of free
-            blocks is no error here: the batcher gets them before the forward pass (:mod:`cloud_verifier.kv_scheduler`).
+            pages is no error here: the batcher gets them before the forward pass (:mod:`cloud_verifier.kv_scheduler`).
         """
         with self._lock:
             validate()
@@ -227,7 +227,7 @@ class SessionTable(SessionAdmission):
         return session
 
     def cache_committed(self, session: Session) -> None:
-        """Share the KV blocks a verify commit of ``session`` filled (its full blocks below committed length - 1,
+        """Share the KV pages a verify commit of ``session`` filled (its full pages below committed length - 1,
         final: no later forward pass of it writes there) through the prefix cache, at once rather than at its
         next ExtendSession: a session sending this conversation (a retried or forked chat) prefills only its tail.
         Runs in the target thread after the store commit; a failure here is logged, never the verdict's."""
@@ -235,7 +235,7 @@ class SessionTable(SessionAdmission):
         try:
             cache_committed(self.target, session.kv, record.committed_token_ids, record.tenant_id)
         except Exception:  # noqa: BLE001 - the commit is done; caching is an optimisation
-            log.exception("could not cache the committed blocks of session %s", record.session_id)
+            log.exception("could not cache the committed pages of session %s", record.session_id)
 
     def close(self, session_id: str) -> bool:
         """Release the session here and delete its store keys; False if it existed in neither."""
@@ -297,4 +297,4 @@ class SessionTable(SessionAdmission):
     def _update_gauges(self) -> None:
         metrics.SESSIONS_OPEN.set(len(self._sessions))
         metrics.KV_CACHE_USED_BYTES.set(self.target.kv_reserved_bytes)
-        metrics.KV_CACHE_BLOCKS_USED.set(self.target.kv_pool.blocks.num_used)
+        metrics.KV_CACHE_PAGES_USED.set(self.target.kv_pool.pages.num_used)

@@ -8,11 +8,11 @@ pool, through a custom attention function registered with HF transformers' ``Att
 whose layers all hold a KV cache (:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral,
 Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested).
 
-KV cache: one pool of fixed-size blocks for all sessions (:class:`cloud_verifier.kv_pool.KVPool`, allocated
-once from the token budget), a block table per session (:class:`SessionKV`). A session holds blocks only for
-the tokens it holds: growing (more positions, ExtendSession) appends blocks without copying, rolling back a
-rejected tail drops whole blocks past the committed length (:meth:`TargetRunner.truncate`), freeing drops all
-(admission control: a session or a block that finds no free block is refused rather than slowing the others
+KV cache: one pool of fixed-size pages for all sessions (:class:`cloud_verifier.kv_pool.KVPool`, allocated
+once from the token budget), a page table per session (:class:`SessionKV`). A session holds pages only for
+the tokens it holds: growing (more positions, ExtendSession) appends pages without copying, rolling back a
+rejected tail drops whole pages past the committed length (:meth:`TargetRunner.truncate`), freeing drops all
+(admission control: a session or a block that finds no free page is refused rather than slowing the others
 down).
 
 Device and dtype: :func:`resolve_device` / :func:`resolve_dtype` turn the settings' names (``auto`` included)
@@ -96,27 +96,27 @@ def _malloc_trim() -> bool:
 
 
 class SessionKV:
-    """KV cache of one session: a block table into the runner's :class:`~cloud_verifier.kv_pool.KVPool`.
+    """KV cache of one session: a page table into the runner's :class:`~cloud_verifier.kv_pool.KVPool`.
 
-    ``blocks``: block ids in position order (position p is slot p % block_size of block blocks[p // block_size]);
-    the blocks hold at least the positions written so far. ``capacity``: the most tokens the session may
+    ``pages``: page ids in position order (position p is slot p % page_size of page pages[p // page_size]);
+    the pages hold at least the positions written so far. ``capacity``: the most tokens the session may
     reach (prompt + max_new_tokens, capped by the context), tokens: a limit for validation, not memory; 0 once
-    freed. Blocks are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
+    freed. Pages are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
     (:meth:`TargetRunner.free`) by the runner.
 
     Preemption (:mod:`cloud_verifier.kv_scheduler`): ``order`` ranks sessions by admission (lower = admitted
     earlier = higher priority; a preempted session keeps its rank). ``rebuild_from``: None while the table
     holds the KV of every position before the session's next row; after a preemption, the positions whose KV
-    is still held (0 once its blocks were dropped, more once a cached prefix was taken back): the next row
+    is still held (0 once its pages were dropped, more once a cached prefix was taken back): the next row
     first recomputes the positions from there (vLLM's recompute preemption). ``pending_ids``: the token ids of
     the positions an ExtendSession turn is prefilling (not committed yet), what a recomputation reads then.
     """
 
     _admitted = itertools.count()
 
-    def __init__(self, capacity: int, blocks: list[int] | None = None):
+    def __init__(self, capacity: int, pages: list[int] | None = None):
         self.capacity = int(capacity)
-        self.blocks: list[int] = [] if blocks is None else blocks
+        self.pages: list[int] = [] if pages is None else pages
         self.freed = False
         self.order = next(SessionKV._admitted)
         self.rebuild_from: int | None = None
@@ -160,7 +160,7 @@ class TargetRunner:
     Args:
         model_dir: local HF causal-LM directory (safetensors + config + tokenizer).
         kv_cache_budget_tokens: total KV capacity, tokens, over all sessions (admission budget): the pool holds
-            ceil(budget / kv_block_size) blocks.
+            ceil(budget / kv_page_size) pages.
         device: "auto", "cpu", "cuda" or "cuda:N" (:func:`resolve_device`; "auto" = CUDA when available).
         dtype: weights and KV cache: a torch dtype or "auto" / "float32" / "bfloat16" / "float16"
             (:func:`resolve_dtype`; "auto" = bfloat16 on CUDA, float32 on CPU). float32 by default: exactness
@@ -168,7 +168,7 @@ class TargetRunner:
         num_threads: torch intra-op threads (None = torch's default).
         check_architecture: after loading, compare a 12-token ragged forward with the HF reference
             (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
-        kv_block_size: tokens per KV block of the paged pool (:mod:`cloud_verifier.kv_pool`).
+        kv_page_size: tokens per KV page of the paged pool (:mod:`cloud_verifier.kv_pool`).
         compile_mode: "off", "torch_compile" or "cuda_graphs" (:mod:`cloud_verifier.compiled_forward`;
             cuda_graphs off the GPU logs one line and runs eagerly).
 
@@ -187,7 +187,7 @@ class TargetRunner:
         dtype: torch.dtype | str = torch.float32,
         num_threads: int | None = None,
         check_architecture: bool = True,
-        kv_block_size: int = 16,
+        kv_page_size: int = 16,
         compile_mode: str = "off",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -216,9 +216,9 @@ class TargetRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # logits width
         self.max_context_tokens = int(getattr(cfg, "max_position_embeddings", 2048))
         self.kv_cache_budget_tokens = int(kv_cache_budget_tokens)
-        # one pool for all sessions, allocated once (its CPU pages take memory only once written)
-        self.kv_pool = KVPool(self.num_layers, -(-self.kv_cache_budget_tokens // int(kv_block_size)),
-                              int(kv_block_size), self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        # one pool for all sessions, allocated once (its CPU memory pages take memory only once written)
+        self.kv_pool = KVPool(self.num_layers, -(-self.kv_cache_budget_tokens // int(kv_page_size)),
+                              int(kv_page_size), self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self._attention_mode = "paged"  # or "reference" (the per-row loop, for tests)
         self.prefix_cache = None  # set by prefix_cache.attach_prefix_cache: allocations evict through it
         self._forward_lock = threading.Lock()  # a KV cache is never freed under a running forward pass
@@ -236,25 +236,25 @@ class TargetRunner:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @property
-    def kv_block_size(self) -> int:
-        """Tokens per KV block."""
-        return self.kv_pool.block_size
+    def kv_page_size(self) -> int:
+        """Tokens per KV page."""
+        return self.kv_pool.page_size
 
     @property
     def kv_reserved_tokens(self) -> int:
-        """KV cache in use, tokens: blocks held by sessions × block size (blocks are used whole)."""
-        return self.kv_pool.blocks.num_used * self.kv_pool.block_size
+        """KV cache in use, tokens: pages held by sessions × page size (pages are used whole)."""
+        return self.kv_pool.pages.num_used * self.kv_pool.page_size
 
     @property
     def kv_reserved_bytes(self) -> int:
         return self.kv_reserved_tokens * self.kv_bytes_per_token
 
     def allocate(self, capacity_tokens: int, reserve_tokens: int | None = None) -> SessionKV:
-        """A session's KV cache that may grow to ``capacity_tokens`` tokens, with blocks for its first
+        """A session's KV cache that may grow to ``capacity_tokens`` tokens, with pages for its first
         ``reserve_tokens`` positions now (None = all ``capacity_tokens``; the rest is added as it is written).
 
         Raises:
-            CapacityError: the pool has too few free blocks, or fewer blocks in all than ``capacity_tokens``
+            CapacityError: the pool has too few free pages, or fewer pages in all than ``capacity_tokens``
                 needs (a session that could never finish; nothing is allocated).
         """
         kv = SessionKV(capacity_tokens)
@@ -262,32 +262,32 @@ class TargetRunner:
         return kv
 
     def ensure(self, kv: SessionKV, tokens: int) -> None:
-        """Grow the block table to hold positions 0..tokens-1 (no copy: more blocks).
+        """Grow the page table to hold positions 0..tokens-1 (no copy: more pages).
 
         Raises:
-            CapacityError: too few free blocks, or the session's limit (``kv.capacity``) exceeds the whole pool:
+            CapacityError: too few free pages, or the session's limit (``kv.capacity``) exceeds the whole pool:
                 a session that could never finish (the table stays as it was).
             ValueError: the cache was freed.
         """
         if kv.freed:
             raise ValueError("KV cache used after it was freed")
         self.check_fits(kv.capacity)
-        missing = -(-int(tokens) // self.kv_pool.block_size) - len(kv.blocks)
-        if missing > 0:  # with a prefix cache, evictable cached blocks are evicted when the free list is short
-            allocate = self.kv_pool.blocks.allocate if self.prefix_cache is None else self.prefix_cache.allocate
-            kv.blocks.extend(allocate(missing))
+        missing = -(-int(tokens) // self.kv_pool.page_size) - len(kv.pages)
+        if missing > 0:  # with a prefix cache, evictable cached pages are evicted when the free list is short
+            allocate = self.kv_pool.pages.allocate if self.prefix_cache is None else self.prefix_cache.allocate
+            kv.pages.extend(allocate(missing))
 
     def check_fits(self, capacity_tokens: int) -> None:
         """Raises CapacityError when a session of up to ``capacity_tokens`` tokens could not fit in the whole
         pool even alone (it could never finish: refused at open, never preempted for)."""
-        pool_tokens = self.kv_pool.num_blocks * self.kv_pool.block_size
+        pool_tokens = self.kv_pool.num_pages * self.kv_pool.page_size
         if capacity_tokens > pool_tokens:
             raise CapacityError(f"KV cache full: a session of up to {capacity_tokens} tokens cannot fit in the "
                                 f"{pool_tokens} tokens of the whole cache")
 
     def try_ensure(self, kv: SessionKV, tokens: int) -> bool:
         """:meth:`ensure`, False instead of CapacityError when the pool is short right now (the batcher then
-        gets the blocks before the forward pass, preempting if it must). A preempted table is left alone.
+        gets the pages before the forward pass, preempting if it must). A preempted table is left alone.
 
         Raises:
             CapacityError: the session could not fit in the whole pool. ValueError: the cache was freed.
@@ -302,38 +302,38 @@ class TargetRunner:
         return True
 
     def preempt(self, kv: SessionKV) -> int:
-        """Drop every block of a session's table (recompute preemption): blocks no one else holds go back to the
-        pool, cached full blocks stay in the prefix cache as evictable; ``kv.rebuild_from`` = 0. Returns blocks
+        """Drop every page of a session's table (recompute preemption): pages no one else holds go back to the
+        pool, cached full pages stay in the prefix cache as evictable; ``kv.rebuild_from`` = 0. Returns pages
         dropped. The caller (the target thread, between forward passes, under the session table's lock) makes
         sure no forward pass uses the table."""
-        blocks, kv.blocks = kv.blocks, []
+        pages, kv.pages = kv.pages, []
         kv.rebuild_from = 0
-        self.kv_pool.blocks.decref(blocks)
-        return len(blocks)
+        self.kv_pool.pages.decref(pages)
+        return len(pages)
 
     def truncate(self, kv: SessionKV, tokens: int) -> None:
-        """Roll the block table back to positions 0..tokens-1: whole blocks past them go back to the pool (the
-        partly used last block stays; its positions past ``tokens`` are overwritten by the next forward)."""
-        keep = max(0, -(-int(tokens) // self.kv_pool.block_size))
-        if len(kv.blocks) > keep:
-            dropped = kv.blocks[keep:]
-            del kv.blocks[keep:]
-            self.kv_pool.blocks.decref(dropped)
+        """Roll the page table back to positions 0..tokens-1: whole pages past them go back to the pool (the
+        partly used last page stays; its positions past ``tokens`` are overwritten by the next forward)."""
+        keep = max(0, -(-int(tokens) // self.kv_pool.page_size))
+        if len(kv.pages) > keep:
+            dropped = kv.pages[keep:]
+            del kv.pages[keep:]
+            self.kv_pool.pages.decref(dropped)
 
     def free(self, kv: SessionKV) -> None:
-        """Return a session's blocks to the pool, and their pages to the OS (idempotent; waits for a forward
+        """Return a session's pages to the pool, and their memory to the OS (idempotent; waits for a forward
         pass that may use them)."""
         with self._forward_lock:
             if kv.freed:
                 return
-            blocks, kv.blocks = kv.blocks, []
+            pages, kv.pages = kv.pages, []
             kv.freed, kv.capacity = True, 0
-            self.kv_pool.blocks.decref(blocks)
-            self.kv_pool.release_free(blocks)  # resident memory back to idle (a block kept cached stays)
+            self.kv_pool.pages.decref(pages)
+            self.kv_pool.release_free(pages)  # resident memory back to idle (a page kept cached stays)
 
     def release_idle_memory(self) -> bool:
-        """Give memory back to the OS at idle times (the reaper calls it when no session is held): the pages
-        of free KV blocks (:meth:`KVPool.release_free`) and, if a forward pass ran since the last call, the
+        """Give memory back to the OS at idle times (the reaper calls it when no session is held): the memory
+        of free KV pages (:meth:`KVPool.release_free`) and, if a forward pass ran since the last call, the
         heap's free pages (glibc ``malloc_trim``: the activations of large batches leave freed but resident
         heap pages behind). Holds off forward passes while it runs. Returns True when memory was released."""
         if self.device.type != "cpu":
@@ -365,7 +365,7 @@ class TargetRunner:
 
         Raises:
             ValueError: a row writes past its KV capacity (or its KV cache was freed) or is empty.
-            CapacityError: the pool has no free block for a row's new positions (nothing runs).
+            CapacityError: the pool has no free page for a row's new positions (nothing runs).
         """
         with self._forward_lock, torch.inference_mode():
             self._forwards_since_trim += 1
@@ -387,7 +387,7 @@ class TargetRunner:
                 )
             self.ensure(row.kv, row.start_position + n)  # normally done before: no-op
             begin = len(flat_ids)
-            batch.add_row(row.kv.blocks, begin, n, row.start_position)
+            batch.add_row(row.kv.pages, begin, n, row.start_position)
             flat_ids.extend(row.token_ids)
             positions.extend(range(row.start_position, row.start_position + n))
             k = {"all": n, "last": 1}.get(row.logits, row.logits)  # logits of the row's last k positions

@@ -108,22 +108,22 @@ def top_candidates(
     c: int,  # 1 <= c <= vocab_size
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, c] values descending, [n, c] int64 ids)
     """The c largest logits of each row (as ``torch.topk``; which of several tied values is taken may differ)
-    by a two-level selection: the maxima of blocks of b consecutive tokens (one vectorised pass), the c blocks
-    with the largest maxima (every token above the c-th largest value lies in one of them: at most c blocks
-    hold a token that large), then ``topk`` over those c·b tokens and the tail that fills no block. Every token
-    left out is at most the smallest one taken. NaN and +inf propagate (block maxima and topk put NaN first).
+    by a two-level selection: the maxima of chunks of b consecutive tokens (one vectorised pass), the c chunks
+    with the largest maxima (every token above the c-th largest value lies in one of them: at most c chunks
+    hold a token that large), then ``topk`` over those c·b tokens and the tail that fills no chunk. Every token
+    left out is at most the smallest one taken. NaN and +inf propagate (chunk maxima and topk put NaN first).
     On a CPU this costs about 0.7× of ``torch.topk`` over the whole row (CPU time, 320 rows of 49,152 tokens:
     37 vs 50 ms here)."""
     n, vocab = x.shape
-    b = max(8, min(64, vocab // (4 * c)))  # tokens per block: 64 at 49,152 tokens and c = 64
-    num_blocks = vocab // b
-    if num_blocks <= c:
+    b = max(8, min(64, vocab // (4 * c)))  # tokens per chunk: 64 at 49,152 tokens and c = 64
+    num_chunks = vocab // b
+    if num_chunks <= c:
         return torch.topk(x, c, dim=-1)
-    block_max = x[:, : num_blocks * b].unflatten(1, (num_blocks, b)).amax(-1)  # [n, num_blocks]
-    blocks = torch.topk(block_max, c, dim=-1).indices  # [n, c]
-    cols = (blocks[:, :, None] * b + torch.arange(b, device=x.device)).reshape(n, c * b)  # [n, c·b]
-    if num_blocks * b < vocab:  # the tail
-        tail = torch.arange(num_blocks * b, vocab, device=x.device).expand(n, -1)
+    chunk_max = x[:, : num_chunks * b].unflatten(1, (num_chunks, b)).amax(-1)  # [n, num_chunks]
+    chunks = torch.topk(chunk_max, c, dim=-1).indices  # [n, c]
+    cols = (chunks[:, :, None] * b + torch.arange(b, device=x.device)).reshape(n, c * b)  # [n, c·b]
+    if num_chunks * b < vocab:  # the tail
+        tail = torch.arange(num_chunks * b, vocab, device=x.device).expand(n, -1)
         cols = torch.cat([cols, tail], dim=1)
     values, at = torch.topk(x.gather(1, cols), c, dim=-1)
     return values, cols.gather(1, at)

@@ -55,7 +55,7 @@ class Verifier:
         busy_wait_s: how long a block waits for the previous block of its session to end (e.g. one whose
             stream the client cancelled and resent at once) before it is refused as a second block in flight, s.
         tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.limits`); None = none.
-        prefix_caching: share the KV blocks of identical leading tokens across sessions
+        prefix_caching: share the KV pages of identical leading tokens across sessions
             (:mod:`cloud_verifier.prefix_cache`); False = off.
         prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
 
@@ -133,7 +133,7 @@ class Verifier:
         runner = TargetRunner(
             target_dir,
             kv_cache_budget_tokens=settings.kv_cache_budget_tokens,
-            kv_block_size=settings.kv_block_size,
+            kv_page_size=settings.kv_page_size,
             device=settings.device,
             dtype=settings.dtype,
             num_threads=settings.torch_threads,

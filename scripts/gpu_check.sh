@@ -12,7 +12,7 @@
 #      tests/edge_client/test_onnx_device_kv.py);
 #   4. a short benchmark: target-only vs specdec (`specdec bench --no-hf`), and the verifier under load
 #      (`specdec bench --replay --clients 1,16,64`, short windows), and one forward pass of 64 verify rows, paged
-#      attention vs the per-row loop, KV block sizes 16 and 32 (`python -m specdec.bench.attention_bench`), and
+#      attention vs the per-row loop, KV page sizes 16 and 32 (`python -m specdec.bench.attention_bench`), and
 #      the verify forward eager vs CUDA graphs / torch.compile (`python -m specdec.bench.compile_bench`).
 # Each step has a time budget, and the whole run is kept under SPECDEC_GPU_CHECK_BUDGET_S (default 470 s): a step
 # that would not fit is skipped and reported. Exit status 0 when every step that ran passed.
@@ -91,9 +91,9 @@ if [ "$DEVICE" != none ]; then
   if [ "$DEVICE" = cuda ]; then
     step tests 210 env SPECDEC_GPU_CHECK_REAL_MODEL=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" "${TESTS[@]}"
-    # one forward pass of 64 verify rows: paged one-call attention vs the per-row loop, KV block sizes 16/32
+    # one forward pass of 64 verify rows: paged one-call attention vs the per-row loop, KV page sizes 16/32
     step attention 60 $PY -m specdec.bench.attention_bench --rows 64 --tokens 5 --context 300 --repeats 5 \
-      --block-sizes 16,32 --device cuda --dtype bfloat16
+      --page-sizes 16,32 --device cuda --dtype bfloat16
     # the verdict stage of 64 rows x 5 positions on the device vs the numpy loop
     step verdict 40 $PY -m specdec.bench.verdict_bench --repeats 5 --device cuda
     # the verify forward of 16 and 64 rows x 5 tokens: eager vs CUDA graphs (whole model), eager vs torch.compile
@@ -111,7 +111,7 @@ if [ "$DEVICE" != none ]; then
     step replay 200 specdec bench --replay --clients 1,2 --duration-s 3 --limit 2 --max-new-tokens 16 \
       --device cpu --json
     step attention 120 $PY -m specdec.bench.attention_bench --rows 4 --tokens 5 --context 40 --repeats 1 \
-      --block-sizes 16 --device cpu --dtype float32
+      --page-sizes 16 --device cpu --dtype float32
     step compile_graphs 60 $PY -m specdec.bench.compile_bench --mode cuda_graphs --rows 2 --tokens 5 --context 40 \
       --repeats 1 --layers 1 --device cpu --dtype float32
   fi
@@ -201,7 +201,7 @@ if r:
         mem = m.get("memory") or {}
         replay[n]["memory_back_to_idle"] = bool(mem.get("kv_back_to_idle") and mem.get("rss_back_to_idle"))
 
-attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV block size
+attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV page size
 compiled = {m: last_json(f"compile_{m}") for m in ("graphs", "torch")}  # eager vs compiled forward
 
 ran = [s for s in steps.values() if s["rc"] != "skipped"]

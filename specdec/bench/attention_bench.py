@@ -5,8 +5,8 @@ reference loop it replaced, side by side in one run. Prints one JSON line.
 
 Each of ``--rows`` sessions holds ``--context`` tokens of KV (prefilled once, untimed), then one forward pass
 of ``--rows`` verify rows of ``--tokens`` tokens each is timed ``--repeats`` times per mode (modes alternate, so
-a slow patch of a shared machine hits both alike); medians in ms. ``--block-sizes 16,32`` times the paged path
-at several KV block sizes (a runner each). Default target: the prepared SmolLM2-135M.
+a slow patch of a shared machine hits both alike); medians in ms. ``--page-sizes 16,32`` times the paged path
+at several KV page sizes (a runner each). Default target: the prepared SmolLM2-135M.
 
 The code before the paged pool (a worktree of an older commit) is timed by running this file with that tree
 first on PYTHONPATH: ``PYTHONPATH=/tmp/before python specdec/bench/attention_bench.py ...`` (``forward_ms``).
@@ -54,7 +54,7 @@ def _time_forward(runner, rows, repeats: int) -> dict:
     return {f"{m}_ms": statistics.median(v) for m, v in times.items()}
 
 
-def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, block_size: int, device: str,
+def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, page_size: int, device: str,
         dtype: str) -> dict:
     """One runner, ``rows`` sessions of ``context`` tokens; the timings and what was timed."""
     import numpy as np
@@ -64,11 +64,14 @@ def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, 
 
     import inspect
 
-    budget = rows * (context + tokens + 2 * block_size)
-    paged = "kv_block_size" in inspect.signature(TargetRunner).parameters
+    budget = rows * (context + tokens + 2 * page_size)
+    # an older tree (timed by this file, see above) may call the page size kv_block_size or have no paged pool
+    size_arg = next((a for a in ("kv_page_size", "kv_block_size") if a in inspect.signature(TargetRunner).parameters),
+                    None)
+    paged = size_arg is not None
     runner = TargetRunner(target or default_model_paths().target_dir, kv_cache_budget_tokens=budget,
                           device=device, dtype=dtype, check_architecture=False,
-                          **({"kv_block_size": block_size} if paged else {}))
+                          **({size_arg: page_size} if paged else {}))
     rng = np.random.default_rng(0)
     vocab = min(runner.vocab_size, 32000)
     kvs = [runner.allocate(context + tokens) for _ in range(rows)]
@@ -81,7 +84,7 @@ def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, 
     finally:
         for kv in kvs:
             runner.free(kv)
-    result.update(block_size=block_size if paged else None, device=str(runner.device),
+    result.update(page_size=page_size if paged else None, device=str(runner.device),
                   dtype=str(runner.dtype).removeprefix("torch."), num_layers=runner.num_layers)
     if paged:
         result["speedup"] = result["reference_ms"] / result["paged_ms"]
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=5, help="tokens per verify row (γ + 1)")
     parser.add_argument("--context", type=int, default=300, help="KV tokens each session holds before its row")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes, tokens")
+    parser.add_argument("--page-sizes", default="16", help="comma-separated KV page sizes, tokens")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
            "torch_threads": torch.get_num_threads(), "results": []}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
-    for bs in (int(b) for b in args.block_sizes.split(",")):
+    for bs in (int(b) for b in args.page_sizes.split(",")):
         out["results"].append(run(args.target, args.rows, args.tokens, args.context, args.repeats, bs,
                                   args.device, args.dtype))
         print(json.dumps(out), flush=True)  # partial results survive a cut-short run

@@ -3,12 +3,12 @@
 Opens ``--sessions`` sessions one after the other, each with the same ``--prefix-tokens``-token system prompt and
 a different question, on an in-process verifier over the target (default: the prepared model, ``specdec models
 prepare``), once with prefix caching and once without. Reports the open time of session 1 and of sessions
-2..N (median, and the ratio to session 1), the prompt tokens actually prefilled, and the KV blocks in use once
+2..N (median, and the ratio to session 1), the prompt tokens actually prefilled, and the KV pages in use once
 all are open; then decodes every session greedily (empty draft blocks: target-only) and checks that the outputs
 with and without caching are token-identical. Prints one JSON object.
 
     python -m specdec.bench.prefix_bench [--sessions 16] [--prefix-tokens 500] [--max-new-tokens 8]
-        [--block-size 16] [--target DIR] [--device auto] [--dtype auto]
+        [--page-size 16] [--target DIR] [--device auto] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _decode(backend, opened, max_new_tokens: int) -> list[int]:
 
 
 def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bool) -> dict:
-    """Open every prompt in turn (timed), count blocks in use, decode, close; the report of one mode."""
+    """Open every prompt in turn (timed), count KV pages in use, decode, close; the report of one mode."""
     from common.types import SamplingParams, StoppingCriteria
     from cloud_verifier.verifier import Verifier
     from specdec.embedded import LocalBackend
@@ -81,7 +81,7 @@ def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bo
             opened.append(backend.open_session(prompt, *greedy))
             open_s.append(time.perf_counter() - t0)
         prefilled = _batch_tokens() - before
-        blocks_in_use = runner.kv_pool.blocks.num_used
+        pages_in_use = runner.kv_pool.pages.num_used
         outputs = [_decode(backend, o, max_new_tokens) for o in opened]
         for o in opened:
             backend.close_session(o.session_id)
@@ -94,18 +94,18 @@ def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bo
         "rest_over_first": round(statistics.median(rest) / open_s[0], 3) if rest else None,
         "open_s": [round(t, 4) for t in open_s],
         "prefilled_tokens": int(prefilled),
-        "kv_blocks_in_use": blocks_in_use,
+        "kv_pages_in_use": pages_in_use,
         "outputs": outputs,
     }
 
 
-def run(sessions: int, prefix_tokens: int, max_new_tokens: int, block_size: int, target: str | None,
+def run(sessions: int, prefix_tokens: int, max_new_tokens: int, page_size: int, target: str | None,
         device: str, dtype: str) -> dict:
     from cloud_verifier.target import TargetRunner
     from common.paths import default_model_paths
 
     runner = TargetRunner(target or default_model_paths().target_dir, device=device, dtype=dtype,
-                          kv_block_size=block_size, kv_cache_budget_tokens=(sessions + 2) * (prefix_tokens + 64))
+                          kv_page_size=page_size, kv_cache_budget_tokens=(sessions + 2) * (prefix_tokens + 64))
     prefix = _prefix_ids(runner.tokenizer, prefix_tokens)
     questions = [runner.tokenizer.encode(" " + q, add_special_tokens=False) for q in QUESTIONS]
     prompts = [prefix + questions[i % len(questions)] + ([i] if i >= len(questions) else []) for i in range(sessions)]
@@ -114,9 +114,9 @@ def run(sessions: int, prefix_tokens: int, max_new_tokens: int, block_size: int,
     identical = on.pop("outputs") == off.pop("outputs")
     return {
         "model": str(runner.model_dir.name), "device": str(runner.device), "dtype": str(runner.dtype).split(".")[-1],
-        "sessions": sessions, "prefix_tokens": prefix_tokens, "block_size": block_size,
+        "sessions": sessions, "prefix_tokens": prefix_tokens, "page_size": page_size,
         "prefix_caching": on, "no_prefix_caching": off,
-        "kv_blocks_ratio": round(on["kv_blocks_in_use"] / off["kv_blocks_in_use"], 3),
+        "kv_pages_ratio": round(on["kv_pages_in_use"] / off["kv_pages_in_use"], 3),
         "outputs_identical": identical,
     }
 
@@ -126,14 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--prefix-tokens", type=int, default=500)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--target", default=None, help="target model directory (default: the prepared model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     a = p.parse_args(argv)
-    if a.sessions < 2 or a.prefix_tokens < 1 or a.max_new_tokens < 1 or a.block_size < 1:
-        p.error("--sessions must be >= 2; --prefix-tokens, --max-new-tokens and --block-size >= 1")
-    print(json.dumps(run(a.sessions, a.prefix_tokens, a.max_new_tokens, a.block_size, a.target, a.device, a.dtype)))
+    if a.sessions < 2 or a.prefix_tokens < 1 or a.max_new_tokens < 1 or a.page_size < 1:
+        p.error("--sessions must be >= 2; --prefix-tokens, --max-new-tokens and --page-size >= 1")
+    print(json.dumps(run(a.sessions, a.prefix_tokens, a.max_new_tokens, a.page_size, a.target, a.device, a.dtype)))
     return 0
 
 

@@ -99,7 +99,7 @@ def test_kv_budget_refuses_and_reuses(tiny_pair):
         client = EdgeClient(backend, ModelDrafter(model), model.tokenizer)
         from common.types import SamplingParams, StoppingCriteria
 
-        # 7 KV blocks of 16 tokens; a 30-token prompt holds 2 (its first 29 tokens), not prompt + max_new_tokens
+        # 7 KV pages of 16 tokens; a 30-token prompt holds 2 (its first 29 tokens), not prompt + max_new_tokens
         prompt, stopping = list(range(10, 40)), StoppingCriteria(max_new_tokens=50)
         opened = [backend.open_session(prompt, SamplingParams(), stopping) for _ in range(3)]
         assert small.kv_reserved_tokens == 3 * 32

@@ -1,8 +1,8 @@
 """KV-cache memory is given back when sessions close: the budget counters, the Prometheus gauge, AND the memory
 actually held.
 
-The counters (``TargetRunner.kv_reserved_bytes`` and the ``specdec_kv_cache_used_bytes`` gauge) count the KV blocks
-sessions hold in the paged pool: the blocks of the tokens actually held (committed but the last, whole blocks),
+The counters (``TargetRunner.kv_reserved_bytes`` and the ``specdec_kv_cache_used_bytes`` gauge) count the KV pages
+sessions hold in the paged pool: the pages of the tokens actually held (committed but the last, whole pages),
 not a worst case reserved at open. They only say what the accounting believes, so the memory held is measured
 too, two ways, each with a bound derived from the size of one session's cache:
 
@@ -12,7 +12,7 @@ too, two ways, each with a bound derived from the size of one session's cache:
 - resident memory (RSS, psutil, in a child process with a fixed malloc mmap threshold, see RSS_DRIVER): after
   sessions whose prompts fill most of their cache (pool pages only count once written) are opened, used and
   closed, RSS must be back within half of one session's written cache of the baseline (a closed session's free
-  blocks are given back to the OS; this also sees memory held where the garbage collector cannot look).
+  pages are given back to the OS; this also sees memory held where the garbage collector cannot look).
 
 The target is a wide 2-layer random Llama (16 KV heads × 32, 2,048-token context: 8 KiB of KV per token, 16 MiB per
 full-context session) so that one session's cache stands well above allocator noise.
@@ -97,8 +97,8 @@ LENGTHS: dict[str, int] = {}  # session id -> committed length after run_session
 
 
 def held_bytes(runner, sid: str) -> int:
-    """KV bytes a session holds after its blocks: whole blocks for its committed tokens but the last."""
-    bs = runner.kv_block_size
+    """KV bytes a session holds after its blocks: whole pages for its committed tokens but the last."""
+    bs = runner.kv_page_size
     return -(-(LENGTHS[sid] - 1) // bs) * bs * runner.kv_bytes_per_token
 
 
@@ -164,7 +164,7 @@ from specdec.embedded import LocalBackend
 
 target_dir, prompt_len, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 runner = TargetRunner(target_dir, kv_cache_budget_tokens=4 * context)
-# prefix caching off: cached blocks of closed sessions stay resident by design (until evicted for reuse)
+# prefix caching off: cached pages of closed sessions stay resident by design (until evicted for reuse)
 backend = LocalBackend(Verifier(runner, max_num_speculative_tokens=4, max_batch_wait_ms=0.0, prefix_caching=False))
 
 def rss():

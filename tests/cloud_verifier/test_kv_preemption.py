@@ -1,10 +1,10 @@
 """Recompute preemption of the paged KV pool (cloud_verifier/kv_scheduler.py) on a real tiny target and verifier:
-several concurrent sessions whose KV together needs far more blocks than the pool has all finish, token-identical
+several concurrent sessions whose KV together needs far more pages than the pool has all finish, token-identical
 to target-only HF greedy decoding (speculative blocks with rejections, and cloud-decode γ = 0 steps), while
-later admitted sessions are preempted and their KV recomputed; no forward pass writes a block while it is
+later admitted sessions are preempted and their KV recomputed; no forward pass writes a page while it is
 cached (shared); with preemption off, the same load stalls and is refused.
 
-Tiny random Llama from conftest (2 layers); prompts of random token ids; a pool of 12 blocks of 16 tokens."""
+Tiny random Llama from conftest (2 layers); prompts of random token ids; a pool of 12 pages of 16 tokens."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(300)
 
-BS = 16  # KV block size, tokens
-POOL_BLOCKS = 12
-PROMPT = 40  # tokens: 3 blocks each at open, so 4 sessions fill the pool before any output
-NEW = 60  # tokens generated per session: each needs 7 blocks, 28 for the 5 (of 12)
+BS = 16  # KV page size, tokens
+POOL_PAGES = 12
+PROMPT = 40  # tokens: 3 pages each at open, so 4 sessions fill the pool before any output
+NEW = 60  # tokens generated per session: each needs 7 pages, 28 for the 5 (of 12)
 WAIT_S = 120.0
 
 
@@ -65,23 +65,23 @@ async def _session(verifier, prompt: list[int], reference: list[int], rng: rando
 
 
 def _run(tiny_pair, hf_model, preemption: bool):
-    runner = TargetRunner(tiny_pair.target_dir, kv_block_size=BS, kv_cache_budget_tokens=POOL_BLOCKS * BS)
+    runner = TargetRunner(tiny_pair.target_dir, kv_page_size=BS, kv_cache_budget_tokens=POOL_PAGES * BS)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 49152) for _ in range(PROMPT)] for _ in range(5)]
-    prompts[4][:2 * BS] = prompts[0][:2 * BS]  # the last one shares two blocks with the first (prefix cache)
+    prompts[4][:2 * BS] = prompts[0][:2 * BS]  # the last one shares two pages with the first (prefix cache)
     references = [_reference(hf_model, p) for p in prompts]
     backend = LocalBackend(Verifier(runner, max_batch_wait_ms=1.0, prefill_chunk_tokens=32,
                                     max_num_speculative_tokens=4))
     verifier = backend.verifier
     verifier.batcher.kv.preemption = preemption
-    written_cached: list[int] = []  # blocks a forward pass wrote while they were cached
+    written_cached: list[int] = []  # pages a forward pass wrote while they were cached
     forward = runner.forward
 
     def observed_forward(rows, *args, **kwargs):
         cache = runner.prefix_cache
         for row in rows:
             end = row.start_position + len(row.token_ids)
-            written = {row.kv.blocks[p // BS] for p in range(row.start_position, end)}
+            written = {row.kv.pages[p // BS] for p in range(row.start_position, end)}
             written_cached.extend(b for b in written if cache.is_cached(b))
         return forward(rows, *args, **kwargs)
 
@@ -100,7 +100,7 @@ def _run(tiny_pair, hf_model, preemption: bool):
     return outputs, references, verifier, written_cached, runner
 
 
-def test_sessions_needing_more_blocks_than_the_pool_all_finish_token_identical(tiny_pair, hf_model):
+def test_sessions_needing_more_pages_than_the_pool_all_finish_token_identical(tiny_pair, hf_model):
     before = REGISTRY.get_sample_value("specdec_kv_preemptions_total") or 0.0
     recomputed = REGISTRY.get_sample_value("specdec_kv_recomputed_tokens_total") or 0.0
     outputs, references, verifier, written_cached, runner = _run(tiny_pair, hf_model, preemption=True)
@@ -110,8 +110,8 @@ def test_sessions_needing_more_blocks_than_the_pool_all_finish_token_identical(t
     assert verifier.batcher.kv.num_preemptions > 0, "the pool was never short: the test does not exercise preemption"
     assert REGISTRY.get_sample_value("specdec_kv_preemptions_total") - before == verifier.batcher.kv.num_preemptions
     assert REGISTRY.get_sample_value("specdec_kv_recomputed_tokens_total") > recomputed
-    assert not written_cached, f"forward passes wrote cached (shared) blocks {sorted(set(written_cached))}"
-    assert runner.kv_pool.blocks.num_used == 0  # every session closed: nothing held
+    assert not written_cached, f"forward passes wrote cached (shared) pages {sorted(set(written_cached))}"
+    assert runner.kv_pool.pages.num_used == 0  # every session closed: nothing held
 
 
 def test_without_preemption_the_same_load_stalls_and_is_refused(tiny_pair, hf_model):

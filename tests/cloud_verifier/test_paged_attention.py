@@ -1,6 +1,6 @@
 """The paged attention: one attention call per layer for the whole ragged batch, whatever its size, with logits
 equal to the per-row reference loop it replaced and to the unmodified HF model — prefill chunks and verify rows
-in one batch, several KV block sizes (rows crossing block boundaries), a sliding window shorter than the
+in one batch, several KV page sizes (rows crossing page boundaries), a sliding window shorter than the
 contexts (Mistral) and score soft-capping with alternating window/full layers (Gemma 2). On CUDA where there is
 one (scripts/gpu_check.sh), else on the CPU: the same code path."""
 
@@ -55,9 +55,9 @@ def _mixed_batch(runner: TargetRunner, rng: np.random.Generator, num_verify: int
     return rows, fulls, kvs
 
 
-@pytest.mark.parametrize(("arch", "block_size"), [("llama", 16), ("llama", 5), ("mistral", 3), ("gemma2", 7)])
-def test_paged_batch_equals_per_row_reference_and_hf(model_dirs, arch, block_size):
-    runner = TargetRunner(model_dirs(arch), kv_cache_budget_tokens=1024, kv_block_size=block_size,
+@pytest.mark.parametrize(("arch", "page_size"), [("llama", 16), ("llama", 5), ("mistral", 3), ("gemma2", 7)])
+def test_paged_batch_equals_per_row_reference_and_hf(model_dirs, arch, page_size):
+    runner = TargetRunner(model_dirs(arch), kv_cache_budget_tokens=1024, kv_page_size=page_size,
                           device=DEVICE)
     rows, fulls, kvs = _mixed_batch(runner, np.random.default_rng(3), num_verify=5)
     try:

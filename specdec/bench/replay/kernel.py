@@ -79,13 +79,13 @@ def _kernel_steps(prompts: list[RecordedPrompt], n: int, gamma: int) -> list[tup
     return out
 
 
-def kernel_kv_tokens(prompts: list[RecordedPrompt], n: int, gamma: int, block_size: int = 16) -> int:
+def kernel_kv_tokens(prompts: list[RecordedPrompt], n: int, gamma: int, page_size: int = 16) -> int:
     """KV pool tokens the kernel limit of N rows (and the prefill share's prompt) holds at once: every row's
-    context + γ in whole blocks, plus the longest prompt. The bench's own runner is sized to it (the verifier's
-    default pool may be smaller than 256 half-way sessions need: its admission counts blocks held)."""
-    tokens = sum(-(-(p.steps[k].committed_length + gamma) // block_size) * block_size
+    context + γ in whole KV pages, plus the longest prompt. The bench's own runner is sized to it (the verifier's
+    default pool may be smaller than 256 half-way sessions need: its admission counts KV pages held)."""
+    tokens = sum(-(-(p.steps[k].committed_length + gamma) // page_size) * page_size
                  for p, k in _kernel_steps(prompts, n, gamma))
-    return tokens + max(len(p.prompt_token_ids) for p in prompts) + block_size
+    return tokens + max(len(p.prompt_token_ids) for p in prompts) + page_size
 
 
 def _prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_cores, v_threads: int) -> dict:

@@ -45,7 +45,7 @@ REPLAY_NOTES = [  # how to read the report (its "notes")
     "first item taken off the queue .. answers sent; collecting, rows, verdicts, stopping, commits), "
     "host_fraction_of_step = host s / step s, over the window (its specdec_batch_*_seconds histograms); "
     "collect_ms_per_step is the collecting part of it (waiting up to max_batch_wait_ms for more blocks included)",
-    "kv_preemptions = sessions whose KV blocks the verifier dropped for an earlier admitted session's rows "
+    "kv_preemptions = sessions whose KV pages the verifier dropped for an earlier admitted session's rows "
     "(recompute preemption) from the first open to the last close, kv_recomputed_tokens = positions recomputed "
     "after them (0 and 0: the KV pool held every session)",
     "each verdict is compared with the recorded one (num_accepted, next_token_id, committed_length, "
