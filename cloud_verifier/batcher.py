@@ -47,9 +47,8 @@ from cloud_verifier.kv_scheduler import KVScheduler
 from cloud_verifier.session_state import Session
 from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import SessionStore
-from cloud_verifier.row_logits import committed_logprobs
-from cloud_verifier.row_verdicts import make_verdict, rejections
 from cloud_verifier.target import TargetRunner
+from cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
 from common.errors import (
     InvalidRequestError,
     PreconditionError,
@@ -374,7 +373,7 @@ class Batcher:
         return results
 
     def _rejections(self, works: list[Work], logits: list) -> list:
-        """The rejection rule of every verify row of one forward pass (:func:`cloud_verifier.row_verdicts.rejections`);
+        """The rejection rule of every verify row of one forward pass (:func:`cloud_verifier.verdict.stage.rejections`);
         per row a RejectionResult or the exception that row raised."""
         return rejections(works, logits, self.valid_vocab_size, self.sessions)
 

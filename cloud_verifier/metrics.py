@@ -101,7 +101,7 @@ def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
     start_http_server(port, addr=addr)
 
 
-# verify rows refused because the target's logits were NaN/inf or left no distribution (cloud_verifier/numerics.py)
+# verify rows refused because the target's logits were NaN/inf or left no distribution (cloud_verifier/verdict/numerics.py)
 NONFINITE_LOGITS = Counter("specdec_nonfinite_logits", "Verify rows whose target logits were not finite "
                            "(NaN, +inf, no finite logit) or left no distribution to sample from")
 

@@ -3,7 +3,7 @@
 #
 # Scope (pyproject.toml [tool.mutmut] + the name filter below): common/rejection.py, the sampling maths
 # (common/sampling.py, logits.py, top_p.py, draft_topk.py), common/stopping.py, cloud_verifier/validation.py,
-# cloud_verifier/numerics.py, and of cloud_verifier/batcher.py the verdict of the verify step, Batcher._apply_verdict.
+# cloud_verifier/verdict/numerics.py, and of cloud_verifier/batcher.py the verdict of the verify step, Batcher._apply_verdict.
 # Each mutant runs only the tests that executed its function (mutmut's per-function test mapping from a first,
 # instrumented run of the selected test files).
 #

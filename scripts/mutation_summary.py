@@ -38,7 +38,7 @@ SCOPE = {
        for path, (module, functions) in SAMPLING_FUNCTIONS.items()},
     "common/stopping.py": ["common.stopping.*"],
     "cloud_verifier/validation.py": ["cloud_verifier.validation.*"],
-    "cloud_verifier/numerics.py": ["cloud_verifier.numerics.*"],
+    "cloud_verifier/verdict/numerics.py": ["cloud_verifier.verdict.numerics.*"],
     "cloud_verifier/batcher.py": ["cloud_verifier.batcher.xǁBatcherǁ_apply_verdict__mutmut_*"],
 }
 KILLED = {1, 3, -24, 24, 152}

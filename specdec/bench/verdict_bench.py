@@ -1,5 +1,5 @@
-"""Microbenchmark of the verdict stage: the batched verdict (cloud_verifier.numerics.verify_rows, tensor ops where
-the logits are) vs the per-row numpy loop it replaced (cloud_verifier.numerics.verify_row per row), side by side in
+"""Microbenchmark of the verdict stage: the batched verdict (cloud_verifier.verdict.numerics.verify_rows, tensor ops where
+the logits are) vs the per-row numpy loop it replaced (cloud_verifier.verdict.numerics.verify_row per row), side by side in
 one run, on the same rows.
 
 64 rows × 5 scored positions (γ = 4 draft tokens + the bonus position), the real target's vocabulary (49,152),
@@ -31,9 +31,9 @@ from specdec.bench import _shared  # noqa: F401 - sets OMP_WAIT_POLICY before to
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cloud_verifier.batched_rejection import VerifyRow  # noqa: E402
-from cloud_verifier import numerics  # noqa: E402
-from cloud_verifier.numerics import verify_row, verify_rows  # noqa: E402
+from cloud_verifier.verdict import numerics  # noqa: E402
+from cloud_verifier.verdict.numerics import verify_row, verify_rows  # noqa: E402
+from cloud_verifier.verdict.sampler import VerifyRow  # noqa: E402
 from common.draft_topk import draft_topk_distribution  # noqa: E402
 from common.errors import TargetOutputError  # noqa: E402
 from common.sampling import Stream, sample_from, uniform  # noqa: E402
@@ -149,7 +149,7 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
 
 
 def _cpu_scan_backend() -> str:
-    from cloud_verifier.verdict_scan_native import available
+    from cloud_verifier.verdict.scan_native import available
 
     return "native" if available() else "numpy"
 

@@ -1,4 +1,4 @@
-"""The batched verdict (cloud_verifier.batched_rejection, numerics.verify_rows) against its numpy reference
+"""The batched verdict (cloud_verifier.verdict.sampler, numerics.verify_rows) against its numpy reference
 (numerics.verify_row → common.rejection.verify_block), row for row, on a corpus of LM-like logits; the guards
 (a faulty row never touches the others); the counter-based draws bit for bit; and the output distribution of
 the batched path itself (total variation to p, with a negative control).
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
-from cloud_verifier.numerics import verify_row, verify_rows
-from cloud_verifier.verdict_scan_native import available as native_available
-from cloud_verifier.verdict_draws import uniform_many
+from cloud_verifier.verdict.draws import uniform_many
+from cloud_verifier.verdict.numerics import verify_row, verify_rows
+from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
+from cloud_verifier.verdict.scan_native import available as native_available
 from common.errors import TargetOutputError
 from common.sampling import Stream, logits_to_probs, uniform
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs

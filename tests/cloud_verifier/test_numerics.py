@@ -19,8 +19,8 @@ import pytest
 
 from _reference import hf_greedy
 from cloud_verifier import metrics
-from cloud_verifier.numerics import logits_fault, verify_row
 from cloud_verifier.store import MemorySessionStore
+from cloud_verifier.verdict.numerics import logits_fault, verify_row
 from common.errors import TargetOutputError
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
 from common.wire import block_to_proto, open_request_to_proto

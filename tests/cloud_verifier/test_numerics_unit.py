@@ -1,4 +1,4 @@
-"""cloud_verifier.numerics called directly: each fault's reason, the guarded verdict equal to the rejection
+"""cloud_verifier.verdict.numerics called directly: each fault's reason, the guarded verdict equal to the rejection
 rule's when the logits are fine, the error's message and the ``specdec_nonfinite_logits_total`` count, and the
 ``bonus_drafted`` exception to the "next token in the vocabulary" check. Pure numpy (no model): the end-to-end
 behaviour of a fault (one row fails alone, INTERNAL over gRPC) is test_numerics.py.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from cloud_verifier.numerics import logits_fault, verify_row
+from cloud_verifier.verdict.numerics import logits_fault, verify_row
 from common.errors import TargetOutputError
 from common.rejection import RejectionResult, verify_block
 from common.types import DraftBlock, SamplingParams

@@ -1,4 +1,4 @@
-"""The CPU scans of the batched verdict (cloud_verifier.verdict_scan_numpy, and verdict_scan_native, the same
+"""The CPU scans of the batched verdict (cloud_verifier.verdict.scan_numpy, and scan_native, the same
 computation compiled) at a real vocabulary size: their contract checked against exact float64 arithmetic over
 whole rows (normaliser bounds, candidates, the bound on every token left out), their fast top-p decisions against
 the reference's full sort, and the rows they must leave to the exact paths (a normaliser the bounds leave open, a
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
-from cloud_verifier.batched_warpers import sparse_probs
-from cloud_verifier.numerics import verify_row
-from cloud_verifier.verdict_scan import Scan, scan_logits
-from cloud_verifier.verdict_scan_native import available as native_available, scan_native
-from cloud_verifier.verdict_scan_numpy import BOUND_GAP, EXACT_GAP
+from cloud_verifier.verdict.numerics import verify_row
+from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
+from cloud_verifier.verdict.scan import Scan, scan_logits
+from cloud_verifier.verdict.scan_native import available as native_available, scan_native
+from cloud_verifier.verdict.scan_numpy import BOUND_GAP, EXACT_GAP
+from cloud_verifier.verdict.warpers import sparse_probs
 from common.types import DraftBlock, SamplingParams
 
 V = 32768  # a real vocabulary's scale: the scan's bounds and gathers only matter at this size
@@ -128,14 +128,14 @@ def _library_built_with(flags: list[str] | None, tmp_path):  # None: this machin
         pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
     import shutil
 
-    from cloud_verifier.verdict_scan_native import compile_to, load
+    from cloud_verifier.verdict.scan_native import compile_to, load
 
     path = tmp_path / "scan.so"
     compile_to(path, shutil.which("cc") or shutil.which("gcc"), flags)
     return load(path)
 
 
-# each code path of verdict_scan_native.c: AVX-512, AVX2 (a CPU without AVX-512), plain C (neither)
+# each code path of verdict/scan_native.c: AVX-512, AVX2 (a CPU without AVX-512), plain C (neither)
 BUILDS = [None, ["-O3", "-march=native"], ["-O3", "-mavx2", "-mfma", "-mno-avx512f"], ["-O3", "-mno-avx", "-mno-avx2"]]
 
 
@@ -215,9 +215,9 @@ def test_without_the_compiled_scan_the_numpy_one_runs(env, tmp_path):
     unavailable and the batched verdict runs on the numpy scan, same tokens as the reference."""
     code = (
         "import numpy as np\n"
-        "from cloud_verifier.verdict_scan_native import available\n"
-        "from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow\n"
-        "from cloud_verifier.numerics import verify_row\n"
+        "from cloud_verifier.verdict.scan_native import available\n"
+        "from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow\n"
+        "from cloud_verifier.verdict.numerics import verify_row\n"
         "from common.types import DraftBlock, SamplingParams\n"
         "assert not available()\n"
         "rng = np.random.default_rng(0)\n"

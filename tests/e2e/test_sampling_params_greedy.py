@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cloud_verifier.row_logits as row_logits
+import cloud_verifier.verdict.row_logits as row_logits
 from _hf_processors import hf_greedy_processed
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier

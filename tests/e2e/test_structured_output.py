@@ -186,7 +186,7 @@ def test_sampled_choice_distribution_equals_target_only_with_a_negative_control(
     assert len(ref) >= 2  # the grammar leaves a real choice to the target's distribution
     assert _tv(ref, got) < 0.15, (ref, got)
     # negative control: the verifier forgets the grammar (p unconstrained); the draft still masks its q
-    import cloud_verifier.row_logits as row_logits
+    import cloud_verifier.verdict.row_logits as row_logits
 
     monkeypatch.setattr(row_logits, "apply_session_grammar", lambda session, block, logits: logits)
     broken = _answer_counts(spec_client, tokenizer, range(20_000, 20_000 + n // 3), spec)

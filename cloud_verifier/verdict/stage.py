@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from cloud_verifier.batched_rejection import VerifyRow
-from cloud_verifier.numerics import verify_rows
-from cloud_verifier.row_logits import prepare_row_logits, raw_logprobs
+from cloud_verifier.verdict.numerics import verify_rows
+from cloud_verifier.verdict.row_logits import prepare_row_logits, raw_logprobs
+from cloud_verifier.verdict.sampler import VerifyRow
 from common.errors import TargetOutputError
 from common.types import Verdict
 
@@ -28,10 +28,10 @@ def rejections(works: list, logits: list, valid_vocab_size: int, sessions) -> li
     ``works``: the rows' batcher Work items; ``logits``: per row [block.num_scored_positions, vocab_size] float32
     (numpy or torch, on the target's device); token ids at or past ``valid_vocab_size`` are logit padding.
     Each row first goes through its session's history-dependent processors
-    (:func:`cloud_verifier.row_logits.prepare_row_logits`). A row with NaN/inf logits gets TargetOutputError
+    (:func:`cloud_verifier.verdict.row_logits.prepare_row_logits`). A row with NaN/inf logits gets TargetOutputError
     (nothing committed) and its session is released from ``sessions`` (the session table): its KV cache is
-    rebuilt next block. Then ONE batched verdict for all rows (:func:`cloud_verifier.numerics.verify_rows`; the
-    per-row numpy :func:`~cloud_verifier.numerics.verify_row` is its reference).
+    rebuilt next block. Then ONE batched verdict for all rows (:func:`cloud_verifier.verdict.numerics.verify_rows`; the
+    per-row numpy :func:`~cloud_verifier.verdict.numerics.verify_row` is its reference).
     """
     outcomes: list = [None] * len(works)
     rows, at = [], []  # the rows the batched verdict runs on, and their places in outcomes

@@ -1,6 +1,6 @@
-/* The batched verdict's scan of sampled positions in one compiled pass per position (cloud_verifier/
- * verdict_scan_native.py loads it; cloud_verifier/verdict_scan_numpy.py is the same computation in numpy and
- * the contract of both is cloud_verifier/verdict_scan.py's Scan).
+/* The batched verdict's scan of sampled positions in one compiled pass per position (cloud_verifier/verdict/
+ * scan_native.py (next to it) loads it; cloud_verifier/verdict/scan_numpy.py is the same computation in numpy and
+ * the contract of both is cloud_verifier/verdict/scan.py's Scan).
  *
  * Per position: the max logit (NaN propagates), then one pass in cache that counts the tokens at or above
  * max - BOUND_GAP*T and gathers those at or above max - EXACT_GAP*T (a few hundred of 49,152 on real LM logits),

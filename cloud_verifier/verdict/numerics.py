@@ -14,7 +14,7 @@ committed) and counts ``specdec_nonfinite_logits_total``; the batcher releases t
 next block rebuilds it from the store. The other rows of the batch are untouched.
 
 :func:`verify_rows`, what the batcher calls, gives the verdicts of a whole forward pass at once as tensor ops
-where the logits are (:mod:`cloud_verifier.batched_rejection`) with the same guards, vectorised;
+where the logits are (:mod:`cloud_verifier.verdict.sampler`) with the same guards, vectorised;
 :func:`verify_row` stays as its one-row numpy reference.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.batched_rejection import BatchedRejectionSampler, VerifyRow
+from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
 from common.errors import TargetOutputError
 from common.rejection import RejectionResult, verify_block
 from common.types import DraftBlock, SamplingParams

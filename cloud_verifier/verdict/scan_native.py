@@ -1,5 +1,5 @@
-"""The compiled CPU backend of :func:`cloud_verifier.verdict_scan.scan_logits`: the sampled positions' scan in C
-(``verdict_scan_native.c``, next to this file), with the contract of :mod:`cloud_verifier.verdict_scan_numpy`
+"""The compiled CPU backend of :func:`cloud_verifier.verdict.scan.scan_logits`: the sampled positions' scan in C
+(``scan_native.c``, next to this file), with the contract of :mod:`cloud_verifier.verdict.scan_numpy`
 and its arithmetic operation for operation.
 
 Why compiled: the numpy backend makes five passes over each row's logits (max, two comparisons, a count and a
@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloud_verifier.verdict_scan_numpy import BOUND_GAP, EXACT_GAP, _BUCKETS_PER_UNIT, _run
+from cloud_verifier.verdict.scan_numpy import BOUND_GAP, EXACT_GAP, _BUCKETS_PER_UNIT, _run
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("verdict_scan_native.c")
+_SOURCE = Path(__file__).with_name("scan_native.c")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the first
 _POSITIONS_PER_TASK = 16  # sampled positions per call (several calls share the threads)
 _p = ctypes.c_void_p
@@ -124,7 +124,7 @@ def scan_native(
     threads: int = 1,
     lib: ctypes.CDLL | None = None,  # a library of :func:`load`; None: this machine's (compiled if needed)
 ) -> tuple:
-    """:func:`cloud_verifier.verdict_scan_numpy.scan_numpy`'s fields (same shapes, dtypes and padding), every
+    """:func:`cloud_verifier.verdict.scan_numpy.scan_numpy`'s fields (same shapes, dtypes and padding), every
     position scanned in C (greedy ones: the argmax and its logit, as numpy's argmax).
 
     Raises:

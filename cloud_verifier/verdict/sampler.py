@@ -4,7 +4,7 @@
 Follows Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding",
 Algorithm 1, batched as vLLM's ``v1/sample/rejection_sampler.py`` does (all rows' positions flattened into one
 [num_tokens, vocab_size] tensor; only token ids and counts come back to the host). The per-row numpy
-:func:`common.rejection.verify_block` (guarded by :func:`cloud_verifier.numerics.verify_row`) is the reference
+:func:`common.rejection.verify_block` (guarded by :func:`cloud_verifier.verdict.numerics.verify_row`) is the reference
 it is tested against.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier.batched_warpers import dense_probs, exact_normaliser, sparse_probs
-from cloud_verifier.verdict_scan import NUM_CANDIDATES, Scan, scan_logits
-from cloud_verifier.verdict_draws import uniform_many
+from cloud_verifier.verdict.draws import uniform_many
+from cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
+from cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
 from common.rejection import RejectionResult
 from common.sampling import Stream, normalize_sparse
 from common.types import DraftBlock, SamplingParams
@@ -51,7 +51,7 @@ class BatchedRejectionSampler:
     - draft_probs q: the sparse distribution the draft sampled x from ([num_tokens, k] ids and probabilities,
       ``common.types.SparseDraftProbs``; one-hot for greedy drafting), dense q = ``common.sampling.dense_draft_probs``.
     - target_probs p: the target's processed distribution (temperature → top-k → top-p → min-p → softmax,
-      :mod:`cloud_verifier.batched_warpers`), sparse over candidates or dense.
+      :mod:`cloud_verifier.verdict.warpers`), sparse over candidates or dense.
     - accepted token: x with ``u_accept · q(x) < p(x)`` (u_accept = ``uniform(seed, position, ACCEPT)``);
       greedy rows: x equal to the target argmax.
     - num_accepted n: accepted positions before the first rejection (bonus_drafted blocks: up to all γ).
@@ -59,17 +59,17 @@ class BatchedRejectionSampler:
       no mass) with u_sample = ``uniform(seed, position, TARGET_SAMPLE)``; bonus token: the same from p after a
       fully accepted classic block (q = 0 there); greedy rows: the argmax.
 
-    The draws are computed on the host exactly as today (:func:`cloud_verifier.verdict_draws.uniform_many`,
+    The draws are computed on the host exactly as today (:func:`cloud_verifier.verdict.draws.uniform_many`,
     bit-identical to :func:`common.sampling.uniform`), a few numbers per row, and passed in. Per row the
     result is a RejectionResult, or the reason (str) why its logits cannot be verified: NaN, +inf, a
     position with no finite logit, or no distribution to sample from (the guard rules of
-    :mod:`cloud_verifier.numerics`); a faulty row never affects the others.
+    :mod:`cloud_verifier.verdict.numerics`); a faulty row never affects the others.
     """
 
     def __init__(self, num_candidates: int = NUM_CANDIDATES, scan_backend: str = "auto",
                  scan_threads: int | None = None):
         self.num_candidates = num_candidates  # 1: every sampled position takes the dense path
-        self.scan_backend = scan_backend  # verdict_scan.scan_logits: "auto", "numpy" (CPU only) or "torch"
+        self.scan_backend = scan_backend  # scan.scan_logits: "auto", "numpy" (CPU only) or "torch"
         self.scan_threads = scan_threads  # numpy scan's threads; None: torch's intra-op thread count
         self.last_paths: dict = {}  # where the last call's sampled positions were decided (_SampledPart.paths)
 
@@ -128,7 +128,7 @@ def _one_intra_op_thread(device: torch.device):
     """On a CPU, torch's intra-op parallelism off while the verdict runs (restored after): its tensors are
     [num_tokens, num_candidates] and smaller, and a parallel region costs more than such an op (an index of a
     [320, 64] tensor: 8 µs on one thread, ms on two when the other core is busy); the passes over the full
-    logits are numpy's (:mod:`cloud_verifier.verdict_scan`), single-threaded anyway."""
+    logits are numpy's (:mod:`cloud_verifier.verdict.scan`), single-threaded anyway."""
     before = torch.get_num_threads()
     if device.type != "cpu" or before == 1:
         yield

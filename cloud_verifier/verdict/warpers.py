@@ -5,7 +5,7 @@ temperature → top-k → top-p → min-p → softmax, with the semantics of :fu
 Two paths, chosen per position:
 
 - :func:`sparse_probs`, the fast path: the ``num_candidates`` most likely tokens of each position (found by
-  :func:`cloud_verifier.verdict_scan.scan_logits`, the one pass over the raw logits) carry the whole
+  :func:`cloud_verifier.verdict.scan.scan_logits`, the one pass over the raw logits) carry the whole
   processed distribution whenever top-k, top-p or min-p keep only tokens among them, which they prove per
   position: the kept set must end at a candidate strictly more likely than the least likely candidate (so no
   token outside, and none tied with one outside, can be kept), and every top-p decision must be the same for
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from cloud_verifier.verdict_scan import Scan
+from cloud_verifier.verdict.scan import Scan
 
 # A top-p decision is the fast path's only where its estimated ascending cumulative mass is further than this
 # from 1 - top_p, for both bounds of the normaliser: the estimate and the reference's cumsum differ by the order

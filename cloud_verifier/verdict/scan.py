@@ -1,15 +1,15 @@
 """The one pass of the batched verdict over the full logits (:func:`scan_logits`): per position the guard's input
 (the max logit), the greedy argmax, the ``num_candidates`` most likely tokens and bounds on the softmax
-normaliser. Everything after it (:mod:`cloud_verifier.batched_warpers`, :mod:`cloud_verifier.batched_rejection`)
+normaliser. Everything after it (:mod:`cloud_verifier.verdict.warpers`, :mod:`cloud_verifier.verdict.sampler`)
 works on [num_tokens, num_candidates] tensors, except the few positions the candidates cannot decide.
 
 Three backends with one contract (tests/cloud_verifier/test_batched_rejection.py runs them all here):
 
 - ``torch`` (CUDA, and any device): ``argmax``, a two-level top-k (:func:`top_candidates`) and an exact float32
   normaliser, all rows in one chunk on a GPU.
-- ``native`` (the default for CPU tensors where a C compiler is found; :mod:`cloud_verifier.verdict_scan_native`):
+- ``native`` (the default for CPU tensors where a C compiler is found; :mod:`cloud_verifier.verdict.scan_native`):
   the numpy backend's computation, compiled: one pass from memory and one in cache per position.
-- ``numpy`` (CPU tensors without a compiler, zero-copy views of them; :mod:`cloud_verifier.verdict_scan_numpy`):
+- ``numpy`` (CPU tensors without a compiler, zero-copy views of them; :mod:`cloud_verifier.verdict.scan_numpy`):
   the max, two comparison passes, and a gather of the few hundred tokens within a gap of the max; the
   normaliser is summed over those and bounded over the rest, so no pass of exp over the vocabulary is made,
   and the candidates (at most c) are taken from the gathered tokens. A top-p decision the bounds leave open
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud_verifier.verdict_scan_native import available as native_available, scan_native
-from cloud_verifier.verdict_scan_numpy import scan_numpy
+from cloud_verifier.verdict.scan_native import available as native_available, scan_native
+from cloud_verifier.verdict.scan_numpy import scan_numpy
 
 NUM_CANDIDATES = 64  # tokens the fast path keeps per position: real nuclei at top-p 0.9, T 0.7 have 1-57
 
@@ -56,7 +56,7 @@ def scan_logits(
     threads: int = 1,  # native and numpy backends: the passes on this many threads
 ) -> Scan:
     """The Scan of all rows, one verify row at a time on a CPU (no copy of the logits, temporaries in cache;
-    :mod:`cloud_verifier.verdict_scan_numpy`), all rows in one chunk on a GPU."""
+    :mod:`cloud_verifier.verdict.scan_numpy`), all rows in one chunk on a GPU."""
     dev = rows[0].device
     c = min(num_candidates, valid_vocab_size)
     if backend == "auto" and dev.type == "cpu":

@@ -1,5 +1,5 @@
-"""The CPU backend of :func:`cloud_verifier.verdict_scan.scan_logits`: the one pass of the batched verdict over
-the full logits, in numpy, on zero-copy views of the rows' logits, with :class:`~cloud_verifier.verdict_scan.Scan`'s
+"""The CPU backend of :func:`cloud_verifier.verdict.scan.scan_logits`: the one pass of the batched verdict over
+the full logits, in numpy, on zero-copy views of the rows' logits, with :class:`~cloud_verifier.verdict.scan.Scan`'s
 contract.
 
 Per verify row (its [positions, vocab_size] logits stay in cache across the passes): greedy positions take the
@@ -13,7 +13,7 @@ take the max, then two comparison passes against the thresholds max − gap·T, 
   most exp(−EXACT_GAP) (the max's term being 1) and a token further down at most exp(−BOUND_GAP), so
   ``z_high − z_low`` is at most (tokens within BOUND_GAP)·1.1e-7 + vocab_size·2.1e-9 (about 1e-4 of the
   normaliser on real logits): inside the margin of nearly every top-p decision; the few left open are summed
-  exactly by :func:`cloud_verifier.batched_warpers.exact_normaliser`. No pass of exp over the vocabulary is made.
+  exactly by :func:`cloud_verifier.verdict.warpers.exact_normaliser`. No pass of exp over the vocabulary is made.
 - the candidates: the gathered tokens in the quarter-unit buckets of the scaled gap below the first bucket where
   more than c tokens would be taken (all of them when at most c were gathered), so at most c, and every token
   left out is strictly less likely than every candidate (the bucket is monotone in the logit);
