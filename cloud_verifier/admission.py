@@ -60,7 +60,7 @@ class SessionAdmission:
     _sessions: dict[str, Session]
     _resuming: dict[str, asyncio.Future]
     _opening: int
-    _lock: threading.Lock
+    lock: threading.Lock
     _loading: dict[int, Session]
     release: Callable[[str], Session | None]
     _end_busy: Callable[[Session], None]
@@ -146,14 +146,14 @@ class SessionAdmission:
 
     async def _load(self, record: SessionRecord) -> Session:
         """Admit ``record`` (max_sessions, counting sessions being opened), then prefill it."""
-        with self._lock:
+        with self.lock:
             if len(self._sessions) + self._opening >= self.max_sessions:
                 raise CapacityError(f"verifier full: {len(self._sessions)} of {self.max_sessions} sessions open")
             self._opening += 1
         try:
             return await self._prefill(record)
         finally:
-            with self._lock:
+            with self.lock:
                 self._opening -= 1
 
     async def _prefill(self, record: SessionRecord) -> Session:
@@ -161,7 +161,7 @@ class SessionAdmission:
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
         # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/prefix_cache.py)
-        with self._lock:  # page tables change under the table's lock (the batcher preempts under it)
+        with self.lock:  # page tables change under the table's lock (the batcher preempts under it)
             kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
         stop = StopChecker(
             self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
@@ -171,22 +171,22 @@ class SessionAdmission:
         if generated:
             stop.append(generated)
         session = Session(record=record, kv=kv, stop=stop, busy=True)
-        with self._lock:
+        with self.lock:
             self._loading[id(session)] = session  # preemptible while it is prefilled
         try:
             prefix = record.committed_token_ids[:-1]
             for begin in range(cached, len(prefix), self.prefill_chunk_tokens):
                 await self.prefill_chunk(session, prefix[begin : begin + self.prefill_chunk_tokens], begin)
                 # committed tokens: their full pages are final, shared with sessions opening from now on
-                with self._lock:
+                with self.lock:
                     cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
         except BaseException:
-            with self._lock:
+            with self.lock:
                 self._loading.pop(id(session), None)
                 self.target.free(kv)
             raise
         session.busy = False
-        with self._lock:
+        with self.lock:
             self._loading.pop(id(session), None)
             self._sessions[record.session_id] = session
         self._update_gauges()
@@ -218,7 +218,7 @@ class SessionAdmission:
 
         record = session.record
         sid = record.session_id
-        with self._lock:
+        with self.lock:
             if session.released:
                 raise SessionNotFoundError(f"session {sid!r} was closed")
             if record.committed_length != expected_length:
@@ -235,7 +235,7 @@ class SessionAdmission:
             limit = session.kv.capacity
             session.kv.capacity = max(limit, needed)  # a limit: memory comes as pages, no copy
             history = [*record.committed_token_ids, *appended]
-            with self._lock:  # page tables change under the table's lock (the batcher preempts under it)
+            with self.lock:  # page tables change under the table's lock (the batcher preempts under it)
                 try:
                     self.target.check_fits(session.kv.capacity)
                 except CapacityError:
@@ -263,7 +263,7 @@ class SessionAdmission:
                                        self.info.max_context_tokens)
             session.kv.pending_ids = None
             # committed now (not before the store's answer: the next block would write after the old length)
-            with self._lock:
+            with self.lock:
                 cache_prefilled(self.target, session.kv, record.committed_token_ids, new_length - 1,
                                 record.tenant_id)
         except (SessionNotFoundError, InvalidRequestError):

@@ -16,12 +16,9 @@ Granite.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from cloud_verifier.target import TargetRunner
 
 __all__ = ["UnsupportedArchitectureError", "apply_logits_transforms", "check_target_architecture", "self_check"]
 
@@ -77,9 +74,11 @@ def apply_logits_transforms(config: Any, logits: Any) -> Any:
     return logits
 
 
-def self_check(runner: "TargetRunner") -> float:
-    """Compare the ragged forward with the HF reference on :data:`SELF_CHECK_TOKENS` tokens: a prefill row, a
-    decode block, a rolled-back block overwritten by the right tokens. Returns the max abs logit difference.
+def self_check(runner: Any) -> float:
+    """Compare the ragged forward of ``runner`` (a :class:`cloud_verifier.target.TargetRunner`, which calls this
+    while it loads: not imported here, the runner depends on this module) with the HF reference on
+    :data:`SELF_CHECK_TOKENS` tokens: a prefill row, a decode block, a rolled-back block overwritten by the
+    right tokens. Returns the max abs logit difference.
 
     Raises:
         UnsupportedArchitectureError: the difference exceeds the dtype's tolerance (1e-3 relative in float32,
@@ -88,7 +87,7 @@ def self_check(runner: "TargetRunner") -> float:
     """
     import torch
 
-    from cloud_verifier.target import ForwardRow
+    from cloud_verifier.forward_row import ForwardRow
 
     ids = (np.arange(SELF_CHECK_TOKENS, dtype=np.int64) * 7919 + 11) % max(1, min(runner.vocab_size, 32000))
     ids = ids.tolist()

@@ -50,7 +50,7 @@ class PagedBatch:
         self.reference = reference
         self.rows: list[tuple[list[int], int, int, int]] = []  # (page table, first flat index, n, start position)
         self.slots: torch.Tensor | None = None  # [T] flat pool slot of each token
-        self._plans: dict[tuple[int | None, int], tuple] = {}
+        self.plans: dict[tuple[int | None, int], tuple] = {}  # by (window, group): built on first use
 
     def add_row(self, pages: list[int], begin: int, n: int, start: int) -> None:
         self.rows.append((pages, begin, n, start))
@@ -67,9 +67,9 @@ class PagedBatch:
         """(query index [P * Q], key page index [P * NB], mask [P, 1, group * Q, NB * bs], output index [T],
         Q, NB) of the pieces for ``window`` (None = full attention), cached: P pieces of Q queries, NB key pages
         each; the mask is repeated for the ``group`` query heads stacked per KV head."""
-        if (window, group) not in self._plans:
-            self._plans[(window, group)] = self._build_plan(window, group, device)
-        return self._plans[(window, group)]
+        if (window, group) not in self.plans:
+            self.plans[(window, group)] = self._build_plan(window, group, device)
+        return self.plans[(window, group)]
 
     def _build_plan(self, window: int | None, group: int, device: torch.device) -> tuple:
         bs = self.pool.page_size

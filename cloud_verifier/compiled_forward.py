@@ -41,7 +41,7 @@ class FrozenBatch(PagedBatch):
     come from the tensors' shapes (symbolic under ``torch.compile``), not from Python ints."""
 
     def plan(self, window: int | None, group: int, device: torch.device) -> tuple:
-        qidx, kidx, mask, oidx = self._plans[(window, group)][:4]
+        qidx, kidx, mask, oidx = self.plans[(window, group)][:4]
         pieces = mask.shape[0]
         return qidx, kidx, mask, oidx, mask.shape[2] // group, kidx.shape[0] // pieces
 
@@ -52,7 +52,7 @@ def freeze(batch: PagedBatch, plan_keys, device: torch.device) -> FrozenBatch:
     for window, group in plan_keys:
         batch.plan(window, group, device)
     frozen = FrozenBatch(batch.pool, reference=False)
-    frozen.rows, frozen.slots, frozen._plans = batch.rows, batch.slots, batch._plans
+    frozen.rows, frozen.slots, frozen.plans = batch.rows, batch.slots, batch.plans
     return frozen
 
 
@@ -95,14 +95,14 @@ class CompiledForward:
         from cloud_verifier.architectures import apply_logits_transforms
 
         r = self.runner
-        hidden = r._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+        hidden = r.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             specdec_batch=batch).last_hidden_state
-        return apply_logits_transforms(r.config, r._lm_head(hidden[0].index_select(0, index))).float()
+        return apply_logits_transforms(r.config, r.lm_head(hidden[0].index_select(0, index))).float()
 
     def record(self, batch: PagedBatch) -> None:
         """After an eager pass: remember the plans its layers built."""
         if self.plan_keys is None and not batch.reference:
-            self.plan_keys = tuple(batch._plans)
+            self.plan_keys = tuple(batch.plans)
 
     def run(self, batch: PagedBatch, input_ids, position_ids, index, rows) -> torch.Tensor | None:
         if self.mode == "off" or self.plan_keys is None or batch.reference:
@@ -138,7 +138,7 @@ class CompiledForward:
         frozen = freeze(padded, self.plan_keys, input_ids.device)
         bs = batch.pool.page_size
         plans = {}
-        for key, (qidx, kidx, mask, oidx, q, nb) in frozen._plans.items():
+        for key, (qidx, kidx, mask, oidx, q, nb) in frozen.plans.items():
             nbb = _bucket(nb)  # padding key pages: repeat the first, masked out
             kidx = kidx.view(size, nb)
             kidx = torch.cat([kidx, kidx[:, :1].expand(size, nbb - nb)], 1).reshape(-1)
@@ -169,7 +169,7 @@ class _Graph:
         self.ids, self.pos, self.index, self.slots = ids.clone(), pos.clone(), index.clone(), slots.clone()
         self.plans = {k: tuple(t.clone() if torch.is_tensor(t) else t for t in p) for k, p in plans.items()}
         self.batch = FrozenBatch(owner.runner.kv_pool)
-        self.batch.slots, self.batch._plans = self.slots, self.plans
+        self.batch.slots, self.batch.plans = self.slots, self.plans
         self.fn = lambda: owner._decode(self.ids, self.pos, self.index, self.batch)
         self.graph = None
         if replay_eagerly:

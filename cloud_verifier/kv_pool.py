@@ -8,7 +8,7 @@ Model Serving with PagedAttention").
   written with one ``index_copy_`` over flat slots (page * page_size + offset) and the keys of many pages are
   gathered with one ``index_select``.
 - :class:`PagePool` hands out page ids (a free list) with a reference count per page.
-- A session's KV cache is a page table (:class:`cloud_verifier.target.SessionKV`): growing appends pages
+- A session's KV cache is a page table (:class:`SessionKV`): growing appends pages
   (no copy), rolling back a rejected tail drops whole pages past the committed length, freeing drops them all.
 
 Memory on the CPU: the pool is one private anonymous mapping; its memory pages take memory only once written, and
@@ -19,6 +19,7 @@ returns to idle once the sessions are closed. On CUDA the pool is one ``torch.ze
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import threading
@@ -205,3 +206,31 @@ class KVPool:
                     self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
                     released += end - start
         return released
+
+
+class SessionKV:
+    """KV cache of one session: a page table into the runner's :class:`~cloud_verifier.kv_pool.KVPool`.
+
+    ``pages``: page ids in position order (position p is slot p % page_size of page pages[p // page_size]);
+    the pages hold at least the positions written so far. ``capacity``: the most tokens the session may
+    reach (prompt + max_new_tokens, capped by the context), tokens: a limit for validation, not memory; 0 once
+    freed. Pages are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
+    (:meth:`TargetRunner.free`) by the runner.
+
+    Preemption (:mod:`cloud_verifier.kv_scheduler`): ``order`` ranks sessions by admission (lower = admitted
+    earlier = higher priority; a preempted session keeps its rank). ``rebuild_from``: None while the table
+    holds the KV of every position before the session's next row; after a preemption, the positions whose KV
+    is still held (0 once its pages were dropped, more once a cached prefix was taken back): the next row
+    first recomputes the positions from there (vLLM's recompute preemption). ``pending_ids``: the token ids of
+    the positions an ExtendSession turn is prefilling (not committed yet), what a recomputation reads then.
+    """
+
+    _admitted = itertools.count()
+
+    def __init__(self, capacity: int, pages: list[int] | None = None):
+        self.capacity = int(capacity)
+        self.pages: list[int] = [] if pages is None else pages
+        self.freed = False
+        self.order = next(SessionKV._admitted)
+        self.rebuild_from: int | None = None
+        self.pending_ids: list[int] | None = None  # an ExtendSession turn's history while it is prefilled

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from cloud_verifier.prefix_cache import cache_prefilled
-from cloud_verifier.target import ForwardRow
+from cloud_verifier.forward_row import ForwardRow
 from common.errors import CapacityError
 
 PREEMPTIONS = Counter("specdec_kv_preemptions", "Sessions whose KV pages were dropped for an earlier admitted "
@@ -89,7 +89,7 @@ class KVScheduler:
         :class:`Planned` rows to run. Never raises CapacityError: an item without pages is deferred."""
         runnable, deferred, rebuilt = [], [], []
         budget = self.sessions.prefill_chunk_tokens
-        with self.sessions._lock:
+        with self.sessions.lock:
             victims = sorted(self.sessions.resident_kvs(), key=lambda kv: kv.order)  # latest admitted last
             granted: set[int] = set()
             for work in sorted(batch, key=lambda w: w.session.kv.order):
@@ -192,5 +192,5 @@ class KVScheduler:
                 continue
             record = work.session.record
             upto = min(work.start_position, record.committed_length - 1)
-            with self.sessions._lock:
+            with self.sessions.lock:
                 cache_prefilled(self.target, work.session.kv, record.committed_token_ids, upto, record.tenant_id)

@@ -358,7 +358,7 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
 
 
 def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: str = "") -> tuple[object, int]:
-    """A session's KV cache (:class:`cloud_verifier.target.SessionKV`, limit ``capacity`` tokens) about to
+    """A session's KV cache (:class:`cloud_verifier.kv_pool.SessionKV`, limit ``capacity`` tokens) about to
     prefill ``token_ids[:-1]``: its page table starts with the longest cached prefix (taken from
     ``target.prefix_cache``, when there is one), then fresh pages for the rest. Returns (kv, tokens cached):
     the prefill starts at that position.
@@ -366,7 +366,7 @@ def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: 
     Raises:
         common.errors.CapacityError: a session of ``capacity`` tokens could not fit in the whole pool.
     """
-    from cloud_verifier.target import SessionKV
+    from cloud_verifier.kv_pool import SessionKV
 
     target.check_fits(capacity)
     cache = target.prefix_cache

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cloud_verifier.store import SessionRecord
-from cloud_verifier.target import SessionKV
+from cloud_verifier.kv_pool import SessionKV
 from common.errors import SessionNotFoundError
 from common.logits_processors import TokenHistory
 from common.stopping import StopChecker

@@ -76,7 +76,7 @@ class SessionTable(SessionAdmission):
         self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
         self._opening = 0  # sessions being prefilled (count towards max_sessions)
         self._loading: dict[int, Session] = {}  # id -> a session being prefilled (its KV may be preempted)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # public: the KV scheduler changes page tables (preemption) under it too
         metrics.KV_CACHE_CAPACITY_BYTES.set(target.kv_cache_budget_tokens * target.kv_bytes_per_token)
         metrics.KV_CACHE_PAGES_TOTAL.set(target.kv_pool.num_pages)
 
@@ -96,7 +96,7 @@ class SessionTable(SessionAdmission):
 
     def tenant_session_count(self, tenant_id: str) -> int:
         """Sessions of ``tenant_id`` held (prefilled) on this replica."""
-        with self._lock:
+        with self.lock:
             return sum(1 for s in self._sessions.values() if s.record.tenant_id == tenant_id)
 
     # ------------------------------------------------------------------ blocks in flight, release
@@ -114,7 +114,7 @@ class SessionTable(SessionAdmission):
             whatever ``validate`` raises; SessionNotFoundError: the session was closed. A pool short of free
             pages is no error here: the batcher gets them before the forward pass (:mod:`cloud_verifier.kv_scheduler`).
         """
-        with self._lock:
+        with self.lock:
             validate()
             if session.released:
                 raise SessionNotFoundError(f"session {session.record.session_id!r} was closed")
@@ -132,7 +132,7 @@ class SessionTable(SessionAdmission):
         """The end of what made ``session`` busy (a block, or an ExtendSession turn's prefill): not busy, seen
         now, its KV cache freed now when it was released meanwhile (the deferred release), its idle waiters
         (:meth:`wait_idle`) woken."""
-        with self._lock:
+        with self.lock:
             session.busy = False
             session.last_seen = time.time()
             if session.released:  # closed while busy: free it now
@@ -201,7 +201,7 @@ class SessionTable(SessionAdmission):
         """Give up every session held here in the store (graceful shutdown), so another replica resumes each at
         its next block; the local copies stay until freed. Returns how many were given up; store errors are
         logged (the sessions stay claimable: a claim moves them anyway)."""
-        with self._lock:
+        with self.lock:
             ids = list(self._sessions)
         given_up = 0
         for sid in ids:
@@ -216,7 +216,7 @@ class SessionTable(SessionAdmission):
         """Remove a session from this replica and free its KV cache — at once, or, when one of its blocks is
         queued or in a forward pass, as soon as that block is done (never under a running batch). The store
         record is untouched. Returns the session, or None when this replica did not hold it."""
-        with self._lock:
+        with self.lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return None
@@ -247,7 +247,7 @@ class SessionTable(SessionAdmission):
 
     def free_all(self) -> None:
         """Free every session's KV cache (their store records stay, so another replica can resume them)."""
-        with self._lock:
+        with self.lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
         for s in sessions:
@@ -260,7 +260,7 @@ class SessionTable(SessionAdmission):
         time, s (default: the clock). Sessions with a block in flight are skipped. Returns the count. Copies of
         sessions another replica now holds are dropped too (not counted)."""
         now = time.time() if now is None else now
-        with self._lock:
+        with self.lock:
             candidates = [s for s in self._sessions.values() if not s.busy]
         reaped = 0
         for s in candidates:

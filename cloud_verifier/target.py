@@ -25,9 +25,7 @@ and backs the fast path in tests.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,8 @@ import torch
 from cloud_verifier.architectures import apply_logits_transforms, check_target_architecture, self_check
 from cloud_verifier.attention import ATTN_IMPLEMENTATION, PagedBatch, register_attention
 from cloud_verifier.compiled_forward import CompiledForward
-from cloud_verifier.kv_pool import KVPool
+from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.kv_pool import KVPool, SessionKV
 from common.errors import CapacityError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,34 +94,6 @@ def _malloc_trim() -> bool:
         return False
 
 
-class SessionKV:
-    """KV cache of one session: a page table into the runner's :class:`~cloud_verifier.kv_pool.KVPool`.
-
-    ``pages``: page ids in position order (position p is slot p % page_size of page pages[p // page_size]);
-    the pages hold at least the positions written so far. ``capacity``: the most tokens the session may
-    reach (prompt + max_new_tokens, capped by the context), tokens: a limit for validation, not memory; 0 once
-    freed. Pages are added (:meth:`TargetRunner.ensure`), dropped (:meth:`TargetRunner.truncate`) and freed
-    (:meth:`TargetRunner.free`) by the runner.
-
-    Preemption (:mod:`cloud_verifier.kv_scheduler`): ``order`` ranks sessions by admission (lower = admitted
-    earlier = higher priority; a preempted session keeps its rank). ``rebuild_from``: None while the table
-    holds the KV of every position before the session's next row; after a preemption, the positions whose KV
-    is still held (0 once its pages were dropped, more once a cached prefix was taken back): the next row
-    first recomputes the positions from there (vLLM's recompute preemption). ``pending_ids``: the token ids of
-    the positions an ExtendSession turn is prefilling (not committed yet), what a recomputation reads then.
-    """
-
-    _admitted = itertools.count()
-
-    def __init__(self, capacity: int, pages: list[int] | None = None):
-        self.capacity = int(capacity)
-        self.pages: list[int] = [] if pages is None else pages
-        self.freed = False
-        self.order = next(SessionKV._admitted)
-        self.rebuild_from: int | None = None
-        self.pending_ids: list[int] | None = None  # an ExtendSession turn's history while it is prefilled
-
-
 @contextlib.contextmanager
 def _quiet_weight_loading():
     """transformers' "Loading weights" bar off while the target loads: the CLI and ``serve`` report that step
@@ -136,22 +107,6 @@ def _quiet_weight_loading():
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
-
-
-@dataclass
-class ForwardRow:
-    """One row of a ragged batch.
-
-    token_ids: tokens fed at positions start_position .. start_position + len - 1; their keys/values are written
-        into ``kv`` at those positions, and they attend to kv[:start_position] plus each other (causally).
-    logits: which of the row's positions need logits: "all", "last", "none" (prefill), or an int k: the last k
-        (a verify row behind the positions a preempted session recomputes).
-    """
-
-    kv: SessionKV
-    token_ids: list[int]
-    start_position: int
-    logits: str | int = "all"
 
 
 class TargetRunner:
@@ -223,8 +178,9 @@ class TargetRunner:
         self.prefix_cache = None  # set by prefix_cache.attach_prefix_cache: allocations evict through it
         self._forward_lock = threading.Lock()  # a KV cache is never freed under a running forward pass
         self._forwards_since_trim = 0  # forward passes since release_idle_memory last trimmed the heap
-        self._decoder = self.model.get_decoder()
-        self._lm_head = self.model.get_output_embeddings()
+        # the decoder and LM head the compiled forward (compiled_forward.py) runs too
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
         self._compiled = CompiledForward(self, compile_mode)
         if check_architecture:
             self_check(self)
@@ -402,13 +358,13 @@ class TargetRunner:
         index = torch.tensor(want, dtype=torch.long, device=self.device)
         logits = self._compiled.run(batch, input_ids, position_ids, index, rows) if want else None
         if logits is None:  # eager (compile off, a first pass, a prefill, a shape without a CUDA graph)
-            hidden = self._decoder(
+            hidden = self.decoder(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
             ).last_hidden_state  # [1, T, hidden_size]
             self._compiled.record(batch)
             if not want:
                 return [None] * len(rows)
-            logits = apply_logits_transforms(self.config, self._lm_head(hidden[0].index_select(0, index))).float()
+            logits = apply_logits_transforms(self.config, self.lm_head(hidden[0].index_select(0, index))).float()
         if not as_tensors:  # [num_wanted, vocab_size]
             logits = logits.cpu().numpy()
         return [None if span is None else logits[span[0] : span[1]] for span in spans]

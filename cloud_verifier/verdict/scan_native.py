@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloud_verifier.verdict.scan_numpy import BOUND_GAP, EXACT_GAP, _BUCKETS_PER_UNIT, _run
+from cloud_verifier.verdict.scan_numpy import BOUND_GAP, BUCKETS_PER_UNIT, EXACT_GAP, run_threaded
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,10 @@ def scan_native(
     if greedy_at.size:
         g_ptr = np.ascontiguousarray(pointers[greedy_at])
         g_arg, g_max = np.empty(greedy_at.size, dtype=np.int64), np.empty(greedy_at.size, dtype=np.float32)
-        _run(lambda lo: lib.argmax_greedy(min(_POSITIONS_PER_TASK, greedy_at.size - lo), g_ptr.ctypes.data + 8 * lo,
-                                          valid_vocab_size, g_arg.ctypes.data + 8 * lo, g_max.ctypes.data + 4 * lo),
-             list(range(0, greedy_at.size, _POSITIONS_PER_TASK)), threads)
+        run_threaded(lambda lo: lib.argmax_greedy(min(_POSITIONS_PER_TASK, greedy_at.size - lo),
+                                                  g_ptr.ctypes.data + 8 * lo, valid_vocab_size,
+                                                  g_arg.ctypes.data + 8 * lo, g_max.ctypes.data + 4 * lo),
+                     list(range(0, greedy_at.size, _POSITIONS_PER_TASK)), threads)
         argmax[greedy_at], max_logit[greedy_at] = g_arg, g_max
     at_s = np.flatnonzero(sampled)
     s = len(at_s)
@@ -159,11 +160,11 @@ def scan_native(
         n = min(_POSITIONS_PER_TASK, s - lo)
         return lib.scan_sampled(
             n, s_ptr.ctypes.data + 8 * lo, valid_vocab_size, t.ctypes.data + 8 * lo, c, EXACT_GAP, BOUND_GAP,
-            _BUCKETS_PER_UNIT, m.ctypes.data + 4 * lo, cand.ctypes.data + 4 * c * lo,
+            BUCKETS_PER_UNIT, m.ctypes.data + 4 * lo, cand.ctypes.data + 4 * c * lo,
             cand_ids.ctypes.data + 8 * c * lo, z_low.ctypes.data + 8 * lo, z_high.ctypes.data + 8 * lo,
             outside.ctypes.data + 4 * lo)
 
-    if any(_run(part, list(range(0, s, _POSITIONS_PER_TASK)), threads)):
+    if any(run_threaded(part, list(range(0, s, _POSITIONS_PER_TASK)), threads)):
         raise RuntimeError("the compiled verdict scan ran out of memory")
     del keep
     max_logit[at_s] = m

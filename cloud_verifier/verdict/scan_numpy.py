@@ -36,7 +36,7 @@ import torch
 
 EXACT_GAP = 16.0  # scaled-logit units below the max: the gathered tokens (normaliser summed, candidates taken)
 BOUND_GAP = 20.0  # scaled-logit units below the max: tokens counted, bounded by exp(-EXACT_GAP) each
-_BUCKETS_PER_UNIT = 4  # candidate buckets per scaled-logit unit
+BUCKETS_PER_UNIT = 4  # candidate buckets per scaled-logit unit
 
 _scratch = threading.local()  # per-thread reusable comparison buffer
 
@@ -66,7 +66,7 @@ def scan_numpy(
     starts = np.cumsum([0] + sizes)  # first token of each row
     firsts = np.cumsum([0] + [int(sampled[a:b].sum()) for a, b in zip(starts[:-1], starts[1:])])  # sampled
     work = [(x, sampled[a:a + n], a, f, valid_vocab_size) for x, n, a, f in zip(rows, sizes, starts, firsts)]
-    gathered = _run(out.row, work, threads)
+    gathered = run_threaded(out.row, work, threads)
     out.max_logit[at_s] = out.m
     if not len(at_s):
         none = np.empty(0)
@@ -82,7 +82,7 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}  # the scan's helper threads, by thei
 _ROWS_PER_TASK = 4
 
 
-def _run(fn, items: list, threads: int) -> list:
+def run_threaded(fn, items: list, threads: int) -> list:
     """[fn(item) for item in items], the items taken in chunks of _ROWS_PER_TASK by the calling thread and
     threads - 1 helpers as each becomes free (a helper the OS does not run meanwhile delays one chunk only)."""
     chunks = [items[i:i + _ROWS_PER_TASK] for i in range(0, len(items), _ROWS_PER_TASK)]
@@ -194,8 +194,8 @@ def _candidates(pos: np.ndarray, ids: np.ndarray, vals: np.ndarray, count: np.nd
     so every token left out is strictly below every candidate. Where the max's own bucket holds more than c
     tokens (ties or near-ties at the top; c = 1), the c largest are taken exactly instead (a sort, rare)."""
     ns = len(count)
-    nb = int(EXACT_GAP * _BUCKETS_PER_UNIT) + 2
-    gap = (m64[pos] - vals.astype(np.float64)) / t[pos] * _BUCKETS_PER_UNIT  # [a] >= 0 (NaN: a faulty row)
+    nb = int(EXACT_GAP * BUCKETS_PER_UNIT) + 2
+    gap = (m64[pos] - vals.astype(np.float64)) / t[pos] * BUCKETS_PER_UNIT  # [a] >= 0 (NaN: a faulty row)
     bucket = np.where(np.isfinite(gap), np.clip(gap, 0, nb - 1), nb - 1).astype(np.int64)  # floor
     hist = np.bincount(pos * nb + bucket, minlength=ns * nb).reshape(ns, nb)
     over = np.cumsum(hist, axis=1) > c  # [s, nb]

@@ -213,7 +213,7 @@ def time_forward(runner, num_tokens: int, past_tokens: int = 100, repeats: int =
     ``num_tokens`` tokens after ``past_tokens`` cached tokens, ms."""
     import numpy as np
 
-    from cloud_verifier.target import ForwardRow
+    from cloud_verifier.forward_row import ForwardRow
 
     kv = runner.allocate(past_tokens + num_tokens)
     try:

@@ -51,7 +51,7 @@ def _timed(runner, rows, sync) -> tuple[float, list]:
 
 
 def _session_rows(runner, rng, num, context, vocab):
-    from cloud_verifier.target import ForwardRow
+    from cloud_verifier.forward_row import ForwardRow
 
     kvs = [runner.allocate(context + 32) for _ in range(num)]
     prompts = [rng.integers(3, vocab, context - 1).tolist() for _ in range(num)]
@@ -65,7 +65,7 @@ def measure(runners, num_rows, tokens, context, repeats, seed=0) -> dict:
     import numpy as np
     import torch
 
-    from cloud_verifier.target import ForwardRow
+    from cloud_verifier.forward_row import ForwardRow
 
     eager, compiled = runners
     sync = torch.cuda.synchronize if eager.device.type == "cuda" else (lambda: None)

@@ -14,7 +14,8 @@ import torch
 
 from _architectures import make_tiny_model
 from cloud_verifier.compiled_forward import CompiledForward
-from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.target import TargetRunner
 
 TOL = 1e-4  # relative to the largest eager logit (float32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

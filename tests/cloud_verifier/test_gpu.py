@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.forward_row import ForwardRow
+
+from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter

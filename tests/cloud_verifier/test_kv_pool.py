@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cloud_verifier.kv_pool import KVPool, PagePool
-from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.target import TargetRunner
 from common.errors import CapacityError
 
 

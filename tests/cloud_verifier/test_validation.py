@@ -17,7 +17,7 @@ import pytest
 from cloud_verifier import validation as val
 from cloud_verifier.sessions import Session
 from cloud_verifier.store import SessionRecord
-from cloud_verifier.target import SessionKV
+from cloud_verifier.kv_pool import SessionKV
 from common.errors import InvalidRequestError, PreconditionError
 from common.stopping import StopChecker
 from common.types import (DraftBlock, FinishReason, SamplingParams, ServedInfo, SparseDraftProbs,

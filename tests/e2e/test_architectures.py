@@ -23,7 +23,8 @@ import torch
 from _architectures import ARCHITECTURES, REFUSED, make_tiny_model
 from _reference import hf_greedy
 from cloud_verifier.architectures import UnsupportedArchitectureError
-from cloud_verifier.target import ForwardRow, TargetRunner
+from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.paths import EXPORT_REPORT
 from edge_client.client import EdgeClient
