@@ -21,8 +21,8 @@
 - A stream that ends early (the client cancelled it, or it broke): its blocks still queued are dropped (nothing
   committed), those in a forward pass end committed wholly; the sessions are free for the client's next stream.
 
-Entry points: ``await serve(settings)`` (``specdec serve``, or ``python -m cloud_verifier.server`` with the same
-flags); :class:`VerifierServer` on a running event loop (``specdec.embedded.EmbeddedServer`` runs one in a
+Entry points: ``await serve(settings)`` (what ``specdec serve`` runs: the command line is the tooling's, the
+runtime imports nothing of it); :class:`VerifierServer` on a running event loop (``specdec.embedded.EmbeddedServer`` runs one in a
 background thread for ``specdec generate`` and tests).
 """
 
@@ -355,9 +355,6 @@ async def serve(
         await server.stop()
 
 
-if __name__ == "__main__":  # python -m cloud_verifier.server [flags of `specdec serve`]
-    import sys
-
-    from specdec.cli import app
-
-    app(["serve", *sys.argv[1:]], prog_name="python -m cloud_verifier.server")
+if __name__ == "__main__":  # the runtime has no command line of its own (docs/architecture.md, "Entry points")
+    raise SystemExit("cloud_verifier.server is a library module: start a verifier with `specdec serve [flags]` "
+                     "(or call cloud_verifier.server.serve(settings) from Python)")

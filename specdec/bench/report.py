@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-def _fmt(x, spec: str = ".2f") -> str:
-    return "—" if x is None else format(x, spec)
+from .cells import fmt
 
 
 def print_report(report: dict, console=None) -> None:
@@ -40,9 +38,9 @@ def _print_clients(report: dict, console) -> None:
         t.add_column(col, justify="right")
     for n, m in report["clients"].items():
         s = m.get("serial", {})
-        t.add_row(n, _fmt(m["tokens_per_s"], ".1f"), _fmt(m["per_session_tokens_per_s"], ".1f"),
-                  _fmt(m["mean_batch_size"]), _fmt(s.get("tokens_per_s"), ".1f"), _fmt(m["speedup_vs_serial"]),
-                  _fmt(m.get("mean_accepted_length")), str(m.get("num_sessions", "")),
+        t.add_row(n, fmt(m["tokens_per_s"], ".1f"), fmt(m["per_session_tokens_per_s"], ".1f"),
+                  fmt(m["mean_batch_size"]), fmt(s.get("tokens_per_s"), ".1f"), fmt(m["speedup_vs_serial"]),
+                  fmt(m.get("mean_accepted_length")), str(m.get("num_sessions", "")),
                   str(m.get("num_tokens", "")))
     console.print(t)
 
@@ -59,10 +57,10 @@ def _print_spec_bench(report: dict, console) -> None:
     def row(name: str, m: dict, style: str | None = None):
         tps, sp, tm = m["tokens_per_s"], m["speedup_vs_target_only"], m["target_ms_per_token"]
         t.add_row(
-            name, str(m["num_prompts"]), str(m["num_tokens"]), _fmt(m["acceptance_rate"]),
-            _fmt(m["mean_accepted_length"]), _fmt(tps["target_only"], ".1f"), _fmt(tps["specdec"], ".1f"),
-            _fmt(tps["hf_assisted"], ".1f"), _fmt(sp["specdec"]), _fmt(sp["hf_assisted"]),
-            _fmt(tm["target_only"], ".1f"), _fmt(tm["specdec"], ".1f"), style=style,
+            name, str(m["num_prompts"]), str(m["num_tokens"]), fmt(m["acceptance_rate"]),
+            fmt(m["mean_accepted_length"]), fmt(tps["target_only"], ".1f"), fmt(tps["specdec"], ".1f"),
+            fmt(tps["hf_assisted"], ".1f"), fmt(sp["specdec"]), fmt(sp["hf_assisted"]),
+            fmt(tm["target_only"], ".1f"), fmt(tm["specdec"], ".1f"), style=style,
         )
 
     for name, m in report.get("categories", {}).items():
@@ -72,10 +70,10 @@ def _print_spec_bench(report: dict, console) -> None:
     o = report["overall"]
     fwd = o.get("target_forward_ms") or {}
     console.print(
-        f"draft {_fmt(o.get('draft_ms_per_token'))} ms/drafted token; draft cost ratio c = "
-        f"{_fmt(o.get('draft_cost_ratio'), '.3f')}; target forward "
+        f"draft {fmt(o.get('draft_ms_per_token'))} ms/drafted token; draft cost ratio c = "
+        f"{fmt(o.get('draft_cost_ratio'), '.3f')}; target forward "
         + ", ".join(f"{k.replace('_', ' ')}: {v:.1f} ms" for k, v in fwd.items())
-        + (f"; HF assisted τ ≈ {_fmt(o.get('hf_assisted_mean_accepted_length'))}"
+        + (f"; HF assisted τ ≈ {fmt(o.get('hf_assisted_mean_accepted_length'))}"
            if o.get("hf_assisted_mean_accepted_length") is not None else "")
     )
     for key, a in (report.get("greedy_agreement") or {}).items():
@@ -92,15 +90,15 @@ def _print_gamma_sweep(report: dict, console) -> None:
     t = Table(title="γ sweep: speculative decoding vs target-only (greedy, in-process verifier)")
     for col in ("variant", "accept", "τ", "block", "draft ms/tok", "draft cost", "tgt ms/tok", "tok/s", "speedup"):
         t.add_column(col, justify="left" if col == "variant" else "right")
-    t.add_row("target-only", "", "1.00", "0", "", "", _fmt(base["target_ms_per_token"], ".1f"),
-              _fmt(base["tokens_per_s"], ".1f"), "1.00", style="dim")
+    t.add_row("target-only", "", "1.00", "0", "", "", fmt(base["target_ms_per_token"], ".1f"),
+              fmt(base["tokens_per_s"], ".1f"), "1.00", style="dim")
     for name, mm in report["gamma_sweep"].items():
         m = mm["overall"]
         t.add_row(
-            f"γ={name}" if name.isdigit() else name, _fmt(m["acceptance_rate"]), _fmt(m["mean_accepted_length"]),
-            _fmt(m["mean_block_tokens"]), _fmt(m["draft_ms_per_token"], ".1f"), _fmt(m["draft_cost_ratio"], ".3f"),
-            _fmt(m["target_ms_per_token"], ".1f"), _fmt(m["tokens_per_s"], ".1f"),
-            _fmt(m["speedup_vs_target_only"]), style="bold" if not name.isdigit() else None,
+            f"γ={name}" if name.isdigit() else name, fmt(m["acceptance_rate"]), fmt(m["mean_accepted_length"]),
+            fmt(m["mean_block_tokens"]), fmt(m["draft_ms_per_token"], ".1f"), fmt(m["draft_cost_ratio"], ".3f"),
+            fmt(m["target_ms_per_token"], ".1f"), fmt(m["tokens_per_s"], ".1f"),
+            fmt(m["speedup_vs_target_only"]), style="bold" if not name.isdigit() else None,
         )
     console.print(t)
     cats = list(report["target_only"]["categories"])
@@ -112,15 +110,15 @@ def _print_gamma_sweep(report: dict, console) -> None:
         cells = []
         for cat in cats:
             m = mm["categories"].get(cat, {})
-            cells.append(f"{_fmt(m.get('speedup_vs_target_only'))} ({_fmt(m.get('acceptance_rate'))})")
+            cells.append(f"{fmt(m.get('speedup_vs_target_only'))} ({fmt(m.get('acceptance_rate'))})")
         c.add_row(f"γ={name}" if name.isdigit() else name, *cells)
     console.print(c)
     cfg = report["config"]
     mb = cfg.get("microbench_ms", {})
     console.print(
-        f"target one-token forward in the run {_fmt(base.get('target_forward_ms_1_token'), '.1f')} ms; microbench: "
-        f"target {_fmt(mb.get('target_forward_1_token'), '.1f')} ms, "
-        f"draft {_fmt(mb.get('draft_forward_1_token'), '.1f')} ms (ratio {_fmt(mb.get('draft_cost_ratio'), '.3f')})"
+        f"target one-token forward in the run {fmt(base.get('target_forward_ms_1_token'), '.1f')} ms; microbench: "
+        f"target {fmt(mb.get('target_forward_1_token'), '.1f')} ms, "
+        f"draft {fmt(mb.get('draft_forward_1_token'), '.1f')} ms (ratio {fmt(mb.get('draft_cost_ratio'), '.3f')})"
     )
     ok = {k: f"{a['identical']}/{a['of']}" for k, a in (report.get("greedy_agreement") or {}).items()}
     console.print(f"greedy identical to target-only: {ok}")
@@ -138,14 +136,14 @@ def _print_edge_cloud(report: dict, console) -> None:
     for d, entry in report["edge_cloud"].items():
         for v, m in entry.items():
             t.add_row(
-                d, v, _fmt(m["tokens_per_s"], ".1f"), _fmt(m["ratio_vs_cloud_only"]),
-                _fmt(m.get("ratio_vs_streaming_model")) if v != "cloud_only" else
-                (f"({_fmt(m.get('streaming_model_tokens_per_s'), '.1f')} tok/s)"
+                d, v, fmt(m["tokens_per_s"], ".1f"), fmt(m["ratio_vs_cloud_only"]),
+                fmt(m.get("ratio_vs_streaming_model")) if v != "cloud_only" else
+                (f"({fmt(m.get('streaming_model_tokens_per_s'), '.1f')} tok/s)"
                  if m.get("streaming_model_tokens_per_s") else "—"),
-                _fmt(m["acceptance_rate"]) if v != "cloud_only" else "", _fmt(m["mean_accepted_length"]),
-                _fmt(m["mean_block_tokens"]), f"{m['proactive_hits']} ({_fmt(m['proactive_hit_rate'])})"
-                if v == "specdec_proactive" else "", _fmt(m["target_ms_per_token"], ".1f"),
-                _fmt(m["draft_ms_per_token"], ".1f"), str(m["num_tokens"]),
+                fmt(m["acceptance_rate"]) if v != "cloud_only" else "", fmt(m["mean_accepted_length"]),
+                fmt(m["mean_block_tokens"]), f"{m['proactive_hits']} ({fmt(m['proactive_hit_rate'])})"
+                if v == "specdec_proactive" else "", fmt(m["target_ms_per_token"], ".1f"),
+                fmt(m["draft_ms_per_token"], ".1f"), str(m["num_tokens"]),
                 style="bold" if v == "specdec_proactive" else None,
             )
     console.print(t)
@@ -155,8 +153,8 @@ def _print_edge_cloud(report: dict, console) -> None:
         f"edge core {pin.get('edge_core')} (seen {pin.get('edge_affinity_seen')}), verifier core "
         f"{pin.get('verifier_core')} (seen {pin.get('verifier_affinity_seen')}, "
         f"via {pin.get('verifier_pinned_with')}); "
-        f"draft one-token forward {_fmt(cfg.get('draft_forward_1_token_ms'), '.1f')} ms vs target "
-        f"{_fmt(cfg.get('target_forward_1_token_ms'), '.1f')} ms (ratio {_fmt(cfg.get('draft_cost_ratio'), '.3f')})"
+        f"draft one-token forward {fmt(cfg.get('draft_forward_1_token_ms'), '.1f')} ms vs target "
+        f"{fmt(cfg.get('target_forward_1_token_ms'), '.1f')} ms (ratio {fmt(cfg.get('draft_cost_ratio'), '.3f')})"
     )
     bad = {k: a for k, a in (report.get("greedy_agreement") or {}).items() if a["mismatches"]}
     console.print("greedy outputs identical across all variants and delays" if not bad else f"greedy MISMATCH: {bad}")

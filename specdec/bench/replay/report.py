@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from ..cells import fmt
+
 
 def print_replay_report(report: dict, console) -> None:
     """The ``--replay`` report as a rich table (``specdec bench --replay`` without ``--json``)."""
     from rich.table import Table
-
-    from ..report import _fmt
 
     t = Table(title="Verifier under load: recorded blocks replayed by one asyncio process "
                     "(verifier in its own process)")
@@ -21,13 +21,13 @@ def print_replay_report(report: dict, console) -> None:
         idle, after = mem.get("idle") or {}, mem.get("after") or {}
         rss = (f"{(idle.get('rss_bytes') or 0) / 2**20:.0f}→{(after.get('rss_bytes') or 0) / 2**20:.0f} MiB"
                if idle.get("rss_bytes") else "—")
-        t.add_row(n, _fmt(m["tokens_per_s"], ".1f"), _fmt((m.get("serial") or {}).get("tokens_per_s"), ".1f"),
-                  _fmt(m["speedup_vs_serial"]), _fmt(m["kernel_limit_speedup"]),
-                  _fmt(m["kernel"]["prefill_share"]["kernel_limit_speedup_with_prefill"]),
-                  _fmt(m["mean_batch_size"]), _host(m), _fmt(m["verify_latency_ms"]["p50"], ".1f"),
-                  _fmt(m["verify_latency_ms"]["p99"], ".1f"), str(m["errors"]), str(m["mismatches"]),
-                  str(m["sessions_completed"]), _fmt(m.get("kv_preemptions"), ".0f"),
-                  _fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
+        t.add_row(n, fmt(m["tokens_per_s"], ".1f"), fmt((m.get("serial") or {}).get("tokens_per_s"), ".1f"),
+                  fmt(m["speedup_vs_serial"]), fmt(m["kernel_limit_speedup"]),
+                  fmt(m["kernel"]["prefill_share"]["kernel_limit_speedup_with_prefill"]),
+                  fmt(m["mean_batch_size"]), _host(m), fmt(m["verify_latency_ms"]["p50"], ".1f"),
+                  fmt(m["verify_latency_ms"]["p99"], ".1f"), str(m["errors"]), str(m["mismatches"]),
+                  str(m["sessions_completed"]), fmt(m.get("kv_preemptions"), ".0f"),
+                  fmt(after.get("kv_cache_used_bytes"), ".0f"), rss)
     console.print(t)
 
 
