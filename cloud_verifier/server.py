@@ -22,8 +22,8 @@
   committed), those in a forward pass end committed wholly; the sessions are free for the client's next stream.
 
 Entry points: ``await serve(settings)`` (what ``specdec serve`` runs: the command line is the tooling's, the
-runtime imports nothing of it); :class:`VerifierServer` on a running event loop (``specdec.embedded.EmbeddedServer`` runs one in a
-background thread for ``specdec generate`` and tests).
+runtime imports nothing of it); :class:`VerifierServer` on a running event loop
+(``specdec.embedded.EmbeddedServer`` runs one in a background thread for ``specdec generate`` and tests).
 """
 
 from __future__ import annotations

@@ -188,30 +188,33 @@ def check_block_position(session: Session, seq: int, committed_length: int) -> N
         )
 
 
-def check_block_length(gamma: int, committed_length: int, capacity: int, max_num_speculative_tokens: int,
-                       bonus_drafted: bool = False) -> None:
-    """A block of ``gamma`` tokens is at most ``max_num_speculative_tokens`` long and fits the session's KV
-    ``capacity`` (tokens: prompt + max_new_tokens, capped by the context) after ``committed_length`` tokens.
+def check_block_length(num_draft_tokens: int, committed_length: int, capacity: int,
+                       max_num_speculative_tokens: int, bonus_drafted: bool = False) -> None:
+    """A block of ``num_draft_tokens`` tokens (γ, or γ + 1 for a bonus_drafted block) is at most
+    ``max_num_speculative_tokens`` long and fits the session's KV ``capacity`` (tokens: prompt + max_new_tokens,
+    capped by the context) after ``committed_length`` tokens.
 
     A ``bonus_drafted`` block (its last token drafted for the bonus position, common.rejection) holds 1 to
-    ``max_num_speculative_tokens + 1`` tokens: the target scores ``gamma`` positions, as many as for a classic
-    block of ``gamma - 1``, and that is the length checked against the capacity.
+    ``max_num_speculative_tokens + 1`` tokens: the target scores ``num_draft_tokens`` positions, as many as for a
+    classic block of ``num_draft_tokens - 1``, and that is the length checked against the capacity.
 
     Raises:
         InvalidRequestError: block too long; an empty bonus_drafted block; past the session's limit.
     """
     if bonus_drafted:
-        if gamma < 1:
+        if num_draft_tokens < 1:
             raise InvalidRequestError("a bonus_drafted block needs at least one draft token")
-        if gamma > max_num_speculative_tokens + 1:
-            raise InvalidRequestError(f"bonus_drafted block of {gamma} tokens is longer than the maximum "
+        if num_draft_tokens > max_num_speculative_tokens + 1:
+            raise InvalidRequestError(f"bonus_drafted block of {num_draft_tokens} tokens is longer than the maximum "
                                       f"{max_num_speculative_tokens} + 1")
-    elif gamma > max_num_speculative_tokens:
-        raise InvalidRequestError(f"block of {gamma} tokens is longer than the maximum {max_num_speculative_tokens}")
-    reach = DraftBlock([0] * gamma, bonus_drafted=bonus_drafted).num_scored_positions - 1  # past the committed length
+    elif num_draft_tokens > max_num_speculative_tokens:
+        raise InvalidRequestError(
+            f"block of {num_draft_tokens} tokens is longer than the maximum {max_num_speculative_tokens}")
+    # positions past the committed length the block's forward pass writes
+    reach = DraftBlock([0] * num_draft_tokens, bonus_drafted=bonus_drafted).num_scored_positions - 1
     if committed_length + reach > capacity:
         raise InvalidRequestError(
-            f"block of {gamma} tokens at committed length {committed_length} passes the session's limit of "
+            f"block of {num_draft_tokens} tokens at committed length {committed_length} passes the session's limit of "
             f"{capacity} tokens (max_new_tokens / context)"
         )
 

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 STREAM_WINDOW = 64  # blocks read ahead on one Verify stream before back-pressure (HTTP/2 flow control)
 
-_NO_FAILURE = float("inf")
+_NO_FAILURE = float("inf")  # _failed_at while every block so far was verified
+_STREAM_OVER = -1  # _failed_at once the stream is over: below every index, so nothing more is verified
 _AGAIN = object()  # the writer's wait ended by the drain, not by an item: look again
 
 
@@ -71,7 +72,7 @@ class VerifyStream:
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_WINDOW)
         self._last_of_session: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()  # this stream's blocks not answered yet
-        self._failed_at = _NO_FAILURE  # stream index of the first failed block (-1: the stream is over)
+        self._failed_at = _NO_FAILURE  # stream index of the first failed block
         self._count = 0  # blocks read
         self._get: asyncio.Future | None = None  # the writer's pending queue.get() (cancelled with the stream)
         self._drain_wait: asyncio.Future | None = None
@@ -130,7 +131,7 @@ class VerifyStream:
 
     def _abandon(self) -> None:
         """The stream is over: verify nothing more, cancel its unanswered blocks."""
-        self._failed_at = -1
+        self._failed_at = _STREAM_OVER
         for task in list(self._tasks):
             task.cancel()
 

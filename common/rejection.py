@@ -40,13 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.sampling import Stream, dense_draft_probs, logits_to_probs, sample_from, uniform
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
 
 
 @dataclass(frozen=True)
 class RejectionResult:
     num_accepted: int  # n: accepted prefix length, 0..γ
-    # recovered token (n < γ) or bonus token (n == γ); -1 when a bonus_drafted block is accepted whole
+    # recovered token (n < γ) or bonus token (n == γ); NO_TOKEN when a bonus_drafted block is accepted whole
     next_token_id: int
 
     @property
@@ -77,7 +77,7 @@ def verify_greedy(
         if int(draft_token_ids[i]) != int(target_argmax[i]):
             return RejectionResult(i, int(target_argmax[i]))
     if bonus_drafted:
-        return RejectionResult(gamma, -1)
+        return RejectionResult(gamma, NO_TOKEN)
     return RejectionResult(gamma, int(target_argmax[gamma]))
 
 
@@ -112,7 +112,7 @@ def verify_sampled(
             residual = target_probs[i]
         return RejectionResult(i, sample_from(residual, uniform(seed, position, Stream.TARGET_SAMPLE)))
     if bonus_drafted:
-        return RejectionResult(gamma, -1)
+        return RejectionResult(gamma, NO_TOKEN)
     bonus = sample_from(target_probs[gamma], uniform(seed, start_position + gamma, Stream.TARGET_SAMPLE))
     return RejectionResult(gamma, bonus)
 

@@ -21,6 +21,10 @@ class FinishReason(str, enum.Enum):
     CONTEXT = "context"  # the target's context length reached
 
 
+# A token-id slot that holds no token: a verdict's next_token_id when there is none, the padding of id arrays
+# (draft top-k ids, candidate ids), a draft token where the block drafted none (its bonus position). The wire
+# carries the same value (verifier.proto, Verdict.next_token_id).
+NO_TOKEN = -1
 MAX_TOP_LOGPROBS = 20  # most alternatives one committed token's logprobs may list (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 262_144  # a grammar spec as JSON, characters (its compiled size is bounded by the engine)
 
@@ -183,7 +187,7 @@ class Verdict:
     """The verifier's answer to one draft block.
 
     num_accepted: accepted prefix length of the block (0..γ).
-    next_token_id: recovered token (after a rejection) or bonus token (after a full block); -1 when a stop
+    next_token_id: recovered token (after a rejection) or bonus token (after a full block); NO_TOKEN (-1) when a stop
         inside the accepted prefix ended the session before it, or when a bonus_drafted block was accepted
         whole (it has no bonus token: its last draft token took that position).
     committed_token_ids: tokens this verdict commits (accepted prefix + next token, cut at the earliest stop).

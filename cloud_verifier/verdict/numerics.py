@@ -26,7 +26,7 @@ from cloud_verifier import metrics
 from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
 from common.errors import TargetOutputError
 from common.rejection import RejectionResult, verify_block
-from common.types import DraftBlock, SamplingParams
+from common.types import NO_TOKEN, DraftBlock, SamplingParams
 
 
 def logits_fault(logits: np.ndarray, valid_vocab_size: int | None = None) -> str | None:
@@ -52,7 +52,7 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
 
     ``logits``: [γ + 1, vocab_size] ([γ, vocab_size] for a ``bonus_drafted`` block:
     ``block.num_scored_positions``); ``start_position``: the committed length, tokens;
-    ``valid_vocab_size``: ids at or past it are not tokens. The verdict's ``next_token_id`` is -1 only after a
+    ``valid_vocab_size``: ids at or past it are not tokens. The verdict's ``next_token_id`` is NO_TOKEN only after a
     ``bonus_drafted`` block accepted whole (no bonus token).
 
     Raises:
@@ -68,7 +68,7 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
             reason = f"no distribution to sample from after logits processing ({e})"
         else:
             accepted_whole = block.bonus_drafted and result.num_accepted == len(block.draft_token_ids)
-            if 0 <= result.next_token_id < valid_vocab_size or (accepted_whole and result.next_token_id == -1):
+            if 0 <= result.next_token_id < valid_vocab_size or (accepted_whole and result.next_token_id == NO_TOKEN):
                 return result
             reason = "a token outside the vocabulary"
     raise _fault(session_id, reason)
@@ -100,7 +100,7 @@ def verify_rows(rows: list[VerifyRow], valid_vocab_size: int,
             outcomes[i] = _fault(session_ids[i], got)
             continue
         accepted_whole = rows[i].block.bonus_drafted and got.num_accepted == len(rows[i].block.draft_token_ids)
-        if 0 <= got.next_token_id < valid_vocab_size or (accepted_whole and got.next_token_id == -1):
+        if 0 <= got.next_token_id < valid_vocab_size or (accepted_whole and got.next_token_id == NO_TOKEN):
             outcomes[i] = got
         else:
             outcomes[i] = _fault(session_ids[i], "a token outside the vocabulary")

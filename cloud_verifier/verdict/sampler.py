@@ -22,7 +22,7 @@ from cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
 from cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
 from common.rejection import RejectionResult
 from common.sampling import Stream, normalize_sparse
-from common.types import DraftBlock, SamplingParams
+from common.types import NO_TOKEN, DraftBlock, SamplingParams
 
 
 @dataclass
@@ -37,6 +37,7 @@ class VerifyRow:
 
 
 _FAULTS = {3: "NaN logits", 2: "+inf logits", 1: "a position with no finite logit"}
+_NO_MASS = NO_TOKEN  # the index of a row with no positive weight (a dense row's index is its token id)
 _NO_DISTRIBUTION = ("no distribution to sample from after logits processing (cannot sample from a distribution "
                     "with no mass)")
 
@@ -47,7 +48,7 @@ class BatchedRejectionSampler:
     Glossary (the names of the tensors below):
 
     - num_tokens: all scored positions of all rows, flattened row after row (``token``: one such position).
-    - draft token x: the draft's guess at a position (-1 at a classic block's bonus position).
+    - draft token x: the draft's guess at a position (NO_TOKEN at a classic block's bonus position).
     - draft_probs q: the sparse distribution the draft sampled x from ([num_tokens, k] ids and probabilities,
       ``common.types.SparseDraftProbs``; one-hot for greedy drafting), dense q = ``common.sampling.dense_draft_probs``.
     - target_probs p: the target's processed distribution (temperature → top-k → top-p → min-p → softmax,
@@ -112,14 +113,14 @@ class BatchedRejectionSampler:
         chosen_s = []  # (row, token) whose recovered / bonus token is sampled
         for i in ok:
             n, chosen = lay.first_rejection(i, accept)
-            results[i] = RejectionResult(n, -1)
+            results[i] = RejectionResult(n, NO_TOKEN)
             if chosen is not None and rows[i].sampling.greedy:
                 results[i] = RejectionResult(n, int(argmax[chosen]))
             elif chosen is not None:
                 chosen_s.append((i, chosen))
         if chosen_s:
             for (i, _), tok in zip(chosen_s, part.sample([t for _, t in chosen_s])):
-                results[i] = _NO_DISTRIBUTION if tok < 0 else RejectionResult(results[i].num_accepted, tok)
+                results[i] = _NO_DISTRIBUTION if tok == NO_TOKEN else RejectionResult(results[i].num_accepted, tok)
         return results
 
 
@@ -163,7 +164,7 @@ class _Layout:
         for r in rows:
             n = r.block.num_scored_positions
             ids = list(r.block.draft_token_ids)
-            draft.extend(ids[:n] + [-1] * (n - len(ids[:n])))  # -1: a classic block's bonus position
+            draft.extend(ids[:n] + [NO_TOKEN] * (n - len(ids[:n])))  # a classic block's bonus position
             self.offsets.append(self.offsets[-1] + n)
         self.num_tokens = self.offsets[-1]
         self.draft = np.asarray(draft, dtype=np.int64)  # [num_tokens]
@@ -188,26 +189,26 @@ class _Layout:
         return np.searchsorted(self.offsets, tokens, side="right") - 1
 
     def draft_probs(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Sparse q of the given tokens (whole rows, in order): ([len, k] ids, -1 padded; [len, k] float64, 0
+        """Sparse q of the given tokens (whole rows, in order): ([len, k] ids, NO_TOKEN padded; [len, k] float64, 0
         padded); a bonus position has none, greedy drafting is one-hot at the draft token."""
         rows = sorted(set(self.row_of(tokens).tolist()))
         k = max([1] + [np.shape(self.rows[i].block.draft_probs.token_ids)[-1] for i in rows
                        if self.rows[i].block.draft_probs is not None])
-        ids = np.full((self.num_tokens, k), -1, dtype=np.int64)
+        ids = np.full((self.num_tokens, k), NO_TOKEN, dtype=np.int64)
         probs = np.zeros((self.num_tokens, k), dtype=np.float64)
         sparse: dict[int, list] = {}  # width -> [(destination rows, ids, wire probs)]: one renormalisation each
         for i in rows:
             block, lo = self.rows[i].block, self.offsets[i]
-            gamma = len(block.draft_token_ids)
-            if gamma == 0:
+            num_drafted = len(block.draft_token_ids)
+            if num_drafted == 0:
                 continue
             if block.draft_probs is None:  # greedy drafting: q is one-hot at the draft token
-                ids[lo:lo + gamma, 0] = block.draft_token_ids
-                probs[lo:lo + gamma, 0] = 1.0
+                ids[lo:lo + num_drafted, 0] = block.draft_token_ids
+                probs[lo:lo + num_drafted, 0] = 1.0
             else:
-                q_ids = np.asarray(block.draft_probs.token_ids)[:gamma]
+                q_ids = np.asarray(block.draft_probs.token_ids)[:num_drafted]
                 sparse.setdefault(q_ids.shape[-1], []).append(
-                    (np.arange(lo, lo + gamma), q_ids, np.asarray(block.draft_probs.probs)[:gamma]))
+                    (np.arange(lo, lo + num_drafted), q_ids, np.asarray(block.draft_probs.probs)[:num_drafted]))
         for width, parts in sparse.items():  # row-wise, so the same values as one call per row
             at = np.concatenate([d for d, _, _ in parts])
             ids[at, :width] = np.concatenate([q for _, q, _ in parts])
@@ -245,7 +246,7 @@ class _SampledPart:
         self.seeds, self.positions = seeds, positions  # u_sample: drawn in sample(), for the chosen tokens only
         q_ids, q_probs = lay.draft_probs(tokens)
         self.q_ids, self.q_probs = torch.from_numpy(q_ids).to(dev), torch.from_numpy(q_probs).to(dev)  # [n, k]
-        x = torch.from_numpy(lay.draft[tokens]).to(dev)  # [n] draft token (-1: bonus position)
+        x = torch.from_numpy(lay.draft[tokens]).to(dev)  # [n] draft token (NO_TOKEN: bonus position)
         # a position whose scaled logits overflow (e.g. temperature 1e-310) has no distribution: never accepted
         max_logit = scan.max_logit.index_select(0, torch.as_tensor(tokens, device=dev))
         bad = ~torch.isfinite(max_logit.double() / temperature) | torch.from_numpy(faulty[tokens]).to(dev)
@@ -280,9 +281,9 @@ class _SampledPart:
         self.paths = {"positions": len(tokens), "exact_normaliser": len(z_open_at), "dense": len(dense_at)}
 
     def sample(self, tokens: list[int]) -> list[int]:
-        """Recovered / bonus token at each given token's position (-1: no distribution to sample from)."""
+        """Recovered / bonus token at each given token's position (NO_TOKEN: no distribution to sample from)."""
         local = [self.index[t] for t in tokens]
-        out = np.full(len(local), -1, dtype=np.int64)
+        out = np.full(len(local), NO_TOKEN, dtype=np.int64)
         dev = self.dev
         sparse = [j for j, t in enumerate(local) if t not in self.dense_row and not self.bad[t]]
         dense = [j for j, t in enumerate(local) if t in self.dense_row]
@@ -304,14 +305,14 @@ def _residual_sample_sparse(ids, probs, q_ids, q_probs, u) -> np.ndarray:
     """Inverse-CDF samples of norm(max(0, p − q)) (p where it has no mass) with p over candidates.
 
     ids/probs [r, c] (p is 0 outside them, so the cumulative sum over the vocabulary in id order is the one over
-    the candidates sorted by id, exactly), q_ids/q_probs [r, k], u [r]. Returns [r] token ids (-1: no mass)."""
+    the candidates sorted by id, exactly), q_ids/q_probs [r, k], u [r]. Returns [r] token ids (NO_TOKEN: no mass)."""
     order = torch.argsort(ids, dim=-1)
     ids, probs = ids.gather(1, order), probs.gather(1, order)  # ascending id, as sample_from walks the vocabulary
     q_on = (q_probs[:, None, :] * (ids[:, :, None] == q_ids[:, None, :])).sum(-1)  # [r, c] q at the candidates
     residual = (probs - q_on).clamp(min=0.0)
     residual = torch.where((residual.sum(-1) > 0)[:, None], residual, probs)
     index = _inverse_cdf(residual, u)
-    return torch.where(index >= 0, ids.gather(1, index.clamp(min=0)[:, None])[:, 0], -1).cpu().numpy()
+    return torch.where(index != _NO_MASS, ids.gather(1, index.clamp(min=0)[:, None])[:, 0], NO_TOKEN).cpu().numpy()
 
 
 def _residual_sample_dense(probs, q_ids, q_probs, u) -> np.ndarray:
@@ -328,7 +329,7 @@ def _residual_sample_dense(probs, q_ids, q_probs, u) -> np.ndarray:
 def _inverse_cdf(
     weights: torch.Tensor,  # [r, w] float64, non-negative, unnormalised, in token-id order
     u: torch.Tensor,  # [r] float64 in [0, 1)
-) -> torch.Tensor:  # [r] int64 index into w (-1: no positive mass)
+) -> torch.Tensor:  # [r] int64 index into w (_NO_MASS: no positive mass)
     """common.sampling.sample_from for many rows: the first index whose float64 running sum exceeds u · total
     (searchsorted, side right), clamped to the last index, moved back to the closest positive weight."""
     cum = torch.cumsum(weights, dim=-1)  # sequential on CPU, as np.cumsum
@@ -338,4 +339,4 @@ def _inverse_cdf(
     positions = torch.arange(weights.shape[1], device=weights.device).expand_as(weights)
     last_positive = torch.cummax(torch.where(weights > 0, positions, -1), dim=-1).values  # [r, w]
     index = last_positive.gather(1, index[:, None])[:, 0]
-    return torch.where(total > 0, index, -1)
+    return torch.where(total > 0, index, _NO_MASS)

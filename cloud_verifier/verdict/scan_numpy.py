@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from common.types import NO_TOKEN
+
 EXACT_GAP = 16.0  # scaled-logit units below the max: the gathered tokens (normaliser summed, candidates taken)
 BOUND_GAP = 20.0  # scaled-logit units below the max: tokens counted, bounded by exp(-EXACT_GAP) each
 BUCKETS_PER_UNIT = 4  # candidate buckets per scaled-logit unit
@@ -57,7 +59,7 @@ def scan_numpy(
     threads: int = 1,  # the rows' passes on this many threads (numpy releases the GIL in them)
 ) -> tuple:
     """The Scan's fields (numpy arrays): max_logit [num_tokens] float32, argmax [num_tokens] int64, cand_logits
-    [s, c] float32 descending (-inf padded), cand_ids [s, c] int64 (-1 padded), z_low [s], z_high [s] float64,
+    [s, c] float32 descending (-inf padded), cand_ids [s, c] int64 (NO_TOKEN padded), z_low [s], z_high [s] float64,
     outside_logit [s] float32, for the s sampled positions in order."""
     num_tokens = len(sampled)
     at_s = np.flatnonzero(sampled)
@@ -186,7 +188,7 @@ def _finish(gathered: list, vocab: int, m: np.ndarray, t: np.ndarray, within_bou
 
 def _candidates(pos: np.ndarray, ids: np.ndarray, vals: np.ndarray, count: np.ndarray, m64: np.ndarray,
                 t: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """([s, c] candidate logits descending, -inf padded; [s, c] ids, -1 padded; [s] the largest logit among
+    """([s, c] candidate logits descending, -inf padded; [s, c] ids, NO_TOKEN padded; [s] the largest logit among
     the gathered tokens left out) from the gathered tokens (pos/ids/vals [a], grouped by position, count [s]).
 
     Candidates: the tokens in the buckets (a quarter of a scaled-logit unit each, counted from the max) before
@@ -207,7 +209,7 @@ def _candidates(pos: np.ndarray, ids: np.ndarray, vals: np.ndarray, count: np.nd
     if len(nonempty):
         outside[nonempty] = np.maximum.reduceat(np.where(take, -np.inf, vals), starts[nonempty])
     cand = np.full((ns, c), -np.inf, dtype=np.float32)
-    cand_ids = np.full((ns, c), -1, dtype=np.int64)
+    cand_ids = np.full((ns, c), NO_TOKEN, dtype=np.int64)
     sel = pos[take]
     n_sel = np.bincount(sel, minlength=ns)
     rank = np.arange(len(sel)) - (np.cumsum(n_sel) - n_sel)[sel]

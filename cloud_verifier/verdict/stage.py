@@ -16,7 +16,7 @@ from cloud_verifier.verdict.numerics import verify_rows
 from cloud_verifier.verdict.row_logits import prepare_row_logits, raw_logprobs
 from cloud_verifier.verdict.sampler import VerifyRow
 from common.errors import TargetOutputError
-from common.types import Verdict
+from common.types import NO_TOKEN, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,15 @@ def rejections(works: list, logits: list, valid_vocab_size: int, sessions) -> li
 def make_verdict(work, next_token_id: int, n: int, num_committed: int, committed: list[int],
                  reason, queue_ms: float, forward_ms: float, batch_size: int) -> Verdict:
     """The Verdict of a verify row (batcher Work ``work``) whose rejection rule accepted ``n`` draft tokens and
-    proposed ``next_token_id`` (-1: none), of which stopping kept ``committed`` (``num_committed`` tokens);
+    proposed ``next_token_id`` (NO_TOKEN: none), of which stopping kept ``committed`` (``num_committed`` tokens);
     ``queue_ms``/``forward_ms``: its wait and the forward pass, ms; ``batch_size``: verify blocks in the pass."""
     block = work.block
-    gamma = len(block.draft_token_ids)
+    num_drafted = len(block.draft_token_ids)  # γ (γ + 1 in a bonus_drafted block, which has no bonus token)
     num_accepted = min(n, num_committed)
     return Verdict(
         num_accepted=num_accepted,
-        next_token_id=next_token_id if num_committed > n else -1,
-        is_bonus=(not block.bonus_drafted and num_committed > n and n == gamma and gamma > 0),
+        next_token_id=next_token_id if num_committed > n else NO_TOKEN,
+        is_bonus=(not block.bonus_drafted and num_committed > n and n == num_drafted and num_drafted > 0),
         committed_token_ids=committed,
         committed_length=work.start_position + 1 + len(committed),
         finished=reason is not None,
