@@ -1,6 +1,7 @@
 """Sessions coming onto a replica: admission, prefill, resume from the store, and the next turn of a
-multi-turn session (ExtendSession). Part of :class:`cloud_verifier.sessions.SessionTable` (a mixin: the table's
-state is defined there).
+multi-turn session (ExtendSession). :class:`SessionAdmission` is owned by a replica's
+:class:`cloud_verifier.sessions.SessionTable` (which holds the sessions once admitted) and keeps its own state:
+the sessions being opened, resumed or prefilled.
 
 - **Admission**: at most ``max_sessions`` sessions per replica, sessions being opened (prefilled) included;
   each session takes KV pages from the target's paged pool (:mod:`cloud_verifier.kv_pool`) for the tokens it
@@ -25,18 +26,16 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
 from cloud_verifier import metrics
 from cloud_verifier.prefix_cache import cache_prefilled, extend_session_kv, open_session_kv
 from cloud_verifier.session_state import Session, owned
-from cloud_verifier.store import SessionRecord, SessionStore
-from cloud_verifier.target import TargetRunner
+from cloud_verifier.store import SessionRecord
 from common.errors import CapacityError, InvalidRequestError, PreconditionError, SessionNotFoundError
 from common.stopping import StopChecker
-from common.types import SamplingParams, ServedInfo, StoppingCriteria
+from common.types import SamplingParams, StoppingCriteria
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +45,30 @@ PrefillChunk = Callable[[Session, list[int], int], Awaitable[None]]
 
 
 class SessionAdmission:
-    """Opening, resuming and extending sessions: the part of :class:`cloud_verifier.sessions.SessionTable` that
-    admits and prefills them."""
+    """Opening, resuming and extending the sessions of one replica.
 
-    # the table's state and helpers (cloud_verifier.sessions.SessionTable)
-    target: TargetRunner
-    store: SessionStore
-    info: ServedInfo
-    eos_token_ids: set[int]
-    prefill_chunk: PrefillChunk
-    max_sessions: int
-    prefill_chunk_tokens: int
-    _sessions: dict[str, Session]
-    _resuming: dict[str, asyncio.Future]
-    _opening: int
-    lock: threading.Lock
-    _loading: dict[int, Session]
-    release: Callable[[str], Session | None]
-    _end_busy: Callable[[Session], None]
-    _update_gauges: Callable[[], None]
+    Args:
+        table: the :class:`cloud_verifier.sessions.SessionTable` the sessions join (not imported here: the table
+            owns this object). Used through its public face: ``lock`` (page tables and the held sessions change
+            under it), ``held``, ``num_sessions``, ``hold``, ``release``, ``end_busy``, ``update_gauges``, and
+            its ``target``, ``store``, ``info``, ``eos_token_ids``, ``prefill_chunk``, ``max_sessions``,
+            ``prefill_chunk_tokens``.
+    """
+
+    def __init__(self, table):
+        self.table = table
+        self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
+        self._opening = 0  # sessions being prefilled (count towards max_sessions)
+        self._loading: dict[int, Session] = {}  # id -> a session being prefilled (its KV may be preempted)
+
+    @property
+    def num_opening(self) -> int:
+        """Sessions being opened or resumed (admitted, not prefilled yet)."""
+        return self._opening
+
+    def loading_kvs(self) -> list:
+        """The KV caches of the sessions being prefilled (preemptible too); call under the table's lock."""
+        return [s.kv for s in self._loading.values()]
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
                    tenant_id: str = "", num_output_tokens: int = 0) -> Session:
@@ -81,8 +85,8 @@ class SessionAdmission:
         now = time.time()
         record = SessionRecord(
             session_id=secrets.token_hex(12),
-            verifier_id=self.info.verifier_id,
-            model_id=self.info.model_id,
+            verifier_id=self.table.info.verifier_id,
+            model_id=self.table.info.model_id,
             prompt_length=len(prompt) - num_output_tokens,
             committed_token_ids=list(prompt),
             sampling=sampling,
@@ -94,9 +98,9 @@ class SessionAdmission:
         )
         session = await self._load(record)
         try:
-            self.store.create(dataclasses.replace(record, committed_token_ids=list(prompt)))
+            self.table.store.create(dataclasses.replace(record, committed_token_ids=list(prompt)))
         except BaseException:  # store unreachable: nothing may stay reserved for a session nobody can use
-            self.release(record.session_id)
+            self.table.release(record.session_id)
             raise
         metrics.SESSIONS_OPENED.inc()
         return session
@@ -109,7 +113,7 @@ class SessionAdmission:
             PreconditionError: the stored session is for another model.
             CapacityError: no room to resume it here.
         """
-        session = self._sessions.get(session_id)
+        session = self.table.held(session_id)
         if session is not None:
             return owned(session, session_id, tenant_id)
         pending = self._resuming.get(session_id)
@@ -130,66 +134,69 @@ class SessionAdmission:
             del self._resuming[session_id]
 
     async def _resume(self, session_id: str, tenant_id: str | None = None) -> Session:
-        record = self.store.get(session_id)
+        record = self.table.store.get(session_id)
         if record is None or (tenant_id is not None and record.tenant_id != tenant_id):  # before any prefill
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
-        if record.model_id != self.info.model_id:
-            raise PreconditionError(f"session {session_id} is for model {record.model_id}, not {self.info.model_id}")
+        if record.model_id != self.table.info.model_id:
+            raise PreconditionError(
+                f"session {session_id} is for model {record.model_id}, not {self.table.info.model_id}")
         log.info("resuming session %s from the store (was on %s)", session_id, record.verifier_id)
-        record.verifier_id = self.info.verifier_id
+        record.verifier_id = self.table.info.verifier_id
         session = await self._load(record)
-        if not self.store.claim(session_id, self.info.verifier_id, time.time()):
-            self.release(session_id)
+        if not self.table.store.claim(session_id, self.table.info.verifier_id, time.time()):
+            self.table.release(session_id)
             raise SessionNotFoundError(f"session {session_id!r} expired while being resumed")
         metrics.SESSIONS_RESUMED.inc()
         return session
 
     async def _load(self, record: SessionRecord) -> Session:
         """Admit ``record`` (max_sessions, counting sessions being opened), then prefill it."""
-        with self.lock:
-            if len(self._sessions) + self._opening >= self.max_sessions:
-                raise CapacityError(f"verifier full: {len(self._sessions)} of {self.max_sessions} sessions open")
+        with self.table.lock:
+            if self.table.num_sessions + self._opening >= self.table.max_sessions:
+                raise CapacityError(
+                    f"verifier full: {self.table.num_sessions} of {self.table.max_sessions} sessions open")
             self._opening += 1
         try:
             return await self._prefill(record)
         finally:
-            with self.lock:
+            with self.table.lock:
                 self._opening -= 1
 
     async def _prefill(self, record: SessionRecord) -> Session:
         """Take KV pages for ``record``'s committed tokens except the last, prefill them (in chunks), add the
         session to the table. The last committed token is fed with the first block."""
-        capacity = min(self.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
+        capacity = min(self.table.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
         # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/prefix_cache.py)
-        with self.lock:  # page tables change under the table's lock (the batcher preempts under it)
-            kv, cached = open_session_kv(self.target, capacity, record.committed_token_ids, record.tenant_id)
+        with self.table.lock:  # page tables change under the table's lock (the batcher preempts under it)
+            kv, cached = open_session_kv(self.table.target, capacity, record.committed_token_ids, record.tenant_id)
         stop = StopChecker(
-            self.target.tokenizer, record.stopping, self.eos_token_ids, record.prompt_length,
-            self.info.max_context_tokens,
+            self.table.target.tokenizer, record.stopping, self.table.eos_token_ids, record.prompt_length,
+            self.table.info.max_context_tokens,
         )
         generated = record.committed_token_ids[record.prompt_length :]
         if generated:
             stop.append(generated)
         session = Session(record=record, kv=kv, stop=stop, busy=True)
-        with self.lock:
+        with self.table.lock:
             self._loading[id(session)] = session  # preemptible while it is prefilled
         try:
             prefix = record.committed_token_ids[:-1]
-            for begin in range(cached, len(prefix), self.prefill_chunk_tokens):
-                await self.prefill_chunk(session, prefix[begin : begin + self.prefill_chunk_tokens], begin)
+            for begin in range(cached, len(prefix), self.table.prefill_chunk_tokens):
+                await self.table.prefill_chunk(session, prefix[begin : begin + self.table.prefill_chunk_tokens], begin)
                 # committed tokens: their full pages are final, shared with sessions opening from now on
-                with self.lock:
-                    cache_prefilled(self.target, kv, prefix, begin + self.prefill_chunk_tokens, record.tenant_id)
+                with self.table.lock:
+                    cache_prefilled(self.table.target, kv, prefix, begin + self.table.prefill_chunk_tokens,
+                                    record.tenant_id)
         except BaseException:
-            with self.lock:
+            with self.table.lock:
                 self._loading.pop(id(session), None)
-                self.target.free(kv)
+                self.table.target.free(kv)
             raise
         session.busy = False
-        with self.lock:
+        with self.table.lock:
             self._loading.pop(id(session), None)
-            self._sessions[record.session_id] = session
-        self._update_gauges()
+            self.table.hold(session)
+        self.table.update_gauges()
         return session
 
     # ------------------------------------------------------------------ extend (multi-turn sessions)
@@ -198,10 +205,9 @@ class SessionAdmission:
         """Continue a finished (or not started) session with the next turn of its conversation: raise its KV
         limit to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
         take pages for the new tokens and prefill only them (the last committed token, then ``appended`` but its
-        last, in chunks of ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the turn
-        in the store
-        (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's output starts
-        at the new committed length. ``appended``: validated token ids; ``sampling`` with the seed to draw with.
+        last, in chunks of ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the
+        turn in the store (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's
+        output starts at the new committed length. ``appended``: validated token ids; ``sampling`` with its seed.
 
         Nothing committed changes on any error (positions the prefill wrote lie past the committed length: their
         pages are dropped when the turn ends).
@@ -218,7 +224,7 @@ class SessionAdmission:
 
         record = session.record
         sid = record.session_id
-        with self.lock:
+        with self.table.lock:
             if session.released:
                 raise SessionNotFoundError(f"session {sid!r} was closed")
             if record.committed_length != expected_length:
@@ -231,45 +237,46 @@ class SessionAdmission:
         try:
             start = record.committed_length - 1  # the KV cache holds committed[:-1]
             new_length = record.committed_length + len(appended)
-            needed = min(self.info.max_context_tokens, new_length + stopping.max_new_tokens)
+            needed = min(self.table.info.max_context_tokens, new_length + stopping.max_new_tokens)
             limit = session.kv.capacity
             session.kv.capacity = max(limit, needed)  # a limit: memory comes as pages, no copy
             history = [*record.committed_token_ids, *appended]
-            with self.lock:  # page tables change under the table's lock (the batcher preempts under it)
+            with self.table.lock:  # page tables change under the table's lock (the batcher preempts under it)
                 try:
-                    self.target.check_fits(session.kv.capacity)
+                    self.table.target.check_fits(session.kv.capacity)
                 except CapacityError:
                     session.kv.capacity = limit
                     raise
                 # pages of this history another session left in the prefix cache are taken, not prefilled
-                skip_begin, skip_end = (extend_session_kv(self.target, session.kv, history, start, record.tenant_id)
-                                        if session.kv.rebuild_from is None else (start, start))
+                skip_begin, skip_end = (
+                    extend_session_kv(self.table.target, session.kv, history, start, record.tenant_id)
+                    if session.kv.rebuild_from is None else (start, start))
                 # best effort: a pool short now leaves it to the batcher (it preempts later sessions if it must)
-                self.target.try_ensure(session.kv, new_length - 1)
+                self.table.target.try_ensure(session.kv, new_length - 1)
                 session.kv.pending_ids = history  # what a recomputation after a preemption reads
-            chunk = self.prefill_chunk_tokens
+            chunk = self.table.prefill_chunk_tokens
             for begin, end in ((start, skip_begin), (skip_end, new_length - 1)):
                 for pos in range(begin, end, chunk):
-                    await self.prefill_chunk(session, history[pos : min(pos + chunk, end)], pos)
+                    await self.table.prefill_chunk(session, history[pos : min(pos + chunk, end)], pos)
             now = time.time()
-            self.store.extend(sid, expected_length, appended, sampling, stopping, int(sampling.seed), now,
-                              self.info.verifier_id)
+            self.table.store.extend(sid, expected_length, appended, sampling, stopping, int(sampling.seed), now,
+                              self.table.info.verifier_id)
             record.committed_token_ids.extend(appended)
             record.prompt_length = new_length
             record.sampling, record.stopping, record.seed = sampling, stopping, int(sampling.seed)
             record.finished, record.finish_reason = False, None
             record.last_seen_at = now
-            session.stop = StopChecker(self.target.tokenizer, stopping, self.eos_token_ids, new_length,
-                                       self.info.max_context_tokens)
+            session.stop = StopChecker(self.table.target.tokenizer, stopping, self.table.eos_token_ids, new_length,
+                                       self.table.info.max_context_tokens)
             session.kv.pending_ids = None
             # committed now (not before the store's answer: the next block would write after the old length)
-            with self.lock:
-                cache_prefilled(self.target, session.kv, record.committed_token_ids, new_length - 1,
+            with self.table.lock:
+                cache_prefilled(self.table.target, session.kv, record.committed_token_ids, new_length - 1,
                                 record.tenant_id)
         except (SessionNotFoundError, InvalidRequestError):
-            self.release(sid)  # gone from the store, or held elsewhere: this copy is stale
+            self.table.release(sid)  # gone from the store, or held elsewhere: this copy is stale
             raise
         finally:
             session.kv.pending_ids = None
-            self._end_busy(session)
+            self.table.end_busy(session)
         return session

@@ -29,7 +29,7 @@ from cloud_verifier.session_state import Session
 from cloud_verifier.store import SessionStore
 from cloud_verifier.target import TargetRunner
 from common.errors import SessionNotFoundError, SpecdecError
-from common.types import ServedInfo, Verdict
+from common.types import SamplingParams, ServedInfo, StoppingCriteria, Verdict
 
 __all__ = ["PrefillChunk", "Session", "SessionTable"]  # Session, PrefillChunk: re-exported from their modules
 
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 _MOVED_GRACE_S = 5.0  # a copy whose session another replica holds is dropped once idle this long, s
 
 
-class SessionTable(SessionAdmission):
-    """The sessions held by one replica (opening, resuming and extending them: :class:`SessionAdmission`).
+class SessionTable:
+    """The sessions held by one replica; opening, resuming and extending them is its ``admission``
+    (:class:`~cloud_verifier.admission.SessionAdmission`, which keeps the sessions on their way in).
 
     Args:
         target: the target runner (KV cache budget).
@@ -73,10 +74,9 @@ class SessionTable(SessionAdmission):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.session_ttl_s = session_ttl_s
         self._sessions: dict[str, Session] = {}
-        self._resuming: dict[str, asyncio.Future] = {}  # session id -> resume in progress
-        self._opening = 0  # sessions being prefilled (count towards max_sessions)
-        self._loading: dict[int, Session] = {}  # id -> a session being prefilled (its KV may be preempted)
-        self.lock = threading.Lock()  # public: the KV scheduler changes page tables (preemption) under it too
+        # public: admission and the KV scheduler (preemption) change page tables and held sessions under it too
+        self.lock = threading.Lock()
+        self.admission = SessionAdmission(self)
         metrics.KV_CACHE_CAPACITY_BYTES.set(target.kv_cache_budget_tokens * target.kv_bytes_per_token)
         metrics.KV_CACHE_PAGES_TOTAL.set(target.kv_pool.num_pages)
 
@@ -92,7 +92,28 @@ class SessionTable(SessionAdmission):
     def resident_kvs(self) -> list:
         """The KV caches of every session held or being prefilled here (what preemption may drop); call under
         the table's lock."""
-        return [s.kv for s in self._sessions.values()] + [s.kv for s in self._loading.values()]
+        return [s.kv for s in self._sessions.values()] + self.admission.loading_kvs()
+
+    def hold(self, session: Session) -> None:
+        """Hold an admitted, prefilled session (:class:`~cloud_verifier.admission.SessionAdmission`); call under
+        the table's lock."""
+        self._sessions[session.record.session_id] = session
+
+    async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
+                   tenant_id: str = "", num_output_tokens: int = 0) -> Session:
+        """A new session: :meth:`SessionAdmission.open <cloud_verifier.admission.SessionAdmission.open>`."""
+        return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens)
+
+    async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
+        """The session held here, or resumed from the store: :meth:`SessionAdmission.get_or_resume
+        <cloud_verifier.admission.SessionAdmission.get_or_resume>`."""
+        return await self.admission.get_or_resume(session_id, tenant_id)
+
+    async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
+                     stopping: StoppingCriteria) -> Session:
+        """The next turn of a session: :meth:`SessionAdmission.extend
+        <cloud_verifier.admission.SessionAdmission.extend>`."""
+        return await self.admission.extend(session, expected_length, appended, sampling, stopping)
 
     def tenant_session_count(self, tenant_id: str) -> int:
         """Sessions of ``tenant_id`` held (prefilled) on this replica."""
@@ -126,9 +147,9 @@ class SessionTable(SessionAdmission):
         try:
             yield
         finally:
-            self._end_busy(session)
+            self.end_busy(session)
 
-    def _end_busy(self, session: Session) -> None:
+    def end_busy(self, session: Session) -> None:
         """The end of what made ``session`` busy (a block, or an ExtendSession turn's prefill): not busy, seen
         now, its KV cache freed now when it was released meanwhile (the deferred release), its idle waiters
         (:meth:`wait_idle`) woken."""
@@ -144,7 +165,7 @@ class SessionTable(SessionAdmission):
         for w in waiters:
             if not w.done():
                 w.set_result(None)
-        self._update_gauges()
+        self.update_gauges()
 
     async def wait_idle(self, session: Session, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s`` s) until no block of ``session`` is queued or in a forward pass, e.g. the
@@ -223,7 +244,7 @@ class SessionTable(SessionAdmission):
             session.released = True
             if not session.busy:
                 self.target.free(session.kv)
-        self._update_gauges()
+        self.update_gauges()
         return session
 
     def cache_committed(self, session: Session) -> None:
@@ -252,7 +273,7 @@ class SessionTable(SessionAdmission):
             self._sessions.clear()
         for s in sessions:
             self.target.free(s.kv)
-        self._update_gauges()
+        self.update_gauges()
 
     # ------------------------------------------------------------------ reaping, gauges
     def reap_expired(self, now: float | None = None) -> int:
@@ -277,7 +298,7 @@ class SessionTable(SessionAdmission):
                     metrics.SESSIONS_EXPIRED.inc()
                     reaped += 1
         if reaped:
-            self._update_gauges()
+            self.update_gauges()
         return reaped
 
     async def reap_loop(self, interval_s: float) -> None:
@@ -287,14 +308,15 @@ class SessionTable(SessionAdmission):
             await asyncio.sleep(interval_s)
             try:
                 await loop.run_in_executor(None, self.reap_expired)
-                if not self._sessions and not self._opening:  # idle: freed heap pages back to the OS (RSS)
+                if not self._sessions and not self.admission.num_opening:  # idle: freed heap memory back (RSS)
                     await loop.run_in_executor(None, self.target.release_idle_memory)
             except SpecdecError as e:  # e.g. the store is unreachable: one line, retried next period
                 log.warning("reaper: %s", e)
             except Exception:
                 log.exception("reaper failed")
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
+        """The sessions and KV gauges (:mod:`cloud_verifier.metrics`) from the table's state now."""
         metrics.SESSIONS_OPEN.set(len(self._sessions))
         metrics.KV_CACHE_USED_BYTES.set(self.target.kv_reserved_bytes)
         metrics.KV_CACHE_PAGES_USED.set(self.target.kv_pool.pages.num_used)
