@@ -236,6 +236,15 @@ def test_chat_without_input_says_so():
         assert "specdec generate" in lines[0] and time.monotonic() - t0 < FAST_S
 
 
+def test_chat_from_a_pipe_that_sends_nothing(tiny_pair):
+    """A pipe cannot be known empty before reading it: the models load, then the same one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--target", str(tiny_pair.target_dir),
+                           "--draft", str(tiny_pair.draft_dir), "--device", "cpu"], cwd=ROOT, input="",
+                          capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines == [lines[0]] and "no message on stdin" in lines[0], proc.stderr
+
+
 def test_unwritable_paths_are_one_line_without_errno():
     line = _one_error(["models", "prepare", "--cache-dir", "/proc/nope"], "--cache-dir /proc/nope: cannot create")
     assert "Errno" not in line
