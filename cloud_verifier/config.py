@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.types import MAX_NUM_SPECULATIVE_TOKENS
+
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,8 @@ class VerifierSettings(BaseSettings):
     reap_interval_s: float = Field(5.0, gt=0)
     """Period of the reaper that frees the KV caches of expired sessions, seconds."""
 
-    max_num_speculative_tokens: int = Field(16, ge=1)
-    """Largest draft block accepted, tokens (γ_max)."""
+    max_num_speculative_tokens: int = Field(16, ge=1, le=MAX_NUM_SPECULATIVE_TOKENS)
+    """Largest draft block accepted, tokens (γ_max; at most common.types.MAX_NUM_SPECULATIVE_TOKENS)."""
 
     max_sessions: int = Field(256, ge=1)
     """Most sessions held at once by this replica (RESOURCE_EXHAUSTED past it)."""

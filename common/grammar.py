@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -117,6 +118,17 @@ class GrammarSpec:
     @property
     def key(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def check(self) -> None:
+        """Raise ValueError (the engine's message, one line) when the engine refuses the spec, checked without a
+        tokenizer, so a CLI flag is checked before any model loads; what needs the tokenizer (the compiled
+        grammar's size budget) is checked by :func:`compile_grammar`."""
+        try:
+            error = _engine().LLMatcher.validate_grammar(self.engine_grammar())
+        except Exception as e:  # noqa: BLE001 - e.g. a GBNF that does not convert
+            raise ValueError(f"invalid {self.kind}: {_one_line(str(e))}") from None
+        if error:
+            raise ValueError(f"invalid {self.kind}: {_one_line(error)}")
 
     def engine_grammar(self) -> str:
         """The llguidance grammar text for this spec (validated at compile time)."""
@@ -239,11 +251,19 @@ class CompiledGrammar:
                               self.tokenizer.eos_token_ids)
 
 
+_SOURCE_ECHO = re.compile(r"^\d+ \|")  # "   1 | start: /(/": the engine quoting the grammar it was given
+
+
 def _one_line(message: str) -> str:
-    """The engine's multi-line message on one line (CLI errors, gRPC details): its lines joined with "; ", the
-    caret-only lines that point into the source dropped."""
-    lines = [ln.strip() for ln in message.splitlines()]
-    return "; ".join(ln for ln in lines if ln and set(ln) - set("^ |0123456789"))
+    """The engine's multi-line message on one line (CLI errors, gRPC details). A regex parse error is its own
+    ``error: ...`` line (the engine's position and the quoted pattern around it point into the grammar it wraps
+    the regex in, not into what the user wrote); otherwise the lines joined with "; ", without the lines that quote
+    the source or only point into it with carets."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("error: ") and any("regex parse error" in other for other in lines):
+            return ln[len("error: "):]
+    return "; ".join(ln for ln in lines if set(ln) - set("^ |0123456789") and not _SOURCE_ECHO.match(ln))
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> CompiledGrammar:

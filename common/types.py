@@ -27,6 +27,12 @@ class FinishReason(str, enum.Enum):
 NO_TOKEN = -1
 MAX_TOP_LOGPROBS = 20  # most alternatives one committed token's logprobs may list (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 262_144  # a grammar spec as JSON, characters (its compiled size is bounded by the engine)
+# The longest context of the models one would pair (128k tokens): a generation stops at the target's context
+# anyway, so a longer max_new_tokens is a typo, refused rather than silently cut (and it must fit the wire's int32).
+MAX_NEW_TOKENS = 131_072
+# γ any verifier may be configured to accept at most (VerifierSettings.max_num_speculative_tokens, default 16);
+# past a few dozen the acceptance of a whole block is ~0 and the block only costs draft and verify time.
+MAX_NUM_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -122,8 +128,11 @@ class StoppingCriteria:
     ignore_eos: bool = False
 
     def validate(self) -> None:
+        """Raises ValueError: max_new_tokens outside [1, MAX_NEW_TOKENS], an empty stop string."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
 

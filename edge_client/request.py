@@ -67,7 +67,7 @@ def generation_params(
 
     Raises:
         InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,
-            :meth:`StoppingCriteria.validate`).
+            :meth:`StoppingCriteria.validate`), or min_tokens above max_new_tokens.
     """
     sampling = SamplingParams(
         temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -79,6 +79,8 @@ def generation_params(
         stopping.validate()
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+    if min_tokens > max_new_tokens:  # EOS would stay masked past the end: never what was meant
+        raise InvalidRequestError(f"min_tokens must be <= max_new_tokens ({max_new_tokens}), got {min_tokens}")
     return sampling, stopping
 
 

@@ -84,7 +84,7 @@ def is_retryable(err: BaseException) -> bool:
 def exhausted_error(what: str, failures: int, elapsed_s: float,
                     last: BaseException | None) -> VerifierUnavailableError:
     """The error of a call (``what``, logged) that spent its retry budget: ``failures`` attempts in ``elapsed_s``
-    s. Its message is what the user reads (README, "Failure model"): ``cannot reach verifier at ADDRESS: why``."""
+    s. Its message is what the user reads (docs/failover.md): ``cannot reach verifier at ADDRESS: why``."""
     log.info("%s: no verifier answered after %d failed attempts in %.1f s (last: %s)", what, failures, elapsed_s,
              last)
     reason = str(last) if last is not None else "no answer"

@@ -17,7 +17,9 @@ from typing import Optional
 
 import typer
 
-keys_app = typer.Typer(no_args_is_help=True, help="API keys of a verifier (hashes in SPECDEC_API_KEYS_FILE)")
+# plain help, as the other commands' (specdec.cli._shared imports this module: no import back from there)
+keys_app = typer.Typer(no_args_is_help=True, help="API keys of a verifier (hashes in SPECDEC_API_KEYS_FILE)",
+                       rich_markup_mode=None, pretty_exceptions_enable=False)
 
 FILE_ENV = "SPECDEC_API_KEYS_FILE"
 
@@ -28,20 +30,34 @@ def _fail(message: str) -> None:
 
 
 def _key_file(file: Optional[Path]) -> Path:
+    """The key file (``--file``, else ``$SPECDEC_API_KEYS_FILE``), or exit: none given, or a directory."""
     path = file or (Path(os.environ[FILE_ENV]) if os.environ.get(FILE_ENV) else None)
     if path is None:
         _fail(f"no key file: pass --file or set {FILE_ENV}")
+    if path.is_dir():
+        _fail(f"{_named(path, file)}: is a directory (give the key file's path)")
     return path
 
 
-def _read_entries(path: Path) -> list[tuple[str, str]]:
+def _named(path: Path, file: Optional[Path]) -> str:
+    """How the user named the key file: ``--file PATH`` or ``SPECDEC_API_KEYS_FILE=PATH``."""
+    return f"--file {path}" if file else f"{FILE_ENV}={path}"
+
+
+def _os_error(e: OSError, path: Path, file: Optional[Path]) -> str:
+    return f"{_named(path, file)}: {(e.strerror or str(e)).lower()}"
+
+
+def _read_entries(path: Path, file: Optional[Path]) -> list[tuple[str, str]]:
     from cloud_verifier.auth import parse_key_file
 
     try:
         return parse_key_file(path.read_text(), str(path))
     except FileNotFoundError:
         _fail(f"{path} does not exist")
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        _fail(_os_error(e, path, file))
+    except ValueError as e:
         _fail(str(e))
 
 
@@ -56,7 +72,9 @@ def keys_create(
     path = _key_file(file)
     try:
         key = append_api_key(path, tenant)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        _fail(_os_error(e, path, file))
+    except ValueError as e:
         _fail(str(e).splitlines()[0])
     typer.echo(key)
     typer.echo(f"added a key for tenant {tenant!r} to {path} (only its hash is stored: keep the key now, it is not "
@@ -66,7 +84,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(file: Optional[Path] = typer.Option(None, "--file", help=f"Key file (default ${FILE_ENV})")):
     """Tenants of the key file, with the first 12 hex digits of each key's hash."""
-    for tenant, digest in _read_entries(_key_file(file)):
+    for tenant, digest in _read_entries(_key_file(file), file):
         typer.echo(f"{tenant}\t{digest[:12]}")
 
 
@@ -78,7 +96,7 @@ def keys_revoke(
 ):
     """Remove a tenant's keys (all, or the one matching --hash-prefix); the file is replaced atomically."""
     path = _key_file(file)
-    entries = _read_entries(path)
+    entries = _read_entries(path, file)
     prefix = (hash_prefix or "").lower()
     gone = [(t, h) for t, h in entries if t == tenant and h.startswith(prefix)]
     if not gone:

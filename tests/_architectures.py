@@ -15,7 +15,7 @@ VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's ids
 WINDOW = 16  # sliding window of the windowed architectures, tokens
 MAX_POSITIONS = 512
 
-# What each architecture exercises (the README's table repeats it).
+# What each architecture exercises (docs/models.md's table repeats it).
 NOTES = {
     "llama": "GQA 4:2, tied head",
     "mistral": f"sliding window {WINDOW} on every layer, untied head",

@@ -20,7 +20,11 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # confidence truncation threshold of `generate` (0.3 cut τ from 4.7 to 3.3 with the int8 draft)
 DEFAULT_MIN_CONFIDENCE = 0.1
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding")
+# Plain (click-style) help: typer's rich panels print a "<bool>" type column for every on/off flag (--help
+# included), where click's layout shows a flag by its name alone.
+HELP_STYLE = dict(rich_markup_mode=None, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edge-cloud speculative decoding",
+                  **HELP_STYLE)
 
 
 def _print_version(value: bool) -> None:
@@ -41,9 +45,9 @@ def _main(_version: bool = typer.Option(False, "--version", callback=_print_vers
     """specdec: edge-cloud speculative decoding"""
 
 
-models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect models", **HELP_STYLE)
 app.add_typer(models_app, name="models")
-draft_app = typer.Typer(no_args_is_help=True, help="Make draft models for a target")
+draft_app = typer.Typer(no_args_is_help=True, help="Make draft models for a target", **HELP_STYLE)
 app.add_typer(draft_app, name="draft")
 from specdec.keys import keys_app  # noqa: E402 - `specdec keys create|list|revoke` (API keys, docs/security.md)
 

@@ -13,6 +13,9 @@ from specdec.cli._shared import (
     _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _explain, _fail, _user_errors, app,
 )
 from specdec.cli._shared import _ROUTE_HELP, _check_route
+from specdec.cli.checks import (
+    check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, fail_no_chat_input,
+)
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import _edge_client
 from specdec.cli.processing import (
@@ -89,8 +92,10 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     typer.echo(_stats_footer(conv.last_result), err=True)
 
 
-def _chat_loop(conv, kwargs: dict, interactive: bool) -> None:
-    """Read stdin line by line until /exit or end of input: commands (/reset, /exit) or messages."""
+def _chat_loop(conv, kwargs: dict, interactive: bool) -> int:
+    """Read stdin line by line until /exit or end of input: commands (/reset, /exit) or messages. Returns the
+    number of lines read."""
+    lines = 0
     while True:
         if interactive:
             sys.stdout.write("> ")
@@ -98,6 +103,7 @@ def _chat_loop(conv, kwargs: dict, interactive: bool) -> None:
         line = sys.stdin.readline()
         if not line:
             break
+        lines += 1
         message = line.rstrip("\r\n")
         command = message.strip()
         if not command:
@@ -112,6 +118,7 @@ def _chat_loop(conv, kwargs: dict, interactive: bool) -> None:
             typer.echo(f"unknown command {command} (/reset, /exit)", err=True)
             continue
         _reply(conv, message, kwargs)
+    return lines
 
 
 @app.command()
@@ -165,10 +172,14 @@ def chat(
         StoppingCriteria(max_new_tokens, (), (), False).validate()
     except ValueError as e:
         _fail(str(e))
+    check_min_tokens(min_tokens, max_new_tokens)
+    check_num_speculative_tokens(num_speculative_tokens)
+    check_logit_bias_vocabulary(processing, target, draft)
     client, close = _edge_client(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
-        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype)
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+        before_load=check_chat_input)  # nothing to read: say so now, not after the models load
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   **processing)
     client.route = route  # edge_client.routing
@@ -176,10 +187,13 @@ def chat(
     conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
     if interactive:
         typer.echo("specdec chat: /reset starts a new conversation, /exit quits", err=True)
+    lines = 0
     try:
-        _chat_loop(conv, kwargs, interactive)
+        lines = _chat_loop(conv, kwargs, interactive)
     except KeyboardInterrupt:
-        pass
+        lines = -1
     finally:
         conv.close()
         close()
+    if lines == 0 and not interactive:  # a pipe that closed without a line: nothing was asked
+        fail_no_chat_input()

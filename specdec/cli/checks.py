@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import stat
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,3 +93,90 @@ def start_preflight(addresses: list[str], security, *, unreachable_is_error: boo
     future = pool.submit(diagnose, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
     pool.shutdown(wait=False)
     return future
+
+
+def check_num_speculative_tokens(num_speculative_tokens: int) -> None:
+    """Exit unless γ (``-g``) is in [1, MAX_NUM_SPECULATIVE_TOKENS] (the most any verifier may accept)."""
+    from common.types import MAX_NUM_SPECULATIVE_TOKENS
+
+    if not 1 <= num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+        _fail(f"--num-speculative-tokens must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
+
+
+def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
+    """Exit when ``--min-tokens`` exceeds ``--max-new-tokens`` (EOS would stay masked past the end)."""
+    if min_tokens > max_new_tokens:
+        _fail(f"--min-tokens {min_tokens} is more than --max-new-tokens {max_new_tokens}: lower --min-tokens or "
+              "raise --max-new-tokens")
+
+
+def _tokenizer_dir(target: Path | None, draft: Path | None) -> Path | None:
+    """A directory with the pair's tokenizer (the draft's, else the target's; the default models' when not given),
+    None when none is there yet (the default models not prepared)."""
+    from common.paths import default_model_paths
+
+    defaults = default_model_paths()
+    for d in (draft or defaults.draft_dir, target or defaults.target_dir):
+        if (Path(d) / "tokenizer.json").is_file():
+            return Path(d)
+    return None
+
+
+def check_logit_bias_vocabulary(options: dict, target: Path | None, draft: Path | None) -> None:
+    """Exit when ``--logit-bias`` names a token id outside the vocabulary: the tokenizer read alone (``tokenizers``,
+    no model, well under a second), before any model loads. Draft and target share it (checked at session open)."""
+    bias = options.get("logit_bias")
+    where = _tokenizer_dir(target, draft) if bias else None
+    if where is None:
+        return
+    from edge_client.tokenizer import load_tokenizer
+
+    size = len(load_tokenizer(where))
+    outside = sorted(t for t in bias if not 0 <= t < size)
+    if outside:
+        _fail(f"--logit-bias: token id {outside[0]} is outside the vocabulary [0, {size})")
+
+
+_CHAT_INPUT = ("specdec chat reads its messages from stdin, one a line (pipe them in, or run it in a terminal); for "
+               "one prompt use specdec generate PROMPT")
+
+
+def check_chat_input() -> None:
+    """Exit when `chat` has no input to read: stdin closed, or the null device / an empty file."""
+    try:
+        st = os.fstat(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):  # sys.stdin is None when fd 0 was closed
+        _fail(f"stdin is closed: {_CHAT_INPUT}")
+    if sys.stdin.isatty():
+        return
+    null = os.stat(os.devnull)
+    if (stat.S_ISREG(st.st_mode) and st.st_size == 0) or (stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev):
+        fail_no_chat_input()
+
+
+def fail_no_chat_input() -> None:
+    """Exit: `chat` read no message at all from a pipe or file."""
+    _fail(f"no message on stdin: {_CHAT_INPUT}")
+
+
+def os_error_line(e: OSError, what: str) -> str:
+    """One line for an OSError about ``what`` (a flag and its path): its reason, without the errno."""
+    return f"{what}: {(e.strerror or str(e)).lower()}"
+
+
+def check_writable_dir(path: Path | None, flag: str) -> None:
+    """Exit unless directory ``path`` (when given) exists or can be made, and a file can be written in it."""
+    if path is None:
+        return
+    import tempfile
+
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot create the directory ({(e.strerror or str(e)).lower()})")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot write there ({(e.strerror or str(e)).lower()})")

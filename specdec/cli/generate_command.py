@@ -14,7 +14,10 @@ from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _explain, _fail, _user_errors, app,
 )
-from specdec.cli.checks import check_device_names, check_model_dirs, check_server
+from specdec.cli.checks import (
+    check_device_names, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs, check_num_speculative_tokens,
+    check_server,
+)
 from specdec.cli._shared import _ROUTE_HELP, _check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
@@ -40,8 +43,8 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         StoppingCriteria(max_new_tokens, (), tuple(stop), ignore_eos).validate()
     except ValueError as e:
         _fail(str(e))
-    if num_speculative_tokens < 1:
-        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    check_num_speculative_tokens(num_speculative_tokens)
+    check_min_tokens((processing or {}).get("min_tokens", 0), max_new_tokens)
     if network_delay_ms < 0:
         _fail(f"--network-delay-ms must be >= 0, got {network_delay_ms}")
     if draft_top_k < 1:
@@ -57,6 +60,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
     if fallback == "device" and (target_only or drafter != "model"):
         _fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
+    check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:
         if tls or ca_cert or client_cert or client_key:
             _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")

@@ -1,7 +1,8 @@
 """The structured-output flags of `generate`: ``--json-schema FILE``, ``--regex PATTERN``, ``--grammar FILE``
 (Lark or GBNF), at most one, turned into the SDK's ``grammar`` option (:class:`common.grammar.GrammarSpec` as
-JSON). Checked before any model loads (a file that cannot be read, a schema that is not JSON: one line); what the
-engine refuses is answered by the verifier at OpenSession with the engine's message. docs/structured-output.md."""
+JSON). Checked before any model loads, in one line: a file that cannot be read, a schema that is not JSON, and
+what the grammar engine refuses (:meth:`common.grammar.GrammarSpec.check`, no tokenizer needed); the verifier
+checks again at OpenSession. docs/structured-output.md."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def grammar_options(json_schema: Optional[Path], regex: Optional[str], grammar: 
             spec = GrammarSpec("grammar", _read(grammar, "--grammar"))
         else:
             return {}
+        spec.check()  # what the engine refuses, without a model
     except ValueError as e:
         _fail(f"{given[0]}: {e}")
     return {"grammar": spec.to_json()}

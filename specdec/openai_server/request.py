@@ -155,7 +155,9 @@ def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
     name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = body.get("max_tokens"), "max_tokens"
-    max_tokens = _number({name: max_tokens}, name, DEFAULT_MAX_TOKENS, int, 1)
+    from common.types import MAX_NEW_TOKENS
+
+    max_tokens = _number({name: max_tokens}, name, DEFAULT_MAX_TOKENS, int, 1, MAX_NEW_TOKENS)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -194,6 +196,9 @@ def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
 def _request(body: dict, prompt_ids: list[int], chat: bool, vocab_size: int) -> GenRequest:
     kwargs, stream, include_usage = _generation_kwargs(body, chat)
     processing, logprobs = _processing_kwargs(body, chat, vocab_size)
+    if processing.get("min_tokens", 0) > kwargs["max_new_tokens"]:
+        raise ApiError(400, f"'min_tokens' must be <= the max tokens ({kwargs['max_new_tokens']}), got "
+                       f"{processing['min_tokens']}", param="min_tokens")
     n = _number(body, "n", 1, int, 1, MAX_N)
     return GenRequest(prompt_ids, {**kwargs, **processing}, stream, include_usage, chat=chat, n=n,
                       logprobs=logprobs)

@@ -26,10 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST_S = 3.0  # an argument error: python, typer and the check, nothing else
 
 
-def _specdec(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, str, float]:
+def _specdec(*args: str, timeout: float = 60, env: dict | None = None,
+             stdin: str | None = None) -> tuple[int, str, str, float]:
+    """(exit status, stdout, stderr, seconds) of `specdec ARGS`; ``stdin``: its input (None: none, as /dev/null)."""
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})}, input=stdin,
+                          stdin=subprocess.DEVNULL if stdin is None else None)
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
 
 
@@ -127,7 +130,7 @@ def test_tls_mismatches_are_named(tls_servers, tiny_pair):
                "is not signed by the --ca-cert given")
     _one_error(["generate", "--server", plain_address, "--ca-cert", str(pki.ca_cert), *draft, "hi"],
                "does not speak TLS: drop --tls")
-    _one_error(["chat", "--server", tls_address, *draft], "speaks TLS: add --tls")
+    _one_error(["chat", "--server", tls_address, *draft], "speaks TLS: add --tls", stdin="hi\n")
 
 
 def test_verifier_lost_mid_run(tiny_pair):
@@ -193,3 +196,79 @@ def test_edge_only_install_names_the_missing_extra(tmp_path, tiny_pair):
         assert "pip install 'specdec[all]'" in line, line
     _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "hi"],
                "cannot reach verifier at 127.0.0.1:1: connection refused", bound_s=30.0, env=env)
+
+
+def test_min_tokens_above_max_new_tokens(tiny_pair):
+    """It stopped at max_new_tokens without a word; now refused before anything loads (the SDK refuses it too)."""
+    _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "--min-tokens", "50",
+                "--max-new-tokens", "5", "hi"], "--min-tokens 50 is more than --max-new-tokens 5")
+    _one_error(["chat", "--server", "127.0.0.1:1", "--min-tokens", "9", "--max-new-tokens", "8"],
+               "--min-tokens 9 is more than --max-new-tokens 8")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "edge-serve"])
+def test_speculative_tokens_and_max_new_tokens_have_limits(command):
+    """-g 1000 and a max_new_tokens no context holds were accepted silently (and the verifier cut γ to its own
+    maximum); the message names the limit (common.types)."""
+    from common.types import MAX_NEW_TOKENS, MAX_NUM_SPECULATIVE_TOKENS
+
+    prompt = ["hi"] if command == "generate" else []
+    _one_error([command, "--server", "127.0.0.1:1", "-g", "1000", *prompt],
+               f"--num-speculative-tokens must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got 1000")
+    if command != "edge-serve":
+        _one_error([command, "--server", "127.0.0.1:1", "--max-new-tokens", "100000000000", *prompt],
+                   f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got 100000000000")
+
+
+def test_chat_without_input_says_so():
+    """stdin closed, or empty: one line saying chat reads its messages there, exit 2, before any model loads
+    (it exited 0 without a word after loading the models)."""
+    base = [sys.executable, "-m", "specdec.cli", "chat", "--server", "127.0.0.1:1"]
+    for stdin, expected in ((subprocess.DEVNULL, "no message on stdin"), (None, "stdin is closed")):
+        t0 = time.monotonic()
+        if stdin is None:  # fd 0 closed, as `specdec chat <&-` leaves it
+            proc = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *base], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60)
+        else:
+            proc = subprocess.run(base, cwd=ROOT, stdin=stdin, capture_output=True, text=True, timeout=60)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+        assert "specdec generate" in lines[0] and time.monotonic() - t0 < FAST_S
+
+
+def test_chat_from_a_pipe_that_sends_nothing(tiny_pair):
+    """A pipe cannot be known empty before reading it: the models load, then the same one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--target", str(tiny_pair.target_dir),
+                           "--draft", str(tiny_pair.draft_dir), "--device", "cpu"], cwd=ROOT, input="",
+                          capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines == [lines[0]] and "no message on stdin" in lines[0], proc.stderr
+
+
+def test_unwritable_paths_are_one_line_without_errno():
+    line = _one_error(["models", "prepare", "--cache-dir", "/proc/nope"], "--cache-dir /proc/nope: cannot create")
+    assert "Errno" not in line
+    for command in (["keys", "create", "--tenant", "acme"], ["keys", "list"]):
+        line = _one_error([*command, "--file", "/proc"], "--file /proc: is a directory")
+        assert "Errno" not in line
+
+
+def test_help_shows_no_bool_placeholder():
+    for args in (["--help"], ["generate", "--help"], ["chat", "--help"], ["bench", "--help"],
+                 ["keys", "create", "--help"], ["models", "prepare", "--help"]):
+        rc, out, _, _ = _specdec(*args)
+        assert rc == 0 and "--help" in out and "<bool>" not in out, (args, out)
+
+
+def test_logit_bias_and_regex_checked_before_the_model_loads(tiny_pair):
+    """Out of the vocabulary (the draft's tokenizer, read alone) and a regex the engine refuses (compiled without
+    a model) are one clean line at once; both came only after the models had loaded, the regex garbled."""
+    models = ["--target", str(tiny_pair.target_dir), "--draft", str(tiny_pair.draft_dir)]
+    _one_error(["generate", *models, "--logit-bias", "49152=1", "hi"],
+               "--logit-bias: token id 49152 is outside the vocabulary [0, 49152)")
+    _one_error(["chat", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "--logit-bias", "99999=1"],
+               "--logit-bias: token id 99999 is outside the vocabulary")
+    line = _one_error(["generate", *models, "--regex", "(", "hi"], "--regex: invalid regex: unclosed group")
+    assert line == "error: --regex: invalid regex: unclosed group", line
+    line = _one_error(["generate", *models, "--regex", "[z-a]", "hi"], "--regex: invalid regex")
+    assert ";" not in line and "start:" not in line, line

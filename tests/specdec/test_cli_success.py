@@ -3,8 +3,9 @@ loopback gRPC, --in-process, --target-only, --server against a `specdec serve` s
 health and exiting on SIGTERM, and `models prepare` being idempotent on the prepared default cache.
 
 Greedy output must be token-identical to target-only greedy decoding with plain HF ``generate``; the JSON keys are
-the documented ones (README: text, token_ids, finish_reason, num_generated_tokens, num_drafts, num_draft_tokens,
-num_accepted_tokens, acceptance_rate, mean_accepted_length, elapsed_s) and their values consistent.
+the documented ones (docs/cli.md, "generate --json": text, token_ids, finish_reason, num_generated_tokens,
+num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_rate, mean_accepted_length, elapsed_s) and their
+values consistent.
 """
 
 from __future__ import annotations

@@ -123,6 +123,8 @@ def test_n_choices_greedy_and_seeded(client, target_only):
     (dict(logit_bias={"999999": 1}), "logit_bias"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"), (dict(n=9), "n"), (dict(extra_body=dict(min_p=1.5)), "min_p"),
     (dict(extra_body=dict(repetition_penalty=0)), "repetition_penalty"),
+    (dict(extra_body=dict(min_tokens=N + 1)), "min_tokens"),
+    (dict(max_completion_tokens=10**9), "max_completion_tokens"),
     (dict(functions=[{"name": "f", "parameters": {"type": "object"}}]), "functions"),
 ])
 def test_out_of_range_is_400_naming_the_parameter(client, options, param):

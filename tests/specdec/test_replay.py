@@ -1,6 +1,6 @@
 """specdec.bench.replay on the tiny pair: the recording is cached under its key; replayed sessions against a real
 gRPC verifier get exactly the recorded verdicts (and a tampered recording is caught as mismatches); the kernel
-limit is measured. The whole `bench --replay` (verifier processes) is run by hand: README, scripts/gpu_check.sh."""
+limit is measured. The whole `bench --replay` (verifier processes) is run by hand: docs/benchmarks.md, scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
