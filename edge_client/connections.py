@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from common.errors import InvalidRequestError, SpecdecError, VerifierUnavailableError
 from edge_client.backend import VerifierBackend
+from edge_client.stats import WireStats
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def parse_addresses(spec: str | Sequence[str]) -> list[str]:
     return out
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
+def host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a plain "host:port" / "[v6]:port" address; None for gRPC target URIs (dns:, unix:)."""
     if "://" in address or address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return None
@@ -89,10 +90,10 @@ class PickFirstConnections:
         return self.addresses[self._index]
 
     def _connect_one(self, address: str) -> VerifierBackend:
-        host_port = _host_port(address)
-        if host_port is not None:  # refused or unroutable: fail fast, without gRPC's reconnect backoff
+        hp = host_port(address)
+        if hp is not None:  # refused or unroutable: fail fast, without gRPC's reconnect backoff
             try:
-                socket.create_connection(host_port, timeout=self._connect_timeout_s).close()
+                socket.create_connection(hp, timeout=self._connect_timeout_s).close()
             except OSError as e:
                 raise VerifierUnavailableError(
                     f"cannot reach verifier at {address}: {e.strerror or type(e).__name__}") from None
@@ -154,8 +155,7 @@ class PickFirstConnections:
 
     def wire_stats(self, session_id: str):
         """Bytes/messages exchanged for ``session_id`` over all connections, as a
-        :class:`edge_client.grpc_backend.WireStats` (see GrpcBackend.wire_stats)."""
-        from edge_client.grpc_backend import WireStats
+        :class:`edge_client.stats.WireStats` (see GrpcBackend.wire_stats)."""
 
         with self._lock:
             acc = list(self._saved_stats.get(session_id, [0, 0, 0, 0]))

@@ -7,7 +7,7 @@ Two transports for draft blocks (``mode``):
   its block's seq). When the server ends the stream because of one block, that block's future gets the error
   and the blocks sent after it (which the server did not verify) are resent once on a new stream;
   connection-level failures (UNAVAILABLE, ...) fail every pending block. The next submit opens a new stream
-  (:class:`edge_client.verify_stream.VerifyStream`).
+  (:class:`edge_client.verify_stream.VerifyCall`).
 - ``"unary"``: one ``VerifyBlock`` call per block, issued asynchronously with grpc's ``.future()`` API (no
   thread of our own); each block is independent.
 
@@ -30,7 +30,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import grpc
 
@@ -48,11 +47,12 @@ from common.wire import (
 from edge_client.backend import VerifierBackend
 from edge_client.credentials import ChannelSecurity
 from edge_client.grpc_errors import is_broken_stream, map_rpc_error
-from edge_client.verify_stream import Pending, VerifyStream
+from edge_client.stats import WireStats
+from edge_client.verify_stream import Pending, VerifyCall
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc
 
-__all__ = ["AFFINITY_HEADER", "CHANNEL_OPTIONS", "GrpcBackend", "WireStats", "is_broken_stream"]
+__all__ = ["AFFINITY_HEADER", "CHANNEL_OPTIONS", "GrpcBackend", "is_broken_stream"]
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -64,16 +64,6 @@ CHANNEL_OPTIONS = [
 
 AFFINITY_HEADER = "x-specdec-client"  # metadata key an L7 load balancer hashes on (session affinity)
 _MAX_TRACKED_SESSIONS = 10_000  # wire stats kept for this many most recent sessions
-
-
-@dataclass
-class WireStats:
-    """Serialized protobuf bytes (``ByteSize()``, framing excluded) and messages of one session."""
-
-    bytes_sent: int = 0  # edge -> verifier, bytes
-    bytes_received: int = 0  # verifier -> edge, bytes
-    messages_sent: int = 0
-    messages_received: int = 0
 
 
 class GrpcBackend(VerifierBackend):
@@ -148,7 +138,7 @@ class GrpcBackend(VerifierBackend):
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._stats: collections.OrderedDict[str, WireStats] = collections.OrderedDict()
         self._stats_lock = threading.Lock()
-        self._stream: VerifyStream | None = None
+        self._stream: VerifyCall | None = None
         self._stream_lock = threading.Lock()
         self._closed = False
 
@@ -181,13 +171,13 @@ class GrpcBackend(VerifierBackend):
                 self._stats.popitem(last=False)
         return st
 
-    def _count_sent(self, session_id: str, nbytes: int) -> None:
+    def count_sent(self, session_id: str, nbytes: int) -> None:
         with self._stats_lock:
             st = self._entry(session_id)
             st.bytes_sent += nbytes
             st.messages_sent += 1
 
-    def _count_received(self, session_id: str, nbytes: int) -> None:
+    def count_received(self, session_id: str, nbytes: int) -> None:
         with self._stats_lock:
             st = self._entry(session_id)
             st.bytes_received += nbytes
@@ -201,8 +191,23 @@ class GrpcBackend(VerifierBackend):
             return WireStats(**vars(st)) if st is not None else WireStats()
 
     # ------------------------------------------------------------------ errors
-    def _map_error(self, err: grpc.RpcError) -> SpecdecError:
+    def map_error(self, err: grpc.RpcError) -> SpecdecError:
+        """The SDK error of a failed call to this verifier (edge_client.grpc_errors.map_rpc_error)."""
         return map_rpc_error(err, self.address, self._closed)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def start_verify_call(self, requests):
+        """Start one bidi Verify call fed by the iterator ``requests``; the call iterates the wire Verdicts."""
+        return self._stub.Verify(requests, timeout=None, metadata=self._metadata)
+
+    def resend(self, p: Pending) -> None:
+        """Send a block again on a new stream (the server verified nothing after a failed block)."""
+        self.count_sent(p.session_id, p.request.ByteSize())
+        self._submit_stream(p)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -225,10 +230,10 @@ class GrpcBackend(VerifierBackend):
             response = self._stub.OpenSession(request, timeout=timeout_s or self.open_timeout_s,
                                              metadata=self._metadata)
         except grpc.RpcError as e:
-            raise self._map_error(e) from None
+            raise self.map_error(e) from None
         opened = session_opened_from_proto(response)
-        self._count_sent(opened.session_id, request.ByteSize())
-        self._count_received(opened.session_id, response.ByteSize())
+        self.count_sent(opened.session_id, request.ByteSize())
+        self.count_received(opened.session_id, response.ByteSize())
         return opened
 
     def extend_session(
@@ -248,9 +253,9 @@ class GrpcBackend(VerifierBackend):
             response = self._stub.ExtendSession(request, timeout=timeout_s or self.open_timeout_s,
                                                metadata=self._metadata)
         except grpc.RpcError as e:
-            raise self._map_error(e) from None
-        self._count_sent(session_id, request.ByteSize())
-        self._count_received(session_id, response.ByteSize())
+            raise self.map_error(e) from None
+        self.count_sent(session_id, request.ByteSize())
+        self.count_received(session_id, response.ByteSize())
         return session_opened_from_proto(response)
 
     def submit(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Future[Verdict]:
@@ -261,7 +266,7 @@ class GrpcBackend(VerifierBackend):
         except SpecdecError as e:
             future.set_exception(e)
             return future
-        self._count_sent(session_id, request.ByteSize())
+        self.count_sent(session_id, request.ByteSize())
         pending = Pending(future, request, committed_length, list(block.draft_token_ids))
         if self.mode == "stream":
             self._submit_stream(pending)
@@ -276,12 +281,12 @@ class GrpcBackend(VerifierBackend):
             try:
                 msg = call_future.result()
             except grpc.RpcError as e:
-                p.future.set_exception(self._map_error(e))
+                p.future.set_exception(self.map_error(e))
                 return
             except Exception as e:  # noqa: BLE001 - cancellation and the like
                 p.future.set_exception(VerifierUnavailableError(f"verify call failed: {e!r}"))
                 return
-            self._count_received(p.session_id, msg.ByteSize())
+            self.count_received(p.session_id, msg.ByteSize())
             try:
                 p.future.set_result(verdict_from_proto(msg, p.draft_token_ids, p.committed_length))
             except SpecdecError as e:
@@ -295,7 +300,7 @@ class GrpcBackend(VerifierBackend):
                 if self._closed:
                     break
                 if self._stream is None or self._stream.dead:
-                    self._stream = VerifyStream(self)
+                    self._stream = VerifyCall(self)
                 stream = self._stream
             if stream.send(p):
                 return
@@ -307,7 +312,7 @@ class GrpcBackend(VerifierBackend):
         self._check_open()
         request = pb.DecodeRequest(session_id=session_id, seq=int(seq), committed_length=int(committed_length),
                                    max_tokens=int(max_tokens))
-        self._count_sent(session_id, request.ByteSize())
+        self.count_sent(session_id, request.ByteSize())
         return self._stub.Decode(request, metadata=self._metadata)
 
     def get_session(self, session_id: str, timeout_s: float = 10.0) -> pb.SessionInfo:
@@ -317,7 +322,7 @@ class GrpcBackend(VerifierBackend):
             return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=timeout_s,
                                         metadata=self._metadata)
         except grpc.RpcError as e:
-            raise self._map_error(e) from None
+            raise self.map_error(e) from None
 
     def check_health(self, timeout_s: float = 2.0, service: str = "specdec.v1.Verifier") -> bool:
         """True when the verifier (or, through a balancer, some replica) answers ``grpc.health.v1`` SERVING for
@@ -343,9 +348,9 @@ class GrpcBackend(VerifierBackend):
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return
-            raise self._map_error(e) from None
-        self._count_sent(session_id, request.ByteSize())
-        self._count_received(session_id, response.ByteSize())
+            raise self.map_error(e) from None
+        self.count_sent(session_id, request.ByteSize())
+        self.count_received(session_id, response.ByteSize())
 
     def close(self) -> None:
         if self._closed:

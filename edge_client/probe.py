@@ -13,7 +13,7 @@ import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
 
-from edge_client.connections import _host_port
+from edge_client.connections import host_port
 
 __all__ = ["diagnose", "probe_address"]
 
@@ -71,7 +71,7 @@ def probe_address(address: str, security=None, timeout_s: float = 2.0) -> tuple[
 
     ``security``: :class:`edge_client.credentials.ChannelSecurity` of the channel (None = plaintext).
     Never raises."""
-    hp = _host_port(address)
+    hp = host_port(address)
     if hp is None:
         return "ok", _OK
     host, port = hp

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from common.types import Verdict
 
-__all__ = ["GenerationStats"]
+__all__ = ["GenerationStats", "WireStats"]
 
 
 @dataclass
@@ -74,3 +74,13 @@ class GenerationStats:
         """τ: tokens committed per verify step, the recovered/bonus token included = 1 + accepted / steps
         (0 before the first step)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class WireStats:
+    """Serialized protobuf bytes (``ByteSize()``, framing excluded) and messages of one session."""
+
+    bytes_sent: int = 0  # edge -> verifier, bytes
+    bytes_received: int = 0  # verifier -> edge, bytes
+    messages_sent: int = 0
+    messages_received: int = 0

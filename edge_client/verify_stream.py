@@ -1,4 +1,4 @@
-"""The bidi ``Verify`` stream of a :class:`~edge_client.grpc_backend.GrpcBackend` (``mode="stream"``).
+"""The client side of the bidi ``Verify`` call of a :class:`~edge_client.grpc_backend.GrpcBackend` (``mode="stream"``).
 
 One long-lived call per backend: a request queue feeds the stream, a reader thread resolves the blocks' futures
 in order (verdicts come back in block order; each is checked against its block's seq). When the server ends the
@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Iterator, Protocol
 
 import grpc
 
@@ -22,12 +22,9 @@ from common.errors import SpecdecError, VerifierUnavailableError
 from common.wire import verdict_from_proto
 from common.v1 import verifier_pb2 as pb
 
-if TYPE_CHECKING:
-    from edge_client.grpc_backend import GrpcBackend
-
 log = logging.getLogger(__name__)
 
-__all__ = ["Pending", "VerifyStream"]
+__all__ = ["Pending", "StreamOwner", "VerifyCall"]
 
 
 class Pending:
@@ -52,16 +49,33 @@ _CONNECTION_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grp
 _END = object()
 
 
-class VerifyStream:
+class StreamOwner(Protocol):
+    """What a :class:`VerifyCall` needs of the backend that owns it (GrpcBackend implements it)."""
+
+    address: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def start_verify_call(self, requests: Iterator[pb.DraftBlock]): ...
+
+    def count_received(self, session_id: str, nbytes: int) -> None: ...
+
+    def map_error(self, err: grpc.RpcError) -> SpecdecError: ...
+
+    def resend(self, p: Pending) -> None: ...
+
+
+class VerifyCall:
     """One bidi Verify call: requests from a queue, verdicts matched to pending blocks in order."""
 
-    def __init__(self, backend: "GrpcBackend"):
+    def __init__(self, backend: StreamOwner):
         self.backend = backend
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: collections.deque[Pending] = collections.deque()
         self.lock = threading.Lock()
         self.dead = False
-        self.call = backend._stub.Verify(self._iter_requests(), timeout=None, metadata=backend._metadata)
+        self.call = backend.start_verify_call(self._iter_requests())
         self.reader = threading.Thread(target=self._read, name="specdec-verify-reader", daemon=True)
         self.reader.start()
 
@@ -92,7 +106,7 @@ class VerifyStream:
                     log.error("verdict seq %d with no pending block: dropping the stream", msg.seq)
                     error = VerifierUnavailableError("protocol error: verdict without a block")
                     break
-                self.backend._count_received(p.session_id, msg.ByteSize())
+                self.backend.count_received(p.session_id, msg.ByteSize())
                 if msg.seq != p.seq:
                     p.future.set_exception(VerifierUnavailableError(
                         f"protocol error: verdict seq {msg.seq} for block seq {p.seq} of session {p.session_id}"
@@ -104,7 +118,7 @@ class VerifyStream:
                 except SpecdecError as e:
                     p.future.set_exception(e)
         except grpc.RpcError as e:
-            error = self.backend._map_error(e)
+            error = self.backend.map_error(e)
             block_error = e.code() not in _CONNECTION_CODES
         except Exception as e:  # noqa: BLE001 - never leave futures hanging
             log.exception("verify stream reader failed")
@@ -121,12 +135,11 @@ class VerifyStream:
             first, rest = pending[0], pending[1:]
             first.future.set_exception(error)
             for p in rest:
-                if p.resent or self.backend._closed:
+                if p.resent or self.backend.closed:
                     p.future.set_exception(error)
                 else:
                     p.resent = True
-                    self.backend._count_sent(p.session_id, p.request.ByteSize())
-                    self.backend._submit_stream(p)
+                    self.backend.resend(p)
             return
         for p in pending:
             if not p.future.done():
