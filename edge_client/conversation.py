@@ -21,29 +21,19 @@ replica is resumed there from the store (Redis keeps the conversation's committe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.chat import continuation_ids, message_text, render_chat_ids
 from common.errors import InvalidRequestError
-from common.types import SessionOpened
+from edge_client.context import GenerationContext
+from edge_client.generation_loop import KeptSession, close_session, generate
 from edge_client.request import check_generation_options, generation_params
 
 if TYPE_CHECKING:
-    from edge_client.client import EdgeClient
     from edge_client.generation import GenerationResult
     from edge_client.output import Chunk
 
-__all__ = ["Conversation", "KeptSession"]
-
-
-@dataclass
-class KeptSession:
-    """The verifier session a conversation keeps between turns (None when there is none to extend)."""
-
-    opened: SessionOpened | None = None
-    committed_length: int = 0  # the session's committed length at the end of the last turn, tokens
-    last_seq: int = 0  # seq of its last verified block (the next turn's blocks go on from it)
+__all__ = ["Conversation"]
 
 
 class Conversation:
@@ -68,7 +58,7 @@ class Conversation:
         InvalidRequestError: an unknown generation option.
     """
 
-    def __init__(self, client: "EdgeClient", system: str | None = None, **defaults):
+    def __init__(self, client: GenerationContext, system: str | None = None, **defaults):
         check_generation_options({k: v for k, v in defaults.items() if k != "route"})  # route: edge_client.routing
         self.client = client
         self.system = system
@@ -136,7 +126,7 @@ class Conversation:
         prompt_ids = self.history_ids + appended
         if not self.history_ids:
             self._close_kept()  # a fresh conversation (after reset) never extends an old session
-        yield from self.client._generate(prompt_ids, sampling, stopping, keep=self._keep, route=route)
+        yield from generate(self.client, prompt_ids, sampling, stopping, keep=self._keep, route=route)
         self.last_result = self.client.last_result
         self.history_ids = prompt_ids + list(self.last_result.token_ids)
 
@@ -156,7 +146,7 @@ class Conversation:
     def _close_kept(self) -> None:
         opened, self._keep.opened = self._keep.opened, None
         if opened is not None:
-            self.client._close_session(opened.session_id)
+            close_session(self.client, opened.session_id)
 
     def __enter__(self) -> "Conversation":
         return self

@@ -38,10 +38,10 @@ from common.grammar import apply_mask
 from common.sampling import Stream, logits_to_probs, sample_from, uniform
 from common.stopping import StopChecker
 from common.types import FinishReason, SamplingParams
+from edge_client.context import GenerationContext
 from edge_client.grammar_drafting import draft_grammar_for
 
 if TYPE_CHECKING:
-    from edge_client.client import EdgeClient
     from edge_client.generation import Run
     from edge_client.output import Chunk
 
@@ -197,7 +197,7 @@ class CloudProbe:
         self._stop.set()
 
 
-def decode_on_device(client: EdgeClient, run: Run, sampling: SamplingParams,
+def decode_on_device(client: GenerationContext, run: Run, sampling: SamplingParams,
                      error: BaseException) -> Iterator[Chunk]:
     """No verifier answers: with ``client.fallback == "device"`` decode with the draft alone (same sampling
     parameters and stopping rule, the draft's own distribution) until a probe of the cloud succeeds or the

@@ -3,7 +3,7 @@
 A generation runs in one verifier session, or in several after failures (a session the verifier lost is
 re-opened over everything committed; a device fallback bridges an unreachable cloud): :class:`Run` holds what
 outlives a session (committed ids, stats, seq, the stop state over the whole output) for the loop of
-:meth:`edge_client.client.EdgeClient._generate`.
+:func:`edge_client.generation_loop.generate`.
 """
 
 from __future__ import annotations

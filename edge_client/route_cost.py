@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from common.types import DraftBlock, SessionOpened, Verdict
-
-if TYPE_CHECKING:
-    from edge_client.client import EdgeClient
+from edge_client.context import GenerationContext
 
 __all__ = ["RouteEstimates", "draft_unseen", "expected_tokens_per_step", "route_reason"]
 
@@ -106,7 +104,7 @@ class RouteEstimates:
         setattr(self, name, value if old is None else old + max(weight, 1.0 / n) * (value - old))
 
     # ------------------------------------------------------------------ measurements
-    def begin(self, client: "EdgeClient", opened: SessionOpened) -> None:
+    def begin(self, client: GenerationContext, opened: SessionOpened) -> None:
         """At a session's start: take the verifier's load hint (no probe: the RTT is learnt from the verdicts,
         and is None until the first one of this client)."""
         self.load, self.hint_forward_ms = float(opened.load), float(opened.forward_ms)
@@ -162,10 +160,10 @@ class RouteEstimates:
         total = self.accepted + self.rejected
         return self.accepted / total if total > 0 else 1.0
 
-    def _gamma(self, client: "EdgeClient") -> int:
+    def _gamma(self, client: GenerationContext) -> int:
         return max(1, int(client.num_speculative_tokens))
 
-    def speculative_tokens_per_s(self, client: "EdgeClient") -> float | None:
+    def speculative_tokens_per_s(self, client: GenerationContext) -> float | None:
         """r_spec, expected tokens/s of a running speculative segment (module docstring): measured blocks' rate
         when there are some, else the model; None until either is known."""
         if self.block_wall_ms is not None and self.tokens_per_block is not None:
@@ -179,7 +177,7 @@ class RouteEstimates:
         step = (max(draft, rtt) if client.proactive else draft + rtt) + verify + STEP_OVERHEAD_MS
         return 1000 * expected_tokens_per_step(alpha, gamma) / max(step, 1e-3)
 
-    def speculative_finish_ms(self, client: "EdgeClient", tokens_left: int, unseen: int | None) -> float | None:
+    def speculative_finish_ms(self, client: GenerationContext, tokens_left: int, unseen: int | None) -> float | None:
         """T_spec, ms to commit ``tokens_left`` more tokens speculatively: a running segment (``unseen`` None) at
         r_spec; a starting one (``unseen``: :func:`draft_unseen`) pays the draft's catch-up and a first block
         without overlap first (module docstring). None until r_spec is known."""
@@ -234,7 +232,7 @@ class RouteEstimates:
             n, m = n - size, min(m * 2, max_chunk or m)
         return total
 
-    def choose(self, client: "EdgeClient", tokens_left: int, unseen: int, chunk: int, max_chunk: int | None = None
+    def choose(self, client: GenerationContext, tokens_left: int, unseen: int, chunk: int, max_chunk: int | None = None
                ) -> tuple[str, str]:
         """The first mode of an ``auto`` generation and why: the one expected to finish ``tokens_left`` sooner,
         start-up included (``unseen``: the draft's catch-up, :func:`draft_unseen`), when both are known; cloud

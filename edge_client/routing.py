@@ -1,6 +1,6 @@
 """Route per request: ``speculative | cloud | device | auto`` (docs/routing.md).
 
-- ``speculative``: the draft proposes blocks, the verifier verifies them (the default; edge_client.client).
+- ``speculative``: the draft proposes blocks, the verifier verifies them (the default; edge_client.speculative).
 - ``cloud``: the verifier generates the tokens itself and streams them (specdec.v1 ``Decode``,
   :mod:`edge_client.cloud_decode`); the device does not draft.
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Iterator
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
 from edge_client.cloud_decode import cloud_verdicts
+from edge_client.context import GenerationContext
 from edge_client.route_cost import RouteEstimates, draft_unseen, route_reason
+from edge_client.speculative import verify_session
 
 if TYPE_CHECKING:
-    from edge_client.client import EdgeClient
     from edge_client.generation import Run
     from edge_client.output import Chunk
 
@@ -89,7 +90,7 @@ class RouteRun:
         self.mode, self.steps_in_mode, self.why = to, 0, why
 
 
-def start_route(client: "EdgeClient", route: str | None) -> RouteRun:
+def start_route(client: GenerationContext, route: str | None) -> RouteRun:
     """The RouteRun of a generation (``route`` None: the client's ``route``).
 
     Raises:
@@ -101,10 +102,10 @@ def start_route(client: "EdgeClient", route: str | None) -> RouteRun:
     return rr
 
 
-def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, sampling: SamplingParams,
+def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
                 requested_seed: int | None) -> Iterator["Chunk"]:
     """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto) both in
-    turn, until the generation finishes or a call fails (raised, as :meth:`EdgeClient._verify_session`). Each
+    turn, until the generation finishes or a call fails (raised, as :func:`edge_client.speculative.verify_session`). Each
     segment starts at the session's next seq and its committed length, so a switch loses and repeats nothing."""
     rr: RouteRun = run.route
     if rr.requested == "auto":
@@ -128,13 +129,13 @@ def run_session(client: "EdgeClient", run: "Run", opened: SessionOpened, samplin
             before, rr.last_verdict_t = len(run.committed), None
             client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
             try:
-                yield from client._verify_session(run, opened, sampling, requested_seed)
+                yield from verify_session(client, run, opened, sampling, requested_seed)
             finally:
                 rr.tokens["speculative"] += len(run.committed) - before
     run.first_seq = run.last_seq + 1
 
 
-def _cloud_segment(client: "EdgeClient", run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
+def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
     """Cloud decode from the committed length: the whole rest (route=cloud) or one chunk (auto, test hook)."""
     rr: RouteRun = run.route
     chunked = rr.requested == "auto" or rr.switch_every is not None
@@ -164,7 +165,7 @@ def _cloud_segment(client: "EdgeClient", run: "Run", opened: SessionOpened) -> I
     rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
 
 
-def _after_block(client: "EdgeClient", run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
+def _after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
                  draft_s: float) -> bool:
     """Called by the speculative loop after each block: count it, learn from it, and tell whether to switch
     to cloud decode now (True ends the speculative segment at this block boundary)."""
@@ -201,7 +202,7 @@ def _few_left(run: "Run") -> bool:
     return run.stopping.max_new_tokens - run.num_generated < MIN_TOKENS_LEFT_TO_SWITCH
 
 
-def _after_chunk(client: "EdgeClient", run: "Run") -> None:
+def _after_chunk(client: GenerationContext, run: "Run") -> None:
     """Between two cloud chunks: switch back to speculative when it is expected faster (auto, test hook)."""
     rr: RouteRun = run.route
     if rr.switch_every is not None:
@@ -217,7 +218,7 @@ def _after_chunk(client: "EdgeClient", run: "Run") -> None:
         rr.switch("speculative", run.num_generated, route_reason("speculative", spec, "cloud", cloud, left))
 
 
-def decode_device(client: "EdgeClient", run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:
+def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:
     """route=device: decode with the draft alone to the end (unverified, flagged; no verifier is called); any
     other route: nothing.
 

@@ -135,7 +135,7 @@ class Engine:
         conversations are closed and the request is tried once more; the second refusal is the answer (429)."""
         if job.cancelled.is_set():
             return
-        # (a seeded sampled request starts from a fresh draft KV cache: EdgeClient._generate resets the drafter)
+        # (a seeded sampled request starts from a fresh draft KV cache: edge_client.generation_loop resets the drafter)
         for attempt in (1, 2):
             emitted = [False]
             try:

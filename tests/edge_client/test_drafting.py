@@ -127,7 +127,7 @@ def test_delayed_backend_adds_round_trip(backend):
 def test_adaptive_num_speculative_tokens_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids, monkeypatch):
     """The first block's draft time includes the draft's prefill of the prompt: it must not count as a per-token
     draft cost (it made the controller choose γ = 1 on long prompts)."""
-    import edge_client.client as client_mod
+    import edge_client.speculative as speculative_mod
 
     seen: list = []
 
@@ -136,7 +136,7 @@ def test_adaptive_num_speculative_tokens_ignores_the_draft_prefill(backend, tiny
             seen.append(draft_ms)
             super().observe(num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms)
 
-    monkeypatch.setattr(client_mod, "AdaptiveNumSpeculativeTokens", Recording)
+    monkeypatch.setattr(speculative_mod, "AdaptiveNumSpeculativeTokens", Recording)
     res = _model_client(backend, tiny_pair, adaptive=True, proactive=False, num_speculative_tokens=4).generate(
         prompt_ids, max_new_tokens=16, ignore_eos=True)
     assert len(seen) == res.stats.num_drafts >= 2

@@ -79,12 +79,12 @@ def test_chunks_never_pass_unverified_text_as_verified(smollm2_tokenizer_dir):
     """A character split across an unverified and a verified token is flagged unverified."""
     from transformers import AutoTokenizer
 
-    from edge_client.client import _Output
+    from edge_client.output import TextOutput
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     ids = tok("日本 ok", add_special_tokens=False)["input_ids"]
     assert len(ids) >= 3
-    out = _Output(tok, ())
+    out = TextOutput(tok, ())
     chunks = out.push(ids[:1], verified=False) + out.push(ids[1:], verified=True) + out.finish(None)
     text = "".join(c.text for c in chunks)
     assert text == "日本 ok"
