@@ -32,7 +32,7 @@ from edge_client.generation import GenerationResult
 from edge_client.output import Chunk
 from edge_client.generation_loop import generate
 from edge_client.route_cost import RouteEstimates
-from edge_client.routing import check_route
+from edge_client.routing import RouteSwitcher, check_route
 from edge_client.request import check_generation_options, encode_prompt, generation_params
 
 if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
@@ -76,6 +76,8 @@ class EdgeClient:
         reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
             session (prompt: everything committed so far) goes on verified.
         route: "speculative" (default), "cloud", "device" or "auto" (edge_client.routing); a request's route= wins.
+        route_switcher: decides switches between speculative and cloud decode within a session
+            (:class:`edge_client.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
 
     Resilience (:mod:`edge_client.failover` does the retries of a call on other replicas): a session whose
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
@@ -109,6 +111,7 @@ class EdgeClient:
         fallback: str = "none",
         reconnect_interval_s: float = 5.0,
         route: str = "speculative",
+        route_switcher: RouteSwitcher | None = None,
     ):
         from edge_client.fallback import FALLBACK_MODES
 
@@ -119,6 +122,7 @@ class EdgeClient:
         self.fallback = fallback
         self.reconnect_interval_s = reconnect_interval_s
         self.route, self.route_estimates = check_route(route), RouteEstimates()  # estimates outlive a generation
+        self.route_switcher = route_switcher
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not 0.0 <= min_confidence < 1.0:

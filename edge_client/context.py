@@ -25,7 +25,8 @@ class GenerationContext(Protocol):
         timeout_s, open_timeout_s: deadlines of a verify step and of opening a session, s.
         fallback, reconnect_interval_s: device fallback ("none" | "device") and its cloud probe interval, s.
         route: the default route; ``route_estimates``: the measured costs of the routes
-            (:class:`edge_client.route_cost.RouteEstimates`, kept across generations).
+            (:class:`edge_client.route_cost.RouteEstimates`, kept across generations); ``route_switcher`` what
+            decides switches within a session (:class:`edge_client.routing.RouteSwitcher`; None = auto's).
         last_result: the last generation's :class:`edge_client.generation.GenerationResult` (set by the loop).
     """
 
@@ -44,4 +45,5 @@ class GenerationContext(Protocol):
     reconnect_interval_s: float
     route: str
     route_estimates: object
+    route_switcher: object
     last_result: object

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from edge_client.generation import Run
     from edge_client.output import Chunk
 
-__all__ = ["ROUTES", "RouteEstimates", "RouteRun", "check_route", "decode_device", "run_session", "start_route"]
+__all__ = ["ROUTES", "CostModelSwitcher", "RouteEstimates", "RouteRun", "RouteSwitcher", "check_route", "decode_device",
+           "run_session", "start_route"]
 
 ROUTES = ("speculative", "cloud", "device", "auto")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
@@ -60,17 +61,15 @@ def check_route(route: str | None, default: str = "speculative") -> str:
 
 @dataclass
 class RouteRun:
-    """The route of one generation: requested, the mode in use, each switch, tokens per mode.
-
-    ``switch_every``: a test hook: switch between speculative and cloud every that many blocks/chunks (any
-    route but device), to prove switching loses and repeats nothing."""
+    """The route of one generation: requested, the mode in use, each switch, tokens per mode; ``switcher``
+    decides the switches (:class:`RouteSwitcher`)."""
 
     requested: str
     mode: str = "speculative"
     initial: str = ""
     switches: list[dict] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=lambda: {"speculative": 0, "cloud": 0, "device": 0})
-    switch_every: int | None = None
+    switcher: "RouteSwitcher" = field(default_factory=lambda: CostModelSwitcher())
     steps_in_mode: int = 0
     cloud_chunk: int = FIRST_CLOUD_CHUNK
     why: str = ""
@@ -90,13 +89,63 @@ class RouteRun:
         self.mode, self.steps_in_mode, self.why = to, 0, why
 
 
+class RouteSwitcher(Protocol):
+    """Decides, at the block and chunk boundaries of a session, whether to switch between speculative and
+    cloud decode (both lossless in one session: a switch loses and repeats no token). :class:`CostModelSwitcher`
+    is auto's; an app or a test may pass its own (``EdgeClient(route_switcher=...)``), consulted on every route
+    but device. Each method returns the reason of a switch now, or None."""
+
+    def to_cloud(self, client: GenerationContext, run: "Run") -> str | None:
+        """After a speculative block (the route's estimates already hold it)."""
+
+    def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
+        """After a cloud chunk."""
+
+    def cloud_chunk_tokens(self, run: "Run") -> int:
+        """Tokens of the next cloud decode chunk (a switch back is considered after it); 0 = the whole rest."""
+
+
+class CostModelSwitcher:
+    """``route="auto"``'s rule: switch when the other route is expected to finish the tokens left sooner by
+    more than SWITCH_MARGIN (:mod:`edge_client.route_cost`, start-up and the draft's catch-up included); never
+    within MIN_BLOCKS_BEFORE_SWITCH blocks of the last switch or with fewer than MIN_TOKENS_LEFT_TO_SWITCH left.
+    Other routes do not switch: their cloud decode is one stream to the end. Auto's chunks double from
+    FIRST_CLOUD_CHUNK to MAX_CLOUD_CHUNK tokens."""
+
+    def cloud_chunk_tokens(self, run: "Run") -> int:
+        return run.route.cloud_chunk if run.route.requested == "auto" else 0
+
+    def to_cloud(self, client: GenerationContext, run: "Run") -> str | None:
+        rr: RouteRun = run.route
+        if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH or _few_left(run):
+            return None
+        est, left = client.route_estimates, _tokens_left(run)
+        spec = est.speculative_finish_ms(client, left, None)  # running: the draft is caught up
+        cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)
+        if cloud is not None and spec is not None and SWITCH_MARGIN * cloud < spec:
+            return route_reason("cloud", cloud, "speculative", spec, left)
+        return None
+
+    def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
+        rr: RouteRun = run.route
+        if rr.requested != "auto" or _few_left(run):
+            return None
+        est, left = client.route_estimates, _tokens_left(run)
+        spec = est.speculative_finish_ms(client, left, draft_unseen(client.drafter, run.committed))  # + catch-up
+        cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)  # the next chunk's first token too
+        if spec is not None and cloud is not None and SWITCH_MARGIN * spec < cloud:
+            return route_reason("speculative", spec, "cloud", cloud, left)
+        return None
+
+
 def start_route(client: GenerationContext, route: str | None) -> RouteRun:
-    """The RouteRun of a generation (``route`` None: the client's ``route``).
+    """The RouteRun of a generation (``route`` None: the client's ``route``; its switches decided by the
+    client's ``route_switcher``, None = :class:`CostModelSwitcher`).
 
     Raises:
         InvalidRequestError: an unknown route."""
     requested = check_route(route, client.route)
-    rr = RouteRun(requested, switch_every=getattr(client, "route_switch_every", None),
+    rr = RouteRun(requested, switcher=client.route_switcher or CostModelSwitcher(),
                   estimates=client.route_estimates)
     rr.mode = requested if requested in ("cloud", "device") else "speculative"
     return rr
@@ -136,10 +185,9 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
 
 
 def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
-    """Cloud decode from the committed length: the whole rest (route=cloud) or one chunk (auto, test hook)."""
+    """Cloud decode from the committed length: one chunk of the switcher's length, or the whole rest (0)."""
     rr: RouteRun = run.route
-    chunked = rr.requested == "auto" or rr.switch_every is not None
-    max_tokens = (rr.switch_every or rr.cloud_chunk) if chunked else 0
+    max_tokens = rr.switcher.cloud_chunk_tokens(run)
     seq, t0 = run.first_seq, time.perf_counter()
     stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
                             client.timeout_s)
@@ -175,18 +223,9 @@ def _after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_
     wall_ms = None if rr.last_verdict_t is None else (now - rr.last_verdict_t) * 1000
     rr.last_verdict_t = now
     est.observe_block(block, verdict, round_trip_ms, draft_s, wall_ms)
-    if rr.switch_every is not None:
-        if rr.steps_in_mode >= rr.switch_every:
-            rr.switch("cloud", run.num_generated, f"test hook: every {rr.switch_every} blocks")
-            return True
-        return False
-    if rr.requested != "auto" or rr.steps_in_mode < MIN_BLOCKS_BEFORE_SWITCH or _few_left(run):
-        return False
-    left = _tokens_left(run)
-    spec = est.speculative_finish_ms(client, left, None)  # running: the draft is caught up
-    cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)
-    if cloud is not None and spec is not None and SWITCH_MARGIN * cloud < spec:
-        rr.switch("cloud", run.num_generated, route_reason("cloud", cloud, "speculative", spec, left))
+    why = rr.switcher.to_cloud(client, run)
+    if why is not None:
+        rr.switch("cloud", run.num_generated, why)
         return True
     return False
 
@@ -203,19 +242,11 @@ def _few_left(run: "Run") -> bool:
 
 
 def _after_chunk(client: GenerationContext, run: "Run") -> None:
-    """Between two cloud chunks: switch back to speculative when it is expected faster (auto, test hook)."""
+    """Between two cloud chunks: switch back to speculative when the route's switcher says so."""
     rr: RouteRun = run.route
-    if rr.switch_every is not None:
-        if rr.steps_in_mode >= 1:
-            rr.switch("speculative", run.num_generated, "test hook: after one cloud chunk")
-        return
-    if rr.requested != "auto" or _few_left(run):
-        return
-    est, left = client.route_estimates, _tokens_left(run)
-    spec = est.speculative_finish_ms(client, left, draft_unseen(client.drafter, run.committed))  # + its catch-up
-    cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)  # the next chunk's first token too
-    if spec is not None and cloud is not None and SWITCH_MARGIN * spec < cloud:
-        rr.switch("speculative", run.num_generated, route_reason("speculative", spec, "cloud", cloud, left))
+    why = rr.switcher.to_speculative(client, run)
+    if why is not None:
+        rr.switch("speculative", run.num_generated, why)
 
 
 def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:

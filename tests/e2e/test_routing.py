@@ -42,14 +42,30 @@ def _client(backend, draft, **kw):
     return EdgeClient(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, num_speculative_tokens=3, **kw)
 
 
+class EveryNBlocks:
+    """A RouteSwitcher that switches on a fixed schedule: to cloud after ``n`` speculative blocks, back after
+    one cloud chunk, whatever the costs, to prove switching loses and repeats nothing."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def to_cloud(self, client, run):
+        return f"every {self.n} blocks" if run.route.steps_in_mode >= self.n else None
+
+    def to_speculative(self, client, run):
+        return "after one cloud chunk" if run.route.steps_in_mode >= 1 else None
+
+    def cloud_chunk_tokens(self, run):
+        return self.n  # an n-token cloud chunk
+
+
 def test_route_cloud_and_forced_switching_are_target_only(tiny_pair, served, draft):
     address, _ = served
     ids = encode_prompt(draft.tokenizer, PROMPT)
     expected = hf_greedy(tiny_pair.target_dir, ids, 40)
     with GrpcBackend(address) as backend:
         cloud = _client(backend, draft, route="cloud").generate(ids, max_new_tokens=40, ignore_eos=True)
-        switching = _client(backend, draft)
-        switching.route_switch_every = 2  # test hook: 2 blocks speculative, a 2-token cloud chunk, and again
+        switching = _client(backend, draft, route_switcher=EveryNBlocks(2))  # 2 blocks, a cloud chunk, again
         switched = switching.generate(ids, max_new_tokens=40, ignore_eos=True)
     assert cloud.token_ids == expected and cloud.route["tokens"] == {"speculative": 0, "cloud": 40, "device": 0}
     assert switched.token_ids == expected
@@ -67,8 +83,7 @@ def test_seeded_sampled_switching_is_reproducible(served, draft):
     runs = []
     with GrpcBackend(address) as backend:
         for seed in (7, 7, 8):
-            client = _client(backend, draft)
-            client.route_switch_every = 2
+            client = _client(backend, draft, route_switcher=EveryNBlocks(2))
             runs.append(client.generate(ids, seed=seed, **kw))
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].token_ids != runs[2].token_ids  # negative control: another seed, other tokens
