@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from common.top_p import _top_p_keep
+from common.top_p import top_p_keep
 from common.types import SamplingParams
 
 
@@ -47,7 +47,7 @@ def logits_to_probs(
     Where it departs from the reference: the temperature / top-k / softmax arithmetic is the reference's,
     element for element, but done in place in one buffer (the top-k threshold by an in-place partition,
     then the buffer recomputed); the top-p kept set is found without a full-vocabulary sort
-    (:func:`common.top_p._top_p_keep`: partial selection, the reference's own sort only where rounding decides).
+    (:func:`common.top_p.top_p_keep`: partial selection, the reference's own sort only where rounding decides).
     Both the edge (one row per draft token) and the verifier (a [γ + 1, vocab_size] block) call this
     function, and a row's result does not depend on the other rows of the call, nor on the input's layout.
     """
@@ -72,10 +72,10 @@ def logits_to_probs(
         _scale(logits, params.temperature, valid_vocab_size if masked else None, out=scaled)
         np.copyto(scaled, -np.inf, where=scaled < kth)
     scaled -= scaled.max(axis=-1, keepdims=True)
-    probs = _exp64(scaled, out=scaled)
+    probs = exp64(scaled, out=scaled)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        keep = _top_p_keep(probs, params.top_p)  # [n, vocab_size] bool
+        keep = top_p_keep(probs, params.top_p)  # [n, vocab_size] bool
         np.copyto(probs, 0.0, where=np.logical_not(keep, out=keep))
         probs /= probs.sum(axis=-1, keepdims=True)
     if params.min_p > 0.0:
@@ -106,7 +106,7 @@ def _torch():
     return torch
 
 
-def _exp64(
+def exp64(
     x: np.ndarray,  # float64, any shape
     out: np.ndarray | None = None,  # float64, C-contiguous, same shape (may be x itself)
 ) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The top-p step of :func:`common.logits.logits_to_probs`: exactly the kept set of the full-sort reference, found
-by partial selection (:func:`_top_p_keep`), with the reference's own sort (:func:`_top_p_drop_reference`) only for
+by partial selection (:func:`top_p_keep`), with the reference's own sort (:func:`top_p_drop_reference`) only for
 the rows where rounding decides.
 """
 
@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-# Top-p candidate search (see _top_p_keep): the first partial selection takes this many of each row's most
+# Top-p candidate search (see top_p_keep): the first partial selection takes this many of each row's most
 # likely tokens, and each widening multiplies it by _TOP_P_WIDEN; a row still short of the kept mass once
 # the candidates would pass half the vocabulary is sorted whole, as the reference does.
 _TOP_P_FIRST_CANDIDATES = 64
@@ -18,7 +18,7 @@ _UNIT_ROUNDOFF = 2.0**-53  # float64 unit roundoff u
 
 
 
-def _top_p_keep(
+def top_p_keep(
     probs: np.ndarray,  # [n, vocab_size] float64, softmax output (rows sum to 1 up to rounding)
     top_p: float,
 ) -> np.ndarray:  # [n, vocab_size] bool: the tokens the reference's top-p step keeps
@@ -51,7 +51,7 @@ def _top_p_keep(
        with prob > v, each decided by its est (the most likely one is always kept, as in the reference). If
        that mass is definitely kept (the nucleus is wider than the candidates) or all candidates equal v, the
        row widens: c *= 8, a new selection. Once c would pass half the vocabulary, the row is decided by the
-       reference's own full sort (:func:`_top_p_drop_reference`).
+       reference's own full sort (:func:`top_p_drop_reference`).
     5. So is a row with a decision within tol of 1 - top_p (exact ties on the boundary: the reference's
        rounding decides), and a row whose probabilities are not finite.
 
@@ -80,7 +80,7 @@ def _top_p_keep(
         c *= _TOP_P_WIDEN
     rows = np.concatenate(fallback)
     if rows.size:
-        keep[rows] = ~_top_p_drop_reference(probs[rows], top_p)
+        keep[rows] = ~top_p_drop_reference(probs[rows], top_p)
     return keep
 
 
@@ -92,7 +92,7 @@ def _top_p_round(
     bounds: tuple[float, float],  # (lo, hi): est <= lo is definitely dropped, est > hi definitely kept
     keep: np.ndarray,  # [n, vocab_size] bool, written: the kept tokens of the rows this round decides
 ) -> tuple[np.ndarray, np.ndarray]:  # ([m] bool unsure, [m] bool widen) over pending
-    """One selection round of :func:`_top_p_keep` (its steps 1-5) over the rows ``pending``, with c candidates
+    """One selection round of :func:`top_p_keep` (its steps 1-5) over the rows ``pending``, with c candidates
     per row. Marks in ``keep`` the kept tokens of every row it decides; returns which rows are left to the
     reference's full sort (unsure) and which need more candidates (widen)."""
     lo, hi = bounds
@@ -194,7 +194,7 @@ def _top_candidates(
     return ci[above | (tie & (tie_rank < need[ri]))].reshape(m, c), False
 
 
-def _top_p_drop_reference(
+def top_p_drop_reference(
     probs: np.ndarray,  # [n, vocab_size] float64
     top_p: float,
 ) -> np.ndarray:  # [n, vocab_size] bool: tokens top-p drops

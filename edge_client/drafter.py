@@ -189,6 +189,15 @@ class ModelDrafter:
         self._cached_ids.extend(missing)
         return logits[-1]
 
+    def draft_grammar(self, sampling: SamplingParams):
+        """The generation's :class:`edge_client.grammar_drafting.DraftGrammar` for ``sampling.grammar`` (made at
+        the turn's first use, kept for the rest of it: drafting and device fallback share one matcher).
+
+        Raises:
+            InvalidRequestError: a spec the grammar engine refuses."""
+        self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn)
+        return self._grammar
+
     def next_token_logits(self, committed_token_ids: list[int]) -> np.ndarray:
         """The draft's raw logits [vocab_size] (float32) for the token after ``committed_token_ids`` (non-empty),
         reusing and then extending the KV cache as :meth:`propose` does (device fallback decoding,
@@ -244,9 +253,8 @@ class ModelDrafter:
         if num_tokens == 0:  # also past the draft's context: plain decoding (the target's token alone) from here
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         if sampling.grammar:  # structured output: masked drafting, forced tokens for free
-            self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn)
-            return propose_constrained(self, self._grammar, committed_token_ids, num_tokens, sampling, seed,
-                                       min_confidence, should_stop, t0, _stack_rows)
+            return propose_constrained(self, self.draft_grammar(sampling), committed_token_ids, num_tokens, sampling, seed,
+                                       min_confidence, should_stop, t0, stack_rows)
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
         logits = self._sync(committed_token_ids)
@@ -271,7 +279,7 @@ class ModelDrafter:
             if i + 1 < num_tokens:
                 logits = self.model.forward([token])[-1]
                 self._cached_ids.append(token)
-        draft_probs = None if greedy else _stack_rows(rows_ids, rows_q)
+        draft_probs = None if greedy else stack_rows(rows_ids, rows_q)
         return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
 
 
@@ -281,7 +289,7 @@ def _top_prob(logits: np.ndarray) -> float:
     return 1.0 / float(np.sum(np.exp(logits.astype(np.float64) - m)))
 
 
-def _stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:
+def stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:
     """Stack per-position sparse q rows into [γ, k] arrays, k = the widest row.
 
     A narrower row (its distribution had fewer than k tokens of non-zero probability, e.g. under top-k/top-p

@@ -39,7 +39,6 @@ from common.sampling import Stream, logits_to_probs, sample_from, uniform
 from common.stopping import StopChecker
 from common.types import FinishReason, SamplingParams
 from edge_client.context import GenerationContext
-from edge_client.grammar_drafting import draft_grammar_for
 
 if TYPE_CHECKING:
     from edge_client.generation import Run
@@ -141,10 +140,7 @@ class DeviceDecoder:
 
         Raises:
             InvalidRequestError: a spec the engine refuses, or an output the grammar does not match."""
-        drafter = self.drafter
-        grammar = draft_grammar_for(getattr(drafter, "_grammar", None), sampling, self.model.tokenizer,
-                                    *getattr(drafter, "_turn", (0, frozenset())))
-        drafter._grammar = grammar
+        grammar = self.drafter.draft_grammar(sampling)
         try:
             grammar.matcher.sync(committed_token_ids[grammar.start:])
         except ValueError as e:

@@ -166,14 +166,14 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
-    run.switch_check = lambda *a: _after_block(client, run, *a)
+    run.switch_check = lambda *a: after_block(client, run, *a)
     run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
     while run.finish_reason is None:
         run.first_seq = run.last_seq + 1
         if rr.mode == "cloud":
             yield from _cloud_segment(client, run, opened)
             if run.finish_reason is None:
-                _after_chunk(client, run)
+                after_chunk(client, run)
         else:
             before, rr.last_verdict_t = len(run.committed), None
             client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
@@ -213,7 +213,7 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
     rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
 
 
-def _after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
+def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
                  draft_s: float) -> bool:
     """Called by the speculative loop after each block: count it, learn from it, and tell whether to switch
     to cloud decode now (True ends the speculative segment at this block boundary)."""
@@ -241,7 +241,7 @@ def _few_left(run: "Run") -> bool:
     return run.stopping.max_new_tokens - run.num_generated < MIN_TOKENS_LEFT_TO_SWITCH
 
 
-def _after_chunk(client: GenerationContext, run: "Run") -> None:
+def after_chunk(client: GenerationContext, run: "Run") -> None:
     """Between two cloud chunks: switch back to speculative when the route's switcher says so."""
     rr: RouteRun = run.route
     why = rr.switcher.to_speculative(client, run)

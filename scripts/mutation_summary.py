@@ -23,7 +23,7 @@ from pathlib import Path
 # module -> mutant-name patterns in scope (mutmut names: "<module>.x_<function>__mutmut_<i>", methods
 # "<module>.xǁ<Class>ǁ<method>__mutmut_<i>")
 # the sampling maths, by module (the plain full-sort implementations the fast path is checked against are out of
-# scope: logits_to_probs_reference lives in specdec/logits_reference.py, _top_p_drop_reference is a fallback)
+# scope: logits_to_probs_reference lives in specdec/logits_reference.py, top_p_drop_reference is a fallback)
 SAMPLING_FUNCTIONS = {
     "common/sampling.py": ("common.sampling", ["x_uniform", "x_sample_from", "x_normalize_sparse",
                                                "x_dense_draft_probs"]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.logits import _exp64
+from common.logits import exp64
 from common.types import SamplingParams
 
 
@@ -39,7 +39,7 @@ def logits_to_probs_reference(
         kth = np.partition(scaled, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
     scaled = scaled - scaled.max(axis=-1, keepdims=True)
-    probs = _exp64(scaled)
+    probs = exp64(scaled)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
         # HF TopPLogitsWarper semantics: drop the tokens whose ascending cumulative mass is <= 1 - top_p,

@@ -52,7 +52,7 @@ from .prompts import BenchPrompt, load_prompts
 from .replay import REPLAY_DEFAULT_DURATION_S, run_replay_bench
 from .report import print_report
 from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcessError
-from .verifier_process import _VerifierProcess  # noqa: F401  (the tests start one directly)
+from .verifier_process import VerifierProcess  # noqa: F401  (the tests start one directly)
 
 __all__ = [
     "BenchPrompt",

@@ -40,13 +40,13 @@ def target_placement(device: str = "auto", dtype: str = "auto"):
         _TARGET_PLACEMENT.update(saved)
 
 
-def _target_placement() -> dict:
+def current_target_placement() -> dict:
     """{"device", "dtype"} of the target for TargetRunner(...) (``auto`` allowed)."""
     return dict(_TARGET_PLACEMENT)
 
 
 @dataclass
-class _Sample:
+class VariantSample:
     """One variant's run on one prompt."""
 
     token_ids: list[int]
@@ -60,11 +60,11 @@ class _Sample:
 
 
 @dataclass
-class _PromptResult:
+class PromptResult:
     prompt: BenchPrompt
     prompt_len: int
     prompt_ids: list[int] = field(default_factory=list)
-    samples: dict[str, _Sample] = field(default_factory=dict)
+    samples: dict[str, VariantSample] = field(default_factory=dict)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -77,18 +77,18 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def _ratio(num: float, den: float) -> float | None:
+def safe_ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def _resolve_dirs(target, draft) -> tuple[Path, Path]:
+def resolve_dirs(target, draft) -> tuple[Path, Path]:
     from specdec.models import default_model_paths, resolve_draft_dir, resolve_target_dir
 
     defaults = default_model_paths()
     return resolve_target_dir(target or defaults.target_dir), resolve_draft_dir(draft or defaults.draft_dir)
 
 
-def _threading_config() -> dict:
+def threading_config() -> dict:
     import torch
 
     return {
@@ -98,7 +98,7 @@ def _threading_config() -> dict:
     }
 
 
-def _versions() -> dict:
+def package_versions() -> dict:
     out = {"python": platform.python_version()}
     for mod in ("torch", "transformers", "onnxruntime"):
         try:
@@ -108,12 +108,12 @@ def _versions() -> dict:
     return out
 
 
-def _noise_note() -> str:
+def noise_note() -> str:
     return (f"tokens/s = generated tokens / wall time incl. prefill; {os.cpu_count()} CPU cores shared by the "
             "draft, the target and anything else on the machine, so timings are noisy")
 
 
-def _load_pair(target_dir: Path, draft_dir: Path):
+def load_pair(target_dir: Path, draft_dir: Path):
     """(OnnxDraftModel, TargetRunner, valid vocab size) after checking that they share a vocabulary.
 
     Raises:
@@ -124,15 +124,15 @@ def _load_pair(target_dir: Path, draft_dir: Path):
     from edge_client.onnx_draft import OnnxDraftModel
 
     draft_model = OnnxDraftModel(draft_dir)
-    runner = TargetRunner(target_dir, **_target_placement())
+    runner = TargetRunner(target_dir, **current_target_placement())
     valid_vocab = check_vocab_compatible(
         draft_model.tokenizer, runner.tokenizer, draft_model.vocab_size, runner.vocab_size
     )
     return draft_model, runner, valid_vocab
 
 
-def _run_interleaved(questions, tokenizer, variants: list[str], run_variant, max_new_tokens: int, progress: bool,
-                     desc: str, postfix) -> list[_PromptResult]:
+def run_interleaved(questions, tokenizer, variants: list[str], run_variant, max_new_tokens: int, progress: bool,
+                     desc: str, postfix) -> list[PromptResult]:
     """Run every variant on every question, interleaved per prompt with a rotating order (so load drift on a
     shared machine hits all variants alike), after an untimed warm-up of each variant; tqdm bar on stderr."""
     from edge_client.client import encode_prompt
@@ -140,11 +140,11 @@ def _run_interleaved(questions, tokenizer, variants: list[str], run_variant, max
     encoded = [encode_prompt(tokenizer, q.prompt, chat=True) for q in questions]
     for v in variants:  # untimed warm-up (ORT / torch first calls, allocator growth)
         run_variant(v, encoded[0], min(WARMUP_NEW_TOKENS, max_new_tokens))
-    results: list[_PromptResult] = []
-    bar = _progress_bar(progress, len(questions), desc, "prompt")
+    results: list[PromptResult] = []
+    bar = progress_bar(progress, len(questions), desc, "prompt")
     try:
         for i, (q, ids) in enumerate(zip(questions, encoded)):
-            r = _PromptResult(q, len(ids), list(ids))
+            r = PromptResult(q, len(ids), list(ids))
             k = i % len(variants)
             for v in variants[k:] + variants[:k]:
                 r.samples[v] = run_variant(v, ids, max_new_tokens)
@@ -158,7 +158,7 @@ def _run_interleaved(questions, tokenizer, variants: list[str], run_variant, max
     return results
 
 
-def _progress_bar(enabled: bool, total: int, desc: str, unit: str) -> Any:
+def progress_bar(enabled: bool, total: int, desc: str, unit: str) -> Any:
     """A tqdm bar on stderr, or None when disabled."""
     if not enabled:
         return None
@@ -167,15 +167,15 @@ def _progress_bar(enabled: bool, total: int, desc: str, unit: str) -> Any:
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=True)
 
 
-def _sample_of(res, wall: float) -> _Sample:
+def sample_of(res, wall: float) -> VariantSample:
     s = res.stats
-    return _Sample(
+    return VariantSample(
         list(res.token_ids), wall, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
         s.target_forward_s, s.draft_s, s.num_proactive_hits,
     )
 
 
-def _agreement(results: list[_PromptResult], variants: list[str], base: str) -> dict:
+def greedy_agreement_of(results: list[PromptResult], variants: list[str], base: str) -> dict:
     """Per variant: how many prompts' greedy token ids are identical to ``base``'s, and where they first differ."""
     out = {}
     for v in variants:
@@ -190,7 +190,7 @@ def _agreement(results: list[_PromptResult], variants: list[str], base: str) -> 
     return out
 
 
-def _time_draft_forward(model, past_tokens: int = 100, repeats: int = 9) -> float:
+def time_draft_forward(model, past_tokens: int = 100, repeats: int = 9) -> float:
     """Median wall time of a one-token forward of the ONNX draft after ``past_tokens`` cached tokens, ms."""
     import numpy as np
 
@@ -230,5 +230,5 @@ def time_forward(runner, num_tokens: int, past_tokens: int = 100, repeats: int =
         runner.free(kv)
 
 
-def _categories_of(results: list[_PromptResult]) -> list[str]:
+def categories_of(results: list[PromptResult]) -> list[str]:
     return list(dict.fromkeys(r.prompt.category for r in results))

@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ._shared import (WARMUP_NEW_TOKENS, _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config,
-                      _versions)
+from ._shared import (WARMUP_NEW_TOKENS, progress_bar, safe_ratio, resolve_dirs, current_target_placement, threading_config,
+                      package_versions)
 from .prompts import BenchPrompt, load_prompts
 from common.types import DEFAULT_DRAFT_TOP_K
 
@@ -94,7 +94,7 @@ def run_clients_bench(
         limit = max(CLIENTS_DEFAULT_LIMIT, max(counts))
         notes.append(f"no --limit: {limit} prompts (round-robin across categories) to keep the run bounded")
     questions = load_prompts(prompts, limit)
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     cpus = os.cpu_count() or 1
     notes.append(
         f"all edge clients and the verifier share this machine's {cpus} CPU cores: with N drafting clients the "
@@ -110,7 +110,7 @@ def run_clients_bench(
     t0 = time.perf_counter()
     bar = None
     try:
-        bar = _progress_bar(progress, 2 * rounds * len(counts), "clients bench", "pass")
+        bar = progress_bar(progress, 2 * rounds * len(counts), "clients bench", "pass")
         for i, n in enumerate(counts):
             report[str(n)] = _measure_client_count(
                 rig, n, max_batch_size=max_batch_size, rounds=rounds, first_round=i * rounds,
@@ -155,8 +155,8 @@ def _clients_config(prompts: Path, limit: int, questions: list[BenchPrompt], rig
         "target": str(target_dir),
         "draft": str(draft_dir),
         "cpu_count": cpus,
-        "threading": _threading_config(),
-        "versions": _versions(),
+        "threading": threading_config(),
+        "versions": package_versions(),
         "run_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -197,7 +197,7 @@ class _ClientsRig:
         self.draft_threads = draft_threads
         self.client_drafter = client_drafter
         self.num_speculative_tokens = num_speculative_tokens
-        self.runner = TargetRunner(target_dir, **_target_placement())
+        self.runner = TargetRunner(target_dir, **current_target_placement())
         self.verifier = Verifier(self.runner, max_batch_size=max_batch_size, max_sessions=max_sessions)
         self.server = EmbeddedServer(verifier=self.verifier)
         self.address = self.server.start()
@@ -291,7 +291,7 @@ def _measure_client_count(rig: _ClientsRig, n: int, *, max_batch_size: int, roun
     batched, serial = _pass_metrics(passes[max_batch_size]), _pass_metrics(passes[1])
     return {
         **batched,
-        "speedup_vs_serial": _ratio(batched["tokens_per_s"] or 0, serial["tokens_per_s"] or 0),
+        "speedup_vs_serial": safe_ratio(batched["tokens_per_s"] or 0, serial["tokens_per_s"] or 0),
         "greedy_identical_to_serial": same,
         "serial": serial,
     }
@@ -307,13 +307,13 @@ def _pass_metrics(passes: list[_Pass]) -> dict:
     drafted = sum(r.stats.num_draft_tokens for r in results)
     accepted = sum(r.stats.num_accepted_tokens for r in results)
     return {
-        "tokens_per_s": _ratio(tokens, wall),
-        "per_session_tokens_per_s": _ratio(tokens, sum(r.stats.elapsed_s for r in results)),
-        "mean_batch_size": _ratio(sum(sizes), len(sizes)),
+        "tokens_per_s": safe_ratio(tokens, wall),
+        "per_session_tokens_per_s": safe_ratio(tokens, sum(r.stats.elapsed_s for r in results)),
+        "mean_batch_size": safe_ratio(sum(sizes), len(sizes)),
         "num_sessions": len(results),
         "num_tokens": tokens,
         "wall_s": wall,
         "wall_s_per_round": [round(p[1], 3) for p in passes],
-        "acceptance_rate": _ratio(accepted, drafted),
+        "acceptance_rate": safe_ratio(accepted, drafted),
         "mean_accepted_length": 1.0 + accepted / steps if steps else None,
     }

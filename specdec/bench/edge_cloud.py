@@ -13,21 +13,21 @@ from typing import Any
 
 from ._shared import (
     WARMUP_NEW_TOKENS,
-    _agreement,
-    _categories_of,
-    _progress_bar,
-    _PromptResult,
-    _ratio,
-    _resolve_dirs,
-    _Sample,
-    _sample_of,
-    _target_placement,
-    _threading_config,
-    _time_draft_forward,
-    _versions,
+    greedy_agreement_of,
+    categories_of,
+    progress_bar,
+    PromptResult,
+    safe_ratio,
+    resolve_dirs,
+    VariantSample,
+    sample_of,
+    current_target_placement,
+    threading_config,
+    time_draft_forward,
+    package_versions,
 )
 from .prompts import BenchPrompt, load_prompts
-from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
+from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcess
 from common.types import DEFAULT_DRAFT_TOP_K
 
 EDGE_CLOUD_VARIANTS = ("cloud_only", "specdec", "specdec_proactive")
@@ -70,7 +70,7 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
-def _set_process_affinity(cpus: set[int]) -> None:
+def set_process_affinity(cpus: set[int]) -> None:
     """Affinity of EVERY thread of this process (os.sched_setaffinity(0, ...) sets the calling thread only;
     threads started later inherit their creator's)."""
     for tid in _thread_ids():
@@ -94,7 +94,7 @@ def _pin_plan(pin: bool, notes: list[str]) -> tuple[int | None, int | None]:
     return allowed[0], allowed[1]
 
 
-def _edge_metrics(results: list[_PromptResult], key: str, base_key: str) -> dict:
+def _edge_metrics(results: list[PromptResult], key: str, base_key: str) -> dict:
     ss = [r.samples[key] for r in results]
     bs = [r.samples[base_key] for r in results]
     tokens = sum(len(s.token_ids) for s in ss)
@@ -102,18 +102,18 @@ def _edge_metrics(results: list[_PromptResult], key: str, base_key: str) -> dict
     drafted = sum(s.num_draft_tokens for s in ss)
     accepted = sum(s.num_accepted_tokens for s in ss)
     hits = sum(s.num_proactive_hits for s in ss)
-    tps = _ratio(tokens, sum(s.wall_s for s in ss))
-    base_tps = _ratio(sum(len(s.token_ids) for s in bs), sum(s.wall_s for s in bs))
+    tps = safe_ratio(tokens, sum(s.wall_s for s in ss))
+    base_tps = safe_ratio(sum(len(s.token_ids) for s in bs), sum(s.wall_s for s in bs))
     return {
         "tokens_per_s": tps,
-        "ratio_vs_cloud_only": _ratio(tps, base_tps) if tps and base_tps else None,
-        "acceptance_rate": _ratio(accepted, drafted),
+        "ratio_vs_cloud_only": safe_ratio(tps, base_tps) if tps and base_tps else None,
+        "acceptance_rate": safe_ratio(accepted, drafted),
         "mean_accepted_length": 1.0 + accepted / steps if steps else None,
-        "mean_block_tokens": _ratio(drafted, steps),
+        "mean_block_tokens": safe_ratio(drafted, steps),
         "proactive_hits": hits,
-        "proactive_hit_rate": _ratio(hits, steps),  # verify steps whose block was drafted ahead and used
-        "target_ms_per_token": _ratio(1000.0 * sum(s.target_forward_s for s in ss), tokens),
-        "draft_ms_per_token": _ratio(1000.0 * sum(s.draft_s for s in ss), drafted),
+        "proactive_hit_rate": safe_ratio(hits, steps),  # verify steps whose block was drafted ahead and used
+        "target_ms_per_token": safe_ratio(1000.0 * sum(s.target_forward_s for s in ss), tokens),
+        "draft_ms_per_token": safe_ratio(1000.0 * sum(s.draft_s for s in ss), drafted),
         "num_prompts": len(ss),
         "num_tokens": tokens,
         "num_steps": steps,
@@ -158,7 +158,7 @@ def run_edge_cloud_bench(
     """
     delays = _check_edge_cloud_args(delays_ms, max_new_tokens, num_speculative_tokens, min_confidence)
     questions = load_prompts(prompts, limit)
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     notes: list[str] = []
     run = _EdgeCloudRun(target_dir, draft_dir, delays, max_new_tokens, num_speculative_tokens, adaptive, min_confidence)
     results = run.execute(questions, pin=pin, startup_timeout_s=startup_timeout_s, progress=progress, notes=notes)
@@ -243,30 +243,30 @@ class _EdgeRig:
     def tokenizer(self) -> Any:
         return self.draft_model.tokenizer
 
-    def run_combo(self, d: float, v: str, ids: list[int], n_new: int) -> _Sample:
+    def run_combo(self, d: float, v: str, ids: list[int], n_new: int) -> VariantSample:
         client = self.clients[(d, v)]
         if client.drafter is not None:
             self.drafter.reset()
         t = time.perf_counter()
         res = client.generate(ids, max_new_tokens=n_new, temperature=0.0)
-        return _sample_of(res, time.perf_counter() - t)
+        return sample_of(res, time.perf_counter() - t)
 
     def warm_up(self, ids: list[int], n_new: int) -> float:
         """Untimed warm-up of every path (channel, stream, ORT, the verifier's first calls); returns the draft's
         one-token forward ms (on the edge core, 1 thread)."""
         for d, v in self.combos:
             self.run_combo(d, v, ids, n_new)
-        draft_fwd1 = _time_draft_forward(self.draft_model, past_tokens=100, repeats=9)
+        draft_fwd1 = time_draft_forward(self.draft_model, past_tokens=100, repeats=9)
         self.drafter.reset()
         return draft_fwd1
 
     def run_prompts(self, questions: list[BenchPrompt], encoded: list[list[int]], max_new_tokens: int,
-                    bar: Any) -> list[_PromptResult]:
+                    bar: Any) -> list[PromptResult]:
         """Every (delay, variant) on every prompt, interleaved, the order rotating over the combinations."""
-        results: list[_PromptResult] = []
+        results: list[PromptResult] = []
         combos = self.combos
         for i, (q, ids) in enumerate(zip(questions, encoded)):
-            r = _PromptResult(q, len(ids), list(ids))
+            r = PromptResult(q, len(ids), list(ids))
             k = i % len(combos)
             for d, v in combos[k:] + combos[:k]:
                 r.samples[_combo_key(d, v)] = self.run_combo(d, v, ids, max_new_tokens)
@@ -308,22 +308,22 @@ class _EdgeCloudRun:
     t0: float = field(default_factory=time.perf_counter)
 
     def execute(self, questions: list[BenchPrompt], *, pin: bool, startup_timeout_s: float, progress: bool,
-                notes: list[str]) -> list[_PromptResult]:
+                notes: list[str]) -> list[PromptResult]:
         """Pin, start the verifier process, warm up, run every prompt; always stop the process and restore this
         process's CPU affinity."""
         from edge_client.client import encode_prompt
 
         self.edge_core, self.verifier_core = _pin_plan(pin, notes)
         saved_affinity = os.sched_getaffinity(0) if self.edge_core is not None else None
-        placement = _target_placement()
-        self.server = _VerifierProcess(self.target_dir, self.verifier_core, startup_timeout_s,
+        placement = current_target_placement()
+        self.server = VerifierProcess(self.target_dir, self.verifier_core, startup_timeout_s,
                                        env={"SPECDEC_DEVICE": placement["device"], "SPECDEC_DTYPE": placement["dtype"]})
         rig = _EdgeRig(self.delays)
         self.t0 = time.perf_counter()
         bar = None
         try:
             if self.edge_core is not None:
-                _set_process_affinity({self.edge_core})  # before any ORT / gRPC thread of the edge starts
+                set_process_affinity({self.edge_core})  # before any ORT / gRPC thread of the edge starts
                 self.edge_affinity_seen = sorted(os.sched_getaffinity(0))
             address = self.server.start()
             setup_t = time.perf_counter()
@@ -332,7 +332,7 @@ class _EdgeCloudRun:
             encoded = [encode_prompt(rig.tokenizer, q.prompt, chat=True) for q in questions]
             self.draft_fwd1 = rig.warm_up(encoded[0], min(WARMUP_NEW_TOKENS, self.max_new_tokens))
             self.setup_s = time.perf_counter() - setup_t
-            bar = _progress_bar(progress, len(questions), "edge-cloud", "prompt")
+            bar = progress_bar(progress, len(questions), "edge-cloud", "prompt")
             t_run = time.perf_counter()
             results = rig.run_prompts(questions, encoded, self.max_new_tokens, bar)
             self.run_s = time.perf_counter() - t_run
@@ -345,18 +345,18 @@ class _EdgeCloudRun:
             finally:
                 if saved_affinity is not None:
                     with contextlib.suppress(OSError):
-                        _set_process_affinity(saved_affinity)
+                        set_process_affinity(saved_affinity)
         self.server.remove_log()
         return results
 
-    def config(self, prompts: Path, limit: int | None, results: list[_PromptResult], bad: dict,
+    def config(self, prompts: Path, limit: int | None, results: list[PromptResult], bad: dict,
                fwd1: float | None) -> dict:
         server = self.server
         return {
             "prompts": str(Path(prompts).expanduser()),
             "limit": limit,
             "num_prompts": len(results),
-            "categories": _categories_of(results),
+            "categories": categories_of(results),
             "max_new_tokens": self.max_new_tokens,
             "delays_ms": self.delays,
             "delay": "one-way, added to each message in each direction (edge_client.netsim.DelayedBackend)",
@@ -381,17 +381,17 @@ class _EdgeCloudRun:
             "draft": str(self.draft_dir),
             "draft_forward_1_token_ms": self.draft_fwd1,
             "target_forward_1_token_ms": fwd1,
-            "draft_cost_ratio": _ratio(self.draft_fwd1, fwd1 or 0.0),
+            "draft_cost_ratio": safe_ratio(self.draft_fwd1, fwd1 or 0.0),
             "cpu_count": os.cpu_count(),
-            "threading": _threading_config(),
-            "versions": _versions(),
+            "threading": threading_config(),
+            "versions": package_versions(),
             "setup_s": round(self.setup_s, 2),
             "run_s": round(self.run_s, 2),
             "total_s": round(time.perf_counter() - self.t0, 2),
         }
 
 
-def _edge_cloud_entries(results: list[_PromptResult], delays: list[float]) -> dict:
+def _edge_cloud_entries(results: list[PromptResult], delays: list[float]) -> dict:
     """``{"<delay ms>": {variant: E with "categories"}}``."""
     report: dict[str, dict] = {}
     for d in delays:
@@ -402,26 +402,26 @@ def _edge_cloud_entries(results: list[_PromptResult], delays: list[float]) -> di
             m = _edge_metrics(results, kv, base)
             m["categories"] = {
                 c: _edge_metrics([r for r in results if r.prompt.category == c], kv, base)
-                for c in _categories_of(results)
+                for c in categories_of(results)
             }
             entry[v] = m
         report[_delay_key(d)] = entry
     return report
 
 
-def _edge_cloud_agreement(results: list[_PromptResult], delays: list[float], notes: list[str]) -> tuple[dict, dict]:
+def _edge_cloud_agreement(results: list[PromptResult], delays: list[float], notes: list[str]) -> tuple[dict, dict]:
     """Every variant at every delay against cloud-only at the first delay: all greedy outputs must be identical.
     Returns (agreement, {key: mismatching prompts} of the keys that differ)."""
     ref = _combo_key(delays[0], "cloud_only")
     keys = [_combo_key(d, v) for d in delays for v in EDGE_CLOUD_VARIANTS]
-    agreement = dict(_agreement(results, [ref] + [k for k in keys if k != ref], ref))
+    agreement = dict(greedy_agreement_of(results, [ref] + [k for k in keys if k != ref], ref))
     bad = {k: a["of"] - a["identical"] for k, a in agreement.items() if a["mismatches"]}
     if bad:
         notes.append(f"BUG: greedy outputs differ from {ref} (must be identical): {bad}")
     return agreement, bad
 
 
-def _add_streaming_model(report: dict, results: list[_PromptResult], delays: list[float], notes: list[str]) -> None:
+def _add_streaming_model(report: dict, results: list[PromptResult], delays: list[float], notes: list[str]) -> None:
     """cloud_only.streaming_model_tokens_per_s and the specdec variants' ratio_vs_streaming_model (needs 0 ms)."""
     # A streaming cloud server (generation loop on the server, tokens pushed as made) pays the one-way delay
     # twice per request, not once per token: model its client-side wall time as cloud-only's measured wall at
@@ -430,11 +430,11 @@ def _add_streaming_model(report: dict, results: list[_PromptResult], delays: lis
     for d in delays:
         tokens = sum(len(r.samples[zero].token_ids) for r in results)
         wall = sum(r.samples[zero].wall_s + 2 * d / 1000.0 for r in results)
-        stream_tps = _ratio(tokens, wall)
+        stream_tps = safe_ratio(tokens, wall)
         e = report[_delay_key(d)]
         e["cloud_only"]["streaming_model_tokens_per_s"] = stream_tps
         for v in ("specdec", "specdec_proactive"):
-            e[v]["ratio_vs_streaming_model"] = _ratio(e[v]["tokens_per_s"] or 0.0, stream_tps or 0.0)
+            e[v]["ratio_vs_streaming_model"] = safe_ratio(e[v]["tokens_per_s"] or 0.0, stream_tps or 0.0)
     notes.append(
         "cloud_only is what the brief defines: EdgeClient without a drafter, one round trip per token (empty "
         "block → one target token). A real streaming server (TGI/vLLM-style: the server loops, tokens pushed as "

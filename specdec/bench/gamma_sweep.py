@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from ._shared import (
-    _agreement,
-    _categories_of,
-    _load_pair,
-    _noise_note,
-    _PromptResult,
-    _ratio,
-    _resolve_dirs,
-    _run_interleaved,
-    _Sample,
-    _sample_of,
-    _threading_config,
-    _time_draft_forward,
-    _versions,
+    greedy_agreement_of,
+    categories_of,
+    load_pair,
+    noise_note,
+    PromptResult,
+    safe_ratio,
+    resolve_dirs,
+    run_interleaved,
+    VariantSample,
+    sample_of,
+    threading_config,
+    time_draft_forward,
+    package_versions,
     time_forward,
 )
 from .prompts import load_prompts
@@ -67,21 +67,21 @@ def parse_gamma_sweep(spec: str) -> list[int]:
     return gammas
 
 
-def _target_only_metrics(results: list[_PromptResult]) -> dict:
+def _target_only_metrics(results: list[PromptResult]) -> dict:
     base = [r.samples["target_only"] for r in results]
     tokens = sum(len(s.token_ids) for s in base)
     steps = sum(s.num_steps for s in base)
     fwd = sum(s.target_forward_s for s in base)
     return {
-        "tokens_per_s": _ratio(tokens, sum(s.wall_s for s in base)),
-        "target_ms_per_token": _ratio(1000.0 * fwd, tokens),
-        "target_forward_ms_1_token": _ratio(1000.0 * fwd, steps),  # one 1-token verify step = one forward
+        "tokens_per_s": safe_ratio(tokens, sum(s.wall_s for s in base)),
+        "target_ms_per_token": safe_ratio(1000.0 * fwd, tokens),
+        "target_forward_ms_1_token": safe_ratio(1000.0 * fwd, steps),  # one 1-token verify step = one forward
         "num_prompts": len(base),
         "num_tokens": tokens,
     }
 
 
-def _sweep_metrics(results: list[_PromptResult], v: str) -> dict:
+def _sweep_metrics(results: list[PromptResult], v: str) -> dict:
     """M of one sweep variant over ``results`` (ratios of sums), against target_only on the same prompts."""
     ss = [r.samples[v] for r in results]
     base = _target_only_metrics(results)
@@ -89,21 +89,21 @@ def _sweep_metrics(results: list[_PromptResult], v: str) -> dict:
     steps = sum(s.num_steps for s in ss)
     drafted = sum(s.num_draft_tokens for s in ss)
     accepted = sum(s.num_accepted_tokens for s in ss)
-    tps = _ratio(tokens, sum(s.wall_s for s in ss))
-    draft_ms = _ratio(1000.0 * sum(s.draft_s for s in ss), drafted)
-    tgt_ms = _ratio(1000.0 * sum(s.target_forward_s for s in ss), tokens)
+    tps = safe_ratio(tokens, sum(s.wall_s for s in ss))
+    draft_ms = safe_ratio(1000.0 * sum(s.draft_s for s in ss), drafted)
+    tgt_ms = safe_ratio(1000.0 * sum(s.target_forward_s for s in ss), tokens)
     fwd1 = base["target_forward_ms_1_token"]
     return {
-        "acceptance_rate": _ratio(accepted, drafted) or 0.0,
+        "acceptance_rate": safe_ratio(accepted, drafted) or 0.0,
         "mean_accepted_length": 1.0 + accepted / steps if steps else None,
-        "mean_block_tokens": _ratio(drafted, steps),
+        "mean_block_tokens": safe_ratio(drafted, steps),
         "draft_ms_per_token": draft_ms,
-        "draft_cost_ratio": _ratio(draft_ms, fwd1) if draft_ms is not None and fwd1 else None,
+        "draft_cost_ratio": safe_ratio(draft_ms, fwd1) if draft_ms is not None and fwd1 else None,
         "tokens_per_s": tps,
-        "speedup_vs_target_only": _ratio(tps, base["tokens_per_s"]) if tps and base["tokens_per_s"] else None,
+        "speedup_vs_target_only": safe_ratio(tps, base["tokens_per_s"]) if tps and base["tokens_per_s"] else None,
         "target_ms_per_token": tgt_ms,
         "target_ms_per_token_vs_target_only": (
-            _ratio(tgt_ms, base["target_ms_per_token"]) if tgt_ms is not None and base["target_ms_per_token"] else None
+            safe_ratio(tgt_ms, base["target_ms_per_token"]) if tgt_ms is not None and base["target_ms_per_token"] else None
         ),
         "num_prompts": len(ss),
         "num_tokens": tokens,
@@ -111,10 +111,10 @@ def _sweep_metrics(results: list[_PromptResult], v: str) -> dict:
     }
 
 
-def _per_category(results: list[_PromptResult], fn) -> dict:
+def _per_category(results: list[PromptResult], fn) -> dict:
     return {
         "overall": fn(results),
-        "categories": {c: fn([r for r in results if r.prompt.category == c]) for c in _categories_of(results)},
+        "categories": {c: fn([r for r in results if r.prompt.category == c]) for c in categories_of(results)},
     }
 
 
@@ -160,15 +160,15 @@ def run_gamma_sweep(
     """
     gammas, amax = _check_sweep_args(gammas, max_new_tokens, min_confidence, adaptive_max_num_speculative_tokens, plot)
     questions = load_prompts(prompts, limit)
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     notes = _sweep_notes(amax, min_confidence)
     t_setup = time.perf_counter()
     rig = _SweepRig.open(target_dir, draft_dir, gammas, amax, min_confidence)
-    results: list[_PromptResult] = []
+    results: list[PromptResult] = []
     try:
         setup_s = time.perf_counter() - t_setup
         t_run = time.perf_counter()
-        results.extend(_run_interleaved(questions, rig.tokenizer, rig.variants, rig.run_variant, max_new_tokens,
+        results.extend(run_interleaved(questions, rig.tokenizer, rig.variants, rig.run_variant, max_new_tokens,
                                         progress, "γ sweep", rig.postfix))
         run_s = time.perf_counter() - t_run
         fwd1, draft_fwd1 = rig.microbench()
@@ -177,7 +177,7 @@ def run_gamma_sweep(
 
     variants = rig.variants
     sweep = {v: _per_category(results, lambda rs, v=v: _sweep_metrics(rs, v)) for v in variants[1:]}
-    agreement = _agreement(results, variants, "target_only")
+    agreement = greedy_agreement_of(results, variants, "target_only")
     bad = {v: a["of"] - a["identical"] for v, a in agreement.items() if a["mismatches"]}
     if bad:
         notes.append(f"BUG: greedy output differs from target-only (same TargetRunner: must be identical): {bad}")
@@ -196,14 +196,14 @@ def run_gamma_sweep(
     return report
 
 
-def _sweep_config(prompts: Path, limit: int | None, results: list[_PromptResult], bad: dict, *, max_new_tokens: int,
+def _sweep_config(prompts: Path, limit: int | None, results: list[PromptResult], bad: dict, *, max_new_tokens: int,
                   gammas: list[int], amax: int, min_confidence: float, target_dir: Path, draft_dir: Path, fwd1: float,
                   draft_fwd1: float, setup_s: float, run_s: float) -> dict:
     return {
         "prompts": str(Path(prompts).expanduser()),
         "limit": limit,
         "num_prompts": len(results),
-        "categories": _categories_of(results),
+        "categories": categories_of(results),
         "selection": "round-robin across categories" if limit is not None else "all, file order",
         "turn": "first turn of each question, chat template",
         "max_new_tokens": max_new_tokens,
@@ -218,11 +218,11 @@ def _sweep_config(prompts: Path, limit: int | None, results: list[_PromptResult]
         "microbench_ms": {  # single-row forwards after 100 cached tokens, medians of 9, after the run
             "target_forward_1_token": fwd1,
             "draft_forward_1_token": draft_fwd1,
-            "draft_cost_ratio": _ratio(draft_fwd1, fwd1),
+            "draft_cost_ratio": safe_ratio(draft_fwd1, fwd1),
         },
         "cpu_count": os.cpu_count(),
-        "threading": _threading_config(),
-        "versions": _versions(),
+        "threading": threading_config(),
+        "versions": package_versions(),
         "setup_s": round(setup_s, 2),
         "run_s": round(run_s, 2),
     }
@@ -261,7 +261,7 @@ def _sweep_notes(amax: int, min_confidence: float) -> list[str]:
         "forwards) / drafted tokens; draft_cost_ratio divides it by the target's one-token forward measured in "
         "this run (target_only.target_forward_ms_1_token), speedup = tokens/s over target-only's on the same "
         "prompts; every rate is a ratio of sums",
-        _noise_note(),
+        noise_note(),
     ]
 
 
@@ -286,7 +286,7 @@ class _SweepRig:
         from edge_client.drafter import ModelDrafter
         from specdec.embedded import LocalBackend
 
-        draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
+        draft_model, runner, valid_vocab = load_pair(target_dir, draft_dir)
         verifier = Verifier(runner)
         if max(max(gammas), amax) > verifier.info.max_num_speculative_tokens:
             raise InvalidRequestError(
@@ -315,15 +315,15 @@ class _SweepRig:
     def variants(self) -> list[str]:
         return list(self.clients)
 
-    def run_variant(self, v: str, ids: list[int], n_new: int) -> _Sample:
+    def run_variant(self, v: str, ids: list[int], n_new: int) -> VariantSample:
         client = self.clients[v]
         if client.drafter is not None:
             self.drafter.reset()
         t = time.perf_counter()
         res = client.generate(ids, max_new_tokens=n_new, temperature=0.0)
-        return _sample_of(res, time.perf_counter() - t)
+        return sample_of(res, time.perf_counter() - t)
 
-    def postfix(self, results: list[_PromptResult]) -> str:
+    def postfix(self, results: list[PromptResult]) -> str:
         best = max(
             ((v, _sweep_metrics(results, v)["speedup_vs_target_only"] or 0.0) for v in self.variants[1:]),
             key=lambda x: x[1],
@@ -333,7 +333,7 @@ class _SweepRig:
     def microbench(self) -> tuple[float, float]:
         """(target, draft) one-token forward ms after 100 cached tokens, medians of 9."""
         fwd1 = time_forward(self.runner, 1, past_tokens=100, repeats=9)
-        draft_fwd1 = _time_draft_forward(self.draft_model, past_tokens=100, repeats=9)
+        draft_fwd1 = time_draft_forward(self.draft_model, past_tokens=100, repeats=9)
         self.drafter.reset()
         return fwd1, draft_fwd1
 

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._shared import _Sample
+from ._shared import VariantSample
 
 
 def draft_pytorch_source(draft_dir: Path) -> tuple[Path | None, bool, str]:
@@ -69,7 +69,7 @@ def _fake_quantize_blockwise_(model, block_size: int = 32, bits: int = 8) -> int
     return n
 
 
-def _load_hf_models(
+def load_hf_models(
     target_dir: Path, draft_dir: Path, gamma: int, notes: list[str], hf_draft: str = "dynamic_int8"
 ) -> tuple[Any, Any, str]:
     """(HF target with SDPA attention, PyTorch draft or None, description of the draft).
@@ -183,8 +183,8 @@ class _CallCounter:
         self._handle.remove()
 
 
-def _generate_hf_assisted(hf_target: Any, draft_pt: Any, ids: list[int], n_new: int, gamma: int,
-                          eos: set[int] | frozenset[int], sampling: Any = None) -> _Sample:
+def generate_hf_assisted(hf_target: Any, draft_pt: Any, ids: list[int], n_new: int, gamma: int,
+                          eos: set[int] | frozenset[int], sampling: Any = None) -> VariantSample:
     """One HF assisted generation (constant γ, EOS as the verifier's); num_steps = target forward calls.
 
     ``sampling``: a :class:`common.types.SamplingParams`; None or temperature 0 = greedy. Otherwise
@@ -218,4 +218,4 @@ def _generate_hf_assisted(hf_target: Any, draft_pt: Any, ids: list[int], n_new: 
         wall = time.perf_counter() - t
     finally:
         counter.remove()
-    return _Sample(out[0, len(ids):].tolist(), wall, num_steps=counter.calls)
+    return VariantSample(out[0, len(ids):].tolist(), wall, num_steps=counter.calls)

@@ -13,28 +13,28 @@ from pathlib import Path
 from typing import Any
 
 from ._shared import (
-    _agreement,
-    _categories_of,
-    _load_pair,
-    _noise_note,
-    _PromptResult,
-    _ratio,
-    _resolve_dirs,
-    _run_interleaved,
-    _Sample,
-    _sample_of,
-    _threading_config,
-    _versions,
+    greedy_agreement_of,
+    categories_of,
+    load_pair,
+    noise_note,
+    PromptResult,
+    safe_ratio,
+    resolve_dirs,
+    run_interleaved,
+    VariantSample,
+    sample_of,
+    threading_config,
+    package_versions,
     time_forward,
 )
-from .hf_assisted import HF_DRAFT_MODES, _generate_hf_assisted, _load_hf_models
+from .hf_assisted import HF_DRAFT_MODES, generate_hf_assisted, load_hf_models
 from .prompts import load_prompts
 from common.types import DEFAULT_DRAFT_TOP_K
 
 VARIANTS = ("target_only", "specdec", "hf_assisted")
 
 
-def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
+def _summarize(results: list[PromptResult], variants: list[str]) -> dict:
     """The metrics M of a set of prompts (ratios of sums)."""
 
     def tot(v: str, attr: str) -> float:
@@ -43,16 +43,16 @@ def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
     def ntok(v: str) -> int:
         return sum(len(r.samples[v].token_ids) for r in results if v in r.samples)
 
-    tps = {v: (_ratio(ntok(v), tot(v, "wall_s")) if v in variants else None) for v in VARIANTS}
+    tps = {v: (safe_ratio(ntok(v), tot(v, "wall_s")) if v in variants else None) for v in VARIANTS}
     spec_steps = tot("specdec", "num_steps")
     spec_drafted = tot("specdec", "num_draft_tokens")
     spec_accepted = tot("specdec", "num_accepted_tokens")
     m = {
-        "acceptance_rate": _ratio(spec_accepted, spec_drafted) or 0.0,
+        "acceptance_rate": safe_ratio(spec_accepted, spec_drafted) or 0.0,
         "mean_accepted_length": 1.0 + spec_accepted / spec_steps if spec_steps else None,
         "tokens_per_s": tps,
         "speedup_vs_target_only": {
-            v: (_ratio(tps[v], tps["target_only"]) if tps[v] is not None and tps["target_only"] else None)
+            v: (safe_ratio(tps[v], tps["target_only"]) if tps[v] is not None and tps["target_only"] else None)
             for v in ("specdec", "hf_assisted")
         },
         "target_ms_per_token": {
@@ -64,11 +64,11 @@ def _summarize(results: list[_PromptResult], variants: list[str]) -> dict:
     }
     if "hf_assisted" in variants:
         hf_steps = tot("hf_assisted", "num_steps")
-        m["hf_assisted_mean_accepted_length"] = _ratio(ntok("hf_assisted"), hf_steps)
+        m["hf_assisted_mean_accepted_length"] = safe_ratio(ntok("hf_assisted"), hf_steps)
     return m
 
 
-def _draft_top1_agreement(results: list[_PromptResult], draft_model, valid_vocab: int, draft_pt) -> dict:
+def _draft_top1_agreement(results: list[PromptResult], draft_model, valid_vocab: int, draft_pt) -> dict:
     """Teacher-forced top-1 agreement with the target along the target-only greedy outputs (whose tokens ARE the
     target's argmaxes): fraction of output positions where each draft's argmax is the target's token."""
     import numpy as np
@@ -123,7 +123,7 @@ def run_bench(
     target_forward_ms and, with ``measure_draft_agreement``, draft_top1_agreement: how often each draft's argmax
     equals the target's greedy token along the target-only outputs). Unavailable numbers are None.
 
-    ``hf_draft``: the PyTorch form of an int8 ONNX draft for HF assisted generation, see :func:`_load_hf_models`.
+    ``hf_draft``: the PyTorch form of an int8 ONNX draft for HF assisted generation, see :func:`load_hf_models`.
 
     Raises:
         FileNotFoundError, InvalidRequestError (prompts), ModelNotFoundError (models), VocabMismatchError.
@@ -133,11 +133,11 @@ def run_bench(
     sampling = sampling or SamplingParams()
     _check_bench_args(max_new_tokens, num_speculative_tokens, hf_draft, sampling)
     questions = load_prompts(prompts, limit)
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     notes: list[str] = [
         "target_only and specdec share one TargetRunner/Verifier behind the in-process LocalBackend (no network); "
         "variants run interleaved per prompt, their order rotating from prompt to prompt",
-        _noise_note(),
+        noise_note(),
     ]
     t_setup = time.perf_counter()
     rig = _OfflineRig.open(target_dir, draft_dir, num_speculative_tokens, sampling)
@@ -151,7 +151,7 @@ def run_bench(
         if gamma_eff != num_speculative_tokens:
             notes.append(f"γ capped at the verifier's max_num_speculative_tokens = {gamma_eff}")
         t_run = time.perf_counter()
-        results = _run_interleaved(questions, rig.tokenizer, rig.variants, rig.run_variant, max_new_tokens, progress,
+        results = run_interleaved(questions, rig.tokenizer, rig.variants, rig.run_variant, max_new_tokens, progress,
                                    "bench", rig.postfix)
         run_s = time.perf_counter() - t_run
         fwd1, fwd_block, top1 = rig.measure_costs(results, gamma_eff, measure_draft_agreement and sampling.greedy)
@@ -178,7 +178,7 @@ def _summaries(results: list, rig: Any, sampling: Any, costs: tuple, notes: list
     fwd1, fwd_block, gamma_eff, top1 = costs
     overall = _overall_metrics(results, rig.variants, fwd1, fwd_block, gamma_eff, top1)
     categories = {c: _summarize([r for r in results if r.prompt.category == c], rig.variants)
-                  for c in _categories_of(results)}
+                  for c in categories_of(results)}
     agreement = _greedy_agreement(results, rig.variants, notes) if sampling.greedy else None
     if not sampling.greedy:
         overall["logits_processing_ms"] = _logits_processing_ms(sampling, rig.valid_vocab, gamma_eff)
@@ -209,8 +209,8 @@ def _bench_config(prompts: Path, limit: int | None, num_prompts: int, sampling: 
         "draft": str(draft_dir),
         **rig_config,
         "cpu_count": os.cpu_count(),
-        "threading": _threading_config(),
-        "versions": _versions(),
+        "threading": threading_config(),
+        "versions": package_versions(),
         "setup_s": round(setup_s, 2),
         "run_s": round(run_s, 2),
         "predicted_speedup_specdec": predicted,
@@ -287,7 +287,7 @@ class _OfflineRig:
         from edge_client.drafter import ModelDrafter
         from specdec.embedded import LocalBackend
 
-        draft_model, runner, valid_vocab = _load_pair(target_dir, draft_dir)
+        draft_model, runner, valid_vocab = load_pair(target_dir, draft_dir)
         verifier = Verifier(runner)
         backend = LocalBackend(verifier)
         tokenizer = draft_model.tokenizer
@@ -309,23 +309,23 @@ class _OfflineRig:
 
     def load_hf_assisted(self, target_dir: Path, draft_dir: Path, notes: list[str], hf_draft: str) -> None:
         """Load the HF models; the hf_assisted variant runs when the draft's PyTorch form is known."""
-        self.hf_target, self.draft_pt, self.draft_pt_desc = _load_hf_models(
+        self.hf_target, self.draft_pt, self.draft_pt_desc = load_hf_models(
             target_dir, draft_dir, self.num_speculative_tokens, notes, hf_draft
         )
         if self.draft_pt is not None:
             self.variants.append("hf_assisted")
 
-    def run_variant(self, v: str, ids: list[int], n_new: int) -> _Sample:
+    def run_variant(self, v: str, ids: list[int], n_new: int) -> VariantSample:
         if v == "hf_assisted":
-            return _generate_hf_assisted(self.hf_target, self.draft_pt, ids, n_new, self.num_speculative_tokens,
+            return generate_hf_assisted(self.hf_target, self.draft_pt, ids, n_new, self.num_speculative_tokens,
                                          self.verifier.eos_token_ids, self.sampling)
         from edge_client.request import generation_options
 
         t = time.perf_counter()
         res = self.clients[v].generate(ids, max_new_tokens=n_new, **generation_options(self.sampling))
-        return _sample_of(res, time.perf_counter() - t)
+        return sample_of(res, time.perf_counter() - t)
 
-    def reproducibility(self, results: list[_PromptResult], max_new_tokens: int, num_prompts: int = 2) -> dict | None:
+    def reproducibility(self, results: list[PromptResult], max_new_tokens: int, num_prompts: int = 2) -> dict | None:
         """Seeded sampled runs again on the first ``num_prompts`` prompts: ``{variant: {"identical", "of"}}`` for
         target_only and specdec (HF's sampler is not ours to check); None without a seed."""
         if self.sampling.seed is None:
@@ -337,14 +337,14 @@ class _OfflineRig:
             out[v] = {"identical": same, "of": len(again)}
         return out
 
-    def postfix(self, results: list[_PromptResult]) -> str:
+    def postfix(self, results: list[PromptResult]) -> str:
         m = _summarize(results, self.variants)
         sp = m["speedup_vs_target_only"]
         return f"τ={m['mean_accepted_length'] or 0:.2f} specdec×{sp['specdec'] or 0:.2f}" + (
             f" hf×{sp['hf_assisted'] or 0:.2f}" if "hf_assisted" in self.variants else ""
         )
 
-    def measure_costs(self, results: list[_PromptResult], gamma_eff: int,
+    def measure_costs(self, results: list[PromptResult], gamma_eff: int,
                       measure_draft_agreement: bool) -> tuple[float, float, dict | None]:
         """(target one-token forward ms, (γ+1)-token forward ms, draft top-1 agreement or None): single row, 100
         past tokens."""
@@ -380,7 +380,7 @@ class _OfflineRig:
             self.verifier.shutdown()
 
 
-def _overall_metrics(results: list[_PromptResult], variants: list[str], fwd1: float, fwd_block: float,
+def _overall_metrics(results: list[PromptResult], variants: list[str], fwd1: float, fwd_block: float,
                      gamma_eff: int, top1: dict | None) -> dict:
     """M over every prompt plus the draft's cost (per drafted token, relative to a target forward), the target's
     forward times and, when measured, the drafts' top-1 agreement."""
@@ -396,9 +396,9 @@ def _overall_metrics(results: list[_PromptResult], variants: list[str], fwd1: fl
     return overall
 
 
-def _greedy_agreement(results: list[_PromptResult], variants: list[str], notes: list[str]) -> dict:
+def _greedy_agreement(results: list[PromptResult], variants: list[str], notes: list[str]) -> dict:
     """``{"<variant>_vs_target_only": {"identical", "of", "mismatches"}}``; notes on any mismatch."""
-    agreement = {f"{v}_vs_target_only": a for v, a in _agreement(results, variants, "target_only").items()}
+    agreement = {f"{v}_vs_target_only": a for v, a in greedy_agreement_of(results, variants, "target_only").items()}
     if agreement["specdec_vs_target_only"]["mismatches"]:
         notes.append(
             "BUG: specdec greedy output differs from target-only greedy output on "

@@ -56,7 +56,7 @@ def _pdeathsig_preexec(cores: list[int] | None):
     return fn
 
 
-class _VerifierProcess:
+class VerifierProcess:
     """``specdec serve`` in a subprocess (127.0.0.1, free port, no metrics unless asked, in-process session
     store, torch threads 1 unless asked), pinned with ``taskset -c CORES`` (or sched_setaffinity when taskset is
     missing); ready when its gRPC health says SERVING. Always stop it (:meth:`stop`, bounded waits, SIGKILL as

@@ -182,12 +182,12 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     from edge_client.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
-    from ._shared import _resolve_dirs
+    from ._shared import resolve_dirs
 
     bad = [r for r in routes if r not in WAN_ROUTES]
     if bad:
         raise ValueError(f"--route for --wan: {', '.join(WAN_ROUTES)}, got {', '.join(bad)}")
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     draft_model = OnnxDraftModel(draft_dir)
     ids = [encode_prompt(draft_model.tokenizer, p.prompt) for p in prompts]
     verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype), max_batch_wait_ms=1.0)

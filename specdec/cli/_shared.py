@@ -53,15 +53,15 @@ from specdec.keys import keys_app  # noqa: E402 - `specdec keys create|list|revo
 
 app.add_typer(keys_app, name="keys")
 
-_DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
-_DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
-_SERVER_HELP = ("HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call moves to "
+DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+DTYPE_HELP = "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16"
+SERVER_HELP = ("HOST:PORT of a running verifier, or several comma-separated (tried in order; a failed call moves to "
                 "the next), or a load balancer (default: an embedded verifier)")
-_FALLBACK_HELP = ("'none' or 'device': when no verifier answers, keep decoding with the draft alone (unverified "
+FALLBACK_HELP = ("'none' or 'device': when no verifier answers, keep decoding with the draft alone (unverified "
                   "tokens, counted and reported)")
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No weight-loading progress bars or warnings from transformers on the CLI (errors still print)."""
     from transformers.utils import logging as hf_logging
 
@@ -69,12 +69,12 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
 
 
-def _explain(e: BaseException) -> str:
+def explain(e: BaseException) -> str:
     """The one line of a user error, with what to do where the error alone does not say it."""
     from common.errors import UnauthenticatedError
 
@@ -99,11 +99,11 @@ def require_extra(extra: str, what: str) -> None:
     missing = [m for m in _EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
     if missing:
         elsewhere = ", or use a verifier elsewhere with --server HOST:PORT" if extra == "verifier" else ""
-        _fail(f"{what} needs specdec[{extra}] ({', '.join(missing)} not installed): "
+        fail(f"{what} needs specdec[{extra}] ({', '.join(missing)} not installed): "
               f"pip install 'specdec[all]'{elsewhere}")
 
 
-def _check_device(device: str, dtype: str) -> tuple[str, str]:
+def check_device(device: str, dtype: str) -> tuple[str, str]:
     """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA, no
     verifier packages)."""
     require_extra("verifier", "the embedded verifier (no --server)")
@@ -113,10 +113,10 @@ def _check_device(device: str, dtype: str) -> tuple[str, str]:
         dev = resolve_device(device)
         return str(dev), str(resolve_dtype(dtype, dev)).replace("torch.", "")
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
-def _user_errors():
+def user_errors():
     from common.errors import SpecdecError
     from common.paths import ModelNotFoundError
     from common.vocab import VocabMismatchError
@@ -128,13 +128,13 @@ def _user_errors():
     return (SpecdecError, ModelNotFoundError, VocabMismatchError, UnsupportedArchitectureError)
 
 
-_ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates and streams), 'device' (the draft "
+ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates and streams), 'device' (the draft "
                "alone, unverified) or 'auto' (chosen and re-chosen from measurements; docs/routing.md)")
 
 
-def _check_route(route: str) -> None:
+def check_route(route: str) -> None:
     """Exit with one line on an unknown --route (before any model loads)."""
     from edge_client.routing import ROUTES
 
     if route not in ROUTES:
-        _fail(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
+        fail(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")

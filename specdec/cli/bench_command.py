@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from specdec.cli._shared import (
-    DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, _DEVICE_HELP, _DTYPE_HELP, _check_device, _fail, _user_errors, app,
+    DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, DEVICE_HELP, DTYPE_HELP, check_device, fail, user_errors, app,
     require_extra,
 )
 from specdec.cli.processing import (
@@ -24,25 +24,25 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
     """The client counts of --clients (None without it), or exit with one line on options that do not go
     together."""
     if temperature > 0 and (clients or gamma_sweep or edge_cloud or json_schema):
-        _fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud, "
+        fail("--temperature > 0 goes with the default benchmark (not --clients, --gamma-sweep, --edge-cloud, "
               "--json-schema)")
     modes = [name for name, on in (("--clients", clients), ("--gamma-sweep", gamma_sweep),
                                    ("--edge-cloud", edge_cloud), ("--json-schema", json_schema)) if on]
     if len(modes) > 1:
-        _fail(f"{' and '.join(modes)} are separate modes: give one")
+        fail(f"{' and '.join(modes)} are separate modes: give one")
     if plot is not None and not gamma_sweep:
-        _fail("--plot goes with --gamma-sweep")
+        fail("--plot goes with --gamma-sweep")
     _check_plot(plot)
     if replay and not clients:
-        _fail("--replay needs --clients (e.g. --clients 1,16,64)")
+        fail("--replay needs --clients (e.g. --clients 1,16,64)")
     if duration_s is not None and not replay:
-        _fail("--duration-s goes with --replay")
+        fail("--duration-s goes with --replay")
     require_extra("tools", "specdec bench")
-    _check_device(device, dtype)
+    check_device(device, dtype)
     try:
         return [int(c) for c in clients.split(",")] if clients else None
     except ValueError:
-        _fail(f"--clients must be comma-separated integers, got {clients!r}")
+        fail(f"--clients must be comma-separated integers, got {clients!r}")
 
 
 def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sweep, edge_cloud, delays_ms, adaptive,
@@ -103,7 +103,7 @@ WAN_REPEATS = typer.Option(1, "--wan-repeats", help="--wan: every prompt on ever
 
 def _check_plot(plot) -> None:
     if plot is not None and not plot.resolve().parent.is_dir():  # before the run, not after it
-        _fail(f"--plot: no directory {plot.resolve().parent}")
+        fail(f"--plot: no directory {plot.resolve().parent}")
 
 
 def _run_wan(prompts, wan, route, **kwargs) -> None:
@@ -115,8 +115,8 @@ def _run_wan(prompts, wan, route, **kwargs) -> None:
 
     try:
         typer.echo(json.dumps(run_wan_from_cli(prompts, wan, route, **kwargs)))
-    except (*_user_errors(), ValueError, FileNotFoundError) as e:
-        _fail(str(e))
+    except (*user_errors(), ValueError, FileNotFoundError) as e:
+        fail(str(e))
 
 
 @app.command()
@@ -150,8 +150,8 @@ def bench(
     seed: Optional[int] = typer.Option(None, help="Seed of the sampled runs (checks they are reproducible)"),
     replay: bool = REPLAY,
     duration_s: Optional[float] = DURATION_S,
-    device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {_DEVICE_HELP}"),
-    dtype: str = typer.Option("auto", help=f"Target dtype: {_DTYPE_HELP}"),
+    device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype: {DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
     wan: Optional[str] = WAN,
     route: Optional[str] = ROUTE,
@@ -176,7 +176,7 @@ def bench(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
     if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema):
-        _fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
+        fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
     if wan is not None:  # its own mode: specdec/bench/wan.py
         return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
@@ -194,8 +194,8 @@ def bench(
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,
                 sampling=SamplingParams(temperature, top_k, top_p, seed, **processing), progress=not as_json,
             )
-    except (*_user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
-        _fail(str(e))
+    except (*user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
+        fail(str(e))
     if as_json or json_schema is not None:  # the structured report has no tables: JSON
         typer.echo(json.dumps(report, indent=None))
     else:

@@ -10,14 +10,14 @@ from typing import Optional
 import typer
 
 from specdec.cli._shared import (
-    _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _explain, _fail, _user_errors, app,
+    DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
-from specdec.cli._shared import _ROUTE_HELP, _check_route
+from specdec.cli._shared import ROUTE_HELP, check_route
 from specdec.cli.checks import (
     check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, fail_no_chat_input,
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
-from specdec.cli.pipeline import _edge_client
+from specdec.cli.pipeline import build_edge_client
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
 )
@@ -85,8 +85,8 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return
-    except _user_errors() as e:
-        _fail(_explain(e))
+    except user_errors() as e:
+        fail(explain(e))
     sys.stdout.write("\n")
     sys.stdout.flush()
     typer.echo(_stats_footer(conv.last_result), err=True)
@@ -130,8 +130,8 @@ def chat(
     top_p: float = typer.Option(1.0, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
-    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
-    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    server: Optional[str] = typer.Option(None, help=SERVER_HELP),
+    fallback: str = typer.Option("none", help=FALLBACK_HELP),
     reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
     tls: bool = typer.Option(False, "--tls", help="--server: TLS channel (system roots unless --ca-cert)"),
     ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
@@ -140,9 +140,9 @@ def chat(
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
-    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
-    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
-    route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
+    route: str = typer.Option("speculative", "--route", help=ROUTE_HELP),
     repetition_penalty: float = REPETITION_PENALTY,
     presence_penalty: float = PRESENCE_PENALTY,
     frequency_penalty: float = FREQUENCY_PENALTY,
@@ -160,7 +160,7 @@ def chat(
     it can be piped: `printf 'Hi\\n/reset\\nBye\\n' | specdec chat`. With --json-schema, --regex or --grammar
     every reply is constrained to it (docs/structured-output.md)."""
     logging.basicConfig(level=logging.WARNING)
-    _check_route(route)
+    check_route(route)
     from common.types import SamplingParams, StoppingCriteria
 
     processing = processing_options(
@@ -171,11 +171,11 @@ def chat(
         SamplingParams(temperature, top_k, top_p, seed, **processing).validate()
         StoppingCriteria(max_new_tokens, (), (), False).validate()
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     check_min_tokens(min_tokens, max_new_tokens)
     check_num_speculative_tokens(num_speculative_tokens)
     check_logit_bias_vocabulary(processing, target, draft)
-    client, close = _edge_client(
+    client, close = build_edge_client(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,

@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from specdec.cli._shared import _fail
+from specdec.cli._shared import fail
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,15 +27,15 @@ def check_server(server: str | None) -> list[str] | None:
     try:
         return parse_addresses(server)
     except InvalidRequestError as e:
-        _fail(f"--server: {e}")
+        fail(f"--server: {e}")
 
 
 def check_device_names(device: str, dtype: str) -> None:
     """Exit on a device or dtype name no torch would accept (the CUDA check itself needs torch: later)."""
     if not _DEVICE_RE.match(str(device).strip().lower()):
-        _fail(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
+        fail(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
     if str(dtype).strip().lower() not in _DTYPES:
-        _fail(f"unknown dtype {dtype!r}: use {', '.join(_DTYPES)}")
+        fail(f"unknown dtype {dtype!r}: use {', '.join(_DTYPES)}")
 
 
 def check_model_dirs(target: Path | None, draft: Path | None) -> None:
@@ -48,7 +48,7 @@ def check_model_dirs(target: Path | None, draft: Path | None) -> None:
         if draft is not None:
             resolve_draft_dir(draft)
     except (ModelNotFoundError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 def check_readable(path, flag: str) -> None:
@@ -57,18 +57,18 @@ def check_readable(path, flag: str) -> None:
         return
     p = Path(path)
     if not p.is_file():
-        _fail(f"{flag} {p}: no such file")
+        fail(f"{flag} {p}: no such file")
     try:
         with p.open("rb"):
             pass
     except OSError as e:
-        _fail(f"{flag} {p}: cannot read it ({e.strerror})")
+        fail(f"{flag} {p}: cannot read it ({e.strerror})")
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Exit when ``host:port`` cannot be bound now: in use, or an address of no interface here (port 0 = any)."""
     if not 0 <= port <= 65535:
-        _fail(f"{flag} must be in [0, 65535], got {port}")
+        fail(f"{flag} must be in [0, 65535], got {port}")
     if port == 0:
         return
     bind_host = host.strip("[]") or "0.0.0.0"
@@ -79,9 +79,9 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
             s.bind((bind_host, port))
     except OSError as e:
         if e.errno == 98:  # EADDRINUSE
-            _fail(f"{flag} {port}: the port is in use on {host} (another server runs there: stop it or choose "
+            fail(f"{flag} {port}: the port is in use on {host} (another server runs there: stop it or choose "
                   "another port)")
-        _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def start_preflight(addresses: list[str], security, *, unreachable_is_error: bool) -> Future:
@@ -100,13 +100,13 @@ def check_num_speculative_tokens(num_speculative_tokens: int) -> None:
     from common.types import MAX_NUM_SPECULATIVE_TOKENS
 
     if not 1 <= num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
-        _fail(f"--num-speculative-tokens must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
+        fail(f"--num-speculative-tokens must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
 
 
 def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
     """Exit when ``--min-tokens`` exceeds ``--max-new-tokens`` (EOS would stay masked past the end)."""
     if min_tokens > max_new_tokens:
-        _fail(f"--min-tokens {min_tokens} is more than --max-new-tokens {max_new_tokens}: lower --min-tokens or "
+        fail(f"--min-tokens {min_tokens} is more than --max-new-tokens {max_new_tokens}: lower --min-tokens or "
               "raise --max-new-tokens")
 
 
@@ -134,7 +134,7 @@ def check_logit_bias_vocabulary(options: dict, target: Path | None, draft: Path 
     size = len(load_tokenizer(where))
     outside = sorted(t for t in bias if not 0 <= t < size)
     if outside:
-        _fail(f"--logit-bias: token id {outside[0]} is outside the vocabulary [0, {size})")
+        fail(f"--logit-bias: token id {outside[0]} is outside the vocabulary [0, {size})")
 
 
 _CHAT_INPUT = ("specdec chat reads its messages from stdin, one a line (pipe them in, or run it in a terminal); for "
@@ -146,7 +146,7 @@ def check_chat_input() -> None:
     try:
         st = os.fstat(sys.stdin.fileno())
     except (AttributeError, OSError, ValueError):  # sys.stdin is None when fd 0 was closed
-        _fail(f"stdin is closed: {_CHAT_INPUT}")
+        fail(f"stdin is closed: {_CHAT_INPUT}")
     if sys.stdin.isatty():
         return
     null = os.stat(os.devnull)
@@ -156,7 +156,7 @@ def check_chat_input() -> None:
 
 def fail_no_chat_input() -> None:
     """Exit: `chat` read no message at all from a pipe or file."""
-    _fail(f"no message on stdin: {_CHAT_INPUT}")
+    fail(f"no message on stdin: {_CHAT_INPUT}")
 
 
 def os_error_line(e: OSError, what: str) -> str:
@@ -174,9 +174,9 @@ def check_writable_dir(path: Path | None, flag: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _fail(f"{flag} {path}: cannot create the directory ({(e.strerror or str(e)).lower()})")
+        fail(f"{flag} {path}: cannot create the directory ({(e.strerror or str(e)).lower()})")
     try:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        _fail(f"{flag} {path}: cannot write there ({(e.strerror or str(e)).lower()})")
+        fail(f"{flag} {path}: cannot write there ({(e.strerror or str(e)).lower()})")

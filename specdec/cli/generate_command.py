@@ -12,13 +12,13 @@ import typer
 
 from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
-    DEFAULT_MIN_CONFIDENCE, _DEVICE_HELP, _DTYPE_HELP, _check_device, _explain, _fail, _user_errors, app,
+    DEFAULT_MIN_CONFIDENCE, DEVICE_HELP, DTYPE_HELP, check_device, explain, fail, user_errors, app,
 )
 from specdec.cli.checks import (
     check_device_names, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs, check_num_speculative_tokens,
     check_server,
 )
-from specdec.cli._shared import _ROUTE_HELP, _check_route
+from specdec.cli._shared import ROUTE_HELP, check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.processing import (
@@ -34,7 +34,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
     first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
-        _fail("empty prompt")
+        fail("empty prompt")
     check_server(server)
     from common.types import SamplingParams, StoppingCriteria
 
@@ -42,29 +42,29 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         SamplingParams(temperature, top_k, top_p, seed, **(processing or {})).validate()
         StoppingCriteria(max_new_tokens, (), tuple(stop), ignore_eos).validate()
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     check_num_speculative_tokens(num_speculative_tokens)
     check_min_tokens((processing or {}).get("min_tokens", 0), max_new_tokens)
     if network_delay_ms < 0:
-        _fail(f"--network-delay-ms must be >= 0, got {network_delay_ms}")
+        fail(f"--network-delay-ms must be >= 0, got {network_delay_ms}")
     if draft_top_k < 1:
-        _fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
+        fail(f"--draft-top-k must be >= 1, got {draft_top_k}")
     if not 0.0 <= min_confidence < 1.0:
-        _fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
+        fail(f"--min-confidence must be in [0, 1), got {min_confidence}")
     if not server:
         check_device_names(device, dtype)
     if fallback not in ("none", "device"):
-        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+        fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
     if not reconnect_interval_s > 0:
-        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+        fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
-        _fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
+        fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:
         if tls or ca_cert or client_cert or client_key:
-            _fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
-        _check_device(device, dtype)  # the embedded verifier's target: no CUDA is one line, before any model loads
+            fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
+        check_device(device, dtype)  # the embedded verifier's target: no CUDA is one line, before any model loads
         return None
     from edge_client.credentials import ChannelSecurity
 
@@ -72,7 +72,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         return ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key,
                                   certificate_chain=client_cert, private_key=client_key)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -158,9 +158,9 @@ def generate(
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming"),
-    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
-    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
-    route: str = typer.Option("speculative", "--route", help=_ROUTE_HELP),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
+    route: str = typer.Option("speculative", "--route", help=ROUTE_HELP),
     repetition_penalty: float = REPETITION_PENALTY,
     presence_penalty: float = PRESENCE_PENALTY,
     frequency_penalty: float = FREQUENCY_PENALTY,
@@ -174,7 +174,7 @@ def generate(
 ):
     """Generate text with speculative decoding, streaming committed text."""
     logging.basicConfig(level=logging.WARNING)
-    _check_route(route)
+    check_route(route)
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p,
@@ -196,8 +196,8 @@ def generate(
             fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
             device=device, dtype=dtype,
         )
-    except _user_errors() as e:
-        _fail(_explain(e))
+    except user_errors() as e:
+        fail(explain(e))
     client.route = route  # edge_client.routing
     _stream(client, close, prompt, as_json, dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -213,8 +213,8 @@ def _stream(client, close, prompt: str, as_json: bool, kwargs: dict) -> None:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         result = client.last_result
-    except _user_errors() as e:
-        _fail(_explain(e))
+    except user_errors() as e:
+        fail(explain(e))
     finally:
         close()
     _print_result(result, as_json)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from specdec.cli._shared import _fail
+from specdec.cli._shared import fail
 
 JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrain the output to this JSON schema (a file)")
 REGEX = typer.Option(None, "--regex", help="Constrain the output to match this regular expression")
@@ -22,7 +22,7 @@ def _read(path: Path, flag: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        _fail(f"{flag}: cannot read {path}: {e.strerror if isinstance(e, OSError) else e}")
+        fail(f"{flag}: cannot read {path}: {e.strerror if isinstance(e, OSError) else e}")
 
 
 def grammar_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict:
@@ -32,7 +32,7 @@ def grammar_options(json_schema: Optional[Path], regex: Optional[str], grammar: 
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
              if v is not None]
     if len(given) > 1:
-        _fail(f"{' and '.join(given)}: give at most one of --json-schema, --regex, --grammar")
+        fail(f"{' and '.join(given)}: give at most one of --json-schema, --regex, --grammar")
     try:
         if json_schema is not None:
             spec = GrammarSpec.json_schema(_read(json_schema, "--json-schema"))
@@ -44,5 +44,5 @@ def grammar_options(json_schema: Optional[Path], regex: Optional[str], grammar: 
             return {}
         spec.check()  # what the engine refuses, without a model
     except ValueError as e:
-        _fail(f"{given[0]}: {e}")
+        fail(f"{given[0]}: {e}")
     return {"grammar": spec.to_json()}

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specdec.cli._shared import _fail, _quiet_transformers, _user_errors, draft_app, models_app, require_extra
+from specdec.cli._shared import fail, quiet_transformers, user_errors, draft_app, models_app, require_extra
 from specdec.cli.checks import check_writable_dir, os_error_line
 
 
@@ -27,9 +27,9 @@ def models_prepare(
     try:
         paths = prepare_models(cache_dir, force=force, progress=True)
     except OSError as e:  # the cache (or $SPECDEC_CACHE_DIR) cannot be written, a disk full, ...
-        _fail(os_error_line(e, str(e.filename or cache_dir or "the model cache")))
-    except (*_user_errors(), RuntimeError) as e:
-        _fail(str(e))
+        fail(os_error_line(e, str(e.filename or cache_dir or "the model cache")))
+    except (*user_errors(), RuntimeError) as e:
+        fail(str(e))
     typer.echo(f"target: {paths.target_dir}")
     typer.echo(f"draft:  {paths.draft_dir}")
 
@@ -63,9 +63,9 @@ def draft_distill(
     from specdec.distill import distill
 
     logging.basicConfig(level=logging.WARNING)
-    _quiet_transformers()
+    quiet_transformers()
     if "spec_bench" in train_prompts.name:
-        _fail("refusing to train on the benchmark prompts (Spec-Bench): use separate training prompts")
+        fail("refusing to train on the benchmark prompts (Spec-Bench): use separate training prompts")
     try:
         target_dir = resolve_target_dir(target or default_model_paths().target_dir)
         report = distill(
@@ -73,8 +73,8 @@ def draft_distill(
             time_budget_s=time_budget_s, data_time_budget_s=data_time_budget_s, resume=resume, progress=True,
             quantize_int8=int8,
         )
-    except (*_user_errors(), FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+    except (*user_errors(), FileNotFoundError, ValueError) as e:
+        fail(str(e))
     typer.echo(json.dumps(report, indent=2, default=str))
 
 
@@ -88,9 +88,9 @@ def draft_install(
     """Rebuild a committed distilled draft from the target's own tensors and export it to ONNX."""
     from specdec.models import prepare_distilled_draft
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         path = prepare_distilled_draft(cache_dir, artefact_dir=artefact, force=force, progress=True)
-    except (*_user_errors(), FileNotFoundError, ValueError, RuntimeError) as e:
-        _fail(str(e))
+    except (*user_errors(), FileNotFoundError, ValueError, RuntimeError) as e:
+        fail(str(e))
     typer.echo(f"draft: {path}  (use with --draft {path})")

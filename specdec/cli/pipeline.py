@@ -8,7 +8,7 @@ import typer
 
 from common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
-    DEFAULT_MIN_CONFIDENCE, _check_device, _explain, _fail, _quiet_transformers, _user_errors,
+    DEFAULT_MIN_CONFIDENCE, check_device, explain, fail, quiet_transformers, user_errors,
 )
 from specdec.cli.checks import check_device_names, check_model_dirs, check_num_speculative_tokens, check_server
 
@@ -29,17 +29,17 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     try:
         from specdec.models import prepare_models
 
-        _quiet_transformers()
+        quiet_transformers()
     except ImportError as e:  # an edge install (specdec[edge]) prepares nothing: models come from elsewhere
-        _fail(f"the default models are not prepared here and preparing them needs specdec[tools] ({e.name} is not "
+        fail(f"the default models are not prepared here and preparing them needs specdec[tools] ({e.name} is not "
               "installed): run `specdec models prepare` where it is installed and copy the model cache "
               "(~/.cache/specdec), or pass --draft DIR")
     typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
                err=True)
     try:
         paths = prepare_models(None, progress=True)
-    except (*_user_errors(), FileNotFoundError, RuntimeError) as e:
-        _fail(str(e))
+    except (*user_errors(), FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
     typer.echo(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}", err=True)
 
 
@@ -111,7 +111,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
                    network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
                    security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None):
-    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of _user_errors().
+    """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of user_errors().
 
     ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
     first call; None = now unless ``fallback`` is "device".
@@ -153,7 +153,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                                   connect=fallback == "none" if connect is None else connect,
                                   security=security)
     else:
-        _quiet_transformers()
+        quiet_transformers()
         backend, target_tokenizer, valid = _embedded_backend(
             resolve_target_dir(target or defaults.target_dir), draft_model, in_process=in_process, device=device,
             dtype=dtype, cleanup=cleanup)
@@ -182,18 +182,18 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     return client, close
 
 
-def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
+def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
                  num_speculative_tokens, device, dtype, connect=None, before_load=None):
     """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
     line on a bad option or a model/verifier error. ``before_load``: called once the options are checked, before
     any model loads (the command's own last checks)."""
     check_num_speculative_tokens(num_speculative_tokens)
     if fallback not in ("none", "device"):
-        _fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
+        fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
     if not reconnect_interval_s > 0:
-        _fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
+        fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and target_only:
-        _fail("--fallback device needs the draft model (not --target-only)")
+        fail("--fallback device needs the draft model (not --target-only)")
     check_server(server)
     check_model_dirs(target, None if target_only else draft)
     security = None
@@ -203,12 +203,12 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
         try:
             security = ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key)
         except ValueError as e:
-            _fail(str(e))
+            fail(str(e))
     else:
         if tls or ca_cert:
-            _fail("--tls and --ca-cert go with --server")
+            fail("--tls and --ca-cert go with --server")
         check_device_names(device, dtype)
-        _check_device(device, dtype)
+        check_device(device, dtype)
     if before_load is not None:
         before_load()
     ensure_default_models(target, draft, server=server, target_only=target_only)
@@ -219,5 +219,5 @@ def _edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, 
             proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
             device=device, dtype=dtype, connect=connect,
         )
-    except _user_errors() as e:
-        _fail(_explain(e))
+    except user_errors() as e:
+        fail(explain(e))

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specdec.cli._shared import _fail
+from specdec.cli._shared import fail
 
 REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty",
                                   help="HF repetition penalty over prompt + output (> 0, 1 = off)")
@@ -33,7 +33,7 @@ def parse_logit_bias(items: list[str]) -> dict[int, float]:
                 raise ValueError
             out[int(key)] = float(value)
         except ValueError:
-            _fail(f"--logit-bias takes ID=BIAS (an integer token id, a number), got {item!r}")
+            fail(f"--logit-bias takes ID=BIAS (an integer token id, a number), got {item!r}")
     return out
 
 
@@ -60,7 +60,7 @@ def processing_options(*, repetition_penalty: float, presence_penalty: float, fr
         SamplingParams(**opts).validate()
     except ValueError as e:
         # the one field whose name is not its flag's: say which flag set it
-        _fail(f"--logprobs: {e}" if str(e).startswith("top_logprobs") else str(e))
+        fail(f"--logprobs: {e}" if str(e).startswith("top_logprobs") else str(e))
     return opts
 
 

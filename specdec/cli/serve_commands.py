@@ -9,20 +9,20 @@ from typing import Optional
 import typer
 
 from specdec.cli._shared import (
-    _DEVICE_HELP, _DTYPE_HELP, _FALLBACK_HELP, _SERVER_HELP, _check_device, _fail, _quiet_transformers, _user_errors,
+    DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, check_device, fail, quiet_transformers, user_errors,
     app,
 )
 from specdec.cli.checks import check_device_names, check_port_free, check_readable
-from specdec.cli._shared import _ROUTE_HELP, _check_route
-from specdec.cli.pipeline import _edge_client
+from specdec.cli._shared import ROUTE_HELP, check_route
+from specdec.cli.pipeline import build_edge_client
 
 
 @app.command("edge-serve")
 def edge_serve(
     host: str = typer.Option("127.0.0.1", help="Bind address of the HTTP endpoint"),
     port: int = typer.Option(8000, help="HTTP port"),
-    server: Optional[str] = typer.Option(None, help=_SERVER_HELP),
-    fallback: str = typer.Option("none", help=_FALLBACK_HELP),
+    server: Optional[str] = typer.Option(None, help=SERVER_HELP),
+    fallback: str = typer.Option("none", help=FALLBACK_HELP),
     reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_EDGE_API_KEY", show_envvar=True,
                                           help="Key the endpoint's callers must send (authorization: Bearer)"),
@@ -38,30 +38,30 @@ def edge_serve(
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
-    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {_DEVICE_HELP}"),
-    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {_DTYPE_HELP}"),
+    device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
+    dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key"),
     route: str = typer.Option("speculative", "--route", help="Default route of requests without a 'route' field: "
-                              + _ROUTE_HELP),
+                              + ROUTE_HELP),
 ):
     """An OpenAI-compatible HTTP endpoint on the device (GET /v1/models, POST /v1/chat/completions and
     /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
     when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
     --api-key (or --api-keys-file), or --insecure."""
     logging.basicConfig(level=logging.WARNING)
-    _check_route(route)
+    check_route(route)
     from edge_client.credentials import is_loopback_address
 
     if not is_loopback_address(f"[{host.strip('[]')}]:0") and not (api_key or api_keys_file) and not insecure:
-        _fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
+        fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
     if max_conversations < 0:
-        _fail(f"--max-conversations must be >= 0, got {max_conversations}")
+        fail(f"--max-conversations must be >= 0, got {max_conversations}")
     check_readable(api_keys_file, "--api-keys-file")
     check_readable(ca_cert, "--ca-cert")
     check_port_free(host, port)  # before the models load: a used port is one line at once, not uvicorn's
     from specdec.openai_server import Engine, key_checker, serve as serve_http
 
-    client, close = _edge_client(
+    client, close = build_edge_client(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
@@ -93,8 +93,8 @@ def serve(
     metrics_port: Optional[int] = typer.Option(
         None, help="Prometheus /metrics port, 0 = off (env SPECDEC_METRICS_PORT)"),
     device: Optional[str] = typer.Option(
-        None, help=f"Target device: {_DEVICE_HELP} (env SPECDEC_DEVICE; default auto)"),
-    dtype: Optional[str] = typer.Option(None, help=f"Target weights and KV cache: {_DTYPE_HELP} (env SPECDEC_DTYPE; "
+        None, help=f"Target device: {DEVICE_HELP} (env SPECDEC_DEVICE; default auto)"),
+    dtype: Optional[str] = typer.Option(None, help=f"Target weights and KV cache: {DTYPE_HELP} (env SPECDEC_DTYPE; "
                                         "default auto)"),
     tls_cert_file: Optional[str] = typer.Option(None, help="PEM certificate chain: TLS-only port (env "
                                                 "SPECDEC_TLS_CERT_FILE)"),
@@ -129,9 +129,9 @@ def serve(
         settings = VerifierSettings(**overrides)
     except ValidationError as e:
         err = e.errors()[0]
-        _fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
+        fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
     if settings.metrics_port and settings.metrics_port == settings.port:
-        _fail(f"--metrics-port must differ from --port (both {settings.port})")
+        fail(f"--metrics-port must differ from --port (both {settings.port})")
     check_port_free(settings.host, settings.port, "--port")
     if settings.metrics_port:
         check_port_free(settings.host, settings.metrics_port, "--metrics-port")
@@ -140,12 +140,12 @@ def serve(
                        ("--api-keys-file", settings.api_keys_file)):
         check_readable(path, flag)
     check_device_names(settings.device, settings.dtype)
-    _check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line
-    _quiet_transformers()  # after the checks: importing transformers takes a second
+    check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line
+    quiet_transformers()  # after the checks: importing transformers takes a second
     from cloud_verifier.server import serve as serve_async
     try:
         asyncio.run(serve_async(settings))
-    except (*_user_errors(), OSError, RuntimeError, ValueError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except (*user_errors(), OSError, RuntimeError, ValueError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         pass

@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 
-def _batches(records: list[dict], batch_tokens: int, rng: random.Random, shuffle: bool = True) -> list[list[dict]]:
+def length_batches(records: list[dict], batch_tokens: int, rng: random.Random, shuffle: bool = True) -> list[list[dict]]:
     """Length-bucketed batches with about ``batch_tokens`` (padded) tokens each."""
     order = list(range(len(records)))
     if shuffle:
@@ -33,7 +33,7 @@ def _batches(records: list[dict], batch_tokens: int, rng: random.Random, shuffle
     return out
 
 
-def _collate(batch: list[dict], pad_id: int, lut: Any, topk: int | None = None):
+def collate(batch: list[dict], pad_id: int, lut: Any, topk: int | None = None):
     """input_ids/mask [B, T] (right padding), answer positions (flat), teacher (subset idx, logits) [M, K]."""
     import torch
 
@@ -63,7 +63,7 @@ def _collate(batch: list[dict], pad_id: int, lut: Any, topk: int | None = None):
     return ids, mask, rows_t, cols_t, sub, torch.cat(t_val), torch.cat(answers)
 
 
-def _kd_loss(sub_logits: Any, sub_idx: Any, t_logits: Any) -> tuple[Any, Any]:
+def kd_loss(sub_logits: Any, sub_idx: Any, t_logits: Any) -> tuple[Any, Any]:
     """Top-k forward KL (up to the teacher entropy): -sum_k p_k log q(k) with p over the in-head top-k."""
     import torch
 
@@ -76,5 +76,5 @@ def _kd_loss(sub_logits: Any, sub_idx: Any, t_logits: Any) -> tuple[Any, Any]:
     loss = -(p * lq).masked_fill(~valid[has], 0.0).sum(-1)
     return loss.mean(), has.float().mean()
 
-def _hidden(draft: Any, ids: Any, mask: Any) -> Any:
+def draft_hidden_states(draft: Any, ids: Any, mask: Any) -> Any:
     return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state

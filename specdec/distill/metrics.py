@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.distill.batching import _batches, _collate, _hidden, _kd_loss
+from specdec.distill.batching import length_batches, collate, draft_hidden_states, kd_loss
 
 
 def replay_greedy_blocks(match, gamma: int) -> tuple[int, int, int]:
@@ -53,11 +53,11 @@ def evaluate(draft: Any, records: list[dict], pad_id: int, lut: Any, batch_token
     accepted = drafted = steps = 0
     draft.eval()
     with torch.no_grad():
-        for batch in _batches(records, batch_tokens, random.Random(0), shuffle=False):
-            ids, mask, rows, cols, sub, tval, ans = _collate(batch, pad_id, lut)
-            h = _hidden(draft, ids, mask)[rows, cols]
+        for batch in length_batches(records, batch_tokens, random.Random(0), shuffle=False):
+            ids, mask, rows, cols, sub, tval, ans = collate(batch, pad_id, lut)
+            h = draft_hidden_states(draft, ids, mask)[rows, cols]
             sl = draft.lm_head.subset_logits(h)
-            loss, _ = _kd_loss(sl, sub, tval)
+            loss, _ = kd_loss(sl, sub, tval)
             loss_sum += float(loss) * len(ans)
             pred = head_ids[sl.argmax(-1)]
             match = (pred == ans).numpy()

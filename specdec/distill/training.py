@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.prompts import load_prompts
-from specdec.distill.batching import _batches, _collate, _hidden, _kd_loss
+from specdec.distill.batching import length_batches, collate, draft_hidden_states, kd_loss
 from specdec.distill.data import DATA_DIR, frequent_token_ids, generate_target_data, load_data
 from specdec.distill.export import CKPT_FILE, export_checkpoint
 from specdec.distill.metrics import evaluate
@@ -146,15 +146,15 @@ class _Trainer:
 
         state = self.state
         ts = time.perf_counter()
-        ids, mask, rows, cols, sub, tval, ans = _collate(batch, self.pad_id, self.lut, topk)
+        ids, mask, rows, cols, sub, tval, ans = collate(batch, self.pad_id, self.lut, topk)
         # The schedule follows the step count when one is set (the same run on any machine), else the clock.
         frac = state["train_s"] / time_budget_s
         if self.max_steps:
             frac = max(frac, state["step"] / self.max_steps)
         for g in self.opt.param_groups:
             g["lr"] = _lr_at(frac, lr)
-        h = _hidden(self.draft, ids, mask)[rows, cols]
-        loss, _ = _kd_loss(self.draft.lm_head.subset_logits(h), sub, tval)
+        h = draft_hidden_states(self.draft, ids, mask)[rows, cols]
+        loss, _ = kd_loss(self.draft.lm_head.subset_logits(h), sub, tval)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -195,7 +195,7 @@ class _Trainer:
         self.draft.train()
         self.last_ckpt = self.last_eval = self.last_reload = time.perf_counter()
         state.setdefault("data_shards", len(list(data_dir.glob("shard_*.pt"))))
-        while not self._epoch(_batches(train_recs, batch_tokens, rng), data_dir, time_budget_s=time_budget_s,
+        while not self._epoch(length_batches(train_recs, batch_tokens, rng), data_dir, time_budget_s=time_budget_s,
                               max_steps=max_steps, topk=topk, lr=lr, eval_every_s=eval_every_s,
                               ckpt_every_s=ckpt_every_s, reload_data_every_s=reload_data_every_s):
             state["epoch"] += 1

@@ -18,7 +18,7 @@ from common.paths import COMPLETE_MARKER, is_complete
 log = logging.getLogger(__name__)
 
 
-class _Progress:
+class Progress:
     """Step progress: a tqdm bar on a terminal, one plain line per step on any other stderr (a log file, a pipe:
     a bar's carriage returns would join into one long line), nothing when disabled."""
 
@@ -53,7 +53,7 @@ class _Progress:
 
 
 @contextlib.contextmanager
-def _atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
+def atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of ``out_dir``; on success move it to ``out_dir`` (replacing it).
 
     If another process completed ``out_dir`` meanwhile (and ``force`` is False), its result is kept and
@@ -79,17 +79,17 @@ def _atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_marker(directory: Path, info: dict[str, Any]) -> None:
+def write_marker(directory: Path, info: dict[str, Any]) -> None:
     info = {"created_unix": time.time(), **info}
     (directory / COMPLETE_MARKER).write_text(json.dumps(info, indent=2, default=str) + "\n")
 
 
-def _offline_env() -> None:
+def offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _onnx_bytes(onnx_path: Path) -> int:
+def onnx_bytes(onnx_path: Path) -> int:
     """Size of an ONNX model including external data files beside it."""
     total = onnx_path.stat().st_size
     for f in onnx_path.parent.iterdir():

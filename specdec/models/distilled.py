@@ -32,11 +32,11 @@ from common.paths import (
     resolve_target_dir,
 )
 
-from ._util import _atomic_dir, _offline_env, _onnx_bytes, _Progress, _write_marker
+from ._util import atomic_dir, offline_env, onnx_bytes, Progress, write_marker
 from .gguf import prepare_target_from_gguf
-from .onnx_check import FP32_TOLERANCE, ExportCheckError, _check_fp32, _kv_shape, _ort_run, _ort_session
-from .onnx_export import OPSET, _export_fp32
-from .quantize import _quantize_int8
+from .onnx_check import FP32_TOLERANCE, ExportCheckError, check_fp32, kv_shape, ort_run, ort_session
+from .onnx_export import OPSET, export_fp32
+from .quantize import quantize_onnx_int8
 
 log = logging.getLogger(__name__)
 
@@ -278,17 +278,17 @@ def export_distilled_onnx(
     }
     t0 = time.perf_counter()
     draft = draft.eval()
-    with _atomic_dir(out, force=True) as tmp:
+    with atomic_dir(out, force=True) as tmp:
         fp32_dir = Path(tempfile.mkdtemp(prefix="fp32-", dir=tmp)) if quantize_int8 else tmp
         fp32_path = fp32_dir / ONNX_FILE
-        _export_fp32(draft, fp32_path)
+        export_fp32(draft, fp32_path)
         onnx.checker.check_model(str(fp32_path))
-        report["fp32_bytes"] = _onnx_bytes(fp32_path)
+        report["fp32_bytes"] = onnx_bytes(fp32_path)
         if check:
-            sess = _ort_session(fp32_path)
-            res = _check_fp32(sess, draft, tokenizer)
-            logits, _ = _ort_run(sess, np.arange(3, dtype=np.int64)[None] + 1, None, draft.config.num_hidden_layers,
-                                 _kv_shape(draft.config))
+            sess = ort_session(fp32_path)
+            res = check_fp32(sess, draft, tokenizer)
+            logits, _ = ort_run(sess, np.arange(3, dtype=np.int64)[None] + 1, None, draft.config.num_hidden_layers,
+                                 kv_shape(draft.config))
             outside = np.ones(draft.config.vocab_size, bool)
             outside[draft.lm_head.token_ids.numpy()] = False
             res["outside_head_max_logit"] = float(logits[0][:, outside].max()) if outside.any() else None
@@ -298,15 +298,15 @@ def export_distilled_onnx(
             ):
                 raise ExportCheckError(f"ONNX export of the distilled draft is wrong: {res}")
         if quantize_int8:
-            report["int8"] = _quantize_int8(fp32_path, tmp / ONNX_FILE, int8_method)
+            report["int8"] = quantize_onnx_int8(fp32_path, tmp / ONNX_FILE, int8_method)
             shutil.rmtree(fp32_dir, ignore_errors=True)
-        report["model_bytes"] = _onnx_bytes(tmp / ONNX_FILE)
+        report["model_bytes"] = onnx_bytes(tmp / ONNX_FILE)
         draft.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         report["total_s"] = round(time.perf_counter() - t0, 2)
         (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        _write_marker(tmp, {"kind": "onnx-draft-distilled", "quantized_int8": quantize_int8})
+        write_marker(tmp, {"kind": "onnx-draft-distilled", "quantized_int8": quantize_int8})
     return out
 
 
@@ -342,11 +342,11 @@ def install_distilled_draft(
         return out
     src = resolve_target_dir(target_dir)
     art = Path(artefact_dir) if artefact_dir is not None else default_distilled_artefact_dir()
-    _offline_env()
+    offline_env()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    bar = _Progress(2, f"distilled draft {out.name}", progress)
+    bar = Progress(2, f"distilled draft {out.name}", progress)
     try:
         bar.step("rebuilding the draft from the target + artefact")
         target = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")

@@ -12,7 +12,7 @@ from typing import Any
 
 from common.paths import ModelNotFoundError, is_complete
 
-from ._util import _atomic_dir, _offline_env, _Progress, _write_marker
+from ._util import atomic_dir, offline_env, Progress, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,13 @@ def prepare_target_from_gguf(
     gguf = Path(gguf_path).expanduser() if gguf_path is not None else find_smollm2_gguf()
     if not gguf.is_file():
         raise ModelNotFoundError(f"no GGUF file at {gguf}")
-    _offline_env()
+    offline_env()
     from transformers import AutoTokenizer
 
-    bar = _Progress(3, f"target {out.name}", progress)
+    bar = Progress(3, f"target {out.name}", progress)
     t0 = time.perf_counter()
     try:
-        with _atomic_dir(out, force) as tmp:
+        with atomic_dir(out, force) as tmp:
             bar.step("loading tokenizer from GGUF")
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             bar.advance()
@@ -82,7 +82,7 @@ def prepare_target_from_gguf(
             tokenizer.save_pretrained(tmp)
             if not getattr(tokenizer, "chat_template", None):
                 log.warning("tokenizer of %s has no chat template", gguf)
-            _write_marker(
+            write_marker(
                 tmp,
                 {
                     "kind": "hf-target",

@@ -26,14 +26,14 @@ class ExportCheckError(RuntimeError):
 
 
 
-def _kv_shape(config: Any) -> tuple[int, int]:
+def kv_shape(config: Any) -> tuple[int, int]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return kv_heads, head_dim
 
 
-def _io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     inputs = ["input_ids", "attention_mask", "position_ids"]
     outputs = ["logits"]
     for i in range(num_layers):
@@ -42,7 +42,7 @@ def _io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def _ort_session(onnx_path: Path, threads: int | None = None) -> Any:
+def ort_session(onnx_path: Path, threads: int | None = None) -> Any:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -54,13 +54,13 @@ def _ort_session(onnx_path: Path, threads: int | None = None) -> Any:
     return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
 
 
-def _ort_run(sess: Any, ids: np.ndarray, past: list[np.ndarray] | None, num_layers: int, kv: tuple[int, int]):
+def ort_run(sess: Any, ids: np.ndarray, past: list[np.ndarray] | None, num_layers: int, kv: tuple[int, int]):
     """Run the exported model on ids [B, S] after ``past`` (flat list of 2L arrays, or None = no past)."""
     batch, seq = ids.shape
     if past is None:
         past = [np.zeros((batch, kv[0], 0, kv[1]), np.float32) for _ in range(2 * num_layers)]
     past_len = past[0].shape[2]
-    in_names, out_names = _io_names(num_layers)
+    in_names, out_names = io_names(num_layers)
     feeds = {
         "input_ids": ids.astype(np.int64),
         "attention_mask": np.ones((batch, past_len + seq), np.int64),
@@ -91,12 +91,12 @@ def _check_ids(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:
 _CHECK_CASES = ((0, 1), (0, 2), (0, 7), (0, 33), (5, 1), (5, 3), (21, 1), (21, 12), (40, 1))
 
 
-def _check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
+def check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
     """Compare ONNX logits with PyTorch logits of the full sequence (no cache) on every case."""
     import torch
 
     cfg = model.config
-    num_layers, kv = cfg.num_hidden_layers, _kv_shape(cfg)
+    num_layers, kv = cfg.num_hidden_layers, kv_shape(cfg)
     total = max(p + s for p, s in _CHECK_CASES)
     ids = _check_ids(tokenizer, cfg.vocab_size, total)
     with torch.no_grad():
@@ -105,15 +105,15 @@ def _check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
     for past_len, seq in _CHECK_CASES:
         past = None
         if past_len:
-            _, past = _ort_run(sess, ids[None, :past_len], None, num_layers, kv)
-        logits, _ = _ort_run(sess, ids[None, past_len : past_len + seq], past, num_layers, kv)
+            _, past = ort_run(sess, ids[None, :past_len], None, num_layers, kv)
+        logits, _ = ort_run(sess, ids[None, past_len : past_len + seq], past, num_layers, kv)
         diff = float(np.abs(logits[0] - ref[past_len : past_len + seq]).max())
         cases.append({"past": past_len, "seq": seq, "max_abs_diff": diff})
     # Batch of 2 with padding on row 1 (the attention_mask path): left padding for the torch graph (explicit
     # position_ids); right padding for the GenAI graph, whose GroupQueryAttention reads each row's length from
     # the mask and positions from 0 (the layout its runtime uses).
     seq = 6
-    in_names, _ = _io_names(num_layers)
+    in_names, _ = io_names(num_layers)
     left = _has_input(sess, "position_ids")
     feeds_mask = np.ones((2, seq), np.int64)
     if left:
@@ -143,7 +143,7 @@ def _check_fp32(sess: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
 _CHECK_PROMPT = "Explain in two sentences why the sky is blue."
 
 
-def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int = 32) -> dict[str, Any]:
+def check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int = 32) -> dict[str, Any]:
     """Top-1 agreement of the int8 ONNX model at ``onnx_path`` with the PyTorch fp32 model (teacher forcing).
 
     Two texts: a fixed natural text ("top1_agreement") and the fp32 model's own greedy continuation of a chat
@@ -154,7 +154,7 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
     import torch
 
     cfg = model.config
-    num_layers, kv = cfg.num_hidden_layers, _kv_shape(cfg)
+    num_layers, kv = cfg.num_hidden_layers, kv_shape(cfg)
     ids = _check_ids(tokenizer, cfg.vocab_size, 64)
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template(
@@ -176,12 +176,12 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
             out = model(input_ids=torch.tensor([seq[-1:]]), cache=cache, use_cache=True)
     full = np.asarray(seq, dtype=np.int64)
 
-    sess_q = _ort_session(onnx_path)
+    sess_q = ort_session(onnx_path)
     half = len(ids) // 2
-    a, past = _ort_run(sess_q, ids[None, :half], None, num_layers, kv)
-    b, _ = _ort_run(sess_q, ids[None, half:], past, num_layers, kv)  # also exercises the past path
+    a, past = ort_run(sess_q, ids[None, :half], None, num_layers, kv)
+    b, _ = ort_run(sess_q, ids[None, half:], past, num_layers, kv)  # also exercises the past path
     q = np.concatenate([a[0], b[0]])
-    lq, _ = _ort_run(sess_q, full[None], None, num_layers, kv)
+    lq, _ = ort_run(sess_q, full[None], None, num_layers, kv)
     pred = lq[0].argmax(-1)[len(prompt) - 1 : -1]
     return {
         "top1_agreement": float((q.argmax(-1) == ref.argmax(-1)).mean()),
@@ -193,11 +193,11 @@ def _check_int8(onnx_path: Path, model: Any, tokenizer: Any, greedy_tokens: int 
     }
 
 
-def _check_fp32_or_raise(src: Path, fp32_path: Path, model: Any, tokenizer: Any, report: dict[str, Any]) -> None:
-    """Record :func:`_check_fp32` of the fp32 graph in ``report``; ExportCheckError beyond FP32_TOLERANCE, or
+def check_fp32_or_raise(src: Path, fp32_path: Path, model: Any, tokenizer: Any, report: dict[str, Any]) -> None:
+    """Record :func:`check_fp32` of the fp32 graph in ``report``; ExportCheckError beyond FP32_TOLERANCE, or
     when ONNX Runtime cannot load or run the graph (one line: the runtime's first)."""
     try:
-        res = _check_fp32(_ort_session(fp32_path), model, tokenizer)
+        res = check_fp32(ort_session(fp32_path), model, tokenizer)
     except Exception as exc:  # noqa: BLE001 - ORT's own error types (InvalidArgument, Fail, ...) share no base
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ExportCheckError(f"ONNX Runtime cannot run the exported graph of {src}: {first}") from exc

@@ -22,10 +22,10 @@ from typing import Any
 
 from common.paths import EXPORT_REPORT, ONNX_FILE, is_complete, resolve_target_dir
 
-from ._util import _atomic_dir, _offline_env, _onnx_bytes, _Progress, _write_marker
+from ._util import atomic_dir, offline_env, onnx_bytes, Progress, write_marker
 from .onnx_check import ExportCheckError  # noqa: F401 - raised by export_onnx_draft (through the check)
-from .onnx_check import _check_fp32_or_raise, _check_int8, _io_names, _kv_shape
-from .quantize import INT8_METHODS, _fold_initializer_transposes, _quantize_int8
+from .onnx_check import check_fp32_or_raise, check_int8, io_names, kv_shape
+from .quantize import INT8_METHODS, fold_initializer_transposes, quantize_onnx_int8
 from .windows import genai_input_dir, layer_windows
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,13 @@ def _additive(allowed: Any, dtype: Any) -> Any:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def _export_fp32(model: Any, onnx_path: Path) -> None:
+def export_fp32(model: Any, onnx_path: Path) -> None:
     import torch
 
     cfg = model.config
     num_layers = cfg.num_hidden_layers
-    kv_heads, head_dim = _kv_shape(cfg)
-    in_names, out_names = _io_names(num_layers)
+    kv_heads, head_dim = kv_shape(cfg)
+    in_names, out_names = io_names(num_layers)
     # Trace with batch 2, seq 3 > 1 and past 4 > 0 so no size is 0 or 1 (no specialisation on them).
     batch, seq, past_len = 2, 3, 4
     g = torch.Generator().manual_seed(0)
@@ -246,13 +246,13 @@ def export_onnx_draft(
         log.info("ONNX draft already exported at %s", out)
         return out
     src = resolve_target_dir(hf_dir)
-    _offline_env()
+    offline_env()
     steps = 2 + int(check) + int(quantize_int8) * (1 + int(check)) + 1
-    bar = _Progress(steps, f"ONNX draft {out.name}", progress)
+    bar = Progress(steps, f"ONNX draft {out.name}", progress)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"source": str(src), "opset": OPSET, "quantized_int8": quantize_int8}
     try:
-        with _atomic_dir(out, force) as tmp:
+        with atomic_dir(out, force) as tmp:
             _export_steps(tmp, src, bar, report, t0, quantize_int8=quantize_int8, check=check,
                           int8_method=int8_method, builder=builder)
     finally:
@@ -264,7 +264,7 @@ def export_onnx_draft(
 def _export_steps(
     tmp: Path,
     src: Path,
-    bar: _Progress,
+    bar: Progress,
     report: dict[str, Any],
     t0: float,
     *,
@@ -295,9 +295,9 @@ def _export_steps(
         bar.advance()
         if check:
             bar.step("checking int8 top-1 agreement")
-            report["int8_check"] = _check_int8(tmp / ONNX_FILE, model, tokenizer)
+            report["int8_check"] = check_int8(tmp / ONNX_FILE, model, tokenizer)
             bar.advance()
-    report["model_bytes"] = _onnx_bytes(tmp / ONNX_FILE)
+    report["model_bytes"] = onnx_bytes(tmp / ONNX_FILE)
 
     bar.step("saving config and tokenizer")
     _save_draft_files(tmp, src, model, tokenizer, report, t0)
@@ -315,7 +315,7 @@ def _check_or_fall_back(
         ExportCheckError: the graph kept fails the check.
     """
     try:
-        _check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
+        check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
         return used
     except ExportCheckError as exc:
         if used != "genai" or builder != "auto":
@@ -325,7 +325,7 @@ def _check_or_fall_back(
         report["genai_builder_failed"] = True  # re-trying on every prepare would fail again
     _clear_dir(fp32_dir)
     used = _build_fp32_graph(src, model, fp32_dir, "torch", report)
-    _check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
+    check_fp32_or_raise(src, fp32_dir / ONNX_FILE, model, tokenizer, report)
     return used
 
 
@@ -362,12 +362,12 @@ def _build_fp32_graph(src: Path, model: Any, fp32_dir: Path, builder: str, repor
         used = _try_genai_builder(src, fp32_dir, builder, report)
     if used is None:
         fp32_path = fp32_dir / ONNX_FILE
-        _export_fp32(model, fp32_path)
+        export_fp32(model, fp32_path)
         onnx.checker.check_model(str(fp32_path))
         used = "torch"
     report["builder"] = used
     report["export_s"] = round(time.perf_counter() - t, 2)
-    report["fp32_bytes"] = _onnx_bytes(fp32_dir / ONNX_FILE)
+    report["fp32_bytes"] = onnx_bytes(fp32_dir / ONNX_FILE)
     return used
 
 
@@ -405,8 +405,8 @@ def _quantize_fp32_dir(fp32_dir: Path, dst: Path, used: str, int8_method: str, r
     loaded = None
     if used == "genai" and int8_method == "matmul_nbits":
         loaded = onnx.load(str(fp32_path))
-        report["folded_transposes"] = _fold_initializer_transposes(loaded)
-    report["int8"] = _quantize_int8(fp32_path, dst, int8_method, model=loaded)
+        report["folded_transposes"] = fold_initializer_transposes(loaded)
+    report["int8"] = quantize_onnx_int8(fp32_path, dst, int8_method, model=loaded)
     del loaded
     shutil.rmtree(fp32_dir, ignore_errors=True)
     report["quantize_s"] = round(time.perf_counter() - t, 2)
@@ -418,6 +418,6 @@ def _save_draft_files(tmp: Path, src: Path, model: Any, tokenizer: Any, report: 
     tokenizer.save_pretrained(tmp)
     report["total_s"] = round(time.perf_counter() - t0, 2)
     (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    _write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": report["quantized_int8"],
+    write_marker(tmp, {"kind": "onnx-draft", "source": str(src), "quantized_int8": report["quantized_int8"],
                         "builder": report["builder"], "int8": report.get("int8"),
                         "genai_builder_failed": report.get("genai_builder_failed", False)})

@@ -36,14 +36,14 @@ def prepare_models(
     """
     paths = default_model_paths(cache_dir)
     prepare_target_from_gguf(paths.target_dir, progress=progress, force=force)
-    rebuild = force or _stale_default_draft(paths.draft_dir)
+    rebuild = force or stale_default_draft(paths.draft_dir)
     if rebuild and not force:
         log.info("re-exporting %s: made by an older recipe (this one is faster)", paths.draft_dir)
     export_onnx_draft(paths.target_dir, paths.draft_dir, quantize_int8=True, progress=progress, force=rebuild)
     return paths
 
 
-def _stale_default_draft(draft_dir: Path) -> bool:
+def stale_default_draft(draft_dir: Path) -> bool:
     """Whether a complete default draft was made by an older recipe than :func:`export_onnx_draft`'s current
     one: by the torch exporter while the GenAI builder (faster graph) is available (unless the builder was
     installed then and failed on this model), or with another int8 block size than INT8_BLOCK_SIZE (markers

@@ -20,7 +20,7 @@ INT8_METHODS = ("matmul_nbits", "dynamic")
 INT8_BLOCK_SIZE = 128
 
 
-def _quantize_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict[str, Any]:
+def quantize_onnx_int8(src: Path, dst: Path, method: str, model: Any = None) -> dict[str, Any]:
     """Int8-quantize the MatMul weights of ``src`` (or of the already loaded ``model``) into ``dst``.
 
     Returns the settings used. ``dst`` is one file (weights inside).
@@ -79,7 +79,7 @@ def _quiet_root_logging() -> Iterator[None]:
             lg.setLevel(lvl)
 
 
-def _fold_initializer_transposes(model: Any) -> int:
+def fold_initializer_transposes(model: Any) -> int:
     """Replace ``Transpose(initializer)`` nodes by a transposed initializer (in place); returns how many.
 
     The GenAI builder feeds a tied LM head through ``Transpose(embed_tokens.weight)``: folding it lets

@@ -10,7 +10,7 @@ from starlette.requests import Request  # module level: FastAPI resolves the han
 
 from .engine import Engine
 from .errors import ApiError
-from .request import _CHAT_PARAMS, _COMPLETION_PARAMS, chat_request, check_body, completion_request
+from .request import CHAT_PARAMS, COMPLETION_PARAMS, chat_request, check_body, completion_request
 from .route_field import ROUTE_FIELD, routed
 from .streaming import respond
 
@@ -48,12 +48,12 @@ def create_app(engine: Engine, api_keys: Callable[[str | None], bool] | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = routed(chat_request, await read_body(request, _CHAT_PARAMS), engine.tokenizer)
+        req = routed(chat_request, await read_body(request, CHAT_PARAMS), engine.tokenizer)
         return await respond(engine, req, "chat.completion", "chatcmpl-")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = routed(completion_request, await read_body(request, _COMPLETION_PARAMS), engine.tokenizer)
+        req = routed(completion_request, await read_body(request, COMPLETION_PARAMS), engine.tokenizer)
         return await respond(engine, req, "text_completion", "cmpl-")
 
     return app

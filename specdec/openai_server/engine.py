@@ -71,7 +71,7 @@ def _close_quietly(conv) -> None:
 
 
 @dataclass
-class _Job:
+class Job:
     """A generation run on the engine's worker thread, its chunks passed to the event loop."""
 
     loop: asyncio.AbstractEventLoop
@@ -126,7 +126,7 @@ class Engine:
 
     # -- generation
 
-    def _run(self, job: _Job, req: GenRequest) -> None:
+    def _run(self, job: Job, req: GenRequest) -> None:
         """Worker thread: the request's ``req.n`` generations one after the other, each its ("chunk", index,
         text, token_ids, logprobs) items and ("choice", Outcome); then ("done", None) or ("error", exc) to ``job``.
 
@@ -157,7 +157,7 @@ class Engine:
                 job.put(("error", e))
                 return
 
-    def _generate(self, job: _Job, req: GenRequest, emitted: list[bool], reuse: bool, index: int = 0) -> None:
+    def _generate(self, job: Job, req: GenRequest, emitted: list[bool], reuse: bool, index: int = 0) -> None:
         """Choice ``index`` of ``req`` (the first of a chat may continue a kept conversation)."""
         conv, reused = None, False
         kwargs = req.choice_kwargs(index)
@@ -207,9 +207,9 @@ class Engine:
         while self._conversations:
             _close_quietly(self._conversations.popitem(last=False)[1])
 
-    def submit(self, req: GenRequest) -> _Job:
+    def submit(self, req: GenRequest) -> Job:
         """Queue ``req`` on the worker thread; its items arrive on the returned job's queue."""
-        job = _Job(asyncio.get_running_loop())
+        job = Job(asyncio.get_running_loop())
         self._worker.submit(self._run, job, req)
         return job
 
@@ -221,7 +221,7 @@ class Engine:
             self.on_close()
 
 
-async def next_item(job: _Job):
+async def next_item(job: Job):
     """The next item of ``job``: ("chunk", index, text, token_ids, logprobs) and ("choice", Outcome) per choice,
     then ("done", None) or ("error", exception)."""
     return await job.queue.get()

@@ -17,10 +17,10 @@ _HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls",
 # supported (the endpoint's own parameters; min_tokens, repetition_penalty, min_p, top_k and ignore_eos are
 # extensions with vLLM's names)
 _PROCESSING = {"presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "repetition_penalty", "min_p"}
-_CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+CHAT_PARAMS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
                 "stream", "top_k", "n", "ignore_eos", "logprobs", "top_logprobs", *_PROCESSING,
                 "response_format", "tools", "tool_choice"}  # structured output: .structured, .tools
-_COMPLETION_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "top_k",
+COMPLETION_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "top_k",
                       "n", "ignore_eos", "logprobs", *_PROCESSING}
 MAX_N = 8  # choices per request (generated one after the other)
 # would change the output and are not supported: refused unless given their neutral value

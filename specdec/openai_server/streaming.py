@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 
-from .engine import Engine, Outcome, _Job, next_item
+from .engine import Engine, Outcome, Job, next_item
 from .errors import api_error_for
 from .logprobs import TextOffsets, chat_logprobs, completion_logprobs, response_logprobs
 from .request import GenRequest
@@ -43,7 +43,7 @@ async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str):
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _whole_body(job: _Job, first: tuple, rid: str, obj: str, created: int, engine: Engine,
+async def _whole_body(job: Job, first: tuple, rid: str, obj: str, created: int, engine: Engine,
                       chat: bool, tools=None) -> dict:
     """The non-streamed response body: every choice's outcome collected (an error raised)."""
     outcomes: list[Outcome] = []
@@ -87,7 +87,7 @@ class _SseEvents:
             return {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
-    async def stream(self, job: _Job, first: tuple, include_usage: bool):
+    async def stream(self, job: Job, first: tuple, include_usage: bool):
         """The events: per choice (a role delta,) one per chunk (with its tokens' logprobs when asked, as
         OpenAI streams them), its finish (with the logprobs of tokens not streamed yet: held-back text, a stop
         string); then (usage,) ``[DONE]``; or an error event."""

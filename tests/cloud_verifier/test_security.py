@@ -282,9 +282,9 @@ def test_other_tenant_sees_not_found(secure, tls_stub, keys):
 def test_session_ids_have_96_random_bits(secure, tls_stub, keys):
     import inspect
 
-    import cloud_verifier.sessions as sessions
+    import cloud_verifier.admission as admission
 
-    assert "secrets.token_hex(12)" in inspect.getsource(sessions.SessionTable.open)
+    assert "secrets.token_hex(12)" in inspect.getsource(admission.SessionAdmission.open)
     ids = []
     for _ in range(8):
         sid = tls_stub.OpenSession(_open_req(max_new_tokens=2), timeout=WAIT_S, metadata=_md(keys[1]["acme"])).session_id

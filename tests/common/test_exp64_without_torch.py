@@ -1,4 +1,4 @@
-"""_exp64 without torch (an edge install): numpy's exp, element for element, within an ulp of torch's kernel, so
+"""exp64 without torch (an edge install): numpy's exp, element for element, within an ulp of torch's kernel, so
 the edge's logits processing gives the verifier's probabilities up to rounding."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import common.logits
-from common.logits import _exp64, logits_to_probs
+from common.logits import exp64, logits_to_probs
 from common.types import SamplingParams
 
 
@@ -19,14 +19,14 @@ def no_torch(monkeypatch):
 def test_numpy_exp_is_element_for_element(no_torch):
     x = np.random.default_rng(8).normal(-20.0, 15.0, size=(5, 4099))
     x[0, :7] = [0.0, -745.2, -746.0, 709.0, -np.inf, 1e-300, -1e-300]
-    full = _exp64(x)
+    full = exp64(x)
     np.testing.assert_allclose(full, np.exp(x), rtol=0, atol=0)
     flat = x.ravel()
     for offset, size in ((0, 1), (3, 5), (7, 17), (1, 4099), (4098, 4100), (13, 9000)):
-        np.testing.assert_array_equal(_exp64(flat[offset:offset + size].copy()).view(np.uint64),
+        np.testing.assert_array_equal(exp64(flat[offset:offset + size].copy()).view(np.uint64),
                                       full.ravel()[offset:offset + size].view(np.uint64))
     out = x.copy()
-    assert _exp64(out, out=out) is out
+    assert exp64(out, out=out) is out
     np.testing.assert_array_equal(out.view(np.uint64), full.view(np.uint64))
 
 

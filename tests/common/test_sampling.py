@@ -198,7 +198,7 @@ def test_dense_draft_probs_and_normalize_sparse():
 # ------------------------------------------------------------------ fast logits processing vs the reference
 # logits_to_probs selects top-p candidates by partial selection and must reproduce logits_to_probs_reference
 # (full stable argsort) bit for bit, ties and rounding included: the edge and the verifier must keep identical
-# sets. _top_p_drop_reference is the fast path's fallback (the only full sort left); counting the rows it gets
+# sets. top_p_drop_reference is the fast path's fallback (the only full sort left); counting the rows it gets
 # shows which inputs the fast path decides itself.
 
 LM_VOCAB = 49152  # SmolLM2's vocabulary
@@ -229,13 +229,13 @@ def lm_like_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarra
 def reference_rows(monkeypatch):
     """Counts the rows the fast path hands to the reference's full sort (list of row counts per call)."""
     calls: list[int] = []
-    original = top_p_module._top_p_drop_reference
+    original = top_p_module.top_p_drop_reference
 
     def counting(probs, top_p):
         calls.append(len(probs))
         return original(probs, top_p)
 
-    monkeypatch.setattr(top_p_module, "_top_p_drop_reference", counting)
+    monkeypatch.setattr(top_p_module, "top_p_drop_reference", counting)
     return calls
 
 
@@ -354,9 +354,9 @@ def test_boundary_within_the_reference_rounding_drift(reference_rows):
     thresh = cum - 1e-13
     top_p = 1.0 - thresh
     assert 1.0 - top_p == thresh
-    drop = top_p_module._top_p_drop_reference(probs, top_p)
+    drop = top_p_module.top_p_drop_reference(probs, top_p)
     assert np.flatnonzero(~drop[0]).tolist() == [1234, LM_VOCAB - 1]  # the head and the highest-id tiny token
-    np.testing.assert_array_equal(top_p_module._top_p_keep(probs, top_p), ~drop)
+    np.testing.assert_array_equal(top_p_module.top_p_keep(probs, top_p), ~drop)
     assert reference_rows == [1, 1]  # the check above, and the fast path's hand-over
 
 
@@ -393,28 +393,28 @@ def test_a_row_alone_equals_the_same_row_in_a_block(temperature, top_k, top_p):
 
 
 def test_exp64_is_element_for_element():
-    """_exp64 (torch's vectorised exp): a value does not depend on the array's size, offset, layout or thread
+    """exp64 (torch's vectorised exp): a value does not depend on the array's size, offset, layout or thread
     count (vector body vs scalar tail), and is within an ulp of numpy's libm exp."""
     import torch
 
-    from common.logits import _exp64
+    from common.logits import exp64
 
     x = np.random.default_rng(8).normal(-20.0, 15.0, size=(5, 4099))  # odd width: tails in every row
     x[0, :7] = [0.0, -745.2, -746.0, 709.0, -np.inf, 1e-300, -1e-300]  # underflow, overflow edge, -inf
-    full = _exp64(x)
+    full = exp64(x)
     np.testing.assert_allclose(full, np.exp(x), rtol=4e-16, atol=0)
     flat = x.ravel()
     for offset, size in ((0, 1), (3, 5), (7, 17), (1, 4099), (4098, 4100), (13, 9000)):
-        np.testing.assert_array_equal(_exp64(flat[offset:offset + size].copy()).view(np.uint64),
+        np.testing.assert_array_equal(exp64(flat[offset:offset + size].copy()).view(np.uint64),
                                       full.ravel()[offset:offset + size].view(np.uint64))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        np.testing.assert_array_equal(_exp64(x).view(np.uint64), full.view(np.uint64))
+        np.testing.assert_array_equal(exp64(x).view(np.uint64), full.view(np.uint64))
     finally:
         torch.set_num_threads(threads)
     out = x.copy()
-    assert _exp64(out, out=out) is out
+    assert exp64(out, out=out) is out
     np.testing.assert_array_equal(out.view(np.uint64), full.view(np.uint64))
 
 

@@ -63,10 +63,10 @@ def test_top_p_boundary_within_rounding_at_the_second_most_likely_token(top_p):
     likely token is exactly 0.5, just above 1 - top_p, so the reference keeps it. The fast path's estimate there
     lies within its rounding band around the boundary (first case), or exactly on the band's upper edge (second
     case: 1 - top_p + tol == 0.5): either way the row must go to the reference, not be decided by the estimate."""
-    from common.top_p import _top_p_drop_reference, _top_p_keep
+    from common.top_p import top_p_drop_reference, top_p_keep
 
     probs = np.zeros((1, VOCAB_FAST))
     probs[0, [7, 3, 11, 150]] = [0.5, 0.25, 0.125, 0.125]
-    expected = ~_top_p_drop_reference(probs, top_p)
+    expected = ~top_p_drop_reference(probs, top_p)
     assert np.flatnonzero(expected[0]).tolist() == [3, 7]
-    assert _top_p_keep(probs, top_p).tolist() == expected.tolist()
+    assert top_p_keep(probs, top_p).tolist() == expected.tolist()

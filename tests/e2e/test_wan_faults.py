@@ -46,7 +46,7 @@ def _route(i: int) -> str:
     return "cloud" if i % 4 == 3 else "speculative"
 
 
-class _Progress:
+class Progress:
     """Chunks received so far, per route, across all sessions (thread-safe)."""
 
     def __init__(self):
@@ -118,7 +118,7 @@ def test_sixteen_sessions_through_stalls_and_resets_are_target_only(tiny_pair):
     marks = (("cloud", num_cloud * NEW_TOKENS // 2),
              ("speculative", (NUM_SESSIONS - num_cloud) * NEW_TOKENS // (GAMMA + 1) // 3))
     results, errors, reset_log = {}, [], []
-    progress, done = _Progress(), threading.Event()
+    progress, done = Progress(), threading.Event()
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address, WanProxy(0, address, profile, seed=3) as wan:
         resetter = threading.Thread(target=_reset_at_progress, args=(wan, progress, marks, done, reset_log),
                                     daemon=True)

@@ -106,7 +106,7 @@ def test_switching_back_to_speculative_pays_the_draft_catch_up():
     when the draft is caught up (~2.05 s), but only ~3 % when it must first ingest the 128 tokens cloud decode
     committed (+0.51 s): below the switch margin, auto stays on cloud (a rate-only model switched: 50 vs 39 tok/s)."""
     from edge_client.drafter import ModelDrafter
-    from edge_client.routing import RouteRun, _after_chunk
+    from edge_client.routing import RouteRun, after_chunk
 
     class _Drafter:  # ModelDrafter's record of its cache, without a model
         _cached_ids: list[int] = []
@@ -117,10 +117,10 @@ def test_switching_back_to_speculative_pays_the_draft_catch_up():
     run.committed = list(range(200))
     run.num_generated, run.route = 156, RouteRun("auto", mode="cloud", steps_in_mode=1)
     _Drafter._cached_ids = list(range(71))  # the prompt and the first speculative tokens: 128 cloud tokens unseen
-    _after_chunk(client, run)
+    after_chunk(client, run)
     assert run.route.mode == "cloud"
     _Drafter._cached_ids = list(range(199))  # caught up: the switch pays no catch-up and wins
-    _after_chunk(client, run)
+    after_chunk(client, run)
     assert run.route.mode == "speculative"
 
 
@@ -182,7 +182,7 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
     """Cloud expected far faster (RTT 200 ms, slow draft): auto leaves speculative after a block — unless fewer than
     MIN_TOKENS_LEFT_TO_SWITCH tokens are left, where the switch's round trip and the estimates' noise outweigh the
     gain."""
-    from edge_client.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, _after_block
+    from edge_client.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, after_block
 
     class _AutoClient(_Client):
         route_estimates = _estimates(rtt_ms=200, draft_ms=60)
@@ -196,7 +196,7 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
     for left in (MIN_TOKENS_LEFT_TO_SWITCH + 8, MIN_TOKENS_LEFT_TO_SWITCH - 1):
         run = _AutoRun()
         run.num_generated, run.route = 64 - left, RouteRun("auto", steps_in_mode=5)
-        switched[left] = _after_block(_AutoClient(), run, verdict, 220.0, block, 0.24)
+        switched[left] = after_block(_AutoClient(), run, verdict, 220.0, block, 0.24)
         assert run.route.mode == ("cloud" if switched[left] else "speculative")
     assert switched == {MIN_TOKENS_LEFT_TO_SWITCH + 8: True, MIN_TOKENS_LEFT_TO_SWITCH - 1: False}
 

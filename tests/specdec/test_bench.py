@@ -286,7 +286,7 @@ def test_edge_cloud_bench(tiny_pair, tmp_path):
 def test_edge_cloud_verifier_failure_is_reported_and_cleaned_up(tiny_pair, tmp_path):
     """A verifier that cannot start (no model at --target) fails fast with its log; no process is left."""
     prompts = _write_jsonl(tmp_path / "q.jsonl", PROMPTS)
-    proc = bench._VerifierProcess(tmp_path / "no-such-model", None, startup_timeout_s=60)
+    proc = bench.VerifierProcess(tmp_path / "no-such-model", None, startup_timeout_s=60)
     with pytest.raises(bench.VerifierProcessError, match="exited"):
         proc.start()
     assert proc.proc is None

@@ -214,25 +214,25 @@ def test_builder_choice_and_fallback(tiny_pair, tmp_path, monkeypatch):
 
 
 def test_stale_default_draft_is_detected(draft_dirs, tmp_path):
-    from specdec.models.prepare import INT8_BLOCK_SIZE, _stale_default_draft
+    from specdec.models.prepare import INT8_BLOCK_SIZE, stale_default_draft
 
-    assert _stale_default_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
-    assert _stale_default_draft(draft_dirs["genai"]) is False
-    assert _stale_default_draft(tmp_path / "missing") is False
+    assert stale_default_draft(draft_dirs["torch"]) is True  # prepare_models re-exports it with genai
+    assert stale_default_draft(draft_dirs["genai"]) is False
+    assert stale_default_draft(tmp_path / "missing") is False
     old = tmp_path / "old-int8"
     shutil.copytree(draft_dirs["genai"], old)
     marker = json.loads((old / COMPLETE_MARKER).read_text())
     marker.update(quantized_int8=True, int8={"block_size": 32})
     (old / COMPLETE_MARKER).write_text(json.dumps(marker))
-    assert _stale_default_draft(old) is True
+    assert stale_default_draft(old) is True
     marker["int8"]["block_size"] = INT8_BLOCK_SIZE
     (old / COMPLETE_MARKER).write_text(json.dumps(marker))
-    assert _stale_default_draft(old) is False
+    assert stale_default_draft(old) is False
     # a torch fallback because the installed builder failed on this model is not re-tried on every prepare
     torch_marker = json.loads((draft_dirs["torch"] / COMPLETE_MARKER).read_text())
     torch_marker.update(genai_builder_failed=True)
     (old / COMPLETE_MARKER).write_text(json.dumps(torch_marker))
-    assert _stale_default_draft(old) is False
+    assert stale_default_draft(old) is False
 
 
 def test_failing_genai_builder_falls_back_and_is_recorded(tiny_pair, tmp_path, monkeypatch):
@@ -245,7 +245,7 @@ def test_failing_genai_builder_falls_back_and_is_recorded(tiny_pair, tmp_path, m
     out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "fb", quantize_int8=False, progress=False)
     marker = json.loads((out / COMPLETE_MARKER).read_text())
     assert marker["builder"] == "torch" and marker["genai_builder_failed"] is True
-    assert not prepare._stale_default_draft(out)
+    assert not prepare.stale_default_draft(out)
 
 
 def test_invalid_draft_directories_give_one_line_errors(draft_dirs, tmp_path):

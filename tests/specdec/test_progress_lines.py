@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from specdec.models._util import _Progress
+from specdec.models._util import Progress
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal(capsys):
-    bar = _Progress(2, "target x", enabled=True)
+    bar = Progress(2, "target x", enabled=True)
     bar.step("dequantizing")
     bar.advance()
     bar.step("saving")
@@ -18,7 +18,7 @@ def test_plain_lines_when_stderr_is_not_a_terminal(capsys):
 
 
 def test_disabled_prints_nothing(capsys):
-    bar = _Progress(1, "x", enabled=False)
+    bar = Progress(1, "x", enabled=False)
     bar.step("a")
     bar.advance()
     bar.close()

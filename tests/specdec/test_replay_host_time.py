@@ -56,8 +56,10 @@ def test_replay_reports_host_time_per_step(tiny_pair, tmp_path):
     assert 0 < fields["host_ms_per_step"] < fields["step_ms_per_step"], fields
     assert 0 < fields["host_fraction_of_step"] < 1, fields
     assert 0 <= fields["collect_ms_per_step"] <= fields["host_ms_per_step"], fields
-    # each batch step runs one target forward pass (the capacity comparison's forward-pass count)
-    assert fields["target_forward_passes"] == fields["steps"], fields
+    # each batch step runs one target forward pass (the capacity comparison's forward-pass count). The window's
+    # readings are taken while steps run: the pass is counted when it runs, the step when it ends, so a reading
+    # that falls between the two puts one pass on the other side of a boundary (seen: 194 passes, 193 steps)
+    assert abs(fields["target_forward_passes"] - fields["steps"]) <= 1, fields
     # the verifier's KV preemption counters are served (none here: the pool holds the three sessions)
     assert preemption_fields(read_preemptions(url), read_preemptions(url)) == {"kv_preemptions": 0,
                                                                                "kv_recomputed_tokens": 0}

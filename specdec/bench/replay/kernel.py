@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from .._shared import _ratio
+from .._shared import safe_ratio
 from .recording import RecordedPrompt, Recording
 
 KERNEL_REPEATS = 3
@@ -56,8 +56,8 @@ def measure_kernel_limit(runner, prompts: list[RecordedPrompt], n: int, num_spec
             runner.free(kv)
     s, b = float(np.median(serial)), float(np.median(batched))
     return {
-        "speedup": _ratio(s, b),
-        "speedup_cpu": _ratio(float(np.median(serial_cpu)), float(np.median(batched_cpu))),
+        "speedup": safe_ratio(s, b),
+        "speedup_cpu": safe_ratio(float(np.median(serial_cpu)), float(np.median(batched_cpu))),
         "serial_ms": round(s * 1000, 2),
         "single_row_ms": round(s * 1000 / n, 2),
         "batched_ms": round(b * 1000, 2),
@@ -88,19 +88,19 @@ def kernel_kv_tokens(prompts: list[RecordedPrompt], n: int, gamma: int, page_siz
     return tokens + max(len(p.prompt_token_ids) for p in prompts) + page_size
 
 
-def _prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_cores, v_threads: int) -> dict:
+def measure_prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_cores, v_threads: int) -> dict:
     """How much of the replayed work is prefill, in kernel time: one forward of a typical prompt prefill
     chunk vs the recorded sessions' verify forwards, serial and batched (explains a speedup below the kernel
     limit: prefill is compute-bound and gains nothing from batching)."""
     import torch
 
     from cloud_verifier.forward_row import ForwardRow
-    from ..edge_cloud import _set_process_affinity
+    from ..edge_cloud import set_process_affinity
 
     lengths = sorted(len(p.prompt_token_ids) for p in rec.prompts)
     median = lengths[len(lengths) // 2]
     if v_cores:
-        _set_process_affinity(v_cores)
+        set_process_affinity(v_cores)
     torch.set_num_threads(v_threads)
     kv = runner.allocate(median)
     times = []
@@ -112,7 +112,7 @@ def _prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_cores, v_th
     finally:
         runner.free(kv)
         if lg_cores:
-            _set_process_affinity(lg_cores)
+            set_process_affinity(lg_cores)
     per_token_ms = min(times) / max(1, median - 1)
     prefill_ms = sum(len(p.prompt_token_ids) - 1 for p in rec.prompts) * per_token_ms
     blocks = rec.num_steps

@@ -8,7 +8,7 @@ import contextlib
 import os
 import time
 
-from ..verifier_process import _VerifierProcess
+from ..verifier_process import VerifierProcess
 
 RSS_IDLE_TOLERANCE = 0.05  # RSS counts as back to idle within 5 % (or 16 MiB) of the idle value
 RSS_IDLE_TOLERANCE_BYTES = 16 << 20
@@ -38,7 +38,7 @@ def _proc_status_bytes(pid: int, field_name: str) -> int | None:
     return None
 
 
-def _proc_cpu_s(pid: int | None) -> float | None:
+def proc_cpu_s(pid: int | None) -> float | None:
     """CPU time (user + system, all threads) of process ``pid`` so far, s."""
     if pid is None:
         return None
@@ -50,7 +50,7 @@ def _proc_cpu_s(pid: int | None) -> float | None:
         return None
 
 
-def verifier_memory(proc: _VerifierProcess) -> dict:
+def verifier_memory(proc: VerifierProcess) -> dict:
     """The verifier process's reserved KV (/metrics ``specdec_kv_cache_used_bytes``), open sessions and VmRSS."""
     pid = proc.proc.pid if proc.proc is not None else None
     url = proc.metrics_url
@@ -61,7 +61,7 @@ def verifier_memory(proc: _VerifierProcess) -> dict:
     }
 
 
-async def _poll_peak(proc: _VerifierProcess, peak: dict, stop: asyncio.Event, period_s: float = 1.0) -> None:
+async def poll_peak(proc: VerifierProcess, peak: dict, stop: asyncio.Event, period_s: float = 1.0) -> None:
     """Track the peak KV reservation and RSS of the verifier while a run lasts (one read per period)."""
     loop = asyncio.get_running_loop()
     while not stop.is_set():
@@ -73,7 +73,7 @@ async def _poll_peak(proc: _VerifierProcess, peak: dict, stop: asyncio.Event, pe
             await asyncio.wait_for(stop.wait(), period_s)
 
 
-def _settled_memory(proc: _VerifierProcess, idle_rss: int | None, timeout_s: float = 12.0) -> dict:
+def settled_memory(proc: VerifierProcess, idle_rss: int | None, timeout_s: float = 12.0) -> dict:
     """Memory after a run: polled until no session is open, the KV reservation is 0 and RSS is within
     RSS_IDLE_TOLERANCE_BYTES of ``idle_rss`` (or ``timeout_s`` passes: the verifier's reaper gives freed heap
     pages back once per reap interval, 5 s by default, when it finds no session); the last reading."""
@@ -89,7 +89,7 @@ def _settled_memory(proc: _VerifierProcess, idle_rss: int | None, timeout_s: flo
         time.sleep(0.5)
 
 
-def _rss_back(idle: int | None, after: int | None) -> bool:
+def rss_back(idle: int | None, after: int | None) -> bool:
     if idle is None or after is None:
         return True
     return after <= idle + max(RSS_IDLE_TOLERANCE * idle, RSS_IDLE_TOLERANCE_BYTES)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._shared import _progress_bar
+from .._shared import progress_bar
 from ..prompts import BenchPrompt
 
 REPLAY_FORMAT = 1  # bump when the recording's content or meaning changes (invalidates the cache)
@@ -155,7 +155,7 @@ def record_blocks(runner, draft_dir: Path, questions: list[BenchPrompt], *, max_
     client = EdgeClient(backend, ModelDrafter(model, valid_vocab_size=valid), model.tokenizer,
                         num_speculative_tokens=num_speculative_tokens)  # fixed γ, no truncation, not proactive
     out: list[RecordedPrompt] = []
-    bar = _progress_bar(progress, len(questions), "recording blocks", "prompt")
+    bar = progress_bar(progress, len(questions), "recording blocks", "prompt")
     try:
         for q in questions:
             ids = encode_prompt(model.tokenizer, q.prompt, chat=True)

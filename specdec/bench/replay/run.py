@@ -10,16 +10,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._shared import _progress_bar, _ratio, _resolve_dirs, _target_placement, _threading_config, _versions
+from .._shared import progress_bar, safe_ratio, resolve_dirs, current_target_placement, threading_config, package_versions
 from ..prompts import load_prompts
-from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, _VerifierProcess
+from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcess
 from .host_time import host_time_fields, preemption_fields, read_preemptions, read_step_times
-from .kernel import _prefill_share, kernel_kv_tokens, measure_kernel_limit
+from .kernel import measure_prefill_share, kernel_kv_tokens, measure_kernel_limit
 from .memory import (
-    RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, _poll_peak, _proc_cpu_s, _rss_back, _settled_memory, verifier_memory,
+    RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, poll_peak, proc_cpu_s, rss_back, settled_memory, verifier_memory,
 )
 from .recording import Recording, load_or_record
-from .sessions import _tally_metrics, replay_sessions
+from .sessions import tally_metrics, replay_sessions
 
 REPLAY_DEFAULT_LIMIT = 16  # prompts recorded when no limit is given (round-robin across categories)
 REPLAY_DEFAULT_DURATION_S = 20.0
@@ -124,7 +124,7 @@ def run_replay_bench(
         limit = REPLAY_DEFAULT_LIMIT
         notes.append(f"no --limit: {limit} prompts (round-robin across categories), recorded once and cached")
     questions = load_prompts(prompts, limit)
-    target_dir, draft_dir = _resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, draft)
     dev, dt, dtype_name = _resolve_placement(device, dtype)
     t0 = time.perf_counter()
     runner_box: list = []
@@ -166,9 +166,9 @@ def _verifier_processes(target_dir: Path, device: str, dtype: str, max_batch_siz
     """(batched verifier, one-block-per-forward verifier or None), not started, both on the verifier cores."""
     env = {"SPECDEC_DEVICE": device, "SPECDEC_DTYPE": dtype, "SPECDEC_MAX_BATCH_SIZE": str(max_batch_size),
            "SPECDEC_MAX_SESSIONS": str(max_sessions)}
-    batched_proc = _VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True, env=env,
+    batched_proc = VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True, env=env,
                                     torch_threads=v_threads)
-    serial_proc = (_VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True,
+    serial_proc = (VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True,
                                     env={**env, "SPECDEC_MAX_BATCH_SIZE": "1"}, torch_threads=v_threads)
                    if serial else None)
     return batched_proc, serial_proc
@@ -199,8 +199,8 @@ def _replay_config(prompts: Path, limit: int, rec: Recording, *, duration_s: flo
         "target": str(target_dir),
         "draft": str(draft_dir),
         "cpu_count": os.cpu_count(),
-        "threading": _threading_config(),
-        "versions": _versions(),
+        "threading": threading_config(),
+        "versions": package_versions(),
         "run_s": run_s,
     }
 
@@ -209,21 +209,21 @@ def _resolve_placement(device: str | None, dtype: str | None):
     """(torch device, torch dtype, dtype name) of the target: the arguments, else the bench's placement."""
     from cloud_verifier.target import resolve_device, resolve_dtype
 
-    placement = _target_placement()
+    placement = current_target_placement()
     dev = resolve_device(device or placement["device"])
     dt = resolve_dtype(dtype or placement["dtype"], dev)
     return dev, dt, str(dt).replace("torch.", "")
 
 
-def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _VerifierProcess,
-                serial_proc: _VerifierProcess | None, *, duration_s: float, warmup_s: float, lg_cores, v_cores,
+def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: VerifierProcess,
+                serial_proc: VerifierProcess | None, *, duration_s: float, warmup_s: float, lg_cores, v_cores,
                 v_threads: int, num_speculative_tokens: int, progress: bool, cloud: bool = False
                 ) -> tuple[dict, dict]:
     """(report per N, exit status of each verifier process): this process on the load generator's cores, the
     verifiers started and warmed up, each N measured, then the verifiers stopped and this process restored."""
     import torch
 
-    from ..edge_cloud import _set_process_affinity
+    from ..edge_cloud import set_process_affinity
 
     saved_affinity = os.sched_getaffinity(0) if lg_cores else None
     saved_threads = torch.get_num_threads()
@@ -231,7 +231,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _Verifi
     bar = None
     try:
         if lg_cores:
-            _set_process_affinity(lg_cores)
+            set_process_affinity(lg_cores)
         procs = [p for p in (batched_proc, serial_proc) if p is not None]
         for p in procs:
             p.start()
@@ -239,7 +239,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _Verifi
             asyncio.run(replay_sessions(p.address, rec.prompts, min(4, max(counts)), warmup_s,
                                         max_new_tokens=rec.max_new_tokens,
                                         tokenizer_fingerprint=rec.tokenizer_fingerprint))
-        bar = _progress_bar(progress, len(counts), "replay", "N")
+        bar = progress_bar(progress, len(counts), "replay", "N")
         for i, n in enumerate(counts):
             report[str(n)] = _measure_n(
                 n, i, rec, runner, batched_proc, serial_proc, duration_s=duration_s, lg_cores=lg_cores,
@@ -259,7 +259,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: _Verifi
                     exit_status[name] = p.stop()
                 p.remove_log()
         if saved_affinity is not None:
-            _set_process_affinity(saved_affinity)
+            set_process_affinity(saved_affinity)
         torch.set_num_threads(saved_threads)
     return report, exit_status
 
@@ -273,28 +273,28 @@ def _recording_summary(rec: Recording) -> dict:
         "num_blocks": rec.num_steps,
         "num_output_tokens": sum(len(p.output_token_ids) for p in rec.prompts),
         "mean_prompt_tokens": round(sum(len(p.prompt_token_ids) for p in rec.prompts) / len(rec.prompts), 1),
-        "mean_accepted_length": _ratio(sum(len(p.output_token_ids) for p in rec.prompts), rec.num_steps),
+        "mean_accepted_length": safe_ratio(sum(len(p.output_token_ids) for p in rec.prompts), rec.num_steps),
     }
 
 
-def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _VerifierProcess,
-               serial_proc: _VerifierProcess | None, *, duration_s: float, lg_cores, v_cores, v_threads: int,
+def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: VerifierProcess,
+               serial_proc: VerifierProcess | None, *, duration_s: float, lg_cores, v_cores, v_threads: int,
                num_speculative_tokens: int, cloud: bool = False) -> dict:
     """Kernel limit, then the batched and the serial replay (order alternating with ``index``), for one N; with
     ``cloud`` the same sessions cloud-decoded against the batched verifier last."""
     import torch
 
-    from ..edge_cloud import _set_process_affinity
+    from ..edge_cloud import set_process_affinity
 
     if v_cores:
-        _set_process_affinity(v_cores)
+        set_process_affinity(v_cores)
     torch.set_num_threads(v_threads)
     try:
         kernel = measure_kernel_limit(runner, rec.prompts, n, num_speculative_tokens)
     finally:
         if lg_cores:
-            _set_process_affinity(lg_cores)
-    kernel["prefill_share"] = _prefill_share(runner, rec, kernel, v_cores, lg_cores, v_threads)
+            set_process_affinity(lg_cores)
+    kernel["prefill_share"] = measure_prefill_share(runner, rec, kernel, v_cores, lg_cores, v_threads)
     order = (["batched", "serial"] if index % 2 == 0 else ["serial", "batched"]) + (["cloud"] if cloud else [])
     out: dict[str, Any] = {}
     memory: dict[str, Any] = {}
@@ -307,13 +307,13 @@ def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: _Verifi
             memory = {
                 "idle": idle, "peak": peak, "after": after,
                 "kv_back_to_idle": after["kv_cache_used_bytes"] == idle["kv_cache_used_bytes"],
-                "rss_back_to_idle": _rss_back(idle["rss_bytes"], after["rss_bytes"]),
+                "rss_back_to_idle": rss_back(idle["rss_bytes"], after["rss_bytes"]),
                 "rss_tolerance": f"{RSS_IDLE_TOLERANCE:.0%} of idle or {RSS_IDLE_TOLERANCE_BYTES >> 20} MiB",
             }
     return _entry(out, kernel, memory)
 
 
-def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_s: float, cloud: bool = False):
+def _replay_mode(proc: VerifierProcess, rec: Recording, clients: int, duration_s: float, cloud: bool = False):
     """One timed replay by ``clients`` sessions against ``proc``: (its metrics, the verifier's memory idle before,
     at its peak during, settled after)."""
     idle = verifier_memory(proc)
@@ -323,12 +323,12 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
     pid = proc.proc.pid if proc.proc is not None else None
 
     def on_window(what: str) -> None:  # CPU time and step histograms at the window's start and end
-        cpu[what] = _proc_cpu_s(pid)
+        cpu[what] = proc_cpu_s(pid)
         steps[what] = read_step_times(proc.metrics_url)
 
     async def run():
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_peak(proc, peak, stop))
+        poller = asyncio.create_task(poll_peak(proc, peak, stop))
         try:
             return await replay_sessions(proc.address, rec.prompts, clients, duration_s,
                                          max_new_tokens=rec.max_new_tokens,
@@ -341,11 +341,11 @@ def _replay_mode(proc: _VerifierProcess, rec: Recording, clients: int, duration_
     preempted_before = read_preemptions(proc.metrics_url)
     tally = asyncio.run(run())
     preempted = preemption_fields(preempted_before, read_preemptions(proc.metrics_url))
-    after = _settled_memory(proc, idle["rss_bytes"])
-    metrics = {"clients": clients, **_tally_metrics(tally), **preempted}
+    after = settled_memory(proc, idle["rss_bytes"])
+    metrics = {"clients": clients, **tally_metrics(tally), **preempted}
     cpu_s = (cpu["end"] - cpu["start"]) if cpu.get("end") is not None and cpu.get("start") is not None else None
     metrics["verifier_cpu_s"] = round(cpu_s, 2) if cpu_s is not None else None
-    metrics["tokens_per_verifier_cpu_s"] = _ratio(tally.tokens, cpu_s or 0)
+    metrics["tokens_per_verifier_cpu_s"] = safe_ratio(tally.tokens, cpu_s or 0)
     # the verifier's host time per batch step outside the forward pass (its batcher's histograms)
     metrics.update(host_time_fields(steps.get("start"), steps.get("end")))
     return metrics, idle, peak, after
@@ -357,9 +357,9 @@ def _entry(out: dict, kernel: dict, memory: dict) -> dict:
     batched = out["batched"]
     entry = {
         "tokens_per_s": batched["tokens_per_s"],
-        "speedup_vs_serial": (_ratio(batched["tokens_per_s"] or 0, out["serial"]["tokens_per_s"] or 0)
+        "speedup_vs_serial": (safe_ratio(batched["tokens_per_s"] or 0, out["serial"]["tokens_per_s"] or 0)
                               if "serial" in out else None),
-        "speedup_vs_serial_window": (_ratio(batched["tokens_per_s_window"] or 0,
+        "speedup_vs_serial_window": (safe_ratio(batched["tokens_per_s_window"] or 0,
                                             out["serial"]["tokens_per_s_window"] or 0) if "serial" in out else None),
         "kernel_limit_speedup": kernel["speedup"],
         **{k: v for k, v in batched.items() if k != "tokens_per_s"},
@@ -370,22 +370,22 @@ def _entry(out: dict, kernel: dict, memory: dict) -> dict:
         entry["cloud"] = out["cloud"]
         entry["speculative_vs_cloud"] = {name: {
             "tokens_per_s": m["tokens_per_s"],
-            "verifier_cpu_s_per_1000_tokens": _ratio(1000, m["tokens_per_verifier_cpu_s"] or 0),
+            "verifier_cpu_s_per_1000_tokens": safe_ratio(1000, m["tokens_per_verifier_cpu_s"] or 0),
             "target_forward_passes": m.get("target_forward_passes"),
-            "forward_passes_per_1000_tokens": _ratio(1000 * (m.get("target_forward_passes") or 0),
+            "forward_passes_per_1000_tokens": safe_ratio(1000 * (m.get("target_forward_passes") or 0),
                                                      m.get("num_tokens") or 0)}
             for name, m in (("speculative", batched), ("cloud", out["cloud"]))}
     if "serial" in out:
         entry["serial"] = out["serial"]
         if entry["speedup_vs_serial"] and kernel["speedup"]:
             entry["fraction_of_kernel_limit"] = round(entry["speedup_vs_serial"] / kernel["speedup"], 3)
-        blocks = _ratio(batched.get("verdicts_per_s") or 0, out["serial"].get("verdicts_per_s") or 0)
+        blocks = safe_ratio(batched.get("verdicts_per_s") or 0, out["serial"].get("verdicts_per_s") or 0)
         entry["speedup_vs_serial_blocks"] = blocks
         if blocks and kernel["speedup"]:
             entry["fraction_of_kernel_limit_blocks"] = round(blocks / kernel["speedup"], 3)
         # the same ratios per CPU second of the verifier (kernel: of this process): what other jobs on a shared
         # machine take from the verifier's core drops out
-        cpu_speedup = _ratio(batched["tokens_per_verifier_cpu_s"] or 0,
+        cpu_speedup = safe_ratio(batched["tokens_per_verifier_cpu_s"] or 0,
                              out["serial"]["tokens_per_verifier_cpu_s"] or 0)
         entry["speedup_vs_serial_cpu"] = cpu_speedup
         if cpu_speedup and kernel.get("speedup_cpu"):

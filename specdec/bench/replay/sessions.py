@@ -8,7 +8,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from .._shared import _ratio
+from .._shared import safe_ratio
 from .recording import RecordedPrompt
 
 
@@ -326,16 +326,16 @@ async def _exchange(call, msg):
     return await call.read()
 
 
-def _tally_metrics(t: ReplayTally) -> dict:
+def tally_metrics(t: ReplayTally) -> dict:
     import numpy as np
 
     lat = np.array(t.latencies_s) * 1000 if t.latencies_s else None
     return {
         "tokens_per_s": t.steady_tokens_per_s(),
         "verdicts_per_s": t.steady_verdicts_per_s(),
-        "tokens_per_verdict": _ratio(t.tokens, t.verdicts),
-        "tokens_per_s_window": _ratio(t.tokens, t.window_s),
-        "mean_batch_size": _ratio(t.batch_size_sum, t.verdicts),
+        "tokens_per_verdict": safe_ratio(t.tokens, t.verdicts),
+        "tokens_per_s_window": safe_ratio(t.tokens, t.window_s),
+        "mean_batch_size": safe_ratio(t.batch_size_sum, t.verdicts),
         "verify_latency_ms": {
             "p50": round(float(np.percentile(lat, 50)), 2) if lat is not None else None,
             "p99": round(float(np.percentile(lat, 99)), 2) if lat is not None else None,
