@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe", "decode_on_device", "cloud_probe_fn"]
+__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe", "decode_on_device", "decode_unverified", "cloud_probe_fn"]
 
 FALLBACK_MODES = ("none", "device")
 DEFAULT_CONTEXT_TOKENS = 2048  # context assumed for the draft when neither the verifier nor its config tells
@@ -193,45 +193,57 @@ class CloudProbe:
         self._stop.set()
 
 
+def decode_unverified(client: GenerationContext, run: Run, sampling: SamplingParams,
+                      until: Callable[[], bool] | None = None) -> Iterator[Chunk]:
+    """The device-only decode loop, the one both device decoding and the device fallback run: the draft alone,
+    one token at a time (its own distribution, the generation's sampling parameters and stopping rule), each
+    token committed unverified (``run.num_unverified``, the route's ``"device"`` tokens) and streamed flagged
+    ``verified=False``; until the generation finishes (``run.finish_reason`` set) or ``until()`` turns True
+    after a token (at least one token per call: progress).
+
+    Raises:
+        InvalidRequestError: a grammar spec the draft's grammar engine refuses (structured output)."""
+    decoder = DeviceDecoder(client.drafter)
+    max_context = run.max_context_tokens or decoder.max_context_tokens
+    if len(run.committed) >= max_context:
+        run.finish_reason = FinishReason.CONTEXT
+        return
+    remaining = run.stopping.max_new_tokens - run.num_generated
+    stop = StopChecker(client.tokenizer, dataclasses.replace(run.stopping, max_new_tokens=remaining),
+                       decoder.eos_token_ids(), len(run.committed), max_context)
+    while run.finish_reason is None:
+        token = decoder.next_token(run.committed, sampling)
+        _, reason = stop.append([token])
+        tokens, reason = run.cut([token], reason)
+        run.committed.extend(tokens)
+        run.num_unverified += len(tokens)
+        run.route.tokens["device"] += len(tokens)
+        yield from run.out.push(tokens, verified=False)
+        run.finish_reason = reason
+        if reason is None and until is not None and until():
+            return
+
+
 def decode_on_device(client: GenerationContext, run: Run, sampling: SamplingParams,
                      error: BaseException) -> Iterator[Chunk]:
-    """No verifier answers: with ``client.fallback == "device"`` decode with the draft alone (same sampling
-    parameters and stopping rule, the draft's own distribution) until a probe of the cloud succeeds or the
-    generation finishes (``run.finish_reason`` set); yields the chunks of the tokens committed meanwhile (all
-    unverified). At least one token is decoded per call (progress).
+    """No verifier answers: with ``client.fallback == "device"`` decode with the draft alone
+    (:func:`decode_unverified`) until a probe of the cloud succeeds or the generation finishes; yields the
+    chunks of the tokens committed meanwhile (all unverified).
 
     Raises:
         ``error``: no device fallback (``client.fallback`` is "none", or the drafter cannot decode alone).
     """
     if client.fallback != "device" or not DeviceDecoder.supports(client.drafter):
         raise error
-    decoder = DeviceDecoder(client.drafter)
     run.span_sessions(client.tokenizer)
-    max_context = run.max_context_tokens or decoder.max_context_tokens
-    remaining = run.stopping.max_new_tokens - run.num_generated
-    if len(run.committed) >= max_context:
-        run.finish_reason = FinishReason.CONTEXT
-        return
-    stop = StopChecker(client.tokenizer, dataclasses.replace(run.stopping, max_new_tokens=remaining),
-                       decoder.eos_token_ids(), len(run.committed), max_context)
     log.info("no verifier answers (%s): decoding on the device with the draft model alone (unverified)",
              error)
     probe = CloudProbe(cloud_probe_fn(client.backend, client.reconnect_interval_s), client.reconnect_interval_s)
     try:
-        while True:
-            token = decoder.next_token(run.committed, sampling)
-            n, reason = stop.append([token])
-            tokens, reason = run.cut([token], reason)
-            run.committed.extend(tokens)
-            run.num_unverified += len(tokens)
-            yield from run.out.push(tokens, verified=False)
-            if reason is not None:
-                run.finish_reason = reason
-                return
-            if probe.ready:
-                log.info("a verifier answers again: continuing verified (%d tokens were decoded on the device)",
-                         run.num_unverified)
-                return
+        yield from decode_unverified(client, run, sampling, until=lambda: probe.ready)
+        if run.finish_reason is None:
+            log.info("a verifier answers again: continuing verified (%d tokens were decoded on the device)",
+                     run.num_unverified)
     finally:
         probe.stop()
 

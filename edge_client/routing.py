@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from common.errors import InvalidRequestError
-from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, Verdict
+from common.types import DraftBlock, SamplingParams, SessionOpened, Verdict
 from edge_client.cloud_decode import cloud_verdicts
 from edge_client.context import GenerationContext
+from edge_client.fallback import DeviceDecoder, decode_unverified
+from edge_client.generation import with_seed
 from edge_client.route_cost import RouteEstimates, draft_unseen, route_reason
 from edge_client.speculative import verify_session
 
@@ -250,31 +252,13 @@ def after_chunk(client: GenerationContext, run: "Run") -> None:
 
 
 def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:
-    """route=device: decode with the draft alone to the end (unverified, flagged; no verifier is called); any
-    other route: nothing.
+    """route=device: decode with the draft alone to the end (:func:`edge_client.fallback.decode_unverified`:
+    unverified, flagged; no verifier is called); any other route: nothing.
 
     Raises:
         InvalidRequestError: the client has no draft model that can decode alone (n-gram, target-only)."""
-    from common.stopping import StopChecker
-    from edge_client.fallback import DeviceDecoder
-    from edge_client.generation import with_seed
-
     if run.route.mode != "device":
         return
     if not DeviceDecoder.supports(client.drafter):
         raise InvalidRequestError("route=device needs a draft model that decodes alone (not n-gram or none)")
-    decoder, sampling = DeviceDecoder(client.drafter), with_seed(sampling)
-    max_context = decoder.max_context_tokens
-    if len(run.committed) >= max_context:
-        run.finish_reason = FinishReason.CONTEXT
-        return
-    stop = StopChecker(client.tokenizer, run.stopping, decoder.eos_token_ids(), len(run.committed), max_context)
-    while run.finish_reason is None:  # as edge_client.fallback.decode_on_device, without a cloud to return to
-        token = decoder.next_token(run.committed, sampling)
-        _, reason = stop.append([token])
-        tokens, reason = run.cut([token], reason)
-        run.committed.extend(tokens)
-        run.num_unverified += len(tokens)
-        run.route.tokens["device"] += len(tokens)
-        yield from run.out.push(tokens, verified=False)
-        run.finish_reason = reason
+    yield from decode_unverified(client, run, with_seed(sampling))
