@@ -198,31 +198,18 @@ class EdgeClient:
         for chunk in self.stream_chunks(prompt, **kwargs):
             yield chunk.text
 
-    def stream_chunks(
-        self,
-        prompt: str | list[int],
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | tuple[str, ...] = (),
-        stop_token_ids: list[int] | tuple[int, ...] = (),
-        ignore_eos: bool = False,
-        chat: bool = True,
-        route: str | None = None,
-        **processing,
-    ) -> Iterator[Chunk]:
+    def stream_chunks(self, prompt: str | list[int], *, chat: bool = True, route: str | None = None,
+                      **options) -> Iterator[Chunk]:
         """Generate; yield :class:`Chunk` (text, verified) as tokens are committed: ``verified`` is False for
-        text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`;
-        ``processing``: the other options of :func:`edge_client.request.generation_params` (repetition_penalty,
-        presence_penalty, frequency_penalty, logit_bias, min_tokens, min_p, logprobs, top_logprobs; logprobs
-        end up in ``self.last_result.logprobs``)."""
-        check_generation_options(processing)
-        sampling, stopping = generation_params(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **processing)
+        text decoded by the draft alone during a device fallback. Arguments and errors as :meth:`stream`:
+        ``prompt`` text (with ``chat``: through the tokenizer's chat template) or token ids; ``route`` as the
+        client's ``route`` (None: the client's); ``options``: the generation options of
+        :func:`edge_client.request.generation_params`, with its defaults (max_new_tokens, temperature, top_k,
+        top_p, seed, stop, stop_token_ids, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias, min_tokens, min_p, logprobs, top_logprobs, grammar; logprobs end up in
+        ``self.last_result.logprobs``)."""
+        check_generation_options(options)
+        sampling, stopping = generation_params(**options)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("empty prompt")

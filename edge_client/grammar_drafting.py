@@ -113,7 +113,8 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
                 rows_ids.append(np.array([token], dtype=np.int64))
                 rows_q.append(np.array([1.0], dtype=np.float32))
         else:
-            logits = np.array(drafter.next_token_logits(committed_token_ids + tokens), dtype=np.float32)  # feeds what is unfed
+            # feeds what is unfed
+            logits = np.array(drafter.next_token_logits(committed_token_ids + tokens), dtype=np.float32)
             allowed = m.mask(len(logits))
             allowed[valid:] = False
             if not allowed.any():

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from common.types import SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
@@ -124,10 +125,10 @@ def _chat_loop(conv, kwargs: dict, interactive: bool) -> int:
 @app.command()
 def chat(
     system: Optional[str] = typer.Option(None, help="System message of the conversation"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Per reply"),
-    temperature: float = typer.Option(0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0, help="0 = off"),
-    top_p: float = typer.Option(1.0, help="1.0 = off; 0 = the most likely token only"),
+    max_new_tokens: int = typer.Option(StoppingCriteria.max_new_tokens, "--max-new-tokens", help="Per reply"),
+    temperature: float = typer.Option(SamplingParams.temperature, help="0 = greedy"),
+    top_k: int = typer.Option(SamplingParams.top_k, help="0 = off"),
+    top_p: float = typer.Option(SamplingParams.top_p, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     server: Optional[str] = typer.Option(None, help=SERVER_HELP),

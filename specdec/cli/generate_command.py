@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from common.types import DEFAULT_DRAFT_TOP_K
+from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEVICE_HELP, DTYPE_HELP, check_device, explain, fail, user_errors, app,
 )
@@ -127,10 +127,10 @@ CLIENT_KEY = typer.Option(None, "--client-key", help="--server: PEM key of --cli
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user turn; see --raw)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0, help="0 = off"),
-    top_p: float = typer.Option(1.0, help="1.0 = off; 0 = the most likely token only"),
+    max_new_tokens: int = typer.Option(StoppingCriteria.max_new_tokens, "--max-new-tokens"),
+    temperature: float = typer.Option(SamplingParams.temperature, help="0 = greedy"),
+    top_k: int = typer.Option(SamplingParams.top_k, help="0 = off"),
+    top_p: float = typer.Option(SamplingParams.top_p, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
     draft_top_k: int = typer.Option(DEFAULT_DRAFT_TOP_K, help="k of top-k drafting for sampled sessions (1 = greedy "

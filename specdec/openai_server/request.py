@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.types import MAX_NEW_TOKENS, StoppingCriteria
+
 from .errors import ApiError
 
-DEFAULT_MAX_TOKENS = 256  # max_tokens when a request gives none (OpenAI: up to the context; a device endpoint
-# keeps it bounded)
+# max_tokens when a request gives none: the generation default of the SDK and the CLI (OpenAI: up to the
+# context; a device endpoint keeps it bounded)
+DEFAULT_MAX_TOKENS = StoppingCriteria.max_new_tokens
 
 # accepted and without effect on the output
 _HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
@@ -155,7 +158,6 @@ def _generation_kwargs(body: dict, chat: bool) -> tuple[dict, bool, bool]:
     name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = body.get("max_tokens"), "max_tokens"
-    from common.types import MAX_NEW_TOKENS
 
     max_tokens = _number({name: max_tokens}, name, DEFAULT_MAX_TOKENS, int, 1, MAX_NEW_TOKENS)
     stop = body.get("stop")
