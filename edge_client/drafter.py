@@ -253,8 +253,8 @@ class ModelDrafter:
         if num_tokens == 0:  # also past the draft's context: plain decoding (the target's token alone) from here
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         if sampling.grammar:  # structured output: masked drafting, forced tokens for free
-            return propose_constrained(self, self.draft_grammar(sampling), committed_token_ids, num_tokens, sampling, seed,
-                                       min_confidence, should_stop, t0, stack_rows)
+            return propose_constrained(self, self.draft_grammar(sampling), committed_token_ids, num_tokens, sampling,
+                                       seed, min_confidence, should_stop, t0, stack_rows)
         greedy = sampling.greedy or self.draft_top_k <= 1
         start = len(committed_token_ids)  # absolute position of the first draft token
         logits = self._sync(committed_token_ids)

@@ -45,7 +45,7 @@ from common.errors import (
     SpecdecError,
     VerifierUnavailableError,
 )
-from common.types import DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
+from common.types import NO_TOKEN, DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
 from edge_client.backend import VerifierBackend
 from edge_client.connections import PickFirstConnections, parse_addresses
 from edge_client.retry import RetryPolicy, Timers, exhausted_error, is_retryable
@@ -76,11 +76,11 @@ def verdict_from_store(draft_token_ids: Sequence[int], committed_length: int, co
             f"the store holds {len(new)} tokens after committed length {committed_length}, which is not one "
             f"verdict on a {len(draft_token_ids)}-token block"
         )
-    next_id = new[n] if len(new) == n + 1 else -1
+    next_id = new[n] if len(new) == n + 1 else NO_TOKEN
     return Verdict(
         num_accepted=n,
         next_token_id=next_id,
-        is_bonus=next_id >= 0 and n == len(draft_token_ids) and n > 0,
+        is_bonus=next_id != NO_TOKEN and n == len(draft_token_ids) and n > 0,
         committed_token_ids=new,
         committed_length=len(committed_token_ids),
         finished=bool(finished),

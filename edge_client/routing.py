@@ -156,7 +156,8 @@ def start_route(client: GenerationContext, route: str | None) -> RouteRun:
 def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
                 requested_seed: int | None) -> Iterator["Chunk"]:
     """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto) both in
-    turn, until the generation finishes or a call fails (raised, as :func:`edge_client.speculative.verify_session`). Each
+    turn, until the generation finishes or a call fails (raised, as
+    :func:`edge_client.speculative.verify_session`). Each
     segment starts at the session's next seq and its committed length, so a switch loses and repeats nothing."""
     rr: RouteRun = run.route
     if rr.requested == "auto":
