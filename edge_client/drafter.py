@@ -31,8 +31,8 @@ from typing import Callable, Protocol
 import numpy as np
 
 from common.logits_processors import TokenHistory
-from common.sampling import draft_token
-from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
+from edge_client.draft_step import DraftRows, below_confidence
 from edge_client.grammar_drafting import draft_grammar_for, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
 
@@ -254,57 +254,21 @@ class ModelDrafter:
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         if sampling.grammar:  # structured output: masked drafting, forced tokens for free
             return propose_constrained(self, self.draft_grammar(sampling), committed_token_ids, num_tokens, sampling,
-                                       seed, min_confidence, should_stop, t0, stack_rows)
-        greedy = sampling.greedy or self.draft_top_k <= 1
-        start = len(committed_token_ids)  # absolute position of the first draft token
+                                       seed, min_confidence, should_stop, t0)
+        rows = DraftRows(sampling, self.draft_top_k, self.valid_vocab_size, seed, len(committed_token_ids))
         logits = self._sync(committed_token_ids)
         history = self.processor(sampling, committed_token_ids, len(logits))
-        tokens: list[int] = []
-        rows_ids: list[np.ndarray] = []
-        rows_q: list[np.ndarray] = []
         for i in range(num_tokens):
-            if i > 0 and min_confidence > 0.0 and _top_prob(logits[: self.valid_vocab_size]) < min_confidence:
+            if i > 0 and below_confidence(logits[: self.valid_vocab_size], min_confidence):
                 break
             if i > 0 and should_stop is not None and should_stop():
                 break
             if history is not None:  # this position's history: committed ids + tokens[:i] (pushed below)
                 logits = history.apply(np.array(logits, dtype=np.float32))
-            token, ids, q = draft_token(logits, sampling, self.draft_top_k, self.valid_vocab_size, seed, start + i)
-            if not greedy:
-                rows_ids.append(ids)
-                rows_q.append(q)
-            tokens.append(token)
+            token = rows.draw(logits)
             if history is not None:
                 history.push(token)
             if i + 1 < num_tokens:
                 logits = self.model.forward([token])[-1]
                 self._cached_ids.append(token)
-        draft_probs = None if greedy else stack_rows(rows_ids, rows_q)
-        return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3)
-
-
-def _top_prob(logits: np.ndarray) -> float:
-    """Probability of the most likely token under softmax(logits) (logits [vocab_size])."""
-    m = float(np.max(logits))
-    return 1.0 / float(np.sum(np.exp(logits.astype(np.float64) - m)))
-
-
-def stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:
-    """Stack per-position sparse q rows into [γ, k] arrays, k = the widest row.
-
-    A narrower row (its distribution had fewer than k tokens of non-zero probability, e.g. under top-k/top-p
-    sampling) is padded with distinct token ids outside its support and probability 0, so the dense q it
-    denotes is unchanged.
-    """
-    k = max(len(r) for r in rows_ids)
-    ids_out = np.empty((len(rows_ids), k), dtype=np.int64)
-    q_out = np.zeros((len(rows_ids), k), dtype=np.float32)
-    for r, (ids, q) in enumerate(zip(rows_ids, rows_q)):
-        n = len(ids)
-        ids_out[r, :n] = ids
-        q_out[r, :n] = q
-        if n < k:
-            support = set(int(t) for t in ids)
-            pad = [t for t in range(n + k) if t not in support][: k - n]
-            ids_out[r, n:] = pad
-    return SparseDraftProbs(token_ids=ids_out, probs=q_out)
+        return rows.block(t0)

@@ -24,8 +24,8 @@ import numpy as np
 from common.errors import InvalidRequestError
 from common.grammar import (CompiledGrammar, GrammarMatcher, GrammarSpec, apply_mask, compile_grammar,
                             grammar_tokenizer)
-from common.sampling import draft_token
 from common.types import DraftBlock, SamplingParams
+from edge_client.draft_step import DraftRows, below_confidence
 
 __all__ = ["DraftGrammar", "draft_grammar_for", "propose_constrained"]
 
@@ -64,25 +64,17 @@ def draft_grammar_for(current: DraftGrammar | None, sampling: SamplingParams, to
     return DraftGrammar(compiled, int(prompt_length), spec_json=sampling.grammar)
 
 
-def _top_prob(logits: np.ndarray) -> float:
-    finite = logits[np.isfinite(logits)]
-    if not finite.size:
-        return 0.0
-    m = float(np.max(finite))
-    return 1.0 / float(np.sum(np.exp(finite.astype(np.float64) - m)))
-
-
 def _empty(t0: float) -> DraftBlock:
     return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
 
 
 def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: list[int], num_tokens: int,
-                        sampling: SamplingParams, seed: int, min_confidence: float, should_stop, t0: float,
-                        stack_rows) -> DraftBlock:
+                        sampling: SamplingParams, seed: int, min_confidence: float, should_stop,
+                        t0: float) -> DraftBlock:
     """:meth:`ModelDrafter.propose` under ``grammar`` (γ = ``num_tokens`` > 0 already capped to the draft's
-    room; ``stack_rows``: the drafter's q-row stacker). Same contract and return value (draft ids [n] with
-    n <= γ, sparse q rows for top-k drafting, a forced position's row one-hot on its id); the block ends early at
-    an EOS, when the grammar allows nothing, at confidence truncation or ``should_stop``.
+    room). Same contract and return value (draft ids [n] with n <= γ, sparse q rows for top-k drafting, a forced
+    position's row one-hot on its id; the per-position step: :mod:`edge_client.draft_step`); the block ends early
+    at an EOS, when the grammar allows nothing, at confidence truncation or ``should_stop``.
 
     Returns an empty block when the committed prefix does not match the grammar (the verifier decides then)."""
     m = grammar.matcher
@@ -91,14 +83,10 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
         m.sync(committed_token_ids[grammar.start:])
     except ValueError:
         return _empty(t0)
-    greedy = sampling.greedy or drafter.draft_top_k <= 1
     valid = drafter.valid_vocab_size
-    start = len(committed_token_ids)
+    rows = DraftRows(sampling, drafter.draft_top_k, valid, seed, len(committed_token_ids))
     processor = getattr(drafter, "processor", None)  # the history-dependent processors, when the drafter has them
     history = None
-    tokens: list[int] = []
-    rows_ids: list[np.ndarray] = []
-    rows_q: list[np.ndarray] = []
     num_forced = 0
     for i in range(num_tokens):
         if m.has_ended:
@@ -109,33 +97,25 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
         if forced is not None and forced < valid:
             token = forced
             num_forced += 1
-            if not greedy:
-                rows_ids.append(np.array([token], dtype=np.int64))
-                rows_q.append(np.array([1.0], dtype=np.float32))
+            rows.force(token)
         else:
             # feeds what is unfed
-            logits = np.array(drafter.next_token_logits(committed_token_ids + tokens), dtype=np.float32)
+            logits = np.array(drafter.next_token_logits(committed_token_ids + rows.tokens), dtype=np.float32)
             allowed = m.mask(len(logits))
             allowed[valid:] = False
             if not allowed.any():
                 break
             if processor is not None and history is None:
-                history = processor(sampling, committed_token_ids + tokens, len(logits))
+                history = processor(sampling, committed_token_ids + rows.tokens, len(logits))
             if history is not None:
                 history.apply(logits, allowed)
             else:
                 apply_mask(logits, allowed)
-            if i > 0 and min_confidence > 0.0 and _top_prob(logits[:valid]) < min_confidence:
+            if i > 0 and below_confidence(logits[:valid], min_confidence):
                 break
-            token, ids, q = draft_token(logits, sampling, drafter.draft_top_k, valid, seed, start + i)
-            if not greedy:
-                rows_ids.append(ids)
-                rows_q.append(q)
-        tokens.append(token)
+            token = rows.draw(logits)
         if history is not None:
             history.push(token)
         m.advance([token])
     grammar.last_num_forced = num_forced
-    draft_probs = None if greedy or not tokens else stack_rows(rows_ids, rows_q)
-    return DraftBlock(draft_token_ids=tokens, draft_probs=draft_probs, draft_ms=(time.perf_counter() - t0) * 1e3,
-                      num_forced_tokens=num_forced)
+    return rows.block(t0, num_forced)

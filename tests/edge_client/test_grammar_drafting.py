@@ -8,7 +8,7 @@ import pytest
 
 from common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
 from common.types import SamplingParams
-from edge_client.drafter import ModelDrafter, stack_rows
+from edge_client.drafter import ModelDrafter
 from edge_client.grammar_drafting import DraftGrammar, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
 
@@ -63,8 +63,7 @@ def _reference_greedy(draft, compiled, prompt, n):
 def _run(drafter, grammar, prompt, total, gamma, sampling, seed=0):
     committed, forced, blocks = list(prompt), 0, []
     while len(committed) - len(prompt) < total:
-        block = propose_constrained(drafter, grammar, committed, gamma, sampling, seed, 0.0, None, 0.0,
-                                    stack_rows)
+        block = propose_constrained(drafter, grammar, committed, gamma, sampling, seed, 0.0, None, 0.0)
         if not block.draft_token_ids:
             break
         blocks.append(block)
@@ -118,8 +117,7 @@ def test_prefix_the_grammar_forbids_gives_an_empty_block(draft, compiled):
     prompt = draft.tokenizer.encode("x", add_special_tokens=False)
     grammar = DraftGrammar(compiled, len(prompt))
     bad = prompt + draft.tokenizer.encode("nope", add_special_tokens=False)
-    block = propose_constrained(ModelDrafter(draft), grammar, bad, 4, SamplingParams(), 0, 0.0, None, 0.0,
-                                stack_rows)
+    block = propose_constrained(ModelDrafter(draft), grammar, bad, 4, SamplingParams(), 0, 0.0, None, 0.0)
     assert block.draft_token_ids == []
 
 
@@ -129,7 +127,7 @@ def test_nothing_is_drafted_after_eos(draft):
     prompt = draft.tokenizer.encode("x", add_special_tokens=False)
     done = prompt + draft.tokenizer.encode("yes", add_special_tokens=False) + [2]
     block = propose_constrained(ModelDrafter(draft), DraftGrammar(compiled, len(prompt)), done, 4, SamplingParams(),
-                                0, 0.0, None, 0.0, stack_rows)
+                                0, 0.0, None, 0.0)
     assert block.draft_token_ids == []
 
 
@@ -140,9 +138,8 @@ def test_constrained_draft_applies_the_history_processors(draft):
     prompt = draft.tokenizer.encode("Answer:", add_special_tokens=False)
     drafter = ModelDrafter(draft)
     plain = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1, SamplingParams(), 0, 0.0,
-                                None, 0.0, stack_rows).draft_token_ids
+                                None, 0.0).draft_token_ids
     biased = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1,
-                                 SamplingParams(logit_bias={plain[0]: -100.0}), 0, 0.0, None, 0.0,
-                                 stack_rows).draft_token_ids
+                                 SamplingParams(logit_bias={plain[0]: -100.0}), 0, 0.0, None, 0.0).draft_token_ids
     assert len(plain) == len(biased) == 1 and biased != plain
     assert compiled.matcher().mask()[biased[0]]  # still an id the grammar allows
