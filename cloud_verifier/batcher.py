@@ -49,6 +49,7 @@ from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import SessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
+from cloud_verifier.verify_policy import VerifyPolicy, profile_forward, truncate_block
 from common.errors import (
     InvalidRequestError,
     PreconditionError,
@@ -87,6 +88,7 @@ class Work:
     started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
     deferred_since: float | None = None  # monotonic s of its first step without KV pages (kv_scheduler)
     raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
+    full_block: DraftBlock | None = None  # the block as queued; ``block`` is the part this step verifies
 
 
 class Batcher:
@@ -104,6 +106,9 @@ class Batcher:
             It costs the rows already collected at most that fraction of a step; a straggler it catches saves a
             whole step.
         heartbeat_interval_s: the batch loop beats :attr:`heartbeat` at least this often while idle, s.
+        verify_policy: how much of each block a step verifies (:mod:`cloud_verifier.verify_policy`; default
+            :class:`~cloud_verifier.verify_policy.VerifyPolicy`, every position); its cost table is profiled on the
+            target thread when the batcher starts.
 
     Cancellation: a verify or prefill request cancelled while its item is queued is dropped (nothing of it is
     committed); one cancelled once its item is in a forward pass waits for that pass and its commit to end
@@ -122,6 +127,7 @@ class Batcher:
         max_batch_wait_ms: float,
         straggler_wait_fraction: float = 0.05,
         heartbeat_interval_s: float = 1.0,
+        verify_policy: VerifyPolicy | None = None,
     ):
         self.target = target
         self.store = store
@@ -144,6 +150,8 @@ class Batcher:
         self.kv = KVScheduler(target, sessions)  # pages for each forward pass, preempting when the pool is short
         self._deferred: list[Work] = []  # items handed back for want of KV pages: first in the next batch
         self._ran = True  # the last step ran a forward pass (else the next one waits a little for blocks)
+        self.verify_policy = verify_policy if verify_policy is not None else VerifyPolicy()
+        self._profiled = False
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -157,6 +165,16 @@ class Batcher:
         if self._task is not None and self._task.done():
             return float("inf")  # the loop ended (crashed or cancelled)
         return time.monotonic() - self.heartbeat
+
+    async def profile(self) -> None:
+        """Profile the target's forward time into the verify policy's cost table
+        (:func:`~cloud_verifier.verify_policy.profile_forward`, on the target thread), once, when the policy decides
+        from it (an adaptive one); call before sessions open (it borrows KV pages)."""
+        if self._profiled or self.target is None or not self.verify_policy.uses_cost_table:
+            return
+        self._profiled = True
+        await asyncio.get_running_loop().run_in_executor(self._executor, profile_forward, self.target,
+                                                         self.verify_policy.cost)
 
     def start(self) -> None:
         """Start the batch loop on the running event loop (no-op when already started)."""
@@ -202,7 +220,8 @@ class Batcher:
                 replica committed first, the session expired or finished); this replica's copy is released.
         """
         tokens = [session.committed[-1], *block.scored_draft_token_ids]  # block.num_scored_positions rows
-        work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq)
+        work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq,
+                    full_block=block)
         return await self._submit(work)
 
     def _new_future(self) -> asyncio.Future:
@@ -280,6 +299,8 @@ class Batcher:
             return
         end = time.perf_counter()
         metrics.observe_step(end - self._step_started, self._last_forward_s, collected - self._step_started)
+        # the verify policy's host cost: the step outside its forward pass, less the wait for more items
+        self.verify_policy.observe_host(max(0.0, end - collected - self._last_forward_s))
 
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
         """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
@@ -338,6 +359,7 @@ class Batcher:
         Returns one result per item: a Verdict (verify), None (prefill), the exception to raise, or _DEFERRED
         (no KV pages for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
         start = time.perf_counter()
+        self._set_verify_lengths(batch)
         planned = self.kv.plan(batch)  # pages for every row (preempting later sessions), or the item deferred
         self._ran = bool(planned.runnable)
         if not planned.runnable:
@@ -354,7 +376,9 @@ class Batcher:
         forward_ms = (time.perf_counter() - forward_start) * 1000
         self._last_forward_s = forward_ms / 1000  # read by the batch loop once this step is answered
         num_blocks = sum(1 for w in planned.runnable if w.block is not None)
-        metrics.observe_forward(forward_ms / 1000, num_blocks, sum(len(r.token_ids) for r in planned.rows))
+        num_tokens = sum(len(r.token_ids) for r in planned.rows)
+        metrics.observe_forward(forward_ms / 1000, num_blocks, num_tokens)
+        self.verify_policy.observe_step(num_tokens, forward_ms / 1000)
         verify = [i for i, w in enumerate(batch) if w.block is not None and logits[i] is not _DEFERRED]
         outcomes = self._rejections([batch[i] for i in verify], [logits[i] for i in verify])
         results: list = [_DEFERRED if x is _DEFERRED else None for x in logits]
@@ -371,6 +395,25 @@ class Batcher:
                 log.exception("verify failed")
                 results[i] = e
         return results
+
+    def _set_verify_lengths(self, batch: list[Work]) -> None:
+        """The verify policy's choice for this step: each verify row's ``block`` and ``tokens`` become the part of
+        its queued block it verifies (all of it, or a prefix: :func:`~cloud_verifier.verify_policy.truncate_block`;
+        re-chosen from the whole block when a row waits for KV pages). A classic block of a seeded sampled session
+        is always verified whole: a prefix of it would sample where the whole block judges (its edge keeps a
+        timing-independent schedule for such sessions; a bonus_drafted block's tokens do not depend on the cut)."""
+        fixed, verify = 0, []
+        for w in batch:
+            sampling = w.session.record.sampling
+            if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None):
+                verify.append(w)
+            else:
+                fixed += len(w.tokens)
+        if not verify:
+            return
+        for work, m in zip(verify, self.verify_policy.choose([w.full_block for w in verify], fixed)):
+            work.block = truncate_block(work.full_block, m)
+            work.tokens = [work.tokens[0], *work.block.scored_draft_token_ids]
 
     def _rejections(self, works: list[Work], logits: list) -> list:
         """The rejection rule of every verify row of one forward pass (:func:`cloud_verifier.verdict.stage.rejections`);
@@ -440,6 +483,8 @@ class Batcher:
             session.stop.restore(stop_state)
             raise
         session.confirm(verdict)
+        if work.full_block is not None:
+            self.verify_policy.observe_verdict(work.full_block, len(block.draft_token_ids), result.num_accepted)
         self.sessions.cache_committed(session)  # its newly final full pages, for sessions opening from now on
         spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)

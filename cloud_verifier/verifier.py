@@ -31,6 +31,7 @@ from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
+from cloud_verifier.verify_policy import VerifyPolicy, make_verify_policy
 from common.errors import SessionNotFoundError, VerifierUnavailableError
 from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
 from common.vocab import tokenizer_fingerprint
@@ -58,6 +59,9 @@ class Verifier:
         prefix_caching: share the KV pages of identical leading tokens across sessions
             (:mod:`cloud_verifier.prefix_cache`); False = off.
         prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
+        verify_policy: how much of each block a batch step verifies: ``"adaptive"`` (the lengths that maximise the
+            step's expected tokens/s), ``"fixed"`` (every drafted position), or a
+            :class:`~cloud_verifier.verify_policy.VerifyPolicy` (docs/verification.md).
 
     Tenants: every session belongs to the tenant that opened it (``tenant_id``, "" without authentication);
     the methods taking a ``tenant_id`` answer another tenant's session exactly as an unknown one.
@@ -82,6 +86,7 @@ class Verifier:
         tenant_limits: TenantLimits | None = None,
         prefix_caching: bool = True,
         prefix_cache_salt: str = "none",
+        verify_policy: str | VerifyPolicy = "adaptive",
     ):
         self.target = target
         self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)
@@ -115,6 +120,7 @@ class Verifier:
             target, self.store, self.sessions, valid_vocab_size=self.valid_vocab_size,
             max_batch_size=max_batch_size, max_batch_wait_ms=max_batch_wait_ms,
             straggler_wait_fraction=straggler_wait_fraction,
+            verify_policy=make_verify_policy(verify_policy) if isinstance(verify_policy, str) else verify_policy,
         )
         self._reaper: asyncio.Task | None = None
 
@@ -158,6 +164,7 @@ class Verifier:
             ),
             prefix_caching=settings.prefix_caching,
             prefix_cache_salt=settings.prefix_cache_salt,
+            verify_policy=settings.verify_policy,
         )
 
     # ------------------------------------------------------------------ batching knobs (benchmarks change them)
@@ -180,6 +187,7 @@ class Verifier:
         """Start the batcher and the idle-session reaper on the running event loop."""
         if self._reaper is not None:
             return
+        await self.batcher.profile()  # the adaptive verify policy's cost table, before any session opens
         self.batcher.start()
         self._reaper = asyncio.create_task(self.sessions.reap_loop(self.reap_interval_s))
 

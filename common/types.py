@@ -168,6 +168,9 @@ class DraftBlock:
     draft_ms: float = 0.0  # edge time spent drafting, ms
     bonus_drafted: bool = False
     num_forced_tokens: int = 0  # draft tokens a grammar forced (drafted without a draft forward pass; edge only)
+    # [γ] the draft's probability of each drafted token (its confidence; greedy drafting too, where q is one-hot
+    # for the rejection rule): what the verifier's adaptive verify length ranks positions by. None: not sent
+    draft_confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)
@@ -201,6 +204,10 @@ class Verdict:
         whole (it has no bonus token: its last draft token took that position).
     committed_token_ids: tokens this verdict commits (accepted prefix + next token, cut at the earliest stop).
     committed_length: prompt + output tokens committed after this verdict.
+    num_verified_positions: None when the verifier judged the whole block; else m, 1 <= m <= len(block): it
+        verified only the block's first m draft tokens (adaptive verification, docs/verification.md), as the
+        bonus_drafted block of those m tokens (no bonus token), and the tokens after them were not judged (num_accepted <= m;
+        all m accepted: next_token_id NO_TOKEN).
     """
 
     num_accepted: int
@@ -216,6 +223,7 @@ class Verdict:
     seq: int = 0
     # one per committed token when the session asked for logprobs (SamplingParams.logprobs), else None
     logprobs: list["TokenLogprobs"] | None = None
+    num_verified_positions: int | None = None
 
 
 @dataclass(frozen=True)

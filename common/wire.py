@@ -235,6 +235,7 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
         draft_token_ids=[int(t) for t in block.draft_token_ids],
         draft_ms=float(block.draft_ms),
         bonus_drafted=bool(block.bonus_drafted),
+        draft_confidence=[float(c) for c in block.draft_confidence or ()],
     )
     if block.draft_probs is not None:
         ids = np.asarray(block.draft_probs.token_ids)
@@ -262,8 +263,14 @@ def block_from_proto(msg: pb.DraftBlock) -> BlockRequest:
         ids = np.array([row.token_ids for row in rows], dtype=np.int64).reshape(gamma, k)
         probs = np.array([row.probs for row in rows], dtype=np.float32).reshape(gamma, k)
         draft_probs = SparseDraftProbs(token_ids=ids, probs=probs)
+    confidence = None
+    if len(msg.draft_confidence):
+        confidence = [float(c) for c in msg.draft_confidence]
+        if len(confidence) != len(draft_ids) or not all(0.0 <= c <= 1.0 for c in confidence):
+            raise InvalidRequestError(f"draft_confidence must hold one value in [0, 1] per draft token "
+                                      f"({len(draft_ids)}), got {len(confidence)}")
     block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
-                       bonus_drafted=bool(msg.bonus_drafted))
+                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence)
     return BlockRequest(msg.session_id, int(msg.seq), int(msg.committed_length), block)
 
 
@@ -323,6 +330,7 @@ def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
         batch_size=int(verdict.batch_size),
         logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
                                    top_logprobs=list(lp.top_logprobs)) for lp in verdict.logprobs or ()],
+        num_verified_positions=verdict.num_verified_positions,  # None: unset (the whole block)
     )
 
 
@@ -339,6 +347,10 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
     n = int(msg.num_accepted)
     if not (0 <= n <= len(draft_token_ids)):
         raise InvalidRequestError(f"verdict accepts {n} tokens of a {len(draft_token_ids)}-token block")
+    verified = int(msg.num_verified_positions) if msg.HasField("num_verified_positions") else None
+    if verified is not None and not (1 <= verified <= len(draft_token_ids) and n <= verified):
+        raise InvalidRequestError(f"verdict verifies {verified} positions of a {len(draft_token_ids)}-token block "
+                                  f"and accepts {n}")
     tokens = [int(t) for t in draft_token_ids[:n]]
     if msg.next_token_id >= 0:
         tokens.append(int(msg.next_token_id))
@@ -363,4 +375,5 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
         logprobs=[TokenLogprobs(float(lp.logprob), tuple(int(t) for t in lp.top_token_ids),
                                 tuple(float(x) for x in lp.top_logprobs)) for lp in msg.logprobs][:grown]
         if msg.logprobs else None,
+        num_verified_positions=verified,
     )

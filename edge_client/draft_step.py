@@ -13,7 +13,16 @@ import numpy as np
 from common.sampling import draft_token
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs
 
-__all__ = ["DraftRows", "below_confidence", "stack_rows"]
+__all__ = ["DraftRows", "below_confidence", "stack_rows", "top_probability"]
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The most likely token's probability under softmax(logits) (logits [n], masked entries -inf; 0.0 when none
+    is finite), float64 arithmetic."""
+    finite = logits[np.isfinite(logits)]
+    if not finite.size:
+        return 0.0
+    return 1.0 / float(np.sum(np.exp(finite.astype(np.float64) - float(np.max(finite)))))
 
 
 def below_confidence(logits: np.ndarray, min_confidence: float) -> bool:
@@ -21,11 +30,7 @@ def below_confidence(logits: np.ndarray, min_confidence: float) -> bool:
     softmax(logits) (logits [valid_vocab_size], masked entries -inf) is below ``min_confidence`` (0 = never)."""
     if min_confidence <= 0.0:
         return False
-    finite = logits[np.isfinite(logits)]
-    if not finite.size:
-        return True
-    m = float(np.max(finite))
-    return 1.0 / float(np.sum(np.exp(finite.astype(np.float64) - m))) < min_confidence
+    return top_probability(logits) < min_confidence
 
 
 class DraftRows:
@@ -45,6 +50,7 @@ class DraftRows:
         self.tokens: list[int] = []
         self.rows_ids: list[np.ndarray] = []
         self.rows_q: list[np.ndarray] = []
+        self.confidence: list[float] = []  # per token: its draft probability (DraftBlock.draft_confidence)
 
     def draw(self, logits: np.ndarray) -> int:
         """Draw the next position's token from the processed draft logits [>= valid_vocab_size]; record it."""
@@ -53,6 +59,9 @@ class DraftRows:
         if not self.greedy:
             self.rows_ids.append(ids)
             self.rows_q.append(q)
+            self.confidence.append(float(q[np.flatnonzero(ids == token)[0]]))
+        else:  # q is one-hot for the rejection rule; the softmax probability of the argmax is the confidence
+            self.confidence.append(top_probability(logits[: self.valid]))
         self.tokens.append(token)
         return token
 
@@ -61,13 +70,15 @@ class DraftRows:
         if not self.greedy:
             self.rows_ids.append(np.array([token], dtype=np.int64))
             self.rows_q.append(np.array([1.0], dtype=np.float32))
+        self.confidence.append(1.0)
         self.tokens.append(int(token))
 
     def block(self, t0: float, num_forced_tokens: int = 0) -> DraftBlock:
         """The DraftBlock of what was drafted (draft_ms from ``t0``, a time.perf_counter() reading)."""
         draft_probs = None if self.greedy or not self.tokens else stack_rows(self.rows_ids, self.rows_q)
         return DraftBlock(draft_token_ids=list(self.tokens), draft_probs=draft_probs,
-                          draft_ms=(time.perf_counter() - t0) * 1e3, num_forced_tokens=num_forced_tokens)
+                          draft_ms=(time.perf_counter() - t0) * 1e3, num_forced_tokens=num_forced_tokens,
+                          draft_confidence=list(self.confidence) if self.tokens else None)
 
 
 def stack_rows(rows_ids: list[np.ndarray], rows_q: list[np.ndarray]) -> SparseDraftProbs:

@@ -43,6 +43,7 @@ seen, γ_max is used.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,7 +52,7 @@ import numpy as np
 
 from common.types import DraftBlock, SparseDraftProbs
 
-__all__ = ["AdaptiveNumSpeculativeTokens", "ProactiveBet"]
+__all__ = ["AdaptiveNumSpeculativeTokens", "ProactiveBet", "concat_blocks", "slice_block"]
 
 
 @dataclass
@@ -80,6 +81,8 @@ class AdaptiveNumSpeculativeTokens:
     verify_base_ms: float = 0.0  # a: forward ms of a block of 0 draft tokens
     verify_ms_per_token: float = 0.0  # b: extra forward ms per draft token
     steps: int = 0
+    verified: float = 0.0  # moving average of the positions the verifier judged per block
+    trimming: float = 0.0  # moving average of the fraction of blocks the verifier verified only a prefix of
     _fwd: dict = field(default_factory=dict)  # block length -> EMA of forward ms
 
     def __post_init__(self):
@@ -91,7 +94,7 @@ class AdaptiveNumSpeculativeTokens:
         return new if first else (1 - self.ema) * old + self.ema * new
 
     def observe(self, num_speculative_tokens: int, num_accepted: int, draft_ms: float | None,
-                round_trip_ms: float, forward_ms: float) -> None:
+                round_trip_ms: float, forward_ms: float, num_verified: int | None = None) -> None:
         """Record one verify step.
 
         Args:
@@ -103,12 +106,18 @@ class AdaptiveNumSpeculativeTokens:
                 includes the draft's prefill of the whole prompt).
             round_trip_ms: block sent → verdict available, ms.
             forward_ms: the target forward pass that verified the block, ms (Verdict.forward_ms).
+            num_verified: the verifier judged only the block's first ``num_verified`` positions
+                (Verdict.num_verified_positions; None: all): positions past them are no observation, and γ is
+                kept near what the verifier verifies (:meth:`next_num_speculative_tokens`).
         """
         n = num_speculative_tokens
         first = self.steps == 0
         self.steps += 1
+        judged = n if num_verified is None else min(n, num_verified)
+        self.verified = self._avg(self.verified, float(judged), first)
+        self.trimming = self._avg(self.trimming, float(judged < n), first)
         # per-position conditional acceptance: positions < num_accepted accepted, position num_accepted rejected
-        for i in range(min(n, self.max_num_speculative_tokens)):
+        for i in range(min(judged, self.max_num_speculative_tokens)):
             if i < num_accepted:
                 self.accept[i] = (1 - self.ema) * self.accept[i] + self.ema
             elif i == num_accepted:
@@ -152,10 +161,12 @@ class AdaptiveNumSpeculativeTokens:
             rate = self.expected_tokens(n) / max(self.expected_ms(n), 1e-6)
             if rate > best_rate:
                 best, best_rate = n, rate
+        if self.trimming > 0.5:  # the verifier keeps verifying a prefix: draft about that much (one to grow)
+            best = min(best, max(1, math.ceil(self.verified) + 1))
         return best
 
 
-def _slice_block(block: DraftBlock, num_tokens: int, start: int = 0) -> DraftBlock:
+def slice_block(block: DraftBlock, num_tokens: int, start: int = 0) -> DraftBlock:
     """Draft tokens ``start .. num_tokens - 1`` of ``block``, with their ``draft_probs`` rows and ``draft_ms``.
 
     ``block`` itself when that is all of it (``start == 0`` and ``len(block) <= num_tokens``).
@@ -164,10 +175,12 @@ def _slice_block(block: DraftBlock, num_tokens: int, start: int = 0) -> DraftBlo
         return block
     dp = block.draft_probs
     probs = None if dp is None else SparseDraftProbs(dp.token_ids[start:num_tokens], dp.probs[start:num_tokens])
-    return DraftBlock(list(block.draft_token_ids[start:num_tokens]), probs, block.draft_ms, block.bonus_drafted)
+    conf = None if block.draft_confidence is None else list(block.draft_confidence[start:num_tokens])
+    return DraftBlock(list(block.draft_token_ids[start:num_tokens]), probs, block.draft_ms, block.bonus_drafted,
+                      draft_confidence=conf)
 
 
-def _concat_blocks(a: DraftBlock, b: DraftBlock) -> DraftBlock:
+def concat_blocks(a: DraftBlock, b: DraftBlock) -> DraftBlock:
     """``a`` followed by ``b`` (drafted right after it): ids, ``draft_probs`` rows (rows of different k padded
     with distinct zero-probability ids outside their support: the same q), ``draft_ms`` summed."""
     if not len(b):
@@ -191,8 +204,11 @@ def _concat_blocks(a: DraftBlock, b: DraftBlock) -> DraftBlock:
 
         wa, wb = widen(pa), widen(pb)
         probs = SparseDraftProbs(np.concatenate([wa.token_ids, wb.token_ids]), np.concatenate([wa.probs, wb.probs]))
+    conf = None
+    if a.draft_confidence is not None and b.draft_confidence is not None:
+        conf = list(a.draft_confidence) + list(b.draft_confidence)
     return DraftBlock(list(a.draft_token_ids) + list(b.draft_token_ids), probs, a.draft_ms + b.draft_ms,
-                      a.bonus_drafted)
+                      a.bonus_drafted, draft_confidence=conf)
 
 
 ProposeAhead = Callable[[list[int], int, Callable[[], bool]], DraftBlock]
@@ -246,13 +262,13 @@ class ProactiveBet:
         self.last_extend_s = 0.0
         if block is None or extends != committed_token_ids:
             return None
-        block = _slice_block(block, num_speculative_tokens)
+        block = slice_block(block, num_speculative_tokens)
         if cut and len(block) < num_speculative_tokens:
             t0 = time.perf_counter()
             more = self._propose(list(committed_token_ids) + list(block.draft_token_ids),
                                  num_speculative_tokens - len(block), lambda: False)
             self.last_extend_s = time.perf_counter() - t0
-            block = _concat_blocks(block, more)
+            block = concat_blocks(block, more)
         return block
 
     def place(self, committed_token_ids: list[int], block: DraftBlock, max_num_speculative_tokens: int,
@@ -297,6 +313,6 @@ class ProactiveBet:
         elapsed_s = time.perf_counter() - t0
         if len(ahead) >= 2:  # the guess and at least one draft token
             self._extends = bet + [ahead.draft_token_ids[0]]
-            self._block = _slice_block(ahead, len(ahead), start=1)
+            self._block = slice_block(ahead, len(ahead), start=1)
             self._cut = len(ahead) < wanted and should_stop()
         return elapsed_s

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from common.types import DraftBlock, SamplingParams, SessionOpened
 from edge_client.backend import SentBlock
 from edge_client.context import GenerationContext
-from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
+from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet, concat_blocks, slice_block
 
 if TYPE_CHECKING:
     from edge_client.generation import Run
     from edge_client.output import Chunk
 
-__all__ = ["draft_block", "uses_bonus_drafted", "verify_session"]
+__all__ = ["draft_block", "unjudged_tail", "uses_bonus_drafted", "verify_session"]
 
 
 def draft_block(client: GenerationContext, committed: list[int], num_speculative_tokens: int,
@@ -38,8 +38,14 @@ def draft_block(client: GenerationContext, committed: list[int], num_speculative
 
 
 def _next_block(client: GenerationContext, committed: list[int], num_speculative_tokens: int,
-                sampling: SamplingParams, bet: ProactiveBet | None) -> tuple[DraftBlock, bool, float]:
-    """The block to send: the one drafted ahead when the bet won, else a fresh draft.
+                sampling: SamplingParams, bet: ProactiveBet | None,
+                tail: DraftBlock | None = None) -> tuple[DraftBlock, bool, float]:
+    """The block to send: the one drafted ahead when the bet won, else the unjudged ``tail`` of the last block
+    completed to ``num_speculative_tokens`` tokens, else a fresh draft.
+
+    ``tail``: the draft tokens after the prefix the verifier judged and accepted whole (adaptive verification,
+    ``Verdict.num_verified_positions``): they extend exactly ``committed`` and are what the drafter would draft
+    from it (same prefix, same positions, same seeded draws), so they are sent again, not drafted again.
 
     Returns:
         (block, proactive hit, edge time spent drafting it now in s: 0 for a hit).
@@ -48,8 +54,26 @@ def _next_block(client: GenerationContext, committed: list[int], num_speculative
     if block is not None:  # a hit (completed now if the verdict cut drafting ahead short)
         return block, True, bet.last_extend_s
     t0 = time.perf_counter()
+    if tail is not None and len(tail) and num_speculative_tokens > 0:
+        block = slice_block(tail, num_speculative_tokens)
+        if len(block) < num_speculative_tokens:
+            more = draft_block(client, committed + list(block.draft_token_ids),
+                               num_speculative_tokens - len(block), sampling)
+            block = concat_blocks(block, more)
+        return block, False, time.perf_counter() - t0
     block = draft_block(client, committed, num_speculative_tokens, sampling)
     return block, False, time.perf_counter() - t0
+
+
+def unjudged_tail(block: DraftBlock, tokens: list[int], verdict) -> DraftBlock | None:
+    """The draft tokens of ``block`` the verifier did not judge, when it verified a prefix of it and accepted
+    that prefix whole (``tokens``: what the verdict committed, equal to that prefix); else None."""
+    m = verdict.num_verified_positions
+    if m is None or verdict.finished or verdict.num_accepted != m or list(tokens) != list(block.draft_token_ids[:m]):
+        return None
+    tail = slice_block(block, len(block), start=m)
+    tail.draft_ms = 0.0  # drafted (and counted) with the block before
+    return tail
 
 
 def _session_policy(client: GenerationContext, sampling: SamplingParams, requested_seed: int | None,
@@ -91,11 +115,12 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
     adaptive, bet = _session_policy(client, sampling, requested_seed, max_num_speculative_tokens)
     # bonus_drafted: γ speculative tokens + one for the bonus position (common.rejection)
     bonus_drafted = uses_bonus_drafted(client, sampling, requested_seed)
+    tail = None  # the unjudged draft tokens of the last block (adaptive verification), sent again
     for seq in itertools.count(run.first_seq):
         room = capacity - len(committed) - 1  # the verdict always adds one token of its own
         wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
         block, hit, draft_s = _next_block(client, committed, max(0, min(wanted, room)) + bonus_drafted, sampling,
-                                          bet)
+                                          bet, tail)
         block.bonus_drafted = bool(bonus_drafted and len(block))  # an empty block is plain decoding
         sent = SentBlock(client.backend, opened.session_id, seq, len(committed), block)
         if bet is not None and len(block) and not sent.future.done():
@@ -105,6 +130,7 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
         verdict, round_trip_ms = sent.wait(client.timeout_s)
         tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
         committed.extend(tokens)
+        tail = unjudged_tail(block, tokens, verdict)
         run.logprobs.extend((verdict.logprobs or [])[: len(tokens)])  # when asked for
         run.last_seq, run.session_committed = seq, verdict.committed_length
         spec = block.num_speculative_tokens
@@ -115,7 +141,7 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
             # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
             hidden = hit or stats.num_drafts == 0
             adaptive.observe(spec, spec_verdict.num_accepted, None if hidden else block.draft_ms,
-                             round_trip_ms, verdict.forward_ms)
+                             round_trip_ms, verdict.forward_ms, verdict.num_verified_positions)
         stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit, num_forced=block.num_forced_tokens)
         yield from run.out.push(tokens, verified=True)
         if reason is not None or run.switch_check(verdict, round_trip_ms, block, draft_s):  # or a route switch

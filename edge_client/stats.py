@@ -33,6 +33,9 @@ class GenerationStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
     num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and sent as they were
     num_forced_tokens: int = 0  # draft tokens a grammar forced, drafted without a draft forward pass
+    # draft tokens the verifier did not judge (adaptive verification verified a prefix of their block: they were
+    # neither accepted nor rejected, and were sent again at the start of the next block)
+    num_unverified_tokens: int = 0
 
     def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False,
                 num_forced: int = 0) -> None:
@@ -59,6 +62,8 @@ class GenerationStats:
         self.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
         self.num_proactive_hits += int(proactive_hit)
         self.num_forced_tokens += int(num_forced)
+        if verdict.num_verified_positions is not None:
+            self.num_unverified_tokens += max(0, block_len - verdict.num_verified_positions)
         if len(self.num_accepted_tokens_per_pos) < block_len:
             self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):

@@ -65,6 +65,7 @@ def make_verdict(work, next_token_id: int, n: int, num_committed: int, committed
     proposed ``next_token_id`` (NO_TOKEN: none), of which stopping kept ``committed`` (``num_committed`` tokens);
     ``queue_ms``/``forward_ms``: its wait and the forward pass, ms; ``batch_size``: verify blocks in the pass."""
     block = work.block
+    full = getattr(work, "full_block", None)
     num_drafted = len(block.draft_token_ids)  # γ (γ + 1 in a bonus_drafted block, which has no bonus token)
     num_accepted = min(n, num_committed)
     return Verdict(
@@ -79,4 +80,6 @@ def make_verdict(work, next_token_id: int, n: int, num_committed: int, committed
         forward_ms=forward_ms,
         batch_size=batch_size,
         seq=work.seq,
+        # a prefix of the queued block was verified (adaptive verification): the edge knows its tail was not judged
+        num_verified_positions=len(block.draft_token_ids) if full is not None and full is not block else None,
     )

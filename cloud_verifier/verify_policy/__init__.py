@@ -1,0 +1,16 @@
+"""Adaptive verification: how much of each queued draft block a batch step verifies (the verify-length policy
+of :class:`cloud_verifier.batcher.Batcher`; docs/verification.md)."""
+
+from cloud_verifier.verify_policy.calibration import AcceptanceCalibration
+from cloud_verifier.verify_policy.cost import ForwardCostTable, profile_forward
+from cloud_verifier.verify_policy.policy import (
+    VERIFY_POLICIES,
+    AdaptiveVerifyPolicy,
+    VerifyPolicy,
+    draft_confidences,
+    make_verify_policy,
+    truncate_block,
+)
+
+__all__ = ["VERIFY_POLICIES", "AcceptanceCalibration", "AdaptiveVerifyPolicy", "ForwardCostTable", "VerifyPolicy",
+           "draft_confidences", "make_verify_policy", "profile_forward", "truncate_block"]
