@@ -15,14 +15,14 @@ The verifier batches that step across sessions: continuous batching at verify-st
    waiting at most ``max_batch_wait_ms`` for them (it stops early once every open session has its block
    in), and up to ``straggler_wait_fraction`` of the last forward pass for the sessions answered last step that
    have not sent their next block yet (a session that misses a step waits a whole forward pass; on a CPU, 256
-   clients answering one 6 s step need ~100 ms to send theirs back). At most one chunk's worth of prefill tokens per forward pass (one chunk, or the chunks of several
-   short prompts that fit in ``prefill_chunk_tokens``), the others wait for the next: a long prompt is
-   prefilled interleaved with the running sessions' verify steps instead of stalling them.
-3. **KV pages**: every row's pages, earliest admitted session first; when the paged pool is short, sessions
+   clients answering one 6 s step need ~100 ms to send theirs back). At most one chunk's worth of prefill tokens
+   per forward pass (one chunk, or several short prompts' chunks that fit in ``prefill_chunk_tokens``): a long
+   prompt is prefilled interleaved with the running sessions' verify steps instead of stalling them.
+3. **Verify lengths**: the verify policy picks, per verify row, the prefix of its block this step verifies
+   (:mod:`cloud_verifier.verify_policy`: every position, or adaptive). Then **KV pages**: every row's pages, earliest admitted session first; when the paged pool is short, sessions
    admitted later are preempted (their pages dropped, their KV recomputed at their next row) and a row that
    still finds none waits for the next step (:mod:`cloud_verifier.kv_scheduler`).
-4. **Forward**: ONE target forward pass over all rows (:meth:`cloud_verifier.target.TargetRunner.forward`:
-   ragged, rows of different lengths, no padding), in the target thread.
+4. **Forward**: ONE ragged target forward pass over all rows (:meth:`~cloud_verifier.target.TargetRunner.forward`).
 5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
    0, speculative sampling otherwise, each session with its own counter-based random stream,
    so its output does not depend on which sessions share its batches); stopping over the candidate tokens
@@ -30,8 +30,7 @@ The verifier batches that step across sessions: continuous batching at verify-st
    store, a compare-and-append on the committed length (a replica whose copy is stale cannot commit: its copy
    is dropped and the next block resumes from the store); the :class:`~common.types.Verdict`.
 
-Sessions, admission and the deferred KV release are in :mod:`cloud_verifier.sessions`; block validation, which
-runs before a block is queued, in :mod:`cloud_verifier.validation`.
+Sessions and the deferred KV release: :mod:`cloud_verifier.sessions`; block validation: :mod:`~.validation`.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from cloud_verifier import metrics
 from cloud_verifier.kv_scheduler import KVScheduler
@@ -49,14 +47,10 @@ from cloud_verifier.sessions import SessionTable
 from cloud_verifier.store import SessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
-from cloud_verifier.verify_policy import VerifyPolicy, profile_forward, truncate_block
-from common.errors import (
-    InvalidRequestError,
-    PreconditionError,
-    SessionNotFoundError,
-    SpecdecError,
-    VerifierUnavailableError,
-)
+from cloud_verifier.verify_policy import VerifyPolicy, profile_forward, set_verify_lengths
+from cloud_verifier.work import Work
+from common.errors import (InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError,
+                           VerifierUnavailableError)
 from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
 
@@ -64,31 +58,6 @@ log = logging.getLogger(__name__)
 
 _DEFERRED = object()  # a step's result for an item that got no KV pages (it waits for the next step)
 _DEFERRED_WAIT_S = 0.01  # after a step that ran nothing, the longest wait for a new item before retrying, s
-
-
-# ---------------------------------------------------------------------------------------------- 1. the work item
-
-
-@dataclass
-class Work:
-    """One queued unit: a verify step (``block`` is not None) or a prefill chunk.
-
-    ``tokens`` are fed at positions ``start_position`` .. ``start_position + len(tokens) - 1`` of the session's
-    KV cache: for a verify step, the last committed token and the γ draft tokens (γ + 1 rows of logits), or
-    for a ``bonus_drafted`` block of n tokens the last committed token and its first n − 1 (n rows).
-    """
-
-    session: Session
-    tokens: list[int]
-    start_position: int  # tokens
-    future: asyncio.Future  # resolved with the Verdict (verify), None (prefill) or the error
-    block: DraftBlock | None = None
-    seq: int = 0
-    enqueued: float = field(default_factory=time.perf_counter)  # perf_counter time, s
-    started: bool = False  # taken into a forward pass: it runs to its end (committed wholly), whoever waits
-    deferred_since: float | None = None  # monotonic s of its first step without KV pages (kv_scheduler)
-    raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
-    full_block: DraftBlock | None = None  # the block as queued; ``block`` is the part this step verifies
 
 
 class Batcher:
@@ -152,6 +121,7 @@ class Batcher:
         self._ran = True  # the last step ran a forward pass (else the next one waits a little for blocks)
         self.verify_policy = verify_policy if verify_policy is not None else VerifyPolicy()
         self._profiled = False
+        self._steps = 0  # steps answered (the verify policy's gauges are exported every 16)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -167,9 +137,8 @@ class Batcher:
         return time.monotonic() - self.heartbeat
 
     async def profile(self) -> None:
-        """Profile the target's forward time into the verify policy's cost table
-        (:func:`~cloud_verifier.verify_policy.profile_forward`, on the target thread), once, when the policy decides
-        from it (an adaptive one); call before sessions open (it borrows KV pages)."""
+        """Once, when the verify policy reads a cost table: profile the target's forward time into it, on the target
+        thread (:func:`~cloud_verifier.verify_policy.profile_forward`; before sessions open: it borrows KV pages)."""
         if self._profiled or self.target is None or not self.verify_policy.uses_cost_table:
             return
         self._profiled = True
@@ -301,6 +270,9 @@ class Batcher:
         metrics.observe_step(end - self._step_started, self._last_forward_s, collected - self._step_started)
         # the verify policy's host cost: the step outside its forward pass, less the wait for more items
         self.verify_policy.observe_host(max(0.0, end - collected - self._last_forward_s))
+        self._steps += 1
+        if self._steps % 16 == 1:  # the cost table and calibration gauges (a report per step is not needed)
+            metrics.export_verify_policy(self.verify_policy.report())
 
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
         """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
@@ -359,7 +331,7 @@ class Batcher:
         Returns one result per item: a Verdict (verify), None (prefill), the exception to raise, or _DEFERRED
         (no KV pages for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
         start = time.perf_counter()
-        self._set_verify_lengths(batch)
+        set_verify_lengths(self.verify_policy, batch)  # the part of each block this step verifies
         planned = self.kv.plan(batch)  # pages for every row (preempting later sessions), or the item deferred
         self._ran = bool(planned.runnable)
         if not planned.runnable:
@@ -395,25 +367,6 @@ class Batcher:
                 log.exception("verify failed")
                 results[i] = e
         return results
-
-    def _set_verify_lengths(self, batch: list[Work]) -> None:
-        """The verify policy's choice for this step: each verify row's ``block`` and ``tokens`` become the part of
-        its queued block it verifies (all of it, or a prefix: :func:`~cloud_verifier.verify_policy.truncate_block`;
-        re-chosen from the whole block when a row waits for KV pages). A classic block of a seeded sampled session
-        is always verified whole: a prefix of it would sample where the whole block judges (its edge keeps a
-        timing-independent schedule for such sessions; a bonus_drafted block's tokens do not depend on the cut)."""
-        fixed, verify = 0, []
-        for w in batch:
-            sampling = w.session.record.sampling
-            if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None):
-                verify.append(w)
-            else:
-                fixed += len(w.tokens)
-        if not verify:
-            return
-        for work, m in zip(verify, self.verify_policy.choose([w.full_block for w in verify], fixed)):
-            work.block = truncate_block(work.full_block, m)
-            work.tokens = [work.tokens[0], *work.block.scored_draft_token_ids]
 
     def _rejections(self, works: list[Work], logits: list) -> list:
         """The rejection rule of every verify row of one forward pass (:func:`cloud_verifier.verdict.stage.rejections`);
@@ -484,7 +437,9 @@ class Batcher:
             raise
         session.confirm(verdict)
         if work.full_block is not None:
-            self.verify_policy.observe_verdict(work.full_block, len(block.draft_token_ids), result.num_accepted)
+            judged = len(block.draft_token_ids)
+            self.verify_policy.observe_verdict(work.full_block, judged, result.num_accepted)
+            metrics.observe_verify_positions(len(work.full_block.draft_token_ids), judged)
         self.sessions.cache_committed(session)  # its newly final full pages, for sessions opening from now on
         spec = block.num_speculative_tokens  # metrics count speculative positions
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)

@@ -9,8 +9,9 @@ from cloud_verifier.verify_policy.policy import (
     VerifyPolicy,
     draft_confidences,
     make_verify_policy,
+    set_verify_lengths,
     truncate_block,
 )
 
 __all__ = ["VERIFY_POLICIES", "AcceptanceCalibration", "AdaptiveVerifyPolicy", "ForwardCostTable", "VerifyPolicy",
-           "draft_confidences", "make_verify_policy", "profile_forward", "truncate_block"]
+           "draft_confidences", "make_verify_policy", "profile_forward", "set_verify_lengths", "truncate_block"]

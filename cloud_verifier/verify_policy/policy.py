@@ -36,7 +36,7 @@ from cloud_verifier.verify_policy.cost import ForwardCostTable
 from common.types import DraftBlock, SparseDraftProbs
 
 __all__ = ["VERIFY_POLICIES", "AdaptiveVerifyPolicy", "VerifyPolicy", "draft_confidences", "make_verify_policy",
-           "truncate_block"]
+           "set_verify_lengths", "truncate_block"]
 
 VERIFY_POLICIES = ("fixed", "adaptive")
 TRIM_MIN_GAIN = 0.02  # a step is trimmed only when it expects ≥ 2 % more tokens/s than verifying every position
@@ -161,6 +161,27 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         for _, _, r in gains[:best]:
             chosen[r] += 1
         return chosen
+
+
+def set_verify_lengths(policy: VerifyPolicy, batch: list) -> None:
+    """Apply ``policy`` to one batch step (``batch``: the step's :class:`cloud_verifier.work.Work` items): each
+    verify row's ``block`` and ``tokens`` become the part of its queued ``full_block`` it verifies (all of it, or a
+    prefix: :func:`truncate_block`; chosen again from the whole block when a row waits for KV pages). A classic
+    block of a seeded sampled session is always verified whole: a prefix of it would sample where the whole block
+    judges (its edge keeps a timing-independent schedule for such sessions; a bonus_drafted block's tokens do not
+    depend on the cut)."""
+    fixed, verify = 0, []
+    for w in batch:
+        sampling = w.session.record.sampling
+        if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None):
+            verify.append(w)
+        else:
+            fixed += len(w.tokens)
+    if not verify:
+        return
+    for work, m in zip(verify, policy.choose([w.full_block for w in verify], fixed)):
+        work.block = truncate_block(work.full_block, m)
+        work.tokens = [work.tokens[0], *work.block.scored_draft_token_ids]
 
 
 def make_verify_policy(name: str) -> VerifyPolicy:

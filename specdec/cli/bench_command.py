@@ -19,8 +19,8 @@ from specdec.cli.processing import (
 )
 
 
-def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s, device,
-                         dtype, json_schema=None) -> list[int] | None:
+def _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s, device,
+                         dtype, json_schema=None, verify_policy=None) -> list[int] | None:
     """The client counts of --clients (None without it), or exit with one line on options that do not go
     together."""
     if temperature > 0 and (clients or gamma_sweep or edge_cloud or json_schema):
@@ -37,6 +37,14 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
         fail("--replay needs --clients (e.g. --clients 1,16,64)")
     if duration_s is not None and not replay:
         fail("--duration-s goes with --replay")
+    if verify_policy is not None:
+        from cloud_verifier.verify_policy import VERIFY_POLICIES
+
+        if not replay:
+            fail("--verify-policy goes with --replay")
+        bad = [p for p in verify_policy.split(",") if p not in VERIFY_POLICIES]
+        if bad or not verify_policy:
+            fail(f"--verify-policy takes {', '.join(VERIFY_POLICIES)} (comma-separated), got {verify_policy!r}")
     require_extra("tools", "specdec bench")
     check_device(device, dtype)
     try:
@@ -47,7 +55,7 @@ def _check_bench_options(*, temperature, clients, gamma_sweep, edge_cloud, plot,
 
 def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sweep, edge_cloud, delays_ms, adaptive,
               min_confidence, pin, plot, limit, max_new_tokens, num_speculative_tokens, target, draft, no_hf,
-              sampling, progress, cloud_replay=False, json_schema=None) -> dict:
+              sampling, progress, cloud_replay=False, json_schema=None, verify_policies=None) -> dict:
     """The report of the one benchmark mode the options select."""
     if json_schema is not None:  # constrained vs unconstrained side by side: specdec/bench/structured.py
         from specdec.bench.structured import run_structured
@@ -60,6 +68,7 @@ def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sw
             duration_s=bench_mod.REPLAY_DEFAULT_DURATION_S if duration_s is None else duration_s,
             limit=limit, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
             target=target, draft=draft, progress=progress, cloud=cloud_replay,
+            verify_policies=verify_policies.split(",") if verify_policies else None,
         )
     if client_counts:
         return bench_mod.run_clients_bench(
@@ -88,6 +97,8 @@ REPLAY = typer.Option(
     False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
     "concurrent sessions of one asyncio process against a verifier process on its own cores")
 DURATION_S = typer.Option(None, "--duration-s", help="--replay: measured window per N, s (default 20)")
+VERIFY_POLICY = typer.Option(None, "--verify-policy", help="--replay: the verifier's verify policies side by side, "
+                             "interleaved per N, e.g. fixed,adaptive (default: the verifier's own, adaptive)")
 WAN = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side by side through "
                    "specdec.netem's proxy (JSON; docs/routing.md)")
 ROUTE = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,auto); --replay: "
@@ -150,6 +161,7 @@ def bench(
     seed: Optional[int] = typer.Option(None, help="Seed of the sampled runs (checks they are reproducible)"),
     replay: bool = REPLAY,
     duration_s: Optional[float] = DURATION_S,
+    verify_policy: Optional[str] = VERIFY_POLICY,
     device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype: {DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
@@ -170,7 +182,6 @@ def bench(
     """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
     from common.types import SamplingParams
     from specdec import bench as bench_mod
-
     logging.basicConfig(level=logging.WARNING)
     processing = processing_options(  # the default benchmark's variants all run with them
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -181,14 +192,13 @@ def bench(
         return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                         jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device)
-    client_counts = _check_bench_options(
-        temperature=temperature, clients=clients, gamma_sweep=gamma_sweep, edge_cloud=edge_cloud, plot=plot,
-        replay=replay, duration_s=duration_s, device=device, dtype=dtype, json_schema=json_schema)
+    client_counts = _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s,
+                                         device, dtype, json_schema, verify_policy)
     try:
         with bench_mod.target_placement(device, dtype):  # the target's device in every mode
             report = _run_mode(
                 bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
-                cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema,
+                cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema, verify_policies=verify_policy,
                 edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
                 pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
                 num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from cloud_verifier.batcher import Batcher, Work
+from cloud_verifier.batcher import Batcher
+from cloud_verifier.work import Work
 from common.types import DraftBlock
 
 LAST_FORWARD_S = 0.4  # the previous step's forward pass, s

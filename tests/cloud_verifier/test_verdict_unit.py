@@ -23,7 +23,7 @@ from _reference import hf_greedy
 from cloud_verifier.store import MemorySessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
-from cloud_verifier.batcher import Work
+from cloud_verifier.work import Work
 from common.errors import InvalidRequestError, TargetOutputError
 from common.rejection import verify_block
 from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria

@@ -88,3 +88,27 @@ def host_time_fields(start: dict | None, end: dict | None) -> dict:
         collect_ms_per_step=round(1000 * delta("specdec_batch_collect_seconds_sum") / steps, 3),
     )
     return fields
+
+
+def read_verify_policy(url: str | None) -> dict | None:
+    """The verify policy's gauges and counters at ``url`` (a /metrics address, cloud_verifier/metrics.py):
+    {"cost_table_s": {tokens: s}, "calibration_error": {"raw", "calibrated"}, "positions": {"drafted",
+    "verified"}}; None when there is no URL or it does not answer."""
+    if not url:
+        return None
+    try:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+    out: dict = {"cost_table_s": {}, "calibration_error": {}, "positions": {}}
+    fields = {"specdec_verify_cost_seconds": ("cost_table_s", "tokens"),
+              "specdec_verify_calibration_error": ("calibration_error", "estimate"),
+              "specdec_verify_positions_total": ("positions", "kind")}
+    for line in body.splitlines():
+        name, _, rest = line.partition("{")
+        if name in fields and rest:
+            key, label = fields[name]
+            labels, _, value = rest.partition("} ")
+            got = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
+            out[key][got.get(label, "").strip('"')] = float(value.split()[0])
+    return out

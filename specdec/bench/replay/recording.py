@@ -14,7 +14,7 @@ from typing import Any
 from .._shared import progress_bar
 from ..prompts import BenchPrompt
 
-REPLAY_FORMAT = 1  # bump when the recording's content or meaning changes (invalidates the cache)
+REPLAY_FORMAT = 2  # bump when the recording's content or meaning changes (invalidates the cache)
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RecordedStep:
     next_token_id: int
     verdict_committed_length: int
     finished: bool
+    draft_confidence: list[float] | None = None  # [γ] the draft's probability of each drafted token
 
     def expected(self) -> tuple[int, int, int, bool]:
         return self.num_accepted, self.next_token_id, self.verdict_committed_length, self.finished
@@ -124,7 +125,7 @@ class _RecordingBackend:
         v = fut.result()  # the client waits for it anyway (no proactive drafting): keeps the order
         self.steps.append(RecordedStep(int(seq), int(committed_length), [int(t) for t in block.draft_token_ids],
                                        int(v.num_accepted), int(v.next_token_id), int(v.committed_length),
-                                       bool(v.finished)))
+                                       bool(v.finished), block.draft_confidence))
         return fut
 
     def close_session(self, session_id):
@@ -151,7 +152,7 @@ def record_blocks(runner, draft_dir: Path, questions: list[BenchPrompt], *, max_
 
     model = OnnxDraftModel(draft_dir)
     valid = check_vocab_compatible(model.tokenizer, runner.tokenizer, model.vocab_size, runner.vocab_size)
-    backend = _RecordingBackend(LocalBackend(Verifier(runner)))
+    backend = _RecordingBackend(LocalBackend(Verifier(runner, verify_policy="fixed")))  # whole blocks recorded
     client = EdgeClient(backend, ModelDrafter(model, valid_vocab_size=valid), model.tokenizer,
                         num_speculative_tokens=num_speculative_tokens)  # fixed γ, no truncation, not proactive
     out: list[RecordedPrompt] = []
@@ -180,7 +181,7 @@ def _save_recording(path: Path, rec: Recording, config: dict) -> None:
             {"question_id": p.question_id, "category": p.category, "prompt_token_ids": p.prompt_token_ids,
              "output_token_ids": p.output_token_ids,
              "steps": [[s.seq, s.committed_length, s.draft_token_ids, s.num_accepted, s.next_token_id,
-                        s.verdict_committed_length, int(s.finished)] for s in p.steps]}
+                        s.verdict_committed_length, int(s.finished), s.draft_confidence] for s in p.steps]}
             for p in rec.prompts
         ],
     }
@@ -198,7 +199,7 @@ def _load_recording(path: Path, key: str) -> Recording | None:
         return None
     prompts = [
         RecordedPrompt(p["question_id"], p["category"], p["prompt_token_ids"], p["output_token_ids"],
-                       [RecordedStep(s[0], s[1], s[2], s[3], s[4], s[5], bool(s[6])) for s in p["steps"]])
+                       [RecordedStep(s[0], s[1], s[2], s[3], s[4], s[5], bool(s[6]), s[7]) for s in p["steps"]])
         for p in body["prompts"]
     ]
     return Recording(key, path, True, body["max_new_tokens"], body["num_speculative_tokens"],

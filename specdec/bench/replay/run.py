@@ -13,7 +13,8 @@ from typing import Any
 from .._shared import progress_bar, safe_ratio, resolve_dirs, current_target_placement, threading_config, package_versions
 from ..prompts import load_prompts
 from ..verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcess
-from .host_time import host_time_fields, preemption_fields, read_preemptions, read_step_times
+from .host_time import host_time_fields, preemption_fields, read_preemptions, read_step_times, read_verify_policy
+from .policies import policy_ratios, policy_summary
 from .kernel import measure_prefill_share, kernel_kv_tokens, measure_kernel_limit
 from .memory import (
     RSS_IDLE_TOLERANCE, RSS_IDLE_TOLERANCE_BYTES, poll_peak, proc_cpu_s, rss_back, settled_memory, verifier_memory,
@@ -102,6 +103,7 @@ def run_replay_bench(
     progress: bool = False,
     startup_timeout_s: float = VERIFIER_STARTUP_TIMEOUT_S,
     cloud: bool = False,
+    verify_policies: list[str] | None = None,
 ) -> dict:
     """Replay recorded draft blocks from N concurrent sessions against a verifier process (package docstring).
 
@@ -112,11 +114,12 @@ def run_replay_bench(
     the target's (verifiers, recording, kernel limit); None = :func:`~specdec.bench._shared.target_placement`'s.
     ``cloud``: the same sessions also cloud-decoded (Decode) by N clients against the batched verifier: each N gets
     ``"cloud"`` (its metrics) and ``"speculative_vs_cloud"`` (tokens/s and verifier CPU-s per 1,000 tokens).
+    ``verify_policies`` (e.g. ``["fixed", "adaptive"]``): a batched verifier per policy, replayed in turn for each N
+    (:mod:`~specdec.bench.replay.policies`; top-level figures: the first's). None: the verifier's default.
     """
     from cloud_verifier.target import TargetRunner
 
-    counts = _check_replay_args(client_counts, duration_s, max_new_tokens, num_speculative_tokens,
-                                max_batch_size or 1)
+    counts = _check_replay_args(client_counts, duration_s, max_new_tokens, num_speculative_tokens, max_batch_size or 1)
     if max_batch_size is None:  # the batched verifier can take every session's block into one pass (kernel limit)
         max_batch_size = max(32, max(counts))
     notes: list[str] = []
@@ -145,11 +148,12 @@ def run_replay_bench(
                                                            kv_cache_budget_tokens=kv_tokens)
     lg_cores, v_cores = _core_plan(pin, notes)
     v_threads = len(v_cores) if v_cores else max(1, (os.cpu_count() or 2) // 2)
-    batched_proc, serial_proc = _verifier_processes(
+    batched_procs, serial_proc = _verifier_processes(
         target_dir, str(dev), dtype_name, max_batch_size, max(256, 2 * max(counts)), serial=serial, v_cores=v_cores,
-        v_threads=v_threads, startup_timeout_s=startup_timeout_s)
+        v_threads=v_threads, startup_timeout_s=startup_timeout_s, verify_policies=verify_policies)
+    batched_proc = next(iter(batched_procs.values()))
     report, exit_status = _run_counts(
-        counts, rec, runner, batched_proc, serial_proc, duration_s=duration_s, warmup_s=warmup_s, lg_cores=lg_cores,
+        counts, rec, runner, batched_procs, serial_proc, duration_s=duration_s, warmup_s=warmup_s, lg_cores=lg_cores,
         v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, progress=progress,
         cloud=cloud)
     config = _replay_config(
@@ -162,16 +166,21 @@ def run_replay_bench(
 
 
 def _verifier_processes(target_dir: Path, device: str, dtype: str, max_batch_size: int, max_sessions: int, *,
-                        serial: bool, v_cores, v_threads: int, startup_timeout_s: float):
-    """(batched verifier, one-block-per-forward verifier or None), not started, both on the verifier cores."""
+                        serial: bool, v_cores, v_threads: int, startup_timeout_s: float,
+                        verify_policies: list[str] | None = None):
+    """({verify policy (None: the default): batched verifier}, one-block-per-forward verifier or None), not started,
+    all on the verifier cores (the one-block verifier verifies whole blocks: its rows are never cut)."""
     env = {"SPECDEC_DEVICE": device, "SPECDEC_DTYPE": dtype, "SPECDEC_MAX_BATCH_SIZE": str(max_batch_size),
            "SPECDEC_MAX_SESSIONS": str(max_sessions)}
-    batched_proc = VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True, env=env,
-                                    torch_threads=v_threads)
+    batched = {policy: VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True,
+                                       env={**env, **({"SPECDEC_VERIFY_POLICY": policy} if policy else {})},
+                                       torch_threads=v_threads)
+               for policy in (verify_policies or [None])}
     serial_proc = (VerifierProcess(target_dir, None, startup_timeout_s, cores=v_cores, metrics=True,
-                                    env={**env, "SPECDEC_MAX_BATCH_SIZE": "1"}, torch_threads=v_threads)
+                                    env={**env, "SPECDEC_MAX_BATCH_SIZE": "1", "SPECDEC_VERIFY_POLICY": "fixed"},
+                                    torch_threads=v_threads)
                    if serial else None)
-    return batched_proc, serial_proc
+    return batched, serial_proc
 
 
 def _replay_config(prompts: Path, limit: int, rec: Recording, *, duration_s: float, warmup_s: float,
@@ -215,7 +224,7 @@ def _resolve_placement(device: str | None, dtype: str | None):
     return dev, dt, str(dt).replace("torch.", "")
 
 
-def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: VerifierProcess,
+def _run_counts(counts: list[int], rec: Recording, runner, batched_procs: dict,
                 serial_proc: VerifierProcess | None, *, duration_s: float, warmup_s: float, lg_cores, v_cores,
                 v_threads: int, num_speculative_tokens: int, progress: bool, cloud: bool = False
                 ) -> tuple[dict, dict]:
@@ -232,7 +241,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: Verifie
     try:
         if lg_cores:
             set_process_affinity(lg_cores)
-        procs = [p for p in (batched_proc, serial_proc) if p is not None]
+        procs = [*batched_procs.values(), *([serial_proc] if serial_proc is not None else [])]
         for p in procs:
             p.start()
         for p in procs:  # untimed: first forward passes, allocator growth, channels
@@ -242,7 +251,7 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: Verifie
         bar = progress_bar(progress, len(counts), "replay", "N")
         for i, n in enumerate(counts):
             report[str(n)] = _measure_n(
-                n, i, rec, runner, batched_proc, serial_proc, duration_s=duration_s, lg_cores=lg_cores,
+                n, i, rec, runner, batched_procs, serial_proc, duration_s=duration_s, lg_cores=lg_cores,
                 v_cores=v_cores, v_threads=v_threads, num_speculative_tokens=num_speculative_tokens, cloud=cloud,
             )
             torch.set_num_threads(saved_threads)
@@ -253,7 +262,8 @@ def _run_counts(counts: list[int], rec: Recording, runner, batched_proc: Verifie
         if bar is not None:
             bar.close()
         exit_status = {}
-        for name, p in (("batched", batched_proc), ("serial", serial_proc)):
+        named = [(f"batched:{k}" if k else "batched", p) for k, p in batched_procs.items()]
+        for name, p in (*named, ("serial", serial_proc)):
             if p is not None:
                 with contextlib.suppress(Exception):
                     exit_status[name] = p.stop()
@@ -277,7 +287,7 @@ def _recording_summary(rec: Recording) -> dict:
     }
 
 
-def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: VerifierProcess,
+def _measure_n(n: int, index: int, rec: Recording, runner, batched_procs: dict,
                serial_proc: VerifierProcess | None, *, duration_s: float, lg_cores, v_cores, v_threads: int,
                num_speculative_tokens: int, cloud: bool = False) -> dict:
     """Kernel limit, then the batched and the serial replay (order alternating with ``index``), for one N; with
@@ -295,14 +305,24 @@ def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: Verifie
         if lg_cores:
             set_process_affinity(lg_cores)
     kernel["prefill_share"] = measure_prefill_share(runner, rec, kernel, v_cores, lg_cores, v_threads)
-    order = (["batched", "serial"] if index % 2 == 0 else ["serial", "batched"]) + (["cloud"] if cloud else [])
+    policies = list(batched_procs)
+    batched_proc = batched_procs[policies[0]]
+    order = [("batched", p) for p in policies] + [("serial", None)]
+    order = (order if index % 2 == 0 else order[::-1]) + ([("cloud", None)] if cloud else [])
     out: dict[str, Any] = {}
+    by_policy: dict[str, dict] = {}
     memory: dict[str, Any] = {}
-    for mode in order:
+    for mode, policy in order:
         if mode == "serial" and serial_proc is None:
             continue
-        proc = serial_proc if mode == "serial" else batched_proc
-        out[mode], idle, peak, after = _replay_mode(proc, rec, n, duration_s, cloud=mode == "cloud")
+        proc = serial_proc if mode == "serial" else batched_procs[policy] if mode == "batched" else batched_proc
+        before = read_verify_policy(proc.metrics_url) if mode == "batched" else None
+        got, idle, peak, after = _replay_mode(proc, rec, n, duration_s, cloud=mode == "cloud")
+        if mode == "batched" and policy is not None:
+            by_policy[policy] = policy_summary(got, before, read_verify_policy(proc.metrics_url))
+        if mode == "batched" and policy != policies[0]:
+            continue
+        out[mode] = got
         if mode == "batched":
             memory = {
                 "idle": idle, "peak": peak, "after": after,
@@ -310,7 +330,11 @@ def _measure_n(n: int, index: int, rec: Recording, runner, batched_proc: Verifie
                 "rss_back_to_idle": rss_back(idle["rss_bytes"], after["rss_bytes"]),
                 "rss_tolerance": f"{RSS_IDLE_TOLERANCE:.0%} of idle or {RSS_IDLE_TOLERANCE_BYTES >> 20} MiB",
             }
-    return _entry(out, kernel, memory)
+    entry = _entry(out, kernel, memory)
+    if by_policy:
+        entry["verify_policy"] = by_policy
+        entry["tokens_per_s_vs_" + policies[0]] = policy_ratios(by_policy, policies[0])
+    return entry
 
 
 def _replay_mode(proc: VerifierProcess, rec: Recording, clients: int, duration_s: float, cloud: bool = False):

@@ -32,6 +32,7 @@ class ReplayTally:
     drain_s: float = 0.0  # from the end of the window to the last session closed
     slot_rate_sum: float = 0.0  # sum over slots of their steady rates, tokens/s (see steady_tokens_per_s)
     slot_verdict_rate_sum: float = 0.0  # the same in verdicts (blocks verified) per second
+    verified_positions: int = 0  # draft tokens the verifier judged, in-window verdicts (all sent: no cut)
 
     def add_slot(self, first_t: float | None, last_t: float | None, tokens_after_first: int,
                  tokens_in_window: int, verdicts_after_first: int = 0, verdicts_in_window: int = 0) -> None:
@@ -256,19 +257,32 @@ class _Slot:
 
     async def _steps(self, p: RecordedPrompt, sid: str) -> bool:
         """Send the recorded blocks one verdict after the other; True when all were sent and matched, False when
-        the window ended first or a verdict differs from the recorded one (a mismatch)."""
+        the window ended first or a verdict differs from the recording (a mismatch).
+
+        A verifier that verifies a prefix of a block (adaptive verification: ``num_verified_positions`` set)
+        commits less than the recorded verdict: the next block is then the recorded block's unjudged draft tokens
+        (what the draft proposed after that prefix), until the recorded committed lengths are reached again. Every
+        verdict's committed tokens must be the recorded output's; a whole-block verdict on a recorded block must
+        equal the recorded verdict."""
         import grpc
 
         from common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
-        for step in p.steps:
+        full = p.prompt_token_ids + p.output_token_ids
+        c, seq = len(p.prompt_token_ids), 0
+        while c < len(full) or seq == 0:
             if r.loop.time() >= r.end:
                 return False
+            step, offset = _block_at(p, c)
+            if step is None:
+                return self._mismatch(p, seq + 1, "a recorded block at", [c], [])
+            seq += 1
             if self.call is None:
                 self.call = self.stub.Verify()
-            msg = pb.DraftBlock(session_id=sid, seq=step.seq, committed_length=step.committed_length,
-                                draft_token_ids=step.draft_token_ids)
+            conf = step.draft_confidence[offset:] if step.draft_confidence else []
+            msg = pb.DraftBlock(session_id=sid, seq=seq, committed_length=c,
+                                draft_token_ids=step.draft_token_ids[offset:], draft_confidence=conf)
             t0 = time.perf_counter()
             v = await asyncio.wait_for(_exchange(self.call, msg), r.verify_timeout_s)
             t1 = time.perf_counter()
@@ -278,16 +292,31 @@ class _Slot:
                 self.had_verdict = True
                 r.first_verdict()
             elif r.in_window():
-                self.count(v.committed_length - step.committed_length, v.batch_size, t1 - t0, t1)
+                self.count(v.committed_length - c, v.batch_size, t1 - t0, t1)
+                tally.verified_positions += (v.num_verified_positions if v.HasField("num_verified_positions")
+                                         else len(msg.draft_token_ids))
             got = (v.num_accepted, v.next_token_id, v.committed_length, v.finished)
-            if got != step.expected() or v.seq != step.seq:
-                tally.mismatches += 1
-                if len(tally.mismatch_samples) < 5:
-                    tally.mismatch_samples.append({"question_id": p.question_id, "seq": step.seq,
-                                                   "expected": list(step.expected()), "got": list(got)})
-                return False
+            committed = list(msg.draft_token_ids[:v.num_accepted]) + ([v.next_token_id] if v.next_token_id >= 0 else [])
+            cut = v.HasField("num_verified_positions")
+            ok = v.seq == seq and v.committed_length - c <= len(committed) and \
+                committed[:v.committed_length - c] == full[c:v.committed_length]
+            ok = ok and v.finished == (v.committed_length >= step.verdict_committed_length and step.finished)
+            if not cut and offset == 0 and got != step.expected():
+                ok = False
+            if not ok:
+                return self._mismatch(p, seq, "verdict", list(step.expected()), list(got))
+            c = v.committed_length
+            if v.finished:
+                return True
         return True
 
+    def _mismatch(self, p: RecordedPrompt, seq: int, what: str, expected: list, got: list) -> bool:
+        tally = self.r.tally
+        tally.mismatches += 1
+        if len(tally.mismatch_samples) < 5:
+            tally.mismatch_samples.append({"question_id": p.question_id, "seq": seq, "what": what,
+                                           "expected": expected, "got": got})
+        return False
 
     async def _decode(self, p: RecordedPrompt, sid: str) -> bool:
         """Cloud decode of the session (one Decode stream from the prompt): True when the whole recorded output
@@ -320,6 +349,16 @@ class _Slot:
             call.cancel()
 
 
+def _block_at(p: RecordedPrompt, committed_length: int):
+    """(the recorded step whose block extends ``committed_length`` or covers it in its accepted part, the offset
+    of ``committed_length`` in that block), or (None, 0)."""
+    for step in p.steps:
+        offset = committed_length - step.committed_length
+        if offset == 0 or 0 < offset <= step.num_accepted:  # past its last draft token: an empty block
+            return step, offset
+    return None, 0
+
+
 async def _exchange(call, msg):
     """Send one block on the Verify stream and read its verdict."""
     await call.write(msg)
@@ -346,6 +385,8 @@ def tally_metrics(t: ReplayTally) -> dict:
         "sessions_completed": t.sessions_completed,
         "num_tokens": t.tokens,
         "num_verdicts": t.verdicts,
+        "verified_positions_per_token": safe_ratio(t.verified_positions, t.tokens),
+        "mean_verified_positions": safe_ratio(t.verified_positions, t.verdicts),
         "window_s": t.window_s,
         "ramp_s": round(t.ramp_s, 2),
         **({"ramp_timed_out": True} if t.ramp_timed_out else {}),

@@ -1,0 +1,105 @@
+"""The verify-length policy's parts on their own: the cut block, the cost table, the calibration and the
+adaptive choice (cloud_verifier/verify_policy). End to end exactness: tests/e2e/test_adaptive_verification.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cloud_verifier.verify_policy import (
+    AcceptanceCalibration, AdaptiveVerifyPolicy, ForwardCostTable, VerifyPolicy, draft_confidences,
+    make_verify_policy, truncate_block,
+)
+from common.types import DraftBlock, SparseDraftProbs
+
+
+def _block(conf, bonus_drafted=False, probs=False) -> DraftBlock:
+    n = len(conf)
+    dp = SparseDraftProbs(np.arange(2 * n).reshape(n, 2), np.full((n, 2), 0.5, dtype=np.float32)) if probs else None
+    return DraftBlock(list(range(0, 2 * n, 2)), dp, bonus_drafted=bonus_drafted, draft_confidence=list(conf))
+
+
+def test_truncate_is_the_bonus_drafted_prefix():
+    b = _block([0.9, 0.8, 0.7, 0.6], probs=True)
+    assert truncate_block(b, b.num_scored_positions) is b  # γ + 1 = 5 rows: the whole block
+    cut = truncate_block(b, 2)
+    assert cut.bonus_drafted and cut.draft_token_ids == b.draft_token_ids[:2] and cut.num_scored_positions == 2
+    assert cut.draft_probs.token_ids.shape == (2, 2) and cut.draft_confidence == [0.9, 0.8]
+    bd = _block([0.9, 0.8, 0.7], bonus_drafted=True)
+    assert truncate_block(bd, 3) is bd and truncate_block(bd, 1).num_scored_positions == 1
+    with pytest.raises(ValueError):
+        truncate_block(b, 0)
+    with pytest.raises(ValueError):
+        truncate_block(b, 6)
+
+
+def test_confidences_from_the_wire_or_q():
+    b = _block([0.3, 0.4], probs=True)
+    assert draft_confidences(b) == [0.3, 0.4]
+    b.draft_confidence = None
+    assert draft_confidences(b) == [0.5, 0.5]  # q(x) of each drafted token
+    assert draft_confidences(DraftBlock([1, 2])) == [None, None]
+
+
+def test_cost_table_interpolates_and_never_decreases():
+    t = ForwardCostTable(ema=1.0)
+    assert t.cost_s(10) == 0.0
+    t.observe(8, 0.010)
+    t.observe(32, 0.040)
+    t.observe(64, 0.030)  # noise: more tokens measured cheaper
+    assert t.cost_s(20) == pytest.approx(0.025)
+    assert t.cost_s(64) == pytest.approx(0.040)  # made non-decreasing
+    assert t.cost_s(128) >= t.cost_s(64)
+    t.observe(8, 0.020)  # ema 1: the bucket takes the new value
+    assert t.cost_s(8) == pytest.approx(0.020)
+
+
+def test_calibration_learns_an_over_confident_draft():
+    cal = AcceptanceCalibration()
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # the draft says 0.95, the target accepts 40 %
+        accepted = int(rng.random() < 0.4)
+        cal.observe([0.95, 0.95], [cal.estimate(0.95, 0)] * 2, 2, accepted + (accepted and rng.random() < 0.4))
+    assert cal.estimate(0.95, 0) == pytest.approx(0.4, abs=0.05)
+    err = cal.calibration_error()
+    assert err["raw"] > 0.5 and err["calibrated"] < 0.1 and err["observations"] > 2000
+    assert cal.estimate(None, 3) == pytest.approx(0.6)  # no confidence: the position prior
+
+
+def _steep() -> ForwardCostTable:
+    t = ForwardCostTable()
+    for n in (1, 8, 64, 512):
+        t.observe(n, 0.01 + 0.001 * n)  # a fixed part, then every token costs a tenth of it
+    return t
+
+
+def _flat() -> ForwardCostTable:
+    t = ForwardCostTable()
+    for n in (1, 8, 64, 512):
+        t.observe(n, 0.05)
+    return t
+
+
+def test_adaptive_cuts_low_confidence_tails_on_a_steep_table():
+    blocks = [_block([0.99] * 8) for _ in range(4)] + [_block([0.99, 0.05] + [0.9] * 6) for _ in range(4)]
+    policy = AdaptiveVerifyPolicy(_steep())
+    for b in blocks:  # calibrate: 0.99 is accepted, 0.05 is not
+        for _ in range(50):
+            policy.observe_verdict(b, 8, 8 if b.draft_confidence[1] > 0.5 else 1)
+    m = policy.choose(blocks, 0)
+    assert all(1 <= k <= b.num_scored_positions for k, b in zip(m, blocks))
+    assert all(k <= 2 for k in m[4:])  # nothing past the unlikely second token
+    assert min(m[:4]) > max(m[4:])  # the confident rows keep more
+    assert VerifyPolicy(_steep()).choose(blocks, 0) == [9] * 8  # fixed: every position
+
+
+def test_adaptive_keeps_whole_blocks_when_extra_tokens_are_free():
+    blocks = [_block([0.5] * 8) for _ in range(8)]
+    assert AdaptiveVerifyPolicy(_flat()).choose(blocks, 0) == [9] * 8
+    assert AdaptiveVerifyPolicy(ForwardCostTable()).choose(blocks, 0) == [9] * 8  # nothing measured yet
+
+
+def test_make_verify_policy():
+    assert make_verify_policy("fixed").name == "fixed" and make_verify_policy("adaptive").uses_cost_table
+    with pytest.raises(ValueError, match="unknown verify policy"):
+        make_verify_policy("greedy")
