@@ -72,6 +72,33 @@ def tiny_config(arch: str) -> Any:
                                           attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True))
     if arch == "lfm2":  # a convolution layer before an attention layer
         return tf.Lfm2Config(**_common(layer_types=["conv", "full_attention"]))
+    if arch in ("qwen3_next", "qwen3_5"):  # gated delta rule, then gated attention (Qwen3-Next: MoE MLPs)
+        linear = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4,
+                      layer_types=["linear_attention", "full_attention"])
+        if arch == "qwen3_5":
+            return tf.Qwen3_5TextConfig(**_common(**linear))
+        return tf.Qwen3NextConfig(**_common(**linear, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+                 mamba_chunk_size=16)  # chunk 16: prompts span several chunks of the scan
+    if arch == "bamba":  # Mamba2 mixer, then attention
+        return tf.BambaConfig(**_common(**mamba, attn_layer_indices=[1]))
+    if arch == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(**_common(**mamba, layer_types=["linear_attention", "full_attention"],
+                                                   num_local_experts=4, shared_intermediate_size=64,
+                                                   embedding_multiplier=2.0, logits_scaling=4.0))
+    if arch == "falcon_h1":  # attention and a Mamba2 mixer side by side in every layer, mup multipliers
+        return tf.FalconH1Config(**_common(**mamba, mamba_d_ssm=128, head_dim=16, lm_head_multiplier=0.5))
+    if arch == "nemotron_h":
+        return tf.NemotronHConfig(**_common(ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=16, n_groups=1,
+                                            conv_kernel=4, chunk_size=16, head_dim=16, n_routed_experts=4,
+                                            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                                            layers_block_type=["linear_attention", "full_attention", "mlp"]))
+    if arch == "mamba2":
+        return tf.Mamba2Config(vocab_size=VOCAB_SIZE, hidden_size=64, num_heads=8, head_dim=16, state_size=8,
+                               n_groups=1, chunk_size=16, num_hidden_layers=2, bos_token_id=1, eos_token_id=2,
+                               pad_token_id=2)
     if arch == "mamba":
         return tf.MambaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, state_size=8, num_hidden_layers=2,
                               bos_token_id=1, eos_token_id=2, pad_token_id=2)
