@@ -2,16 +2,19 @@
 
 The ragged forward (:mod:`cloud_verifier.attention`) replaces only attention and calls the decoder and the LM head
 itself, so it supports a model when (1) its attention layers route through transformers' ``AttentionInterface``
-(the model class sets ``_supports_attention_backend``), (2) every layer is an attention layer with a KV cache
-(full or sliding-window; no recurrent, convolutional or linear-attention layers), and (3) whatever the
-``ForCausalLM`` wrapper does to the LM head's output is one of :func:`apply_logits_transforms`' steps. (1) and
-(2) are checked from the config before the weights load (:func:`check_target_architecture`); (3), and anything
-else a model might do differently, by :func:`self_check`, which compares a short ragged forward (prefill, a
-decode block and a rolled-back block) with the unmodified HF model. Either raises one line naming what is
-missing, at ``specdec serve`` (or embedded verifier) start-up.
+(the model class sets ``_supports_attention_backend``, or it is one of the hybrid families of
+:data:`HYBRID_MODEL_TYPES`), (2) every layer is an attention layer with a KV cache (full or sliding-window), or,
+for the hybrid families, a conv / SSM / linear-attention layer whose state :mod:`cloud_verifier.recurrent_state`
+keeps per session (a model with no attention layer at all, e.g. pure Mamba / Mamba2, is refused), and (3)
+whatever the ``ForCausalLM`` wrapper does to the LM head's output is one of :func:`apply_logits_transforms`'
+steps. (1) and (2) are checked from the config before the weights load (:func:`check_target_architecture`); (3),
+and anything else a model might do differently, by :func:`self_check`, which compares a short ragged forward
+(prefill, a half rolled-back block, an accepted block) with the unmodified HF model. Either raises one line naming
+what is missing, at ``specdec serve`` (or embedded verifier) start-up.
 
 Tested end to end (tests/e2e/test_architectures.py): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3,
-Granite.
+Granite; hybrids (tests/e2e/test_hybrid_targets.py): LFM2, Qwen3-Next, Qwen3.5, Bamba, Granite 4 hybrid
+(granitemoehybrid), Nemotron-H, Falcon-H1.
 """
 
 from __future__ import annotations
@@ -53,12 +56,18 @@ def check_target_architecture(config: Any) -> None:
         ) from None
     if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
         return
+    types = getattr(config, "layer_types", None) or []
+    if types and not any(t in KV_LAYER_TYPES for t in types):
+        raise UnsupportedArchitectureError(
+            f"target architecture {name}: no attention layer (layer types {', '.join(sorted(set(types)))}); "
+            "pure state-space targets are not supported, hybrids with attention layers are"
+        )
     if not getattr(model_class, "_supports_attention_backend", False):
         raise UnsupportedArchitectureError(
             f"target architecture {name}: {model_class.__name__} does not route attention through transformers' "
             "AttentionInterface, which the verifier's ragged attention needs"
         )
-    other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t not in KV_LAYER_TYPES})
+    other = sorted({t for t in types if t not in KV_LAYER_TYPES})
     if other:
         raise UnsupportedArchitectureError(
             f"target architecture {name}: layers of type {', '.join(other)} have no KV cache the verifier can "

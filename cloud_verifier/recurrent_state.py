@@ -30,7 +30,8 @@ semantics of ``cache_utils.LinearAttentionLayer`` (transformers 5).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
