@@ -29,6 +29,7 @@ from _architectures import ARCHITECTURES, HYBRIDS, REFUSED, make_sibling_draft, 
 from _reference import hf_greedy
 from cloud_verifier.architectures import UnsupportedArchitectureError
 from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.recurrent_state import SessionState
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.paths import EXPORT_REPORT
@@ -141,6 +142,31 @@ def test_hybrid_greedy_speculative_identical_to_target_only_and_hf(arch_models, 
     stats = res.stats
     # drafts rejected often, accepted sometimes: rolled-back blocks and accepted blocks both reach the state
     assert stats.num_draft_tokens - stats.num_accepted_tokens >= 10 and stats.num_accepted_tokens >= 5, stats
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_negative_control_cropping_instead_of_restoring_state_differs(arch_models, runners, arch,
+                                                                             monkeypatch):
+    """What an engine that only crops the KV cache does: after a half-rejected block the recurrent state stays
+    the one after the whole block. The output must then differ from target-only decoding (the test above bites)."""
+    advance = SessionState.advance
+
+    def crop(state, layer, start, mixer):
+        if state.position < start < state.position + state.length:
+            state.committed[layer] = state.end[layer]
+            return state.end[layer].fork()
+        return advance(state, layer, start, mixer)
+
+    hf_dir, onnx_dir = arch_models(arch)
+    backend = LocalBackend(Verifier(runners(arch), max_num_speculative_tokens=8))
+    monkeypatch.setattr(SessionState, "advance", crop)
+    try:
+        model = OnnxDraftModel(onnx_dir)
+        spec = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4)
+        res = spec.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        backend.close()
+    assert res.token_ids != hf_greedy(hf_dir, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
