@@ -1,7 +1,8 @@
 """Hybrid targets (cloud_verifier/recurrent_state.py) under load: 8 concurrent sessions of a tiny hybrid target
 share forward passes, most of their blocks half rejected, while the paged KV pool is far too small for all of them
 (recompute preemption drops a session's pages and its recurrent state; its next row recomputes both from the
-committed ids). Every session's output is token-identical to target-only HF greedy decoding.
+committed ids). Every session's output is token-identical to target-only HF greedy decoding. A conversation
+extended (ExtendSession) on one replica and resumed on another (same Redis) is too.
 
 Tiny random hybrids from tests/_architectures.py (2 layers, hidden 64); prompts of random token ids; a pool of 14
 pages of 16 tokens for 8 sessions of 5 pages each."""
@@ -91,3 +92,70 @@ def test_concurrent_hybrid_sessions_with_preemption_token_identical(tmp_path, sm
     assert max(batch_sizes) >= 4, "the sessions never shared a forward pass"
     assert not runner.prefix_cache.enabled  # hybrids share no prefix
     assert runner.kv_pool.pages.num_used == 0
+
+
+def _verify_to_end(backend, session_id: str, length: int, seq: int, reference: list[int],
+                   rng: random.Random) -> tuple[list[int], int]:
+    """Blocks of 4 reference tokens, most with one made wrong, to the session's end; (output ids, last seq)."""
+    out = []
+    while True:
+        draft = list(reference[len(out) : len(out) + 4])
+        if draft and rng.random() < 0.7:
+            j = rng.randrange(len(draft))
+            draft[j] = 3 + (draft[j] + 1) % 49000
+        v = backend.submit(session_id, seq, length, DraftBlock(draft)).result(60.0)
+        out += v.committed_token_ids
+        length = v.committed_length
+        if v.finished:
+            return out, seq
+        seq += 1
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("arch", ("lfm2", "bamba"))
+def test_hybrid_conversation_extends_and_resumes_on_another_replica(tmp_path, smollm2_tokenizer_dir, redis_url,
+                                                                      arch):
+    """Replica A runs turn 1 and prefills turn 2 (ExtendSession, 3 chunks: the state after each chunk carries to the
+    next); replica B (same Redis) resumes the session at its next block, rebuilding the recurrent state from the
+    committed ids, then extends it again. Every turn equals HF greedy decoding of the whole history."""
+    import uuid
+
+    from cloud_verifier.store import RedisSessionStore
+
+    target_dir = make_tiny_model(arch, tmp_path / arch, AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir)))
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    rng = random.Random(3)
+    prompt, appended, more = ([rng.randrange(3, 49152) for _ in range(k)] for k in (20, 40, 7))
+    prefix = f"specdec-test:{uuid.uuid4().hex}:"
+    stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]
+    a, b = (LocalBackend(Verifier(TargetRunner(target_dir), store, verifier_id=f"replica-{name}",
+                                  prefill_chunk_tokens=16, max_num_speculative_tokens=4))
+            for store, name in zip(stores, "ab"))
+    stopping = lambda n: StoppingCriteria(max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    try:
+        opened = a.open_session(prompt, SamplingParams(), stopping(10))
+        out1, seq = _verify_to_end(a, opened.session_id, len(prompt), 1, greedy(prompt, 10), rng)
+        assert out1 == greedy(prompt, 10)
+        history = prompt + out1 + appended
+        ext = a.extend_session(opened.session_id, len(prompt + out1), appended, SamplingParams(), stopping(12))
+        out2, seq = _verify_to_end(b, opened.session_id, ext.committed_length, seq + 1, greedy(history, 12), rng)
+        assert out2 == greedy(history, 12)
+        assert stores[0].get(opened.session_id).verifier_id == "replica-b"  # resumed on B
+        history += out2 + more
+        ext = b.extend_session(opened.session_id, len(history) - len(more), more, SamplingParams(), stopping(8))
+        out3, _ = _verify_to_end(b, opened.session_id, ext.committed_length, seq + 1, greedy(history, 8), rng)
+        assert out3 == greedy(history, 8)
+    finally:
+        a.close()
+        b.close()
+        keys = list(stores[0].client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            stores[0].client.delete(*keys)
+        for st in stores:
+            st.close()
