@@ -6,7 +6,9 @@ T tokens, so the projections and MLPs of every row run as one matmul with no pad
 pool, through a custom attention function registered with HF transformers' ``AttentionInterface``
 (:mod:`cloud_verifier.attention`): the model is any HF causal LM whose attention layers use that interface and
 whose layers all hold a KV cache (:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral,
-Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested).
+Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested), or a hybrid whose conv / SSM / linear-attention
+layers run row by row on each session's recurrent state (:mod:`cloud_verifier.recurrent_state`, ``kv.recurrent``;
+LFM2, Qwen3-Next, Qwen3.5, Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1; eager only, no prefix sharing).
 
 KV cache: one pool of fixed-size pages for all sessions (:class:`cloud_verifier.kv_pool.KVPool`, allocated
 once from the token budget), a page table per session (:class:`SessionKV`). A session holds pages only for
@@ -126,7 +128,7 @@ class TargetRunner:
             (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
         kv_page_size: tokens per KV page of the paged pool (:mod:`cloud_verifier.kv_pool`).
         compile_mode: "off", "torch_compile" or "cuda_graphs" (:mod:`cloud_verifier.compiled_forward`;
-            cuda_graphs off the GPU logs one line and runs eagerly).
+            cuda_graphs off the GPU logs one line and runs eagerly). Hybrid targets always run "off".
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.

@@ -17,6 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _architectures import make_tiny_model
+from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.recurrent_state import RecurrentStateError
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
@@ -159,3 +161,20 @@ def test_hybrid_conversation_extends_and_resumes_on_another_replica(tmp_path, sm
             stores[0].client.delete(*keys)
         for st in stores:
             st.close()
+
+
+def test_a_row_past_the_held_state_is_refused_and_the_scheduler_is_told(tmp_path, smollm2_tokenizer_dir):
+    """The state after a row of n tokens at c reaches c..c+n only: a row elsewhere (but at 0) raises one line, and
+    ``state_reaches`` (what the KV scheduler asks before each pass) says so; a preemption drops the state."""
+    runner = TargetRunner(make_tiny_model("lfm2", tmp_path / "lfm2",
+                                          AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))))
+    kv = runner.allocate(64)
+    runner.forward([ForwardRow(kv, list(range(3, 13)), 0, "none")])
+    runner.forward([ForwardRow(kv, [5, 6, 7, 8], 10, "all")])
+    assert [runner.state_reaches(kv, p) for p in (0, 9, 10, 12, 14, 15)] == [True, False, True, True, True, False]
+    with pytest.raises(RecurrentStateError) as info:
+        runner.forward([ForwardRow(kv, [5], 15, "all")])
+    assert "past its recurrent state (positions 10..14)" in str(info.value) and "\n" not in str(info.value)
+    runner.preempt(kv)
+    assert kv.recurrent is None and runner.state_reaches(kv, 0) and not runner.state_reaches(kv, 12)
+    runner.free(kv)
