@@ -51,6 +51,8 @@ class PagedBatch:
         self.rows: list[tuple[list[int], int, int, int]] = []  # (page table, first flat index, n, start position)
         self.slots: torch.Tensor | None = None  # [T] flat pool slot of each token
         self.plans: dict[tuple[int | None, int], tuple] = {}  # by (window, group): built on first use
+        # hybrid targets: (session state, first flat index, n, start) per row (cloud_verifier.recurrent_state)
+        self.recurrent: list[tuple] = []
 
     def add_row(self, pages: list[int], begin: int, n: int, start: int) -> None:
         self.rows.append((pages, begin, n, start))

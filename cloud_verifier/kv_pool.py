@@ -234,3 +234,4 @@ class SessionKV:
         self.order = next(SessionKV._admitted)
         self.rebuild_from: int | None = None
         self.pending_ids: list[int] | None = None  # an ExtendSession turn's history while it is prefilled
+        self.recurrent = None  # hybrid targets: the conv / SSM states (cloud_verifier.recurrent_state.SessionState)

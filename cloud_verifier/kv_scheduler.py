@@ -13,6 +13,8 @@ offers it again at the next step; its client only waits.
 A preempted session's next row (a verify block, a cloud-decode step, a prefill chunk) first takes the longest
 cached prefix of its tokens back, then recomputes the rest of its KV from its committed token ids in the same
 forward pass (one row: the recomputed positions, then the row's own tokens; logits only for the row's own).
+A hybrid target's session (:mod:`cloud_verifier.recurrent_state`) whose recurrent state does not reach its
+row (preempted, a failed forward pass, an ExtendSession turn rolled back) recomputes from position 0 the same way.
 This is vLLM v1's recompute preemption (``vllm/v1/core/sched/scheduler.py``: ``_preempt_request`` frees the
 pages, a resumed request is prefilled again and hits the prefix cache for its computed pages). Nothing
 committed is lost and no token changes: the KV of committed tokens is a function of the token ids.
@@ -95,6 +97,9 @@ class KVScheduler:
             for work in sorted(batch, key=lambda w: w.session.kv.order):
                 kv = work.session.kv
                 start = None
+                if not self.target.state_reaches(kv, work.start_position if kv.rebuild_from is None
+                                                 else kv.rebuild_from):
+                    kv.rebuild_from = 0  # a hybrid's recurrent state is not held there: recompute it all
                 if kv.rebuild_from is not None:
                     if not kv.pages:
                         self._take_cached(work)

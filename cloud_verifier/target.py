@@ -6,7 +6,9 @@ T tokens, so the projections and MLPs of every row run as one matmul with no pad
 pool, through a custom attention function registered with HF transformers' ``AttentionInterface``
 (:mod:`cloud_verifier.attention`): the model is any HF causal LM whose attention layers use that interface and
 whose layers all hold a KV cache (:mod:`cloud_verifier.architectures`: checked at load time; Llama, Mistral,
-Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested).
+Qwen2/3, Phi-3, Gemma 2/3, Granite, SmolLM, ... are tested), or a hybrid whose conv / SSM / linear-attention
+layers run row by row on each session's recurrent state (:mod:`cloud_verifier.recurrent_state`, ``kv.recurrent``;
+LFM2, Qwen3-Next, Qwen3.5, Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1; eager only, no prefix sharing).
 
 KV cache: one pool of fixed-size pages for all sessions (:class:`cloud_verifier.kv_pool.KVPool`, allocated
 once from the token budget), a page table per session (:class:`SessionKV`). A session holds pages only for
@@ -36,6 +38,7 @@ from cloud_verifier.attention import ATTN_IMPLEMENTATION, PagedBatch, register_a
 from cloud_verifier.compiled_forward import CompiledForward
 from cloud_verifier.forward_row import ForwardRow
 from cloud_verifier.kv_pool import KVPool, SessionKV
+from cloud_verifier.recurrent_state import RecurrentStateError, SessionState, install_row_mixers
 from common.errors import CapacityError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,7 +128,7 @@ class TargetRunner:
             (:func:`cloud_verifier.architectures.self_check`, a few ms for a small model).
         kv_page_size: tokens per KV page of the paged pool (:mod:`cloud_verifier.kv_pool`).
         compile_mode: "off", "torch_compile" or "cuda_graphs" (:mod:`cloud_verifier.compiled_forward`;
-            cuda_graphs off the GPU logs one line and runs eagerly).
+            cuda_graphs off the GPU logs one line and runs eagerly). Hybrid targets always run "off".
 
     Raises:
         common.paths.ModelNotFoundError: model_dir is not a causal-LM directory.
@@ -163,6 +166,8 @@ class TargetRunner:
                 model_dir, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
             ).to(self.device)
         self.model.eval()
+        # hybrid targets: conv / SSM / linear-attention layers run row by row on per-session states
+        self.recurrent_layers = install_row_mixers(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
@@ -181,7 +186,8 @@ class TargetRunner:
         # the decoder and LM head the compiled forward (compiled_forward.py) runs too
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
-        self._compiled = CompiledForward(self, compile_mode)
+        # the per-row loop of recurrent layers is plain Python: hybrids run eagerly
+        self._compiled = CompiledForward(self, "off" if self.recurrent_layers else compile_mode)
         if check_architecture:
             self_check(self)
 
@@ -263,7 +269,7 @@ class TargetRunner:
         dropped. The caller (the target thread, between forward passes, under the session table's lock) makes
         sure no forward pass uses the table."""
         pages, kv.pages = kv.pages, []
-        kv.rebuild_from = 0
+        kv.rebuild_from, kv.recurrent = 0, None
         self.kv_pool.pages.decref(pages)
         return len(pages)
 
@@ -283,7 +289,7 @@ class TargetRunner:
             if kv.freed:
                 return
             pages, kv.pages = kv.pages, []
-            kv.freed, kv.capacity = True, 0
+            kv.freed, kv.capacity, kv.recurrent = True, 0, None
             self.kv_pool.pages.decref(pages)
             self.kv_pool.release_free(pages)  # resident memory back to idle (a page kept cached stays)
 
@@ -353,14 +359,23 @@ class TargetRunner:
             else:  # "none" (prefill)
                 spans.append(None)
         batch.finish(self.device)
+        if self.recurrent_layers:
+            batch.recurrent = self._session_states(rows)
         input_ids = torch.tensor([flat_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         index = torch.tensor(want, dtype=torch.long, device=self.device)
         logits = self._compiled.run(batch, input_ids, position_ids, index, rows) if want else None
         if logits is None:  # eager (compile off, a first pass, a prefill, a shape without a CUDA graph)
-            hidden = self.decoder(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
-            ).last_hidden_state  # [1, T, hidden_size]
+            try:
+                hidden = self.decoder(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
+                ).last_hidden_state  # [1, T, hidden_size]
+            except BaseException:
+                for row in rows:  # some layers may have moved on: the next row rebuilds from position 0
+                    row.kv.recurrent = None
+                raise
+            for state, _, n, start in batch.recurrent:
+                state.finish(start, n)
             self._compiled.record(batch)
             if not want:
                 return [None] * len(rows)
@@ -368,6 +383,36 @@ class TargetRunner:
         if not as_tensors:  # [num_wanted, vocab_size]
             logits = logits.cpu().numpy()
         return [None if span is None else logits[span[0] : span[1]] for span in spans]
+
+    def _session_states(self, rows: list[ForwardRow]) -> list[tuple[SessionState, int, int, int]]:
+        """(state, first flat index, n, start) of every row, for the recurrent layers; a session without a state
+        gets a fresh one.
+
+        Raises:
+            RecurrentStateError (a ValueError): a row starts where its session's state does not reach
+                (:meth:`SessionState.reaches`), or one session has two rows in the batch.
+        """
+        out, begin, seen = [], 0, set()
+        for row in rows:
+            if row.kv.recurrent is None:
+                row.kv.recurrent = SessionState()
+            state, n = row.kv.recurrent, len(row.token_ids)
+            if id(state) in seen or not state.reaches(row.start_position):
+                raise RecurrentStateError(
+                    f"a row at position {row.start_position} of a hybrid target's session "
+                    + ("repeats its session in one batch" if id(state) in seen else
+                       f"is past its recurrent state (positions {state.position}..{state.position + state.length})"))
+            seen.add(id(state))
+            out.append((state, begin, n, row.start_position))
+            begin += n
+        return out
+
+    def state_reaches(self, kv: SessionKV, start: int) -> bool:
+        """Whether the session's next row may start at ``start`` without a rebuild: always for attention-only
+        targets; for hybrid targets where its recurrent state reaches (:meth:`SessionState.reaches`)."""
+        if not self.recurrent_layers:
+            return True
+        return start == 0 if kv.recurrent is None else kv.recurrent.reaches(start)
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> np.ndarray:  # [len, vocab_size] float32

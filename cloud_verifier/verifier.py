@@ -57,7 +57,8 @@ class Verifier:
             stream the client cancelled and resent at once) before it is refused as a second block in flight, s.
         tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.limits`); None = none.
         prefix_caching: share the KV pages of identical leading tokens across sessions
-            (:mod:`cloud_verifier.prefix_cache`); False = off.
+            (:mod:`cloud_verifier.prefix_cache`); False = off. Always off for hybrid targets (a cached page holds
+            KV, not the recurrent state after it).
         prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
         verify_policy: how much of each block a batch step verifies: ``"adaptive"`` (the lengths that maximise the
             step's expected tokens/s), ``"fixed"`` (every drafted position), or a
@@ -109,7 +110,9 @@ class Verifier:
         )
         register_target(self.info.model_id, tok, self.eos_token_ids)  # structured output's tokenizer
         # one cache per target runner (its KV pool), configured by the latest verifier over it
-        attach_prefix_cache(target, self.info.model_id, prefix_caching, prefix_cache_salt)
+        # hybrid targets share no prefix: a cached page holds KV, not the recurrent state after it
+        attach_prefix_cache(target, self.info.model_id, prefix_caching and not target.recurrent_layers,
+                            prefix_cache_salt)
         # the table prefills through the batcher, the batcher counts and releases sessions in the table
         self.sessions = SessionTable(
             target, self.store, self.info, self.eos_token_ids,

@@ -189,6 +189,20 @@ def _export_fp32_genai(hf_dir: Path, out_dir: Path, timeout_s: float = 1800.0) -
     return model_path
 
 
+def _refuse_recurrent(src: Path) -> None:
+    """Raises ValueError (one line) for a model with conv / SSM / linear-attention layers: the draft runner's
+    ONNX graph carries KV caches only, no recurrent state (a hybrid can be the target, not the draft)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src)
+    types = sorted({t for t in (getattr(config, "layer_types", None) or [])
+                    if t in ("conv", "linear_attention", "mamba", "hybrid")})
+    if types:
+        raise ValueError(f"draft export: {getattr(config, 'model_type', '?')} has layers of type {', '.join(types)} "
+                         "with a recurrent state the ONNX draft cannot carry; use an attention-only draft "
+                         "(a hybrid model can be the target)")
+
+
 def export_onnx_draft(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -232,7 +246,8 @@ def export_onnx_draft(
         ``out_dir`` as a Path.
 
     Raises:
-        ValueError: unknown ``int8_method`` or ``builder``.
+        ValueError: unknown ``int8_method`` or ``builder``; a model with recurrent (conv / SSM /
+            linear-attention) layers.
         DraftBuildError: ``builder="genai"`` and the GenAI builder is missing or fails.
         ModelNotFoundError: ``hf_dir`` is not an HF causal-LM directory.
         ExportCheckError: the fp32 ONNX logits differ from PyTorch's by more than 1e-3.
@@ -246,6 +261,7 @@ def export_onnx_draft(
         log.info("ONNX draft already exported at %s", out)
         return out
     src = resolve_target_dir(hf_dir)
+    _refuse_recurrent(src)
     offline_env()
     steps = 2 + int(check) + int(quantize_int8) * (1 + int(check)) + 1
     bar = Progress(steps, f"ONNX draft {out.name}", progress)

@@ -8,6 +8,11 @@ model (tests/_architectures.py), end to end. Per architecture:
 - the draft exports to ONNX (the GenAI builder where it handles the architecture, torch.onnx otherwise) and the
   draft runner's logits (KV cache kept across calls, rolled back) match PyTorch.
 
+Hybrid families (conv / SSM / linear-attention layers beside attention, tests/_architectures.py ``HYBRIDS``): the
+ragged forward equals the HF reference; greedy speculative decoding with a tiny Llama draft on the same tokenizer
+(sharing the target's embeddings: drafts are rejected often) is token-identical to target-only decoding and to HF
+``generate``; exporting a hybrid as the draft is refused in one line.
+
 Architectures the verifier cannot run are refused at load time with one line naming what is missing. Each model
 is built and exported once per test session.
 """
@@ -20,10 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-from _architectures import ARCHITECTURES, REFUSED, make_tiny_model
+from _architectures import ARCHITECTURES, HYBRIDS, REFUSED, make_sibling_draft, make_tiny_model
 from _reference import hf_greedy
 from cloud_verifier.architectures import UnsupportedArchitectureError
 from cloud_verifier.forward_row import ForwardRow
+from cloud_verifier.recurrent_state import SessionState
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from common.paths import EXPORT_REPORT
@@ -50,13 +56,18 @@ def arch_models(tmp_path_factory, smollm2_tokenizer_dir):
     built: dict[str, tuple] = {}
 
     def get(arch: str, export: bool = True):
+        """(HF dir, ONNX draft dir): the model's own export, or for a hybrid a sibling Llama's (None: export
+        False)."""
         if arch not in built:
-            hf_dir = make_tiny_model(arch, root / arch, tokenizer)
-            onnx_dir = None
-            if export:
-                onnx_dir = export_onnx_draft(hf_dir, root / f"{arch}-onnx", quantize_int8=False, progress=False)
+            built[arch] = (make_tiny_model(arch, root / arch, tokenizer), None)
+        hf_dir, onnx_dir = built[arch]
+        if export and onnx_dir is None:
+            source = hf_dir
+            if arch in HYBRIDS:
+                source = make_sibling_draft(hf_dir, root / f"{arch}-draft", tokenizer)
+            onnx_dir = export_onnx_draft(source, root / f"{arch}-onnx", quantize_int8=False, progress=False)
             built[arch] = (hf_dir, onnx_dir)
-        return built[arch]
+        return hf_dir, onnx_dir if export else None
 
     return get
 
@@ -67,13 +78,13 @@ def runners(arch_models):
 
     def get(arch: str) -> TargetRunner:
         if arch not in cache:
-            cache[arch] = TargetRunner(arch_models(arch)[0], kv_cache_budget_tokens=4096)
+            cache[arch] = TargetRunner(arch_models(arch, export=False)[0], kv_cache_budget_tokens=4096)
         return cache[arch]
 
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + HYBRIDS)
 def test_ragged_forward_matches_hf_reference(runners, arch):
     runner = runners(arch)
     rng = np.random.default_rng(1)
@@ -114,6 +125,57 @@ def test_greedy_speculative_identical_to_target_only_and_hf(arch_models, runners
         backend.close()
     assert res.token_ids == plain.token_ids == hf_greedy(hf_dir, PROMPT, NEW_TOKENS)
     assert res.stats.acceptance_rate > 0.8  # the draft is the target itself, in ONNX
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_greedy_speculative_identical_to_target_only_and_hf(arch_models, runners, arch):
+    hf_dir, onnx_dir = arch_models(arch)
+    backend = LocalBackend(Verifier(runners(arch), max_num_speculative_tokens=8))
+    try:
+        model = OnnxDraftModel(onnx_dir)
+        spec = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4)
+        res = spec.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        plain = EdgeClient(backend, None, model.tokenizer).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        backend.close()
+    assert res.token_ids == plain.token_ids == hf_greedy(hf_dir, PROMPT, NEW_TOKENS)
+    stats = res.stats
+    # drafts rejected often, accepted sometimes: rolled-back blocks and accepted blocks both reach the state
+    assert stats.num_draft_tokens - stats.num_accepted_tokens >= 10 and stats.num_accepted_tokens >= 5, stats
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_negative_control_cropping_instead_of_restoring_state_differs(arch_models, runners, arch,
+                                                                             monkeypatch):
+    """What an engine that only crops the KV cache does: after a half-rejected block the recurrent state stays
+    the one after the whole block. The output must then differ from target-only decoding (the test above bites)."""
+    advance = SessionState.advance
+
+    def crop(state, layer, start, mixer):
+        if state.position < start < state.position + state.length:
+            state.committed[layer] = state.end[layer]
+            return state.end[layer].fork()
+        return advance(state, layer, start, mixer)
+
+    hf_dir, onnx_dir = arch_models(arch)
+    backend = LocalBackend(Verifier(runners(arch), max_num_speculative_tokens=8))
+    monkeypatch.setattr(SessionState, "advance", crop)
+    try:
+        model = OnnxDraftModel(onnx_dir)
+        spec = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4)
+        res = spec.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        backend.close()
+    assert res.token_ids != hf_greedy(hf_dir, PROMPT, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_draft_export_refused_in_one_line(arch_models, tmp_path, arch):
+    hf_dir, _ = arch_models(arch, export=False)
+    with pytest.raises(ValueError) as info:
+        export_onnx_draft(hf_dir, tmp_path / "draft", quantize_int8=False, progress=False)
+    message = str(info.value)
+    assert "recurrent state the ONNX draft cannot carry" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

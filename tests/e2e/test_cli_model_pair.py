@@ -3,8 +3,10 @@
 A tiny random Qwen2 target (tests/_architectures.py, SmolLM2's tokenizer) and its own ONNX export as the draft,
 made by the test: ``specdec generate --target DIR --draft DIR --json`` (embedded verifier over loopback gRPC) and
 ``generate --server`` against a ``specdec serve`` subprocess both give greedy token ids identical to
-``generate --target-only`` and to HF ``generate``. An architecture the verifier cannot run (LFM2: convolution
-layers without a KV cache) is refused through the CLI with one ``error:`` line naming what is missing.
+``generate --target-only`` and to HF ``generate``. A hybrid target (tiny LFM2: a short-conv layer, its state kept
+per session) with a tiny Llama draft sharing its embeddings (drafts rejected often) does the same through
+``generate --target --draft``. An architecture the verifier cannot run (pure Mamba2: no attention layer) is refused
+through the CLI with one ``error:`` line naming what is missing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _architectures import REFUSED, make_tiny_model
+from _architectures import REFUSED, make_sibling_draft, make_tiny_model
 from _reference import hf_greedy
 from cloud_verifier.healthcheck import check
 from edge_client.client import encode_prompt
@@ -116,11 +118,25 @@ def test_serve_a_qwen2_target_then_generate_over_grpc(qwen2_pair, expected_ids):
 
 
 @pytest.fixture(scope="module")
-def lfm2_dir(tmp_path_factory, smollm2_tokenizer_dir):
+def mamba2_dir(tmp_path_factory, smollm2_tokenizer_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    return make_tiny_model("lfm2", tmp_path_factory.mktemp("cli_lfm2") / "lfm2", tokenizer)
+    return make_tiny_model("mamba2", tmp_path_factory.mktemp("cli_mamba2") / "mamba2", tokenizer)
+
+
+def test_generate_with_a_hybrid_lfm2_target_equals_target_only(tmp_path, smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    hf_dir = make_tiny_model("lfm2", tmp_path / "lfm2", tokenizer)
+    draft = make_sibling_draft(hf_dir, tmp_path / "draft", tokenizer)
+    onnx_dir = export_onnx_draft(draft, tmp_path / "draft-onnx", quantize_int8=False, progress=False)
+    spec = _cli_generate("--target", str(hf_dir), "--draft", str(onnx_dir))
+    plain = _cli_generate("--target", str(hf_dir), "--target-only")
+    expected = hf_greedy(hf_dir, encode_prompt(tokenizer, PROMPT), MAX_NEW)
+    assert spec["token_ids"] == plain["token_ids"] == expected
+    assert spec["num_draft_tokens"] > spec["num_accepted_tokens"] > 0  # drafts accepted and rejected
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -131,16 +147,16 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_unsupported_architecture_refused_by_serve_in_one_line(lfm2_dir):
-    env = _env(SPECDEC_TARGET=str(lfm2_dir), SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(_free_port()),
+def test_unsupported_architecture_refused_by_serve_in_one_line(mamba2_dir):
+    env = _env(SPECDEC_TARGET=str(mamba2_dir), SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(_free_port()),
                SPECDEC_METRICS_PORT="0")
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "serve"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
-    assert REFUSED["lfm2"] in _one_error_line(proc)
+    assert REFUSED["mamba2"] in _one_error_line(proc)
 
 
-def test_unsupported_architecture_refused_by_generate_in_one_line(lfm2_dir):
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--target", str(lfm2_dir),
+def test_unsupported_architecture_refused_by_generate_in_one_line(mamba2_dir):
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--target", str(mamba2_dir),
                            "--target-only", "--max-new-tokens", "4"], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=180)
-    assert REFUSED["lfm2"] in _one_error_line(proc)
+    assert REFUSED["mamba2"] in _one_error_line(proc)
