@@ -75,7 +75,8 @@ class EdgeClient:
             model.
         reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
             session (prompt: everything committed so far) goes on verified.
-        route: "speculative" (default), "cloud", "device" or "auto" (edge_client.routing); a request's route= wins.
+        route: "speculative" (default), "cloud", "device", "cloud-first" or "auto" (edge_client.routing); a
+            request's route= wins.
         route_switcher: decides switches between speculative and cloud decode within a session
             (:class:`edge_client.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
 

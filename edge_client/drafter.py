@@ -36,7 +36,14 @@ from edge_client.draft_step import DraftRows, below_confidence
 from edge_client.grammar_drafting import draft_grammar_for, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "PREFILL_CHUNK_TOKENS"]
+
+# the draft ingests a long context in forward passes of at most this many tokens, split at absolute positions
+# that are multiples of it: a concurrent prefill (edge_client.draft_prefill) yields between them, and the KV of
+# a position depends only on the tokens before it and on its chunk, never on timing (an int8 draft's logits
+# change with how many tokens one forward pass feeds), so a prefill cut short anywhere and resumed, or a prefix
+# restored from the draft's prefix cache at a chunk boundary, holds the same KV as one fed from scratch
+PREFILL_CHUNK_TOKENS = 32
 
 
 class Drafter(Protocol):
@@ -184,10 +191,42 @@ class ModelDrafter:
         keep = self._cached_prefix(committed_token_ids)
         self.model.rollback(keep)
         del self._cached_ids[keep:]
-        missing = [int(t) for t in committed_token_ids[keep:]]  # >= 1 token: the last committed one at least
-        logits = self.model.forward(missing)
-        self._cached_ids.extend(missing)
-        return logits[-1]
+        return self._feed([int(t) for t in committed_token_ids[keep:]])[-1]  # >= 1 token: the last one at least
+
+    def _feed(self, token_ids: list[int]) -> np.ndarray:
+        """Feed ``token_ids`` after the cached ones in chunks split at multiples of PREFILL_CHUNK_TOKENS
+        (absolute positions); the logits [n_last_chunk, vocab] of the last chunk."""
+        pos, logits = 0, None
+        while pos < len(token_ids):
+            start = self.model.num_cached
+            n = min(len(token_ids) - pos, PREFILL_CHUNK_TOKENS - start % PREFILL_CHUNK_TOKENS)
+            logits = self.model.forward(token_ids[pos:pos + n])
+            self._cached_ids.extend(token_ids[pos:pos + n])
+            pos += n
+        return logits
+
+    def prefill_step(self, token_ids: list[int], whole_chunks: bool = False) -> int:
+        """Feed the next chunk (at most PREFILL_CHUNK_TOKENS, up to the next chunk boundary) of
+        ``token_ids[:-1]`` past the cached prefix: what a concurrent prefill calls until it returns 0, so that
+        the next :meth:`propose` after ``token_ids`` feeds only the last token (and what came since).
+        ``whole_chunks``: stop at the last chunk boundary (the rest is fed by that propose, in the chunks a
+        prefill from scratch would have used: a seeded sampled generation's KV must not depend on timing).
+        Returns the tokens fed (0: caught up)."""
+        if self.model.num_cached != len(self._cached_ids):  # the model was used behind our back
+            self.reset()
+        keep = self._cached_prefix(token_ids)
+        self.model.rollback(keep)
+        del self._cached_ids[keep:]
+        target = len(token_ids) - 1
+        if self.model.max_position_embeddings:  # past the draft's context it drafts nothing (room): no prefill
+            target = min(target, int(self.model.max_position_embeddings))
+        if whole_chunks:
+            target -= target % PREFILL_CHUNK_TOKENS
+        end = min(target, keep - keep % PREFILL_CHUNK_TOKENS + PREFILL_CHUNK_TOKENS)
+        if end <= keep:
+            return 0
+        self._feed([int(t) for t in token_ids[keep:end]])
+        return end - keep
 
     def draft_grammar(self, sampling: SamplingParams):
         """The generation's :class:`edge_client.grammar_drafting.DraftGrammar` for ``sampling.grammar`` (made at

@@ -80,7 +80,7 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
         prompt_ids: the prompt's token ids (non-empty). sampling, stopping: checked parameters.
         keep: a conversation's kept session: the first session extends ``keep.opened`` (ExtendSession with
             ``prompt_ids[keep.committed_length:]``), and the last one is kept in ``keep`` instead of closed.
-        route: "speculative" | "cloud" | "device" | "auto"; None = the client's.
+        route: "speculative" | "cloud" | "device" | "auto" | "cloud-first"; None = the client's.
 
     Raises:
         InvalidRequestError, PreconditionError, CapacityError, VerifierUnavailableError (no verifier and no
