@@ -236,18 +236,19 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
 def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> None:
     """The first mode of an auto or cloud-first generation. cloud-first starts on the cloud with the draft's
     prefill running whenever the draft has at least MIN_UNSEEN_FOR_CLOUD_FIRST tokens to catch up on (else it
-    speculates at once); auto does so when the cost model picks speculative but the catch-up is expected to
-    outlast a Decode call's first token (or either is unknown), else it takes the cost model's pick.
+    speculates at once); auto does so when the cost model picks speculative but its first verdict (the catch-up
+    and a first block) is expected after a Decode call's first token (or either is unknown), else it takes the
+    cost model's pick.
     ``timing_free``: a seeded sampled generation (the prefill feeds whole chunks only)."""
     rr: RouteRun = run.route
     est, unseen = client.route_estimates, draft_unseen(client.drafter, run.committed)
     prefill = can_prefill(client.drafter) and unseen >= MIN_UNSEEN_FOR_CLOUD_FIRST and not _few_left(run)
     if rr.requested == "auto":
         rr.mode, rr.why = est.choose(client, _tokens_left(run), unseen, rr.cloud_chunk, MAX_CLOUD_CHUNK)
-        per_token = est.catchup_ms_per_token if est.catchup_ms_per_token is not None else est.draft_ms_per_token
-        first = est.cloud_first_expected_ms()
+        # the first block's verdict (catch-up, drafting, round trip, verify) against the cloud's first token
+        spec_first, cloud_first = est.speculative_finish_ms(client, 1, unseen), est.cloud_first_expected_ms()
         prefill = prefill and rr.mode == "speculative" and (
-            per_token is None or first is None or unseen * per_token > first)
+            spec_first is None or cloud_first is None or spec_first > cloud_first)
     else:
         rr.mode, rr.why = "speculative", f"the draft has {unseen} tokens to catch up on: no prefill to overlap"
     if prefill:
