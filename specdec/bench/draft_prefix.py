@@ -1,13 +1,13 @@
 """The draft's prefix cache measured: ``python -m specdec.bench.draft_prefix [--system-tokens 500] [--runs 8]``.
 
 One client, ``runs`` consecutive new sessions whose prompts share a ``system_tokens``-token system prompt (then a
-short user message of their own); before each, the draft's KV cache is emptied (a new session on a draft that
-served another context meanwhile; the draft warmed up first on an unrelated prompt), so each prefill either restores the shared prefix from the prefix cache
-(edge_client.draft_prefix_cache) or pays it whole. Per session: the draft's prefill time (ModelDrafter.prefill_step
-to the end of the prompt, the path the first block takes), then a greedy speculative generation checked
-token-for-token against target-only decoding (the same verifier, no drafter). Prints one JSON object:
-``prefill_s`` per session, ``later_vs_first`` (each of sessions 2.. / the first), ``identical``. Default models;
-an embedded verifier (gRPC on 127.0.0.1)."""
+short user message of their own). The draft first warms up on an unrelated prompt; before each session its KV
+cache is emptied (a new session on a draft that served another context meanwhile), so each prefill either
+restores the shared prefix from the prefix cache (edge_client.draft_prefix_cache) or pays it whole. Per session:
+the draft's prefill time (ModelDrafter.prefill_step to the end of the prompt, the path the first block takes),
+then a greedy speculative generation checked token-for-token against target-only decoding (the same verifier, no
+drafter). Prints one JSON object: ``prefill_s`` per session, ``later_vs_first`` (each of sessions 2.. / the
+first), ``identical``. Default models; an embedded verifier (gRPC on 127.0.0.1)."""
 
 from __future__ import annotations
 
