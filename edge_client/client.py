@@ -75,7 +75,8 @@ class EdgeClient:
             model.
         reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
             session (prompt: everything committed so far) goes on verified.
-        route: "speculative" (default), "cloud", "device" or "auto" (edge_client.routing); a request's route= wins.
+        route: "speculative" (default), "cloud", "device", "cloud-first" or "auto" (edge_client.routing); a
+            request's route= wins.
         route_switcher: decides switches between speculative and cloud decode within a session
             (:class:`edge_client.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
 
@@ -145,7 +146,7 @@ class EdgeClient:
         cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *,
         draft_top_k: int = DEFAULT_DRAFT_TOP_K, connect_timeout_s: float = 10.0, retry_policy=None,
         fallback: str = "none", tls: bool = False, root_certificates=None, api_key: str | None = None,
-        certificate_chain=None, private_key=None, **kwargs,
+        certificate_chain=None, private_key=None, draft_prefix_cache_mb: float | None = None, **kwargs,
     ) -> "EdgeClient":
         """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft).
 
@@ -162,6 +163,8 @@ class EdgeClient:
                 None = the system's roots.
             api_key: sent as ``authorization: Bearer <key>`` on every call; None = ``$SPECDEC_API_KEY`` if set.
             certificate_chain, private_key: PEM client certificate and key (mutual TLS).
+            draft_prefix_cache_mb: bound of the draft's prefix cache, MiB (KV of prompt prefixes reused by new
+                sessions: :mod:`edge_client.draft_prefix_cache`); None = DEFAULT_DRAFT_PREFIX_CACHE_MB, 0 = off.
             **kwargs: :class:`EdgeClient` options.
 
         Raises:
@@ -171,6 +174,7 @@ class EdgeClient:
         """
         from common.paths import default_model_paths, resolve_draft_dir
         from edge_client.credentials import ChannelSecurity
+        from edge_client.draft_prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
         from edge_client.drafter import ModelDrafter
         from edge_client.failover import FailoverBackend, RetryPolicy
         from edge_client.onnx_draft import OnnxDraftModel
@@ -181,8 +185,9 @@ class EdgeClient:
         security = ChannelSecurity.of(tls=tls, root_certificates=root_certificates, api_key=api_key,
                                       certificate_chain=certificate_chain, private_key=private_key)
         backend = FailoverBackend(address, policy=policy, connect=fallback == "none", security=security)
-        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k), model.tokenizer, fallback=fallback,
-                   **kwargs)
+        mb = DEFAULT_DRAFT_PREFIX_CACHE_MB if draft_prefix_cache_mb is None else draft_prefix_cache_mb
+        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k, prefix_cache_mb=mb), model.tokenizer,
+                   fallback=fallback, **kwargs)
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:

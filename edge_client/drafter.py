@@ -32,11 +32,19 @@ import numpy as np
 
 from common.logits_processors import TokenHistory
 from common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
+from edge_client.draft_prefix_cache import DraftPrefixCache
 from edge_client.draft_step import DraftRows, below_confidence
 from edge_client.grammar_drafting import draft_grammar_for, propose_constrained
 from edge_client.onnx_draft import OnnxDraftModel
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "PREFILL_CHUNK_TOKENS"]
+
+# the draft ingests a long context in forward passes of at most this many tokens, split at absolute positions
+# that are multiples of it: a concurrent prefill (edge_client.draft_prefill) yields between them, and the KV of
+# a position depends only on the tokens before it and on its chunk, never on timing (an int8 draft's logits
+# change with how many tokens one forward pass feeds), so a prefill cut short anywhere and resumed, or a prefix
+# restored from the draft's prefix cache at a chunk boundary, holds the same KV as one fed from scratch
+PREFILL_CHUNK_TOKENS = 32
 
 
 class Drafter(Protocol):
@@ -105,10 +113,12 @@ class ModelDrafter:
         valid_vocab_size: token ids at or past it (padded logit columns) are never drafted; None =
             ``min(model.vocab_size, len(model.tokenizer))``. Use the value of
             :func:`common.vocab.check_vocab_compatible`.
+        prefix_cache_mb: bound of the draft's prefix cache, MiB (:mod:`edge_client.draft_prefix_cache`: KV of
+            prompt prefixes reused by new sessions that start with them); 0 = none.
     """
 
     def __init__(self, model: OnnxDraftModel, draft_top_k: int = DEFAULT_DRAFT_TOP_K,
-                 valid_vocab_size: int | None = None) -> None:
+                 valid_vocab_size: int | None = None, prefix_cache_mb: float = 0.0) -> None:
         self.model = model
         self.draft_top_k = int(draft_top_k)
         if valid_vocab_size is None:
@@ -117,6 +127,8 @@ class ModelDrafter:
             raise ValueError(f"valid_vocab_size must be in [1, {model.vocab_size}], got {valid_vocab_size}")
         self.valid_vocab_size = int(valid_vocab_size)
         self._cached_ids: list[int] = []  # token ids whose KV the model holds, in order
+        self._canonical = 0  # leading cached tokens fed in whole chunks from position 0 (storable snapshots)
+        self.prefix_cache = DraftPrefixCache(prefix_cache_mb, PREFILL_CHUNK_TOKENS) if prefix_cache_mb > 0 else None
         self.model.reset()
         self._turn: tuple[int, frozenset[int]] = (0, frozenset())  # (prompt length, ids min_tokens masks)
         self._history: TokenHistory | None = None  # counts of the history-dependent processors
@@ -147,9 +159,10 @@ class ModelDrafter:
         return h
 
     def reset(self) -> None:
-        """Forget the draft KV cache (e.g. when a new session starts)."""
+        """Forget the draft KV cache (e.g. when a new session starts); the prefix cache stays."""
         self.model.reset()
         self._cached_ids = []
+        self._canonical = 0
 
     def room(self, num_committed: int) -> int:
         """Draft tokens that fit after ``num_committed`` committed tokens within the draft's context
@@ -179,15 +192,70 @@ class ModelDrafter:
 
     def _sync(self, committed_token_ids: list[int]) -> np.ndarray:
         """Bring the KV cache to ``committed[:-1]`` (+ nothing) and feed from there; return last-row logits."""
+        keep = self._hold_prefix(committed_token_ids)
+        logits = self._feed([int(t) for t in committed_token_ids[keep:]])[-1]  # >= 1 token: the last one at least
+        if len(committed_token_ids) - keep > PREFILL_CHUNK_TOKENS:  # a prefill: a new context to remember
+            self._remember()
+        return logits
+
+    def _hold_prefix(self, token_ids) -> int:
+        """Bring the KV to the longest prefix of ``token_ids[:-1]`` it holds (rolled back), or to a longer one
+        from the prefix cache (restored); its length."""
         if self.model.num_cached != len(self._cached_ids):  # the model was used behind our back
             self.reset()
-        keep = self._cached_prefix(committed_token_ids)
+        keep = self._cached_prefix(token_ids)
+        if self.prefix_cache is not None and len(token_ids) - 1 - keep >= PREFILL_CHUNK_TOKENS:
+            found = self.prefix_cache.lookup(token_ids, len(token_ids) - 1)
+            if found is not None and found[0] > keep:
+                self.model.restore(found[1])
+                self._cached_ids = [int(t) for t in token_ids[: found[0]]]
+                self._canonical = found[0]
+                return found[0]
         self.model.rollback(keep)
         del self._cached_ids[keep:]
-        missing = [int(t) for t in committed_token_ids[keep:]]  # >= 1 token: the last committed one at least
-        logits = self.model.forward(missing)
-        self._cached_ids.extend(missing)
-        return logits[-1]
+        self._canonical = min(self._canonical, keep - keep % PREFILL_CHUNK_TOKENS)
+        return keep
+
+    def _remember(self) -> None:
+        """Store the KV of the whole chunks fed from position 0 in the prefix cache (when it lacks them)."""
+        n = self._canonical
+        if self.prefix_cache is not None and n >= PREFILL_CHUNK_TOKENS and \
+                not self.prefix_cache.covers(self._cached_ids[:n]):
+            self.prefix_cache.store(self._cached_ids[:n], self.model.snapshot(n))
+
+    def _feed(self, token_ids: list[int]) -> np.ndarray:
+        """Feed ``token_ids`` after the cached ones in chunks split at multiples of PREFILL_CHUNK_TOKENS
+        (absolute positions); the logits [n_last_chunk, vocab] of the last chunk."""
+        pos, logits = 0, None
+        while pos < len(token_ids):
+            start = self.model.num_cached
+            n = min(len(token_ids) - pos, PREFILL_CHUNK_TOKENS - start % PREFILL_CHUNK_TOKENS)
+            logits = self.model.forward(token_ids[pos:pos + n])
+            self._cached_ids.extend(token_ids[pos:pos + n])
+            if start == self._canonical and n == PREFILL_CHUNK_TOKENS:  # a whole chunk, after whole chunks
+                self._canonical += n
+            pos += n
+        return logits
+
+    def prefill_step(self, token_ids: list[int], whole_chunks: bool = False) -> int:
+        """Feed the next chunk (at most PREFILL_CHUNK_TOKENS, up to the next chunk boundary) of
+        ``token_ids[:-1]`` past the cached prefix: what a concurrent prefill calls until it returns 0, so that
+        the next :meth:`propose` after ``token_ids`` feeds only the last token (and what came since).
+        ``whole_chunks``: stop at the last chunk boundary (the rest is fed by that propose, in the chunks a
+        prefill from scratch would have used: a seeded sampled generation's KV must not depend on timing).
+        Returns the tokens fed (0: caught up)."""
+        keep = self._hold_prefix(token_ids)
+        target = len(token_ids) - 1
+        if self.model.max_position_embeddings:  # past the draft's context it drafts nothing (room): no prefill
+            target = min(target, int(self.model.max_position_embeddings))
+        if whole_chunks:
+            target -= target % PREFILL_CHUNK_TOKENS
+        end = min(target, keep - keep % PREFILL_CHUNK_TOKENS + PREFILL_CHUNK_TOKENS)
+        if end <= keep:
+            self._remember()
+            return 0
+        self._feed([int(t) for t in token_ids[keep:end]])
+        return end - keep
 
     def draft_grammar(self, sampling: SamplingParams):
         """The generation's :class:`edge_client.grammar_drafting.DraftGrammar` for ``sampling.grammar`` (made at

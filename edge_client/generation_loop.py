@@ -65,7 +65,9 @@ def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingP
         # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
         # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
         # apart), so KV reused from another generation would change q and the seeded draws. Within one
-        # generation the draft feeds the prompt whole, then one token per forward, whatever the schedule.
+        # generation the draft feeds the prompt in chunks at fixed positions (ModelDrafter.PREFILL_CHUNK_TOKENS),
+        # then one token per forward, whatever the schedule; the draft's prefix cache restores only whole chunks
+        # fed from position 0 (edge_client.draft_prefix_cache), the KV a fresh prefill computes.
         client.drafter.reset()
     return run
 
@@ -80,7 +82,7 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
         prompt_ids: the prompt's token ids (non-empty). sampling, stopping: checked parameters.
         keep: a conversation's kept session: the first session extends ``keep.opened`` (ExtendSession with
             ``prompt_ids[keep.committed_length:]``), and the last one is kept in ``keep`` instead of closed.
-        route: "speculative" | "cloud" | "device" | "auto"; None = the client's.
+        route: "speculative" | "cloud" | "device" | "auto" | "cloud-first"; None = the client's.
 
     Raises:
         InvalidRequestError, PreconditionError, CapacityError, VerifierUnavailableError (no verifier and no

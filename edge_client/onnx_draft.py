@@ -282,6 +282,43 @@ class OnnxDraftModel:
         self._past = [np.ascontiguousarray(t[:, :, :length]) for t in self._past]
         self.num_cached = length
 
+    def snapshot(self, length: int) -> list[np.ndarray]:
+        """Host copies of the keys/values of the first ``length`` cached tokens: [2L] arrays [1, kv_heads, length,
+        head_dim] in layer order, key then value (for :meth:`restore`; the draft's prefix cache).
+
+        Raises:
+            ValueError: ``length`` outside [1, num_cached]."""
+        if not 0 < length <= self.num_cached:
+            raise ValueError(f"snapshot length must be in [1, {self.num_cached}], got {length}")
+        if not self.share_kv_buffer:
+            return [np.array(t[:, :, :length]) for t in self._past]
+        return [np.array((b if isinstance(b, np.ndarray) else b.numpy())[:, :, :length]) for b in self._buffers]
+
+    def restore(self, kv: list[np.ndarray]) -> None:
+        """Replace the cache with ``kv`` (:meth:`snapshot`'s arrays, or a prefix of them along the token axis):
+        ``num_cached`` becomes their length.
+
+        Raises:
+            ValueError: not 2 × num_layers arrays of this draft's KV geometry."""
+        shape = (1, self.num_kv_heads, self.head_dim)
+        if len(kv) != 2 * self.num_layers or any((t.shape[0], t.shape[1], t.shape[3]) != shape for t in kv):
+            raise ValueError(f"restore needs {2 * self.num_layers} arrays [1, {self.num_kv_heads}, n, "
+                             f"{self.head_dim}]")
+        n = int(kv[0].shape[2])
+        self.reset()
+        if not self.share_kv_buffer:
+            self._past = [np.ascontiguousarray(t, dtype=self._kv_dtype) for t in kv]
+        else:
+            self._ensure_capacity(n)
+            for buf, t in zip(self._buffers, kv):
+                if isinstance(buf, np.ndarray):
+                    buf[:, :, :n] = t
+                else:  # device memory: through the host, as a growth does
+                    host = buf.numpy()
+                    host[:, :, :n] = t
+                    buf.update_inplace(host)
+        self.num_cached = n
+
     # ------------------------------------------------------------------------------------------ shared KV
 
     def _ensure_capacity(self, total: int) -> None:

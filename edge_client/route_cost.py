@@ -152,6 +152,12 @@ class RouteEstimates:
         else:
             self._update("cloud_step_ms", since_last_ms, _W_TOKEN)
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A concurrent prefill of the draft (edge_client.draft_prefill) fed ``num_tokens`` in ``seconds``: a
+        sample of c_catchup."""
+        if num_tokens > 0 and seconds > 0:
+            self._update("catchup_ms_per_token", 1000 * seconds / num_tokens, _W)
+
     # ------------------------------------------------------------------ predictions
     @property
     def alpha(self) -> float | None:
@@ -211,6 +217,14 @@ class RouteEstimates:
         if self.cloud_first_ms is None:
             return self.rtt_ms + self._cloud_step()
         return max(0.0, self.cloud_first_ms + self.rtt_ms - (self.cloud_first_rtt_ms or 0.0))
+
+    def cloud_step_expected_ms(self) -> float | None:
+        """Expected ms between two cloud tokens (module docstring); None until known."""
+        return self._cloud_step()
+
+    def cloud_first_expected_ms(self) -> float | None:
+        """Expected ms from a Decode call to its first token; None until the RTT and a step time are known."""
+        return self._cloud_first()
 
     def cloud_tokens_per_s(self, chunk: int) -> float | None:
         """Expected tokens/s of one cloud chunk of ``chunk`` tokens, its first token's delay included; None until

@@ -5,6 +5,10 @@
   :mod:`edge_client.cloud_decode`); the device does not draft.
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
+- ``cloud-first``: cloud decode streams the first tokens while the draft prefills the context in a thread of its
+  own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); at the
+  first chunk boundary after the draft is ready the session goes on speculatively — unless few tokens are left.
+  Time to first token is the cloud's, throughput speculation's.
 - ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to finish the
   tokens left sooner, start-up included (the draft's catch-up over the context it has not seen and a first block
   without overlap; a Decode call's first token), chosen at the start from what the client measured in earlier
@@ -13,7 +17,9 @@
   no probe, nothing paid per request — and re-chosen at block and chunk boundaries from running estimates
   (acceptance, verify time, RTT), a switch paying the new mode's start-up. Both routes are lossless and
   extend the same verifier session (the seq goes on, the committed length is the fence), so a switch neither
-  loses nor repeats a token. ``auto`` never picks ``device`` (it is not the target's output).
+  loses nor repeats a token. When the draft has a prompt to prefill whose catch-up is expected to outlast a Decode
+  call's first token, ``auto`` starts as ``cloud-first`` and the cost model decides the hand-over (the catch-up
+  left included). ``auto`` never picks ``device`` (it is not the target's output).
 
 The choice and each switch are reported in :attr:`GenerationResult.route <edge_client.generation.GenerationResult>`
 (``--json``: ``"route"``).
@@ -21,6 +27,7 @@ The choice and each switch are reported in :attr:`GenerationResult.route <edge_c
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol
@@ -29,6 +36,7 @@ from common.errors import InvalidRequestError
 from common.types import DraftBlock, SamplingParams, SessionOpened, Verdict
 from edge_client.cloud_decode import cloud_verdicts
 from edge_client.context import GenerationContext
+from edge_client.draft_prefill import DraftPrefill, can_prefill
 from edge_client.fallback import DeviceDecoder, decode_unverified
 from edge_client.generation import with_seed
 from edge_client.route_cost import RouteEstimates, draft_unseen, route_reason
@@ -39,9 +47,9 @@ if TYPE_CHECKING:
     from edge_client.output import Chunk
 
 __all__ = ["ROUTES", "CostModelSwitcher", "RouteEstimates", "RouteRun", "RouteSwitcher", "check_route", "decode_device",
-           "run_session", "start_route"]
+           "run_session", "start_route", "stop_prefill"]
 
-ROUTES = ("speculative", "cloud", "device", "auto")
+ROUTES = ("speculative", "cloud", "device", "auto", "cloud-first")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
 SWITCH_MARGIN = 1.15  # auto switches when the other mode is expected to finish this much sooner
 # no switch with fewer tokens left: the gain shrinks with the tokens left, the switch's cost (a round trip to
@@ -51,6 +59,12 @@ MIN_TOKENS_LEFT_TO_SWITCH = 16
 # must be known to start the next), so chunks are long and double (64, 128, ...); auto re-chooses between them
 FIRST_CLOUD_CHUNK = 64
 MAX_CLOUD_CHUNK = 1024
+# cloud-first: each Decode call asks for about the tokens the cloud makes until the draft is expected ready (its
+# prefill left / the cloud's step time), at least MIN_CLOUD_FIRST_CHUNK; CLOUD_FIRST_CHUNK before either is known
+MIN_CLOUD_FIRST_CHUNK = 4
+CLOUD_FIRST_CHUNK = 16
+# cloud-first needs a catch-up of at least this many tokens (fewer: the first block feeds them at once)
+MIN_UNSEEN_FOR_CLOUD_FIRST = 8
 
 
 def check_route(route: str | None, default: str = "speculative") -> str:
@@ -77,17 +91,23 @@ class RouteRun:
     why: str = ""
     estimates: RouteEstimates | None = None  # the client's (reported under auto)
     last_verdict_t: float | None = None  # perf_counter() at the segment's last speculative verdict
+    prefill: DraftPrefill | None = None  # cloud-first: the draft's prefill while the cloud streams
+    draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
+    t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
     def report(self) -> dict:
         """The ``"route"`` object of ``--json``: requested, initial, final mode, switches, tokens per mode."""
         out = {"requested": self.requested, "initial": self.initial or self.mode, "final": self.mode,
                "why": self.why, "switches": list(self.switches), "tokens": dict(self.tokens)}
+        if self.draft_ready_s is not None:
+            out["draft_ready_s"] = round(self.draft_ready_s, 4)
         if self.estimates is not None and self.requested == "auto":
             out["estimates"] = self.estimates.to_json()
         return out
 
     def switch(self, to: str, at_tokens: int, why: str) -> None:
-        self.switches.append({"at_token": at_tokens, "from": self.mode, "to": to, "why": why})
+        self.switches.append({"at_token": at_tokens, "at_s": round(time.perf_counter() - self.t0, 4),
+                              "from": self.mode, "to": to, "why": why})
         self.mode, self.steps_in_mode, self.why = to, 0, why
 
 
@@ -115,7 +135,10 @@ class CostModelSwitcher:
     FIRST_CLOUD_CHUNK to MAX_CLOUD_CHUNK tokens."""
 
     def cloud_chunk_tokens(self, run: "Run") -> int:
-        return run.route.cloud_chunk if run.route.requested == "auto" else 0
+        rr: RouteRun = run.route
+        if rr.prefill is not None and not rr.prefill.ready:  # cloud-first: until the draft is expected ready
+            return _chunk_until_ready(rr)
+        return rr.cloud_chunk if rr.requested == "auto" else 0
 
     def to_cloud(self, client: GenerationContext, run: "Run") -> str | None:
         rr: RouteRun = run.route
@@ -130,14 +153,34 @@ class CostModelSwitcher:
 
     def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
         rr: RouteRun = run.route
-        if rr.requested != "auto" or _few_left(run):
+        if rr.requested not in ("auto", "cloud-first") or _few_left(run):
             return None
+        if rr.prefill is not None and not rr.prefill.ready:
+            return None  # cloud-first: another chunk while the draft prefills
+        if rr.requested == "cloud-first":
+            return "the draft is ready" if rr.prefill is not None else None
         est, left = client.route_estimates, _tokens_left(run)
-        spec = est.speculative_finish_ms(client, left, draft_unseen(client.drafter, run.committed))  # + catch-up
+        # the hand-over planned by a cloud-first start needs no margin against flapping: it is the first switch
+        unseen, margin = ((rr.prefill.num_unseen(), 1.0) if rr.prefill is not None
+                          else (draft_unseen(client.drafter, run.committed), SWITCH_MARGIN))
+        spec = est.speculative_finish_ms(client, left, unseen)  # + the catch-up left
         cloud = est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK)  # the next chunk's first token too
-        if spec is not None and cloud is not None and SWITCH_MARGIN * spec < cloud:
+        if spec is None and rr.prefill is not None:  # as a first generation starts: blocks measure the draft
+            return "the draft is ready and not measured yet: speculative blocks measure it"
+        if spec is not None and cloud is not None and margin * spec < cloud:
             return route_reason("speculative", spec, "cloud", cloud, left)
         return None
+
+
+def _chunk_until_ready(rr: RouteRun) -> int:
+    """Tokens of the next cloud-first chunk: about those the cloud makes while the draft finishes its prefill."""
+    est = rr.estimates
+    per_token = est.catchup_ms_per_token if est is not None else None
+    left_s = rr.prefill.remaining_s(None if per_token is None else per_token / 1000)
+    step_ms = est.cloud_step_expected_ms() if est is not None else None
+    if left_s is None or not step_ms:
+        return CLOUD_FIRST_CHUNK
+    return int(min(FIRST_CLOUD_CHUNK, max(MIN_CLOUD_FIRST_CHUNK, math.ceil(1000 * left_s / step_ms) + 1)))
 
 
 def start_route(client: GenerationContext, route: str | None) -> RouteRun:
@@ -149,42 +192,83 @@ def start_route(client: GenerationContext, route: str | None) -> RouteRun:
     requested = check_route(route, client.route)
     rr = RouteRun(requested, switcher=client.route_switcher or CostModelSwitcher(),
                   estimates=client.route_estimates)
-    rr.mode = requested if requested in ("cloud", "device") else "speculative"
+    rr.mode = requested if requested in ("cloud", "device") else "speculative"  # auto, cloud-first: run_session
     return rr
 
 
 def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
                 requested_seed: int | None) -> Iterator["Chunk"]:
-    """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto) both in
-    turn, until the generation finishes or a call fails (raised, as
-    :func:`edge_client.speculative.verify_session`). Each
-    segment starts at the session's next seq and its committed length, so a switch loses and repeats nothing."""
+    """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto,
+    cloud-first) both in turn, until the generation finishes or a call fails (raised, as
+    :func:`edge_client.speculative.verify_session`). Each segment starts at the session's next seq and its
+    committed length, so a switch loses and repeats nothing. A cloud-first prefill is stopped before the drafter
+    is used here and when the session ends, however it ends."""
     rr: RouteRun = run.route
-    if rr.requested == "auto":
+    if rr.requested in ("auto", "cloud-first"):
         client.route_estimates.begin(client, opened)
         if not rr.initial:
-            rr.mode, rr.why = client.route_estimates.choose(client, _tokens_left(run),
-                                                            draft_unseen(client.drafter, run.committed),
-                                                            rr.cloud_chunk, MAX_CLOUD_CHUNK)
+            _choose_start(client, run, not sampling.greedy and requested_seed is not None)
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
     run.switch_check = lambda *a: after_block(client, run, *a)
     run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
-    while run.finish_reason is None:
-        run.first_seq = run.last_seq + 1
-        if rr.mode == "cloud":
-            yield from _cloud_segment(client, run, opened)
-            if run.finish_reason is None:
-                after_chunk(client, run)
-        else:
-            before, rr.last_verdict_t = len(run.committed), None
-            client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
-            try:
-                yield from verify_session(client, run, opened, sampling, requested_seed)
-            finally:
-                rr.tokens["speculative"] += len(run.committed) - before
+    try:
+        while run.finish_reason is None:
+            run.first_seq = run.last_seq + 1
+            if rr.mode == "cloud":
+                yield from _cloud_segment(client, run, opened)
+                if run.finish_reason is None:
+                    after_chunk(client, run)
+            else:
+                stop_prefill(client, rr)  # the drafter is this thread's again
+                before, rr.last_verdict_t = len(run.committed), None
+                client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
+                try:
+                    yield from verify_session(client, run, opened, sampling, requested_seed)
+                finally:
+                    rr.tokens["speculative"] += len(run.committed) - before
+    finally:
+        stop_prefill(client, rr)
     run.first_seq = run.last_seq + 1
+
+
+def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> None:
+    """The first mode of an auto or cloud-first generation. cloud-first starts on the cloud with the draft's
+    prefill running whenever the draft has at least MIN_UNSEEN_FOR_CLOUD_FIRST tokens to catch up on (else it
+    speculates at once); auto does so when the cost model picks speculative but its first verdict (the catch-up
+    and a first block) is expected after a Decode call's first token (or either is unknown), else it takes the
+    cost model's pick.
+    ``timing_free``: a seeded sampled generation (the prefill feeds whole chunks only)."""
+    rr: RouteRun = run.route
+    est, unseen = client.route_estimates, draft_unseen(client.drafter, run.committed)
+    prefill = can_prefill(client.drafter) and unseen >= MIN_UNSEEN_FOR_CLOUD_FIRST and not _few_left(run)
+    if rr.requested == "auto":
+        rr.mode, rr.why = est.choose(client, _tokens_left(run), unseen, rr.cloud_chunk, MAX_CLOUD_CHUNK)
+        # the first block's verdict (catch-up, drafting, round trip, verify) against the cloud's first token
+        spec_first, cloud_first = est.speculative_finish_ms(client, 1, unseen), est.cloud_first_expected_ms()
+        prefill = prefill and rr.mode == "speculative" and (
+            spec_first is None or cloud_first is None or spec_first > cloud_first)
+    else:
+        rr.mode, rr.why = "speculative", f"the draft has {unseen} tokens to catch up on: no prefill to overlap"
+    if prefill:
+        rr.mode, rr.why = "cloud", f"cloud-first: the draft prefills {unseen} tokens while the cloud streams"
+        rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free)
+
+
+def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
+    """End a cloud-first prefill (its thread joined: the drafter is the caller's) and learn its cost per token.
+
+    Raises:
+        what the prefill raised."""
+    prefill, rr.prefill = rr.prefill, None
+    if prefill is None:
+        return
+    try:
+        prefill.stop()
+    finally:
+        rr.draft_ready_s = prefill.ready_s
+        client.route_estimates.observe_prefill(prefill.num_fed, prefill.fed_s)
 
 
 def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
@@ -213,7 +297,8 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
     finally:
         stream.close()  # an edge-side stop (a stop string across sessions) cancels the rest
     rr.steps_in_mode += 1
-    rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
+    if rr.prefill is None:  # auto's chunks double; cloud-first's follow the prefill
+        rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
 
 
 def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
@@ -245,11 +330,14 @@ def _few_left(run: "Run") -> bool:
 
 
 def after_chunk(client: GenerationContext, run: "Run") -> None:
-    """Between two cloud chunks: switch back to speculative when the route's switcher says so."""
+    """Between two cloud chunks: switch (back) to speculative when the route's switcher says so; a cloud-first
+    prefill that is ready when the switcher says stay ends there (a later switch back pays the catch-up)."""
     rr: RouteRun = run.route
     why = rr.switcher.to_speculative(client, run)
     if why is not None:
         rr.switch("speculative", run.num_generated, why)
+    elif rr.prefill is not None and rr.prefill.ready:  # ready, and staying on the cloud: no prefill to follow
+        stop_prefill(client, rr)
 
 
 def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParams) -> Iterator["Chunk"]:

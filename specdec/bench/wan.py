@@ -18,13 +18,15 @@ Prints one JSON object (:func:`run_wan_bench`); ``--plot`` draws tokens/s agains
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["SlowDrafter", "parse_ms_list", "run_wan_bench"]
 
-WAN_ROUTES = ("speculative", "cloud", "auto")
+WAN_ROUTES = ("speculative", "cloud", "auto")  # the default; --route may add cloud-first
+_ALLOWED_ROUTES = (*WAN_ROUTES, "cloud-first")
 
 
 def parse_ms_list(spec: str, what: str = "--wan") -> list[float]:
@@ -56,6 +58,14 @@ class SlowDrafter:
             if getattr(block, "draft_ms", 0):
                 block.draft_ms *= self.slowdown
         return block
+
+    def prefill_step(self, *args, **kwargs):
+        """The inner drafter's concurrent prefill step, slowed alike (a slow device prefills slowly too)."""
+        t0 = time.perf_counter()
+        n = self._inner.prefill_step(*args, **kwargs)
+        if self.slowdown > 1 and n:
+            time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
+        return n
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -133,10 +143,16 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         point[r] = {"tokens_per_s": tokens / max(sum(x["elapsed_s"] for x in runs[r]), 1e-9),
                     "elapsed_s": [round(x["elapsed_s"], 4) for x in runs[r]],
                     "first_token_s": [round(x["first_token_s"] or 0.0, 4) for x in runs[r]]}
+        point[r]["first_token_s_median"] = round(statistics.median(point[r]["first_token_s"]), 4)
+        switch_s = [x["route"]["switches"][0]["at_s"] for x in runs[r] if x["route"].get("switches")]
+        if r in ("auto", "cloud-first"):  # when its first switch came (a cloud-first start: the hand-over)
+            point[r]["first_switch_s"] = [round(t, 4) for t in switch_s]
+            point[r]["draft_ready_s"] = [x["route"].get("draft_ready_s") for x in runs[r]]
     if "auto" in runs:
         point["auto"]["routes"] = [{k: x["route"].get(k) for k in ("initial", "final", "why", "switches", "tokens",
-                                                                   "estimates")} for x in runs["auto"]]
-        fixed = [point[r]["tokens_per_s"] for r in routes if r != "auto"]
+                                                                   "draft_ready_s", "estimates")}
+                                   for x in runs["auto"]]
+        fixed = [point[r]["tokens_per_s"] for r in routes if r in ("speculative", "cloud")]
         if fixed:
             point["auto_vs_best"] = point["auto"]["tokens_per_s"] / max(fixed)
     point["greedy_identical"] = all(run["token_ids"] == runs[routes[0]][i]["token_ids"]
@@ -168,7 +184,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     Args:
         prompts: :class:`specdec.bench.prompts.BenchPrompt` list (their text gets the chat template).
         one_way_ms: one-way latency of each direction, ms (RTT = 2 ×).
-        routes: subset of speculative, cloud, auto (the CLI's ``--route``).
+        routes: subset of speculative, cloud, auto, cloud-first (the CLI's ``--route``).
         repeats: every prompt on every route this many times per point (``--wan-repeats``).
 
     Raises:
@@ -184,9 +200,9 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
 
     from ._shared import resolve_dirs
 
-    bad = [r for r in routes if r not in WAN_ROUTES]
+    bad = [r for r in routes if r not in _ALLOWED_ROUTES]
     if bad:
-        raise ValueError(f"--route for --wan: {', '.join(WAN_ROUTES)}, got {', '.join(bad)}")
+        raise ValueError(f"--route for --wan: {', '.join(_ALLOWED_ROUTES)}, got {', '.join(bad)}")
     target_dir, draft_dir = resolve_dirs(target, draft)
     draft_model = OnnxDraftModel(draft_dir)
     ids = [encode_prompt(draft_model.tokenizer, p.prompt) for p in prompts]
@@ -212,7 +228,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     return report
 
 
-_STYLE = {"speculative": ("o", "-"), "cloud": ("s", "-"), "auto": ("^", "--")}
+_STYLE = {"speculative": ("o", "-"), "cloud": ("s", "-"), "auto": ("^", "--"), "cloud-first": ("v", ":")}
 
 
 def _plot(report: dict, path: Path) -> None:

@@ -129,7 +129,8 @@ def user_errors():
 
 
 ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates and streams), 'device' (the draft "
-               "alone, unverified) or 'auto' (chosen and re-chosen from measurements; docs/routing.md)")
+              "alone, unverified), 'cloud-first' (the cloud streams while the draft prefills, then speculative) or "
+              "'auto' (chosen and re-chosen from measurements; docs/routing.md)")
 
 
 def check_route(route: str) -> None:

@@ -86,9 +86,11 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
         from edge_client.ngram import NgramDrafter
 
         return NgramDrafter()
+    from edge_client.draft_prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
     from edge_client.drafter import ModelDrafter
 
-    return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid)
+    return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid,
+                        prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
 
 
 def _raise_preflight(preflight, wait_s: float | None) -> None:

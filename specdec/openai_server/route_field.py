@@ -1,6 +1,7 @@
 """The ``route`` extension field of edge-serve's requests (docs/routing.md): ``"speculative"``, ``"cloud"``,
-``"device"`` or ``"auto"`` for this request; absent: the server's ``--route``. ``device`` answers with the
-draft's own tokens, unverified (the route report says so; OpenAI's response format has no field for it)."""
+``"device"``, ``"cloud-first"`` or ``"auto"`` for this request; absent: the server's ``--route``. ``device``
+answers with the draft's own tokens, unverified (the route report says so; OpenAI's response format has no field
+for it)."""
 
 from __future__ import annotations
 

@@ -87,7 +87,10 @@ def test_seeded_sampled_switching_is_reproducible(served, draft):
             runs.append(client.generate(ids, seed=seed, **kw))
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].token_ids != runs[2].token_ids  # negative control: another seed, other tokens
-    assert runs[0].route["switches"] == runs[1].route["switches"]
+    def points(run):  # where the switches fell (not when: at_s is a time)
+        return [{k: v for k, v in s.items() if k != "at_s"} for s in run.route["switches"]]
+
+    assert points(runs[0]) == points(runs[1])
 
 
 def test_route_device_is_the_draft_alone_flagged_unverified(tiny_pair, draft):

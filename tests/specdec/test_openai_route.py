@@ -40,12 +40,12 @@ def _completion(http, **extra):
 def test_route_field_and_server_default(app_client):
     http, edge = app_client
     answers = {}
-    for route in (None, "speculative", "device"):
+    for route in (None, "speculative", "cloud-first", "device"):
         r = _completion(http, **({"route": route} if route else {}))
         assert r.status_code == 200, r.text
         answers[route] = r.json()["choices"][0]["text"]
         assert edge.last_result.route["requested"] == (route or "cloud")  # absent: the server's default
     assert edge.last_result.num_unverified_tokens == 12  # device: the draft alone, counted as unverified
-    assert answers[None] == answers["speculative"]  # greedy: the same text on both lossless routes
+    assert answers[None] == answers["speculative"] == answers["cloud-first"]  # greedy: lossless routes agree
     bad = _completion(http, route="fastest")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "route"

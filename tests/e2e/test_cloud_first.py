@@ -1,0 +1,101 @@
+"""route=cloud-first (and auto's cloud-first start) end to end over real gRPC on 127.0.0.1: the cloud streams the
+first tokens while the draft prefills in its own thread, then the session goes on speculatively: greedy output
+token-identical to target-only (HF generate), one session, tokens from both modes; a seeded sampled generation
+with a forced hand-over point (an injected RouteSwitcher) gives the same tokens on every run whatever the draft's
+speed (a fast draft, one slowed 4x: its prefill ends at another time), and another hand-over point another
+reproducible sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from _reference import hf_greedy
+from cloud_verifier.target import TargetRunner
+from cloud_verifier.verifier import Verifier
+from edge_client.client import EdgeClient, encode_prompt
+from edge_client.drafter import ModelDrafter
+from edge_client.grpc_backend import GrpcBackend
+from edge_client.onnx_draft import OnnxDraftModel
+from specdec.bench.wan import SlowDrafter
+from specdec.embedded import EmbeddedServer
+
+pytestmark = pytest.mark.timeout(400)
+
+PROMPT = ("Tell me a long story about a robot who learns to paint, with the colours of the sea, the names of "
+          "its friends and what it saw on the way home.")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_pair):
+    verifier = Verifier(TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=8192), max_batch_wait_ms=1.0)
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    return OnnxDraftModel(tiny_pair.draft_dir)
+
+
+class HandOverAfter:
+    """A RouteSwitcher that hands a cloud-first start over to speculative after exactly ``k`` cloud tokens,
+    ready or not (the prefill is stopped there; the first block feeds the rest), and never switches back."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def cloud_chunk_tokens(self, run):
+        return self.k
+
+    def to_speculative(self, client, run):
+        return f"after {self.k} cloud tokens"
+
+    def to_cloud(self, client, run):
+        return None
+
+
+def _client(backend, drafter, tokenizer, **kw):
+    return EdgeClient(backend, drafter, tokenizer, num_speculative_tokens=3, **kw)
+
+
+def test_cloud_first_and_auto_are_target_only(tiny_pair, served, draft):
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    assert len(ids) > 40
+    expected = hf_greedy(tiny_pair.target_dir, ids, 48)
+    with GrpcBackend(served) as backend:
+        results = {}
+        for route in ("cloud-first", "auto"):  # a fresh client: auto knows nothing yet, so it starts cloud-first
+            client = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route=route)
+            results[route] = client.generate(ids, max_new_tokens=48, ignore_eos=True)
+        forced = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="cloud-first",
+                         route_switcher=HandOverAfter(7))
+        results["forced"] = forced.generate(ids, max_new_tokens=48, ignore_eos=True)
+    for name, result in results.items():
+        route = result.route
+        print(name, route)
+        assert result.token_ids == expected, name
+        assert route["initial"] == "cloud", (name, route)
+        assert result.num_sessions == 1 and route["tokens"]["cloud"] + route["tokens"]["speculative"] == 48
+    for name in ("cloud-first", "auto", "forced"):  # the hand-over happened mid-way, at a time reported
+        route = results[name].route
+        assert route["final"] == "speculative", (name, route)
+        assert route["tokens"]["speculative"] > 0 < route["tokens"]["cloud"], (name, route)
+        assert route["switches"][0]["to"] == "speculative" and route["switches"][0]["at_s"] > 0, (name, route)
+    assert results["forced"].route["switches"][0]["at_token"] == 7
+
+
+def test_seeded_sampled_hand_over_is_reproducible_whatever_the_draft_speed(served, draft):
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    kw = dict(max_new_tokens=40, temperature=1.0, top_k=20, ignore_eos=True, seed=11)
+    runs = {}
+    with GrpcBackend(served) as backend:
+        for k, slowdown in ((2, 1), (2, 30), (2, 1), (20, 1), (20, 4)):
+            drafter = SlowDrafter(ModelDrafter(draft, draft_top_k=5), slowdown)
+            client = _client(backend, drafter, draft.tokenizer, route="cloud-first", route_switcher=HandOverAfter(k))
+            result = client.generate(ids, **kw)
+            assert [s["at_token"] for s in result.route["switches"]] == [k]
+            assert result.route["tokens"]["cloud"] == k
+            runs.setdefault(k, []).append(result.token_ids)
+    for k, outs in runs.items():
+        assert all(out == outs[0] for out in outs), k  # the same hand-over point: the same tokens
+    assert runs[2][0][:2] == runs[20][0][:2]  # the cloud's first tokens are the same draws

@@ -1,0 +1,46 @@
+"""A long prompt (~4,000 tokens) on route=cloud-first with the real SmolLM2 pair over gRPC on 127.0.0.1: the draft's
+chunked prefill runs in its own thread and does not hold back the cloud's first tokens (the first one arrives
+before the draft is ready), the session hands over to speculative only once it is, the prefill stops within one
+chunk when the generation ends first, and the output is token-identical to target-only decoding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cloud_verifier.target import TargetRunner
+from cloud_verifier.verifier import Verifier
+from edge_client.client import EdgeClient
+from edge_client.drafter import ModelDrafter
+from edge_client.grpc_backend import GrpcBackend
+from edge_client.onnx_draft import OnnxDraftModel
+from specdec.embedded import EmbeddedServer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_a_4k_prompt_does_not_hold_back_the_first_cloud_token(real_pair):
+    model = OnnxDraftModel(real_pair.draft_dir)
+    text = " ".join(f"Item {i}: the {i}th entry of a long log that the assistant must read." for i in range(180))
+    ids = model.tokenizer.encode(text)
+    assert len(ids) >= 3500
+    verifier = Verifier(TargetRunner(real_pair.target_dir, kv_cache_budget_tokens=16384), max_batch_wait_ms=1.0)
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address, GrpcBackend(address) as backend:
+        target_only = EdgeClient(backend, None, model.tokenizer).generate(ids, max_new_tokens=40, ignore_eos=True)
+        client = EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4,
+                            route="cloud-first")
+        t0, first = time.perf_counter(), None
+        for chunk in client.stream_chunks(ids, max_new_tokens=40, ignore_eos=True):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - t0
+        result = client.last_result
+    route = result.route
+    print(first, route)
+    assert result.token_ids == target_only.token_ids
+    assert route["initial"] == "cloud" and route["tokens"]["cloud"] > 0
+    # the cloud answered while the draft was still prefilling (on a CPU the draft is not ready within 40
+    # tokens: the session stays on the cloud and the prefill is stopped at its end, within one chunk)
+    ready = route.get("draft_ready_s")
+    assert first < (ready if ready is not None else result.stats.elapsed_s)
+    assert ready is None or route["final"] == "speculative"
