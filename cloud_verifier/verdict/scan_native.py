@@ -77,8 +77,10 @@ def prebuild(directory: Path, compiler: str = "cc") -> list[Path]:
         OSError, subprocess.SubprocessError: no compiler, a failed build, a folder that cannot be written."""
     paths = []
     for isa, flags in _PREBUILT:
-        compile_to(_prebuilt_path(directory, isa), compiler, flags)
-        paths.append(_prebuilt_path(directory, isa))
+        path = _prebuilt_path(directory, isa)
+        compile_to(path, compiler, flags)
+        path.chmod(0o755)  # for every user of the image, not only the one that built it
+        paths.append(path)
     return paths
 
 
