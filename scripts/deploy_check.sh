@@ -55,7 +55,7 @@ for port in 50060 50061 50062 19090 19091 16379 16380 16381 16382 26380 26381 26
 done
 
 t=$(now)
-compose "${FILES[@]}" build verifier edge-demo
+compose "${FILES[@]}" build --quiet verifier edge-demo 2>&1 | { grep -v -e DEPRECATED -e buildx -e "^ *$" || true; }
 echo "== images built in $(since "$t") s"
 docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E '^specdec-(verifier|edge|local/)' | sort
 if docker run --rm specdec-edge:latest python -c 'import torch' 2>/dev/null; then
@@ -93,6 +93,8 @@ status=0
 healthy "$(now)" "${FILES[@]}"
 gen reference "${FILES[@]}"
 gen replica-failover "${FILES[@]}" || status=1
+echo "== scale back to two replicas (the killed one restarted by \`compose up\`)"
+healthy "$(now)" "${FILES[@]}"
 compose "${FILES[@]}" down --volumes --remove-orphans
 left_behind || status=1
 

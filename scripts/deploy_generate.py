@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -70,8 +71,11 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 
 def reference(compose: list[str], args) -> int:
-    out = finish(start(generate_cmd(compose, args, "verifier", "--target-only")), "target-only (verifier image)",
-                 None)
+    # `docker run`, not `compose run`: a one-off container of a running service is linked to it, and links are
+    # refused on the host network
+    cmd = ["docker", "run", "--rm", "--network", "host", "-v", f"{args.models}:/opt/specdec/models:ro",
+           "specdec-verifier:latest", *generate_cmd([], args, "", "--target-only")[5:]]
+    out = finish(start(cmd), "target-only (verifier image)", None)
     if out is None:
         return 1
     with open(args.reference, "w", encoding="utf-8") as f:
@@ -128,6 +132,8 @@ def main() -> int:
     ap.add_argument("mode", choices=["reference", "replica-failover", "store-failover"])
     ap.add_argument("--compose", required=True, help="the compose command line, with its -p and -f options")
     ap.add_argument("--reference", required=True, help="JSON file of the target-only token ids")
+    ap.add_argument("--models", default=os.environ.get("SPECDEC_MODELS_DIR", ""),
+                    help="the prepared models, mounted into the verifier image (default $SPECDEC_MODELS_DIR)")
     ap.add_argument("--prompt", default="Explain how a rainbow forms, step by step.")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--kill-after-blocks", type=int, default=5)
