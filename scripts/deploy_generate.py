@@ -61,8 +61,10 @@ def finish(proc: subprocess.Popen, label: str, reference: list[int] | None) -> d
         print(f"{label}: FAILED (exit status {proc.returncode})\n{stderr[-3000:]}")
         return None
     same = reference is None or out["token_ids"] == reference
+    verdict = "the reference" if reference is None else f"token-identical to --target-only: {same}"
+    rate = "-" if out["acceptance_rate"] is None else f"{out['acceptance_rate']:.2f}"
     print(f"{label}: {out['num_generated_tokens']} tokens in {out['elapsed_s']:.1f} s, failovers "
-          f"{out['num_failovers']}, acceptance {out['acceptance_rate']}, token-identical to --target-only: {same}")
+          f"{out['num_failovers']}, acceptance rate {rate}, {verdict}")
     return out if same else None
 
 

@@ -66,6 +66,11 @@ def test_the_sentinel_profile_on_the_host_network():
     for name in ("verifier", "verifier-b"):
         target = parse_redis_url(_settings(override[name]["environment"]).redis_url)
         assert target.kind == SENTINEL and set(target.hosts) == sentinels and target.service_name == "mymaster"
+    # `up balancer` starts what the verifiers depend on: the replicas too (SPECDEC_REDIS_WAIT_REPLICAS needs one)
+    sentinel_override = _services("deploy/compose.sentinel.yml")
+    for name in ("verifier", "verifier-b"):
+        assert {"redis-primary", "redis-replica-1", "redis-replica-2"} - set(sentinel_override[name]["depends_on"]) \
+            <= {"redis-primary"}
     # the sentinel's configuration and health check come from its environment, in both networkings
     sentinel = _services("docker-compose.yml")["sentinel-1"]
     assert {"$$PORT", "$$ANNOUNCE", "$$MASTER"} <= set(re.findall(r"\$\$[A-Z]+", sentinel["command"][2]))
