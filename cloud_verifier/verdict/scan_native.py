@@ -9,8 +9,10 @@ in cache (count and gather fused, a branch per 8 tokens), and the normaliser and
 gathered tokens take microseconds. The library is compiled on first use with the system's C compiler (``cc``,
 or ``$CC``; about 0.5 s) into the model cache (``$SPECDEC_CACHE_DIR/native``, else a temp folder; keyed by the
 source, the flags and the CPU) and
-loaded with ctypes, which releases the GIL during the call, so several threads scan at once. Without a compiler,
-or with ``SPECDEC_NATIVE_SCAN=0``, :func:`available` is False and the numpy backend is used.
+loaded with ctypes, which releases the GIL during the call, so several threads scan at once. Without a compiler
+at run time (a container image), the variants :func:`prebuild` compiled at build time into
+``$SPECDEC_NATIVE_SCAN_DIR`` are used: the widest instruction set the CPU has (AVX-512, AVX2, plain C). Without either, or with
+``SPECDEC_NATIVE_SCAN=0``, :func:`available` is False and the numpy backend is used.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("scan_native.c")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the first
+# the variants compiled ahead of time (:func:`prebuild`), widest first; each used only where the CPU has its ISA
+_PREBUILT = (("avx512f", ["-O3", "-mavx512f"]), ("avx2", ["-O3", "-mavx2"]), ("generic", ["-O3"]))
+PREBUILT_DIR_ENV = "SPECDEC_NATIVE_SCAN_DIR"
 _POSITIONS_PER_TASK = 16  # sampled positions per call (several calls share the threads)
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -47,13 +52,52 @@ def available() -> bool:
     return _library() is not None
 
 
-def _cpu_fingerprint() -> str:
+def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
-    return platform.machine() + platform.processor() + flags
+        return ""
+
+
+def _cpu_fingerprint() -> str:
+    return platform.machine() + platform.processor() + _cpu_flags_line()
+
+
+def _prebuilt_path(directory: Path, isa: str) -> Path:
+    # keyed by the source: a library built from another version of scan_native.c is never loaded
+    return directory / f"verdict_scan-{isa}-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+
+
+def prebuild(directory: Path, compiler: str = "cc") -> list[Path]:
+    """Compile every ahead-of-time variant (AVX-512, AVX2, plain C) into ``directory``, for a machine that has no
+    C compiler at run time (``SPECDEC_NATIVE_SCAN_DIR=directory`` there). Returns the files written.
+
+    Raises:
+        OSError, subprocess.SubprocessError: no compiler, a failed build, a folder that cannot be written."""
+    paths = []
+    for isa, flags in _PREBUILT:
+        path = _prebuilt_path(directory, isa)
+        compile_to(path, compiler, flags)
+        path.chmod(0o755)  # for every user of the image, not only the one that built it
+        paths.append(path)
+    return paths
+
+
+def _prebuilt():
+    """The widest variant :func:`prebuild` left in ``$SPECDEC_NATIVE_SCAN_DIR`` that this CPU runs, else None."""
+    directory = os.environ.get(PREBUILT_DIR_ENV)
+    if not directory:
+        return None
+    cpu = set(_cpu_flags_line().partition(":")[2].split())
+    for isa, _ in _PREBUILT:
+        path = _prebuilt_path(Path(directory), isa)
+        if (isa == "generic" or isa in cpu) and path.exists():
+            try:
+                return load(path)
+            except OSError as e:
+                log.info("the prebuilt verdict scan %s does not load: %s", path, e)
+    return None
 
 
 @functools.cache
@@ -62,8 +106,10 @@ def _library():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler: the verdict scan runs in numpy")
-        return None
+        lib = _prebuilt()
+        if lib is None:
+            log.info("no C compiler and no prebuilt library: the verdict scan runs in numpy")
+        return lib
     from common.paths import default_cache_dir
 
     source = _SOURCE.read_bytes()

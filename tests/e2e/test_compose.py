@@ -1,4 +1,5 @@
-"""docker-compose.yml, the Dockerfiles and the Kubernetes manifests agree with the code (no Docker needed)."""
+"""docker-compose.yml (with docker-compose.override.yml, its published ports), the Dockerfiles and the Kubernetes
+manifests agree with the code (no Docker needed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ ENV_PREFIX = "SPECDEC_"
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def ports() -> dict:
+    """The published ports of each service (docker-compose.override.yml)."""
+    services = yaml.safe_load((ROOT / "docker-compose.override.yml").read_text())["services"]
+    return {name: service["ports"] for name, service in services.items()}
+
+
+def _default(value: str) -> str:
+    """``${VAR:-default}`` as compose reads it with VAR unset."""
+    return value.split(":-", 1)[1].rstrip("}") if value.startswith("${") else value
 
 
 def _setting_name(env_name: str) -> str:
@@ -37,13 +50,15 @@ def _container_ports(ports) -> set[int]:
     return out
 
 
-def test_services_exist(compose):
+def test_services_exist(compose, ports):
     assert {"redis", "verifier", "edge-demo"} <= set(compose["services"])
-    assert compose["services"]["redis"]["image"].startswith("redis:7")
-    assert 6379 in _container_ports(compose["services"]["redis"]["ports"])
+    assert _default(compose["services"]["redis"]["image"]).startswith("redis:7")
+    assert 6379 in _container_ports(ports["redis"])
+    # published ports live in the override alone: host networking (deploy/compose.host.yml) cannot have any
+    assert not any("ports" in service for service in compose["services"].values())
 
 
-def test_verifier_env_and_ports_match_settings(compose):
+def test_verifier_env_and_ports_match_settings(compose, ports):
     verifier = compose["services"]["verifier"]
     env = _env_dict(verifier["environment"])
     fields = VerifierSettings.model_fields
@@ -53,7 +68,7 @@ def test_verifier_env_and_ports_match_settings(compose):
     grpc_port, metrics_port = int(env["SPECDEC_PORT"]), int(env["SPECDEC_METRICS_PORT"])
     defaults = (fields["port"].default, fields["metrics_port"].default)
     assert (grpc_port, metrics_port) == defaults == (50051, 9090)
-    assert {grpc_port, metrics_port} <= _container_ports(verifier["ports"])
+    assert {grpc_port, metrics_port} <= _container_ports(ports["verifier"])
     # the env really configures the settings
     settings = VerifierSettings(**{_setting_name(k): v for k, v in env.items()})
     assert settings.redis_url == env["SPECDEC_REDIS_URL"] and settings.port == grpc_port
@@ -77,20 +92,30 @@ def test_edge_demo(compose):
     assert "balancer" in edge["depends_on"]
 
 
-def test_dockerfiles_exist_and_prepare_models(compose):
+def test_dockerfiles_build_offline_and_prepare_or_mount_models(compose):
+    """Every Python package from the wheelhouse (no index), torch's CPU build pinned, the models prepared at build
+    time or left to a mount, the base images build arguments, a non-root user; the edge's runtime stage without
+    torch; every COPY source admitted by .dockerignore (the build context is the wheelhouse)."""
+    admitted = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.startswith("!")]
     for name in ("verifier", "edge-demo"):
         build = compose["services"][name]["build"]
         context = ROOT / build.get("context", ".")
         dockerfile = context / build["dockerfile"]
         assert dockerfile.is_file(), dockerfile
         text = dockerfile.read_text()
-        assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
-        assert "specdec models prepare" in text
-        for line in text.splitlines():  # every COPY source exists in the build context
+        assert "PIP_NO_INDEX=1" in text and "PIP_FIND_LINKS=/wheels" in text and "torch==2.13.0" in text
+        assert "specdec models prepare" in text and '"$MODELS" = prepare' in text
+        assert {"BASE_IMAGE", "BUILDER_IMAGE", "MODELS"} <= set(build["args"])
+        assert "ARG BASE_IMAGE=python:3.11-slim" in text and "\nUSER specdec\n" in text
+        runtime = text[text.rindex("\nFROM "):]
+        assert "torch" not in runtime.replace("HF_HUB", "") or name == "verifier"
+        for line in text.splitlines():
             parts = line.split()
             if parts and parts[0] == "COPY" and not any(p.startswith("--from") for p in parts):
                 for src in parts[1:-1]:
-                    assert (context / src).exists(), f"{dockerfile.name}: COPY {src} missing"
+                    assert any(src.rstrip("/") == a or src.startswith(a + "/") for a in admitted), src
+    assert "prebuild" in (ROOT / "deploy" / "Dockerfile.verifier").read_text()  # the compiled verdict scan
 
 
 def test_env_example_names_are_settings():

@@ -81,6 +81,8 @@ def test_balancer_config_is_the_same_in_compose_nginx_conf_and_kubernetes():
     assert shipped["grpc_pass"] == "grpc://specdec_verifiers" and shipped["listen"] == "50051 http2"
     configmap = _docs()[("ConfigMap", "specdec-balancer")]["data"]["nginx.conf"]
     assert _directives(configmap) == shipped
+    host = _directives((NGINX_CONF.parent / "nginx.host.conf").read_text())  # deploy/compose.host.yml's
+    assert host.pop("listen").startswith("127.0.0.1:") and host == {k: v for k, v in shipped.items() if k != "listen"}
     assert re.search(r"server specdec-verifier-headless\.[\w.-]+:50051 resolve", configmap)
     balancer = _docs()[("Deployment", "specdec-balancer")]
     mount = balancer["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
