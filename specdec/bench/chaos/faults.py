@@ -174,7 +174,7 @@ class FaultInjector:
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> "FaultInjector":
+    def start(self) -> FaultInjector:
         self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
         self._thread.start()
         return self

@@ -11,7 +11,7 @@ import bisect
 from collections import Counter, defaultdict
 
 from specdec.bench.chaos.faults import FAULT_KINDS, FaultEvent
-from specdec.bench.chaos.workload import Outcome, Progress
+from specdec.bench.chaos.workload import RETRIED_ERRORS, Outcome, Progress
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -60,7 +60,10 @@ def build_report(*, config: dict, outcomes: list[Outcome], problems: list[dict],
         "lost": verdicts.get("lost", 0),
         "truncated": verdicts.get("truncated", 0),
         "problems": problems[:20],
-        "errors_by_code": dict(sorted(Counter(o.error for o in outcomes if o.error).items())),
+        "errors_by_code": dict(sorted(Counter([o.error for o in outcomes if o.error]
+                                              + [c for o in outcomes for c in o.retried_errors]).items())),
+        "retried_requests": sum(bool(o.retried_errors) for o in outcomes),
+        "undocumented_errors": sum(bool(o.error) and o.error not in RETRIED_ERRORS for o in outcomes),
         "failovers": sum(o.num_failovers for o in outcomes),
         "reopened_sessions": sum(o.num_reopened_sessions for o in outcomes),
         "pause_s": {k: {"n": len(v), "p50": round(_percentile(v, 50), 3), "p99": round(_percentile(v, 99), 3),

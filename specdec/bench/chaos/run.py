@@ -20,7 +20,13 @@ from pathlib import Path
 
 from specdec.bench.chaos.faults import FaultInjector
 from specdec.bench.chaos.stack import Stack, StackConfig, rss_bytes
-from specdec.bench.chaos.workload import REQUEST_KINDS, Outcome, Progress, Request, session_worker
+from specdec.bench.chaos.workload import (
+    REQUEST_KINDS,
+    Outcome,
+    Progress,
+    Request,
+    session_worker,
+)
 
 WARMUP_S = 3.0  # the sessions' first requests before the first fault, s
 DRAIN_TIMEOUT_S = 240.0  # the last requests after duration_s, s (they may be waiting out a fault)
@@ -38,7 +44,7 @@ class Monitor:
     preemptions: dict[int, float] = field(default_factory=dict)  # pid -> last value seen
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> "Monitor":
+    def start(self) -> Monitor:
         threading.Thread(target=self._run, name="chaos-monitor", daemon=True).start()
         return self
 
@@ -95,7 +101,7 @@ def _cleanup(stack: Stack) -> dict:
 
 def run_chaos(*, store: str = "sentinel", sessions: int = 8, duration_s: float = 60.0, seed: int = 0,
               target: Path | None = None, draft: Path | None = None, replicas: int = 2,
-              kv_cache_budget_tokens: int = 512, kinds: tuple[str, ...] = REQUEST_KINDS,
+              kv_cache_budget_tokens: int = 192, kinds: tuple[str, ...] = REQUEST_KINDS,
               plot: Path | None = None) -> dict:
     """Run the chaos bench (the module docstring); the report (:func:`specdec.bench.chaos.report.build_report`).
 

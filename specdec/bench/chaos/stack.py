@@ -96,7 +96,7 @@ class ServeReplica:
                 text = r.read().decode()
         except OSError:
             return {}
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) ([0-9.e+-]+)$", text, re.M)}
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) ([0-9.e+-]+)$", text, re.MULTILINE)}
 
 
 @dataclass
@@ -107,7 +107,7 @@ class StackConfig:
     store: str
     target_dir: Path
     num_replicas: int = 2
-    kv_cache_budget_tokens: int = 512
+    kv_cache_budget_tokens: int = 192
     session_ttl_s: int = 20
     seed: int = 0
 
@@ -136,9 +136,9 @@ class Stack:
         """The WAN proxies' addresses, one per replica (what clients are given)."""
         return [p.address for p in self.proxies]
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         from specdec.bench.chaos.redis_topology import ClusterSet, SentinelSet
-        from specdec.netem import LinkProfile, WanProxy
+        from specdec.netem import WanProxy
 
         if self.config.store == "sentinel":  # 2 replicas: WAIT 1 still confirmed with one of them down
             self.redis = SentinelSet(*self.binaries, num_replicas=2, down_after_ms=1000).start()
