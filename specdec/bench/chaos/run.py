@@ -121,6 +121,8 @@ def run_chaos(*, store: str = "sentinel", sessions: int = 8, duration_s: float =
     from specdec.bench.chaos.check import References, check_outcomes
     from specdec.bench.chaos.report import build_report, plot_progress
 
+    if store not in ("sentinel", "cluster"):
+        raise ValueError(f"--store must be sentinel or cluster, got {store!r}")
     if sessions < 1 or not duration_s > 0 or not 1 <= replicas <= 3:
         raise ValueError(f"--sessions >= 1, --duration-s > 0, 1..3 replicas (got {sessions}, {duration_s}, "
                          f"{replicas})")
