@@ -8,7 +8,9 @@ in this process (:class:`specdec.embedded.LocalBackend`: no network, no store, n
 - logprobs: each token's logprob within :data:`LOGPROB_TOLERANCE` of the reference's.
 
 An outcome with an error is *lost*; a finished one shorter than its reference (a prefix of it) is *truncated*;
-one that differs anywhere else is a *mismatch*. References are computed once per distinct request.
+one that differs anywhere else is a *mismatch*; one with the right tokens but fewer logprobs than tokens is
+*logprobs_missing* (blocks settled from the store after a failover carry none; their logprobs cannot be aligned
+with the tokens, so the rest are not compared). References are computed once per distinct request.
 
 Give the sampled kind a draft that is not the target itself: with identical weights (the tiny test pair's
 ``draft_dir``) p ≈ q everywhere, the residual max(0, p - q) a recovered token is drawn from is rounding noise, and
@@ -76,7 +78,10 @@ def verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
         return "mismatch", f"finish reasons {outcome.finish_reasons} vs {reference.finish_reasons}"
     if reference.logprobs is not None:
         if outcome.logprobs is None or len(outcome.logprobs) != len(reference.logprobs):
-            return "mismatch", "logprobs missing"
+            # a block whose verdict was rebuilt from the store (edge_client.failover.verdict_from_store: the
+            # replica committed it, its answer was lost) has no logprobs: the store keeps token ids only
+            got = 0 if outcome.logprobs is None else len(outcome.logprobs)
+            return "logprobs_missing", f"{got} of {len(reference.logprobs)} logprobs"
         worst = max((abs(a - b) for a, b in zip(outcome.logprobs, reference.logprobs)), default=0.0)
         if worst > LOGPROB_TOLERANCE:
             return "mismatch", f"logprob off by {worst:.3g}"
@@ -90,5 +95,5 @@ def check_outcomes(outcomes: list[Outcome], references: References) -> list[dict
         status, detail = ("lost", f"{o.error}: {o.error_message}") if o.error else verdict(o, references.of(o.request))
         if status != "ok":
             bad.append({"session": o.session, "number": o.number, "kind": o.request.kind, "prompt": o.request.prompt,
-                        "verdict": status, "detail": detail})
+                        "verdict": status, "detail": detail, "num_failovers": o.num_failovers})
     return bad

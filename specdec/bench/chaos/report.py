@@ -59,6 +59,7 @@ def build_report(*, config: dict, outcomes: list[Outcome], problems: list[dict],
         "mismatches": verdicts.get("mismatch", 0),
         "lost": verdicts.get("lost", 0),
         "truncated": verdicts.get("truncated", 0),
+        "logprobs_missing": verdicts.get("logprobs_missing", 0),
         "problems": problems[:20],
         "errors_by_code": dict(sorted(Counter([o.error for o in outcomes if o.error]
                                               + [c for o in outcomes for c in o.retried_errors]).items())),
