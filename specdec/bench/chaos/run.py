@@ -137,8 +137,8 @@ def run_chaos(*, store: str = "sentinel", sessions: int = 8, duration_s: float =
         progress, outcomes = Progress(time.monotonic()), []
         threads = [threading.Thread(target=session_worker, name=f"chaos-session-{i}", daemon=True,
                                     args=(i, stack.addresses, draft_dir),
-                                    kwargs=dict(seed=seed, end_s=duration_s, progress=progress, outcomes=outcomes,
-                                                kinds=tuple(kinds)))
+                                    kwargs={"seed": seed, "end_s": duration_s, "progress": progress,
+                                            "outcomes": outcomes, "kinds": tuple(kinds)})
                    for i in range(sessions)]
         for t in threads:
             t.start()
