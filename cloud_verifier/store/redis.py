@@ -156,7 +156,20 @@ class RedisSessionStore(SessionStore):
         pipe = node.pipeline(transaction=False)
         script(keys=keys, args=args, client=pipe)
         pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-        return pipe.execute()
+        if self.target.kind != CLUSTER:
+            return pipe.execute()
+        import redis.exceptions as rex
+
+        try:
+            return pipe.execute()
+        except rex.MovedError as e:
+            # one node's pipeline bypasses the cluster client's MOVED handling: the slot moved (a failover) and
+            # nothing ran. Rebuild the slot map and answer retryable: StoreCaller tries again on the new master.
+            try:
+                self.client.nodes_manager.initialize()
+            except Exception:  # noqa: BLE001 - the cluster still settling: the next try rebuilds again
+                pass
+            raise rex.TryAgainError(f"slot moved: {e}") from e
 
     def _index(self, session_id: str, add: str | None = None, remove: str | None = None) -> None:
         """Best-effort update of the per-replica index: add the session to ``add``'s set, remove it from

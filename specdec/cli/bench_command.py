@@ -1,5 +1,5 @@
 """`specdec bench`: the benchmark modes (default, --clients [--replay], --gamma-sweep, --edge-cloud, --wan,
---json-schema)."""
+--json-schema, --chaos)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, re
     if replay and not clients:
         fail("--replay needs --clients (e.g. --clients 1,16,64)")
     if duration_s is not None and not replay:
-        fail("--duration-s goes with --replay")
+        fail("--duration-s goes with --replay or --chaos")
     if verify_policy is not None:
         from cloud_verifier.verify_policy import VERIFY_POLICIES
 
@@ -96,7 +96,8 @@ def _run_mode(bench_mod, prompts, client_counts, *, replay, duration_s, gamma_sw
 REPLAY = typer.Option(
     False, "--replay", help="With --clients: the verifier under load: recorded draft blocks replayed by N "
     "concurrent sessions of one asyncio process against a verifier process on its own cores")
-DURATION_S = typer.Option(None, "--duration-s", help="--replay: measured window per N, s (default 20)")
+DURATION_S = typer.Option(None, "--duration-s", help="--replay: measured window per N, s (default 20); --chaos: "
+                          "how long requests are started and faults injected, s (default 60)")
 VERIFY_POLICY = typer.Option(None, "--verify-policy", help="--replay: the verifier's verify policies side by side, "
                              "interleaved per N, e.g. fixed,adaptive (default: the verifier's own, adaptive)")
 WAN = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side by side through "
@@ -110,6 +111,42 @@ JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrained (this JSON s
 DRAFT_SLOWDOWN = typer.Option("1", "--draft-slowdown", help="--wan: draft cost × k, e.g. 1,3 (slower devices)")
 WAN_REPEATS = typer.Option(1, "--wan-repeats", help="--wan: every prompt on every route this many times per point "
                            "(the routes rotated each time): less noise, proportionally longer")
+
+
+CHAOS = typer.Option(False, "--chaos", help="Every fault at once: its own Redis HA + `specdec serve` replicas + "
+                     "WAN proxies on loopback, --sessions of mixed kinds for --duration-s, seeded faults, each "
+                     "output checked against its reference; one JSON report (docs/benchmarks.md, Chaos)")
+STORE = typer.Option("sentinel", "--store", help="--chaos: sentinel (1 master, 2 replicas, 3 sentinels) or cluster "
+                     "(3 masters, a replica each)")
+SESSIONS = typer.Option(8, "--sessions", help="--chaos: concurrent client sessions")
+REPLICAS = typer.Option(2, "--replicas", help="--chaos: `specdec serve` replicas (1-3)")
+KV_TOKENS = typer.Option(192, "--kv-cache-budget-tokens", help="--chaos: each replica's KV pool, tokens (small: "
+                         "sessions are preempted)")
+
+
+def _emit(bench_mod, report: dict, *, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(report, indent=None))
+    else:
+        bench_mod.print_report(report)
+
+
+def _run_chaos(others, store, sessions, duration_s, seed, target, draft, replicas, kv_tokens, plot) -> None:
+    """`bench --chaos`: one JSON object on stdout (or one line on a bad option or a stack that did not start);
+    ``others``: the options of the other modes (--wan, --clients, --gamma-sweep, --edge-cloud, --json-schema)."""
+    from specdec.bench.chaos.run import run_chaos
+
+    if any(o not in (None, False) for o in others):
+        fail("--chaos is a mode of its own (not --wan, --clients, --gamma-sweep, --edge-cloud, --json-schema or the "
+             "processing flags)")
+    _check_plot(plot)
+    try:
+        report = run_chaos(store=store, sessions=sessions, duration_s=60.0 if duration_s is None else duration_s,
+                           seed=0 if seed is None else seed, target=target, draft=draft, replicas=replicas,
+                           kv_cache_budget_tokens=kv_tokens, plot=plot)
+    except (*user_errors(), ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    typer.echo(json.dumps(report))
 
 
 def _check_plot(plot) -> None:
@@ -142,7 +179,8 @@ def bench(
     gamma_sweep: Optional[str] = typer.Option(
         None, "--gamma-sweep", help="γ sweep, e.g. 1-8 or 1,2,4,8: fixed γ each, adaptive (≤ max) with and without "
         "confidence truncation, vs target-only"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of the γ sweep (needs matplotlib)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of the γ sweep, or of --chaos's sessions and "
+                                      "faults (needs matplotlib)"),
     edge_cloud: bool = typer.Option(
         False, "--edge-cloud", help="Verifier in a separate process on its own core vs the edge client: cloud-only "
         "vs specdec (proactive off/on) at each --delays-ms"),
@@ -177,17 +215,20 @@ def bench(
     frequency_penalty: float = FREQUENCY_PENALTY,
     logit_bias: list[str] = LOGIT_BIAS,
     min_tokens: int = MIN_TOKENS,
-    min_p: float = MIN_P,
+    min_p: float = MIN_P, chaos: bool = CHAOS,
+    store: str = STORE, sessions: int = SESSIONS, replicas: int = REPLICAS, kv_tokens: int = KV_TOKENS,
 ):
     """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
     from common.types import SamplingParams
     from specdec import bench as bench_mod
     logging.basicConfig(level=logging.WARNING)
-    processing = processing_options(  # the default benchmark's variants all run with them
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+    processing = processing_options(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,  # all
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
-    if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema):
+    if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema or chaos):
         fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
+    if chaos:  # its own mode: specdec/bench/chaos/ (--chaos in the help of its options)
+        return _run_chaos((wan, clients, gamma_sweep, edge_cloud, json_schema), store, sessions, duration_s, seed,
+                          target, draft, replicas, kv_tokens, plot)
     if wan is not None:  # its own mode: specdec/bench/wan.py
         return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
@@ -198,15 +239,12 @@ def bench(
         with bench_mod.target_placement(device, dtype):  # the target's device in every mode
             report = _run_mode(
                 bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
-                cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema, verify_policies=verify_policy,
-                edge_cloud=edge_cloud, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
-                pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens,
-                num_speculative_tokens=num_speculative_tokens, target=target, draft=draft, no_hf=no_hf,
-                sampling=SamplingParams(temperature, top_k, top_p, seed, **processing), progress=not as_json,
-            )
+                cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema, edge_cloud=edge_cloud,
+                verify_policies=verify_policy,
+                delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence, pin=pin, plot=plot, limit=limit,
+                max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, target=target,
+                draft=draft, no_hf=no_hf, sampling=SamplingParams(temperature, top_k, top_p, seed, **processing),
+                progress=not as_json)
     except (*user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         fail(str(e))
-    if as_json or json_schema is not None:  # the structured report has no tables: JSON
-        typer.echo(json.dumps(report, indent=None))
-    else:
-        bench_mod.print_report(report)
+    _emit(bench_mod, report, as_json=as_json or json_schema is not None)  # the structured report has no tables

@@ -59,6 +59,8 @@ class Node:
 
     port: int
     proc: subprocess.Popen
+    argv: list[str] = field(default_factory=list)  # the command line, to start it again on the same port
+    log_path: Path | None = None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -68,6 +70,11 @@ class Node:
         if self.alive():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+    def start_again(self) -> None:
+        """Start the same command line again (same port, same config and dump file names)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
 
 
 @dataclass
@@ -79,12 +86,13 @@ class _Procs:
 
     def _start(self, args: list[str], name: str, port: int | None = None) -> Node:
         port = port or free_port()
-        log = open(self.workdir / f"{name}-{port}.log", "wb")
-        proc = subprocess.Popen([self.server, *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", str(self.workdir)],
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        node = Node(port, proc)
+        log_path = self.workdir / f"{name}-{port}.log"
+        # a dump file per node: a replica writes the master's RDB to its own dbfilename on a full sync
+        argv = [self.server, *args, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--dbfilename", f"dump-{port}.rdb"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        node = Node(port, proc, argv, log_path)
         self.nodes.append(node)
         if not wait_until(lambda: _answers(port) or not node.alive(), 10.0) or not node.alive():
             raise RuntimeError(f"{name} on port {port} did not start: {self.log(name, port)}")
@@ -127,11 +135,12 @@ class SentinelSet(_Procs):
             conf.write_text(f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 2\n"
                             f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
                             f"sentinel failover-timeout {SERVICE} 10000\nsentinel parallel-syncs {SERVICE} 1\n")
-            log = open(self.workdir / f"sentinel-{port}.log", "wb")
-            proc = subprocess.Popen([self.server, str(conf), "--sentinel", "--port", str(port), "--bind",
-                                     "127.0.0.1", "--dir", str(self.workdir)], stdout=log, stderr=subprocess.STDOUT)
-            log.close()
-            node = Node(port, proc)
+            log_path = self.workdir / f"sentinel-{port}.log"
+            argv = [self.server, str(conf), "--sentinel", "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                    str(self.workdir)]
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            node = Node(port, proc, argv, log_path)
             self.nodes.append(node)
             self.sentinels.append(node)
         if not wait_until(self._ready, 30.0, step_s=0.2):
@@ -150,6 +159,15 @@ class SentinelSet(_Procs):
             return True
         except Exception:  # noqa: BLE001 - not up yet
             return False
+
+    @staticmethod
+    def info_replication(node: Node) -> dict:
+        return _client(node.port).info("replication")
+
+    @staticmethod
+    def sentinel_view(sentinel: Node) -> dict:
+        """What ``sentinel`` says of the master (SENTINEL MASTER)."""
+        return _client(sentinel.port).sentinel_master(SERVICE)
 
     def master_port(self) -> int | None:
         """The master's port as the first answering sentinel names it."""

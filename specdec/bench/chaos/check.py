@@ -1,0 +1,99 @@
+"""Every finished output of a chaos run against its reference, computed after the run on a fault-free verifier
+in this process (:class:`specdec.embedded.LocalBackend`: no network, no store, no other session).
+
+- greedy kinds (greedy, json_schema, penalties, logprobs, multiturn, cloud): target-only decoding (no drafter:
+  one target token per step) with the same options; the token ids must be identical, turn by turn;
+- sampled: the same request, the same draft and γ, on the fault-free verifier (what a seed guarantees:
+  docs/architecture.md, "What a seed guarantees");
+- logprobs: each token's logprob within :data:`LOGPROB_TOLERANCE` of the reference's.
+
+An outcome with an error is *lost*; a finished one shorter than its reference (a prefix of it) is *truncated*;
+one that differs anywhere else is a *mismatch*; one with the right tokens but fewer logprobs than tokens is
+*logprobs_missing* (blocks settled from the store after a failover carry none; their logprobs cannot be aligned
+with the tokens, so the rest are not compared). References are computed once per distinct request.
+
+Give the sampled kind a draft that is not the target itself: with identical weights (the tiny test pair's
+``draft_dir``) p ≈ q everywhere, the residual max(0, p - q) a recovered token is drawn from is rounding noise, and
+batching alone moves draws (what a seed guarantees holds "up to floating-point rounding of forward passes of
+different shapes"); the tests use the differently seeded ``other_draft_dir``.
+"""
+
+from __future__ import annotations
+
+from specdec.bench.chaos.workload import (
+    GREEDY_KINDS,
+    NUM_SPECULATIVE_TOKENS,
+    Outcome,
+    Request,
+    run_request,
+)
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+class References:
+    """The reference outcome of each distinct request (computed on first use)."""
+
+    def __init__(self, target_dir, draft_dir):
+        from cloud_verifier.target import TargetRunner
+        from cloud_verifier.verifier import Verifier
+        from edge_client.client import EdgeClient
+        from edge_client.drafter import ModelDrafter
+        from edge_client.onnx_draft import OnnxDraftModel
+        from specdec.embedded import LocalBackend
+
+        self._backend = LocalBackend(Verifier(TargetRunner(target_dir)))
+        model = OnnxDraftModel(draft_dir, intra_op_num_threads=1)
+        self._target_only = EdgeClient(self._backend, None, model.tokenizer)
+        self._speculative = EdgeClient(self._backend, ModelDrafter(model), model.tokenizer,
+                                       num_speculative_tokens=NUM_SPECULATIVE_TOKENS)
+        self._cache: dict[Request, Outcome] = {}
+
+    def of(self, request: Request) -> Outcome:
+        if request not in self._cache:
+            outcome = Outcome(-1, -1, request, 0.0)
+            client = self._target_only if request.kind in GREEDY_KINDS else self._speculative
+            run_request(client, request, outcome, route="speculative")
+            self._cache[request] = outcome
+        return self._cache[request]
+
+    def close(self) -> None:
+        self._backend.close()
+
+
+def verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
+    """("ok" | "lost" | "truncated" | "mismatch", what differs)."""
+    if outcome.error:
+        return "lost", f"{outcome.error}: {outcome.error_message}"
+    if len(outcome.turns) != len(reference.turns):
+        return "truncated", f"{len(outcome.turns)} of {len(reference.turns)} turns"
+    for i, (got, want) in enumerate(zip(outcome.turns, reference.turns)):
+        if got != want:
+            if len(got) < len(want) and want[:len(got)] == got:
+                return "truncated", f"turn {i}: {len(got)} of {len(want)} tokens"
+            first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            return "mismatch", (f"turn {i}: first difference at token {first} of {len(want)}: "
+                                f"{got[first:first + 4]} vs {want[first:first + 4]}")
+    if outcome.finish_reasons != reference.finish_reasons:
+        return "mismatch", f"finish reasons {outcome.finish_reasons} vs {reference.finish_reasons}"
+    if reference.logprobs is not None:
+        if outcome.logprobs is None or len(outcome.logprobs) != len(reference.logprobs):
+            # a block whose verdict was rebuilt from the store (edge_client.failover.verdict_from_store: the
+            # replica committed it, its answer was lost) has no logprobs: the store keeps token ids only
+            got = 0 if outcome.logprobs is None else len(outcome.logprobs)
+            return "logprobs_missing", f"{got} of {len(reference.logprobs)} logprobs"
+        worst = max((abs(a - b) for a, b in zip(outcome.logprobs, reference.logprobs)), default=0.0)
+        if worst > LOGPROB_TOLERANCE:
+            return "mismatch", f"logprob off by {worst:.3g}"
+    return "ok", ""
+
+
+def check_outcomes(outcomes: list[Outcome], references: References) -> list[dict]:
+    """One row per outcome that is not ok: session, number, kind, prompt, verdict, what differs."""
+    bad = []
+    for o in outcomes:
+        status, detail = ("lost", f"{o.error}: {o.error_message}") if o.error else verdict(o, references.of(o.request))
+        if status != "ok":
+            bad.append({"session": o.session, "number": o.number, "kind": o.request.kind, "prompt": o.request.prompt,
+                        "verdict": status, "detail": detail, "num_failovers": o.num_failovers})
+    return bad
