@@ -76,7 +76,7 @@ class Batcher:
             whole step.
         heartbeat_interval_s: the batch loop beats :attr:`heartbeat` at least this often while idle, s.
         verify_policy: how much of each block a step verifies (:mod:`cloud_verifier.verify_policy`; default
-            :class:`~cloud_verifier.verify_policy.VerifyPolicy`, every position); its cost table is profiled on the
+            :class:`~cloud_verifier.verify_policy.VerifyPolicy`, every position); its cost model is profiled on the
             target thread when the batcher starts.
 
     Cancellation: a verify or prefill request cancelled while its item is queued is dropped (nothing of it is
@@ -137,9 +137,9 @@ class Batcher:
         return time.monotonic() - self.heartbeat
 
     async def profile(self) -> None:
-        """Once, when the verify policy reads a cost table: profile the target's forward time into it, on the target
+        """Once, when the verify policy reads a cost model: profile the target's forward time into it, on the target
         thread (:func:`~cloud_verifier.verify_policy.profile_forward`; before sessions open: it borrows KV pages)."""
-        if self._profiled or self.target is None or not self.verify_policy.uses_cost_table:
+        if self._profiled or self.target is None or not self.verify_policy.uses_cost_model:
             return
         self._profiled = True
         await asyncio.get_running_loop().run_in_executor(self._executor, profile_forward, self.target,
@@ -271,7 +271,7 @@ class Batcher:
         # the verify policy's host cost: the step outside its forward pass, less the wait for more items
         self.verify_policy.observe_host(max(0.0, end - collected - self._last_forward_s))
         self._steps += 1
-        if self._steps % 16 == 1:  # the cost table and calibration gauges (a report per step is not needed)
+        if self._steps % 16 == 1:  # the cost model and calibration gauges (a report per step is not needed)
             metrics.export_verify_policy(self.verify_policy.report())
 
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
@@ -350,7 +350,7 @@ class Batcher:
         num_blocks = sum(1 for w in planned.runnable if w.block is not None)
         num_tokens = sum(len(r.token_ids) for r in planned.rows)
         metrics.observe_forward(forward_ms / 1000, num_blocks, num_tokens)
-        self.verify_policy.observe_step(num_tokens, forward_ms / 1000)
+        self.verify_policy.observe_step(len(planned.rows), num_tokens, forward_ms / 1000)
         verify = [i for i, w in enumerate(batch) if w.block is not None and logits[i] is not _DEFERRED]
         outcomes = self._rejections([batch[i] for i in verify], [logits[i] for i in verify])
         results: list = [_DEFERRED if x is _DEFERRED else None for x in logits]

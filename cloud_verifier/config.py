@@ -142,7 +142,7 @@ class VerifierSettings(BaseSettings):
 
     verify_policy: Literal["fixed", "adaptive"] = "adaptive"
     """How much of each draft block a batch step verifies: ``adaptive`` (per row, the prefix that maximises the
-    step's expected committed tokens per second, from a profiled cost table and the calibrated draft confidence)
+    step's expected committed tokens per second, from a profiled cost model and the calibrated draft confidence)
     or ``fixed`` (every drafted position); lossless either way (docs/verification.md)."""
 
     prefill_chunk_tokens: int = Field(256, ge=1)

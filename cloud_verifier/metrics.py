@@ -59,8 +59,8 @@ KV_CACHE_PAGES_TOTAL = Gauge("specdec_kv_cache_pages_total", "KV pages in the pa
 VERIFY_POSITIONS = Counter(
     "specdec_verify_positions", "Draft tokens of verify rows: drafted (whole blocks as sent) and verified (judged by "
     "the rejection rule; fewer when adaptive verification verified a prefix)", ["kind"])
-VERIFY_COST = Gauge("specdec_verify_cost_seconds", "The verify policy's cost table: target forward seconds of a "
-                    "pass of this many tokens (profiled at start-up, refreshed from live steps)", ["tokens"])
+VERIFY_COST = Gauge("specdec_verify_cost_seconds", "The verify policy's cost model: target forward s = base + per_row "
+                    "· rows + per_token · tokens (profiled at start-up, refreshed from live steps)", ["term"])
 VERIFY_CALIBRATION_ERROR = Gauge(
     "specdec_verify_calibration_error", "Expected calibration error of the acceptance estimate over the verdicts "
     "so far: of the raw draft confidence, and of the calibrated estimate", ["estimate"])
@@ -72,9 +72,9 @@ def observe_verify_positions(num_drafted: int, num_verified: int) -> None:
 
 
 def export_verify_policy(report: dict) -> None:
-    """Set the cost-table and calibration gauges from a :meth:`cloud_verifier.verify_policy.VerifyPolicy.report`."""
-    for tokens, seconds in report["cost_table_s"].items():
-        VERIFY_COST.labels(tokens).set(seconds)
+    """Set the cost-model and calibration gauges from a :meth:`cloud_verifier.verify_policy.VerifyPolicy.report`."""
+    for term, seconds in report["cost_model_s"].items():
+        VERIFY_COST.labels(term).set(seconds)
     for estimate in ("raw", "calibrated"):
         VERIFY_CALIBRATION_ERROR.labels(estimate).set(report["calibration_error"][estimate])
 

@@ -190,7 +190,7 @@ class Verifier:
         """Start the batcher and the idle-session reaper on the running event loop."""
         if self._reaper is not None:
             return
-        await self.batcher.profile()  # the adaptive verify policy's cost table, before any session opens
+        await self.batcher.profile()  # the adaptive verify policy's cost model, before any session opens
         self.batcher.start()
         self._reaper = asyncio.create_task(self.sessions.reap_loop(self.reap_interval_s))
 

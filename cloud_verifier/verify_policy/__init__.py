@@ -2,7 +2,7 @@
 of :class:`cloud_verifier.batcher.Batcher`; docs/verification.md)."""
 
 from cloud_verifier.verify_policy.calibration import AcceptanceCalibration
-from cloud_verifier.verify_policy.cost import ForwardCostTable, profile_forward
+from cloud_verifier.verify_policy.cost import ForwardCostModel, profile_forward
 from cloud_verifier.verify_policy.policy import (
     VERIFY_POLICIES,
     AdaptiveVerifyPolicy,
@@ -13,5 +13,5 @@ from cloud_verifier.verify_policy.policy import (
     truncate_block,
 )
 
-__all__ = ["VERIFY_POLICIES", "AcceptanceCalibration", "AdaptiveVerifyPolicy", "ForwardCostTable", "VerifyPolicy",
+__all__ = ["VERIFY_POLICIES", "AcceptanceCalibration", "AdaptiveVerifyPolicy", "ForwardCostModel", "VerifyPolicy",
            "draft_confidences", "make_verify_policy", "profile_forward", "set_verify_lengths", "truncate_block"]

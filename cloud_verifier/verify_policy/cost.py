@@ -1,116 +1,126 @@
-"""The cost table of adaptive verification: the target's forward time as a function of the tokens in the pass.
+"""The cost model of adaptive verification: the target's forward time as a function of the rows and the tokens in
+the pass.
 
-Profiled at start-up (:func:`profile_forward`: a few ragged forward passes of rows of
-:data:`PROFILE_ROW_TOKENS` tokens), then refreshed from every live step (:meth:`ForwardCostTable.observe`, an
-exponential moving average per bucket), so it follows load, context lengths and the hardware it runs on. On a CPU
-the forward time grows with the tokens from the first one; on a GPU it stays flat until the batch fills the
-device, then grows: the table holds whatever the target measures, no model of either is assumed.
+    forward_s ≈ base + per_row · rows + per_token · tokens
+
+fitted by least squares with exponential forgetting (recursive least squares, weight ``FORGET`` per live step)
+over the passes the target ran, with non-negative coefficients. The rows term carries what a row costs whatever
+its length — its attention over its context, which grows as sessions get longer, and per-row overheads — so the
+per-token term is the marginal cost of verifying one more position of a row, the only one the verify policy
+trades. A table of tokens alone mixes the two: at 64 sessions of 500-token contexts it read 3.3 s for a step of
+512 tokens and 0.7 s for one of 290 measured at start-up, and the policy cut blocks whose cut saved far less.
+
+Profiled at start-up (:func:`profile_forward`: passes of several shapes, so rows and tokens are not collinear),
+then refreshed from every live step (:meth:`ForwardCostModel.observe`), so it follows load, context lengths and
+the hardware. On a CPU the per-token term is large from the first token; on a GPU it is near zero until the batch
+fills the device: the model holds whatever the target measures.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Any
 
-__all__ = ["ForwardCostTable", "PROFILE_TOKENS", "PROFILE_ROW_TOKENS", "profile_forward"]
+import numpy as np
 
-PROFILE_TOKENS = (1, 8, 32, 128, 512)  # tokens per profiled forward pass (capped by the KV pool)
-PROFILE_ROW_TOKENS = 8  # tokens per row of a profiled pass (a verify row of γ = 7: the usual shape)
+__all__ = ["FORGET", "PROFILE_SHAPES", "ForwardCostModel", "profile_forward"]
+
+# (rows, tokens per row) of the profiled passes: short and long rows, few and many
+PROFILE_SHAPES = ((1, 1), (1, 8), (1, 64), (8, 8), (8, 32), (32, 8), (16, 32), (64, 8))
+FORGET = 0.98  # weight of the past at each live step (an effective memory of ~50 steps)
+_PROFILE_WEIGHT = 5.0  # a profiled pass counts as this many live steps (it anchors the split rows/tokens)
 
 
-class ForwardCostTable:
-    """Forward seconds per tokens in the pass: buckets at powers of two, each the moving average of the (tokens,
-    seconds) of the passes that fell in it, read by piecewise-linear interpolation (linear extrapolation past the
-    last bucket; never decreasing in tokens). Thread-safe (the batcher writes it in the target thread, metrics read
-    it elsewhere).
+class ForwardCostModel:
+    """forward_s ≈ base + per_row · rows + per_token · tokens (this module's docstring). Thread-safe."""
 
-    Args:
-        ema: weight of a new observation in its bucket (0 < ema <= 1).
-    """
-
-    def __init__(self, ema: float = 0.2):
-        if not 0 < ema <= 1:
-            raise ValueError(f"ema must be in (0, 1], got {ema}")
-        self.ema = ema
-        self._buckets: dict[int, list[float]] = {}  # log2 bucket -> [mean tokens, mean seconds]
+    def __init__(self):
+        self._gram = np.zeros((3, 3))  # Σ w x xᵀ, x = [1, rows, tokens]
+        self._moment = np.zeros(3)  # Σ w x y
+        self._count = 0
+        self._coef = np.zeros(3)
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
-        return bool(self._buckets)
+        return self._count >= 2
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One forward pass of ``tokens`` tokens that took ``seconds`` s."""
-        if tokens < 1 or not seconds > 0:
+    def observe(self, rows: int, tokens: int, seconds: float, weight: float = 1.0, forget: float = FORGET) -> None:
+        """A forward pass of ``rows`` rows and ``tokens`` tokens took ``seconds`` s (past observations weigh
+        ``forget`` times less afterwards)."""
+        if rows < 1 or tokens < 1 or not seconds > 0:
             return
-        b = round(math.log2(tokens))
+        x = np.array([1.0, float(rows), float(tokens)])
         with self._lock:
-            point = self._buckets.get(b)
-            if point is None:
-                self._buckets[b] = [float(tokens), float(seconds)]
-            else:
-                point[0] += self.ema * (tokens - point[0])
-                point[1] += self.ema * (seconds - point[1])
+            self._gram = forget * self._gram + weight * np.outer(x, x)
+            self._moment = forget * self._moment + weight * x * seconds
+            self._count += 1
+            self._coef = _nonnegative_fit(self._gram, self._moment)
 
-    def points(self) -> list[tuple[float, float]]:
-        """(tokens, seconds) per bucket, by tokens, seconds made non-decreasing (a noisy bucket cannot make more
-        tokens look cheaper)."""
+    def coefficients(self) -> dict[str, float]:
+        """{"base": s, "per_row": s, "per_token": s} (zeros before two observations)."""
         with self._lock:
-            pts = sorted((t, s) for t, s in self._buckets.values())
-        out, top = [], 0.0
-        for t, s in pts:
-            top = max(top, s)
-            out.append((t, top))
-        return out
+            c = self._coef.copy() if self._count >= 2 else np.zeros(3)
+        return {"base": float(c[0]), "per_row": float(c[1]), "per_token": float(c[2])}
 
-    def cost_s(self, tokens: float) -> float:
-        """Forward seconds of a pass of ``tokens`` tokens (0.0 when nothing was measured yet)."""
-        pts = self.points()
-        if not pts:
-            return 0.0
-        if len(pts) == 1 or tokens <= pts[0][0]:
-            t0, s0 = pts[0]
-            return s0 * (tokens / t0 if len(pts) == 1 and tokens > t0 else 1.0)
-        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
-            if tokens <= t1:
-                return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
-        (t0, s0), (t1, s1) = pts[-2], pts[-1]
-        return s1 + max(0.0, (s1 - s0) / max(t1 - t0, 1e-9)) * (tokens - t1)
+    def cost_s(self, rows: int, tokens: float) -> float:
+        """Expected forward seconds of a pass of ``rows`` rows and ``tokens`` tokens (0.0 before two passes)."""
+        c = self.coefficients()
+        return c["base"] + c["per_row"] * rows + c["per_token"] * tokens
 
     def as_dict(self) -> dict[str, float]:
-        """{"tokens": seconds} per bucket (metrics and benchmark reports), tokens rounded."""
-        return {str(round(t)): round(s, 6) for t, s in self.points()}
+        """The coefficients, s, rounded (metrics and benchmark reports)."""
+        return {k: round(v, 7) for k, v in self.coefficients().items()}
 
 
-def profile_forward(runner: Any, table: ForwardCostTable, token_counts=PROFILE_TOKENS, repeats: int = 2) -> None:
-    """Fill ``table`` with the forward time of ``runner`` (a :class:`cloud_verifier.target.TargetRunner`) for
-    passes of each of ``token_counts`` tokens, in rows of :data:`PROFILE_ROW_TOKENS` tokens (one warm-up pass,
-    then the median of ``repeats``). Counts the KV pool cannot hold at once are left out (live steps fill them).
-    Runs forward passes: call it on the target's thread, before sessions open."""
+def _nonnegative_fit(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients over 3 terms (all subsets of the terms tried: the best
+    feasible one), ridge-regularised so collinear data (every live step the same shape) stays solvable."""
+    ridge = 1e-9 * max(1.0, float(np.trace(gram)))
+    best, best_loss = np.zeros(3), float("inf")
+    for mask in range(1, 8):
+        idx = [i for i in range(3) if mask >> i & 1]
+        g = gram[np.ix_(idx, idx)] + ridge * np.eye(len(idx))
+        try:
+            sol = np.linalg.solve(g, moment[idx])
+        except np.linalg.LinAlgError:
+            continue
+        if (sol < 0).any():
+            continue
+        coef = np.zeros(3)
+        coef[idx] = sol
+        loss = float(coef @ gram @ coef - 2 * coef @ moment)  # Σ w (y − x·c)² up to a constant
+        if loss < best_loss:
+            best, best_loss = coef, loss
+    return best
+
+
+def profile_forward(runner: Any, model: ForwardCostModel, shapes=PROFILE_SHAPES, repeats: int = 2) -> None:
+    """Fill ``model`` with the forward time of ``runner`` (a :class:`cloud_verifier.target.TargetRunner`) for
+    passes of each of ``shapes`` ((rows, tokens per row)): one warm-up pass, then the median of ``repeats``. Shapes
+    the KV pool cannot hold at once are left out (live steps fill the model). Runs forward passes: call it on the
+    target's thread, before sessions open."""
     from cloud_verifier.forward_row import ForwardRow
 
-    ids = [(7919 * i + 11) % max(1, min(runner.vocab_size, 32000)) for i in range(PROFILE_ROW_TOKENS)]
-    for total in token_counts:
-        sizes = [PROFILE_ROW_TOKENS] * (total // PROFILE_ROW_TOKENS) + ([total % PROFILE_ROW_TOKENS] if
-                                                                     total % PROFILE_ROW_TOKENS else [])
+    for rows, per_row in shapes:
+        ids = [(7919 * i + 11) % max(1, min(runner.vocab_size, 32000)) for i in range(per_row)]
         kvs = []
         try:
-            for n in sizes:
-                kvs.append(runner.allocate(n))
-        except Exception:  # noqa: BLE001 - the pool is too small for this pass: stop profiling here
+            for _ in range(rows):
+                kvs.append(runner.allocate(per_row))
+        except Exception:  # noqa: BLE001 - the pool is too small for this pass: skip it
             for kv in kvs:
                 runner.free(kv)
-            return
+            continue
         try:
-            rows = [ForwardRow(kv, ids[:n], 0, "all") for kv, n in zip(kvs, sizes)]
-            runner.forward(rows)  # warm-up: allocator growth, first-call costs
+            batch = [ForwardRow(kv, ids, 0, "all") for kv in kvs]
+            runner.forward(batch)  # warm-up: allocator growth, first-call costs
             times = []
             for _ in range(max(1, repeats)):
                 t0 = time.perf_counter()
-                runner.forward(rows)
+                runner.forward(batch)
                 times.append(time.perf_counter() - t0)
-            table.observe(total, sorted(times)[len(times) // 2])
+            model.observe(rows, rows * per_row, sorted(times)[len(times) // 2], weight=_PROFILE_WEIGHT, forget=1.0)
         finally:
             for kv in kvs:
                 runner.free(kv)

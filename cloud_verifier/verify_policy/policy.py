@@ -17,12 +17,12 @@ token (:class:`~cloud_verifier.verify_policy.calibration.AcceptanceCalibration`)
     E(m) = 1 + Σ_{j=1..m-1} Π_{i≤j} α_i        (the same for classic and bonus_drafted blocks)
 
 :class:`AdaptiveVerifyPolicy` chooses, over the whole batch, the m of every row that maximises expected committed
-tokens per second of the step, Σ E(m_r) / (forward(T) + host), T = the tokens in the pass, from the cost table
-(:class:`~cloud_verifier.verify_policy.cost.ForwardCostTable`): every row's extra positions ranked by their
+tokens per second of the step, Σ E(m_r) / (forward(R, T) + host), R rows and T tokens in the pass, from the cost
+model (:class:`~cloud_verifier.verify_policy.cost.ForwardCostModel`): every row's extra positions ranked by their
 marginal gain Π_{i≤j} α_i (which falls along a row, so any prefix of the ranking is a prefix of each row), the
 best prefix of the ranking taken (the argmax over all prefixes, not the first local maximum: on a GPU the cost is
-flat until the device fills). The greedy marginal-gain rule follows the verify-length choice that vLLM measured
-under load (cumulative draft confidence against a profiled cost table).
+flat until the device fills, then linear). The greedy marginal-gain rule follows the verify-length choice that vLLM measured
+under load (cumulative draft confidence against a profiled cost model).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import numpy as np
 
 from cloud_verifier.verify_policy.calibration import AcceptanceCalibration
-from cloud_verifier.verify_policy.cost import ForwardCostTable
+from cloud_verifier.verify_policy.cost import ForwardCostModel
 from common.types import DraftBlock, SparseDraftProbs
 
 __all__ = ["VERIFY_POLICIES", "AdaptiveVerifyPolicy", "VerifyPolicy", "draft_confidences", "make_verify_policy",
@@ -76,35 +76,35 @@ def draft_confidences(block: DraftBlock) -> list[float | None]:
 
 class VerifyPolicy:
     """``fixed``: every drafted position is verified. The base of every policy: it measures what the adaptive one
-    decides from (the cost table, the calibration, verified and drafted positions), so a fixed-policy verifier
+    decides from (the cost model, the calibration, verified and drafted positions), so a fixed-policy verifier
     reports them too. Subclasses override :meth:`choose`. Thread-safe (the batcher calls it in the target thread;
     reports read it elsewhere)."""
 
     name = "fixed"
-    uses_cost_table = False  # its choice does not read the cost table (not profiled at start-up)
+    uses_cost_model = False  # its choice does not read the cost model (not profiled at start-up)
 
-    def __init__(self, cost: ForwardCostTable | None = None, calibration: AcceptanceCalibration | None = None):
-        self.cost = cost if cost is not None else ForwardCostTable()
+    def __init__(self, cost: ForwardCostModel | None = None, calibration: AcceptanceCalibration | None = None):
+        self.cost = cost if cost is not None else ForwardCostModel()
         self.calibration = calibration if calibration is not None else AcceptanceCalibration()
         self.host_s = 0.0  # moving average of a step's host time outside the forward pass, s
         self.drafted_positions = 0  # draft tokens of the verify rows (whole blocks)
         self.verified_positions = 0  # draft tokens that went through the rejection rule
         self._lock = threading.Lock()
 
-    def choose(self, blocks: list[DraftBlock], fixed_tokens: int) -> list[int]:
+    def choose(self, blocks: list[DraftBlock], fixed_tokens: int, fixed_rows: int = 0) -> list[int]:
         """Per block the positions to score this step, 1 <= m <= ``block.num_scored_positions``.
 
-        ``blocks``: the step's verify rows (whole blocks, as queued); ``fixed_tokens``: the pass's other tokens
-        (prefill chunks), tokens."""
+        ``blocks``: the step's verify rows (whole blocks, as queued); ``fixed_tokens``/``fixed_rows``: the pass's
+        other rows (prefill chunks, blocks verified whole) and their tokens."""
         return [b.num_scored_positions for b in blocks]
 
     def estimates(self, block: DraftBlock) -> list[float]:
         """α_i of each draft token of ``block`` (calibrated, :meth:`AcceptanceCalibration.estimate`)."""
         return [self.calibration.estimate(c, i) for i, c in enumerate(draft_confidences(block))]
 
-    def observe_step(self, tokens: int, forward_s: float) -> None:
-        """A forward pass of ``tokens`` tokens took ``forward_s`` s (the cost table)."""
-        self.cost.observe(tokens, forward_s)
+    def observe_step(self, rows: int, tokens: int, forward_s: float) -> None:
+        """A forward pass of ``rows`` rows and ``tokens`` tokens took ``forward_s`` s (the cost model)."""
+        self.cost.observe(rows, tokens, forward_s)
 
     def observe_host(self, host_s: float) -> None:
         """A step spent ``host_s`` s outside its forward pass (moving average, weight 0.2)."""
@@ -120,28 +120,28 @@ class VerifyPolicy:
             self.verified_positions += num_judged
 
     def report(self) -> dict:
-        """The policy's measurements (metrics, ``bench --replay``): cost table, host s, calibration, positions."""
+        """The policy's measurements (metrics, ``bench --replay``): cost model, host s, calibration, positions."""
         with self._lock:
             drafted, verified, host = self.drafted_positions, self.verified_positions, self.host_s
-        return {"policy": self.name, "cost_table_s": self.cost.as_dict(), "host_s": round(host, 6),
+        return {"policy": self.name, "cost_model_s": self.cost.as_dict(), "host_s": round(host, 6),
                 "calibration_error": self.calibration.calibration_error(), "calibration": self.calibration.table(),
                 "drafted_positions": drafted, "verified_positions": verified}
 
 
 class AdaptiveVerifyPolicy(VerifyPolicy):
     """``adaptive``: the per-row verify lengths that maximise the step's expected committed tokens per second
-    (this module's docstring). Verifies whole blocks until the cost table has two points."""
+    (this module's docstring). Verifies whole blocks until the cost model has seen two passes."""
 
     name = "adaptive"
-    uses_cost_table = True
+    uses_cost_model = True
 
     def __init__(self, *args, min_gain: float = TRIM_MIN_GAIN, **kwargs):
         super().__init__(*args, **kwargs)
         self.min_gain = min_gain
 
-    def choose(self, blocks: list[DraftBlock], fixed_tokens: int) -> list[int]:
+    def choose(self, blocks: list[DraftBlock], fixed_tokens: int, fixed_rows: int = 0) -> list[int]:
         full = [b.num_scored_positions for b in blocks]
-        if not blocks or len(self.cost.points()) < 2 or all(s == 1 for s in full):
+        if not blocks or not self.cost or all(s == 1 for s in full):
             return full
         gains = []  # (marginal gain of the row's j-th extra position, j, row)
         for r, block in enumerate(blocks):
@@ -150,9 +150,9 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
                 survive *= alpha
                 gains.append((survive, j, r))
         gains.sort(key=lambda g: (-g[0], g[1]))
-        base_tokens = fixed_tokens + len(blocks)
+        base_tokens, rows = fixed_tokens + len(blocks), fixed_rows + len(blocks)
         cumulative = np.concatenate([[0.0], np.cumsum([g[0] for g in gains])])  # [len(gains) + 1]
-        rates = [(len(blocks) + cumulative[c]) / max(self.cost.cost_s(base_tokens + c) + self.host_s, 1e-9)
+        rates = [(len(blocks) + cumulative[c]) / max(self.cost.cost_s(rows, base_tokens + c) + self.host_s, 1e-9)
                  for c in range(len(gains) + 1)]
         best = int(np.argmax(rates))
         if rates[best] < rates[-1] * (1 + self.min_gain):
@@ -179,7 +179,7 @@ def set_verify_lengths(policy: VerifyPolicy, batch: list) -> None:
             fixed += len(w.tokens)
     if not verify:
         return
-    for work, m in zip(verify, policy.choose([w.full_block for w in verify], fixed)):
+    for work, m in zip(verify, policy.choose([w.full_block for w in verify], fixed, len(batch) - len(verify))):
         work.block = truncate_block(work.full_block, m)
         work.tokens = [work.tokens[0], *work.block.scored_draft_token_ids]
 

@@ -1,4 +1,4 @@
-"""The verify-length policy's parts on their own: the cut block, the cost table, the calibration and the
+"""The verify-length policy's parts on their own: the cut block, the cost model, the calibration and the
 adaptive choice (cloud_verifier/verify_policy). End to end exactness: tests/e2e/test_adaptive_verification.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cloud_verifier.verify_policy import (
-    AcceptanceCalibration, AdaptiveVerifyPolicy, ForwardCostTable, VerifyPolicy, draft_confidences,
+    AcceptanceCalibration, AdaptiveVerifyPolicy, ForwardCostModel, VerifyPolicy, draft_confidences,
     make_verify_policy, truncate_block,
 )
 from common.types import DraftBlock, SparseDraftProbs
@@ -41,17 +41,26 @@ def test_confidences_from_the_wire_or_q():
     assert draft_confidences(DraftBlock([1, 2])) == [None, None]
 
 
-def test_cost_table_interpolates_and_never_decreases():
-    t = ForwardCostTable(ema=1.0)
-    assert t.cost_s(10) == 0.0
-    t.observe(8, 0.010)
-    t.observe(32, 0.040)
-    t.observe(64, 0.030)  # noise: more tokens measured cheaper
-    assert t.cost_s(20) == pytest.approx(0.025)
-    assert t.cost_s(64) == pytest.approx(0.040)  # made non-decreasing
-    assert t.cost_s(128) >= t.cost_s(64)
-    t.observe(8, 0.020)  # ema 1: the bucket takes the new value
-    assert t.cost_s(8) == pytest.approx(0.020)
+def test_cost_model_separates_rows_from_tokens():
+    m = ForwardCostModel()
+    assert m.cost_s(8, 64) == 0.0 and not m
+    for rows, tokens in ((1, 1), (1, 64), (8, 8), (8, 64), (64, 64), (32, 256)):
+        m.observe(rows, tokens, 0.01 + 0.002 * rows + 0.0005 * tokens, forget=1.0)
+    c = m.coefficients()
+    assert c["base"] == pytest.approx(0.01, rel=1e-3) and c["per_row"] == pytest.approx(0.002, rel=1e-3)
+    assert c["per_token"] == pytest.approx(0.0005, rel=1e-3)
+    for _ in range(200):  # live steps: long contexts make every row dearer; the model follows (forgetting)
+        for rows, tokens in ((64, 512), (64, 300)):
+            m.observe(rows, tokens, 0.01 + 0.02 * rows + 0.0005 * tokens)
+    assert m.coefficients()["per_row"] == pytest.approx(0.02, rel=0.05)
+    assert m.cost_s(64, 300) < m.cost_s(64, 512) < 0.01 + 0.02 * 64 + 0.0006 * 512
+
+
+def test_cost_model_coefficients_never_negative():
+    m = ForwardCostModel()
+    for rows, tokens, s in ((1, 8, 0.05), (8, 64, 0.04), (64, 512, 0.06)):  # noise: more work measured cheaper
+        m.observe(rows, tokens, s, forget=1.0)
+    assert all(v >= 0 for v in m.coefficients().values())
 
 
 def test_calibration_learns_an_over_confident_draft():
@@ -66,17 +75,17 @@ def test_calibration_learns_an_over_confident_draft():
     assert cal.estimate(None, 3) == pytest.approx(0.6)  # no confidence: the position prior
 
 
-def _steep() -> ForwardCostTable:
-    t = ForwardCostTable()
-    for n in (1, 8, 64, 512):
-        t.observe(n, 0.01 + 0.001 * n)  # a fixed part, then every token costs a tenth of it
+def _steep() -> ForwardCostModel:
+    t = ForwardCostModel()
+    for rows, n in ((1, 1), (8, 8), (8, 64), (64, 512)):
+        t.observe(rows, n, 0.01 + 0.001 * n, forget=1.0)  # a fixed part, then every token costs a tenth of it
     return t
 
 
-def _flat() -> ForwardCostTable:
-    t = ForwardCostTable()
-    for n in (1, 8, 64, 512):
-        t.observe(n, 0.05)
+def _flat() -> ForwardCostModel:
+    t = ForwardCostModel()
+    for rows, n in ((1, 1), (8, 8), (8, 64), (64, 512)):
+        t.observe(rows, n, 0.05, forget=1.0)
     return t
 
 
@@ -96,10 +105,10 @@ def test_adaptive_cuts_low_confidence_tails_on_a_steep_table():
 def test_adaptive_keeps_whole_blocks_when_extra_tokens_are_free():
     blocks = [_block([0.5] * 8) for _ in range(8)]
     assert AdaptiveVerifyPolicy(_flat()).choose(blocks, 0) == [9] * 8
-    assert AdaptiveVerifyPolicy(ForwardCostTable()).choose(blocks, 0) == [9] * 8  # nothing measured yet
+    assert AdaptiveVerifyPolicy(ForwardCostModel()).choose(blocks, 0) == [9] * 8  # nothing measured yet
 
 
 def test_make_verify_policy():
-    assert make_verify_policy("fixed").name == "fixed" and make_verify_policy("adaptive").uses_cost_table
+    assert make_verify_policy("fixed").name == "fixed" and make_verify_policy("adaptive").uses_cost_model
     with pytest.raises(ValueError, match="unknown verify policy"):
         make_verify_policy("greedy")

@@ -1,5 +1,5 @@
 """Adaptive verification end to end: a verifier that verifies only a prefix of each block (forced schedules:
-k = 1 for every row, seeded random cuts, the adaptive policy on a steep cost table) stays exact.
+k = 1 for every row, seeded random cuts, the adaptive policy on a steep cost model) stays exact.
 
 The real EdgeClient loop with a real ONNX ModelDrafter against the real Verifier over the tiny Llama pair
 (conftest ``tiny_pair``), in process (LocalBackend) and over real gRPC (EmbeddedServer: the verdict's
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
-from cloud_verifier.verify_policy import AdaptiveVerifyPolicy, ForwardCostTable, VerifyPolicy
+from cloud_verifier.verify_policy import AdaptiveVerifyPolicy, ForwardCostModel, VerifyPolicy
 from edge_client.client import EdgeClient, encode_prompt
 from edge_client.drafter import ModelDrafter
 from edge_client.grpc_backend import GrpcBackend
@@ -44,20 +44,20 @@ class Schedule(VerifyPolicy):
         super().__init__()
         self.pick, self.rng, self.cut = pick, np.random.default_rng(seed), 0
 
-    def choose(self, blocks, fixed_tokens):
+    def choose(self, blocks, fixed_tokens, fixed_rows=0):
         out = [max(1, min(b.num_scored_positions, int(self.pick(b, self.rng)))) for b in blocks]
         self.cut += sum(m < b.num_scored_positions for m, b in zip(out, blocks))
         return out
 
 
 def steep_adaptive() -> AdaptiveVerifyPolicy:
-    """The adaptive policy on a cost table where every token of a pass costs as much as the first (a verifier
+    """The adaptive policy on a cost model where every token of a pass costs as much as the first (a verifier
     deep in its compute-bound regime): it cuts tails whose expected gain is small."""
-    cost = ForwardCostTable()
-    for t in (1, 4, 16, 64):
-        cost.observe(t, 0.01 * t)
+    cost = ForwardCostModel()
+    for rows, t in ((1, 1), (1, 16), (4, 16), (4, 64)):
+        cost.observe(rows, t, 0.01 * t, forget=1.0)
     policy = AdaptiveVerifyPolicy(cost)
-    policy.uses_cost_table = False  # keep the table above (no start-up profile over it)
+    policy.uses_cost_model = False  # keep the table above (no start-up profile over it)
     return policy
 
 

@@ -92,7 +92,7 @@ def host_time_fields(start: dict | None, end: dict | None) -> dict:
 
 def read_verify_policy(url: str | None) -> dict | None:
     """The verify policy's gauges and counters at ``url`` (a /metrics address, cloud_verifier/metrics.py):
-    {"cost_table_s": {tokens: s}, "calibration_error": {"raw", "calibrated"}, "positions": {"drafted",
+    {"cost_model_s": {term: s}, "calibration_error": {"raw", "calibrated"}, "positions": {"drafted",
     "verified"}}; None when there is no URL or it does not answer."""
     if not url:
         return None
@@ -100,8 +100,8 @@ def read_verify_policy(url: str | None) -> dict | None:
         body = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return None
-    out: dict = {"cost_table_s": {}, "calibration_error": {}, "positions": {}}
-    fields = {"specdec_verify_cost_seconds": ("cost_table_s", "tokens"),
+    out: dict = {"cost_model_s": {}, "calibration_error": {}, "positions": {}}
+    fields = {"specdec_verify_cost_seconds": ("cost_model_s", "term"),
               "specdec_verify_calibration_error": ("calibration_error", "estimate"),
               "specdec_verify_positions_total": ("positions", "kind")}
     for line in body.splitlines():

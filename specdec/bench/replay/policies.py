@@ -1,7 +1,7 @@
 """``bench --replay --verify-policy fixed,adaptive``: one batched verifier per verify policy, the same recorded
 blocks replayed against each (interleaved per N), and per policy what the issue of adaptive verification asks to
 see side by side: tokens/s, verified positions per committed token, mean verified positions per block (k), step
-time, errors, mismatches; the verifier's cost table and calibration error (its /metrics)."""
+time, errors, mismatches; the verifier's cost model and calibration error (its /metrics)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def policy_summary(metrics: dict, before: dict | None, after: dict | None) -> di
     if before and after:
         pos = {k: after["positions"].get(k, 0.0) - before["positions"].get(k, 0.0) for k in ("drafted", "verified")}
         out["verified_fraction_of_drafted"] = safe_ratio(pos["verified"], pos["drafted"])
-        out["cost_table_s"] = after["cost_table_s"]
+        out["cost_model_s"] = after["cost_model_s"]
         out["calibration_error"] = after["calibration_error"]
     return out
 
