@@ -57,7 +57,7 @@ class GenerationResult:
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
             "num_forced_tokens": s.num_forced_tokens,
-            "num_unverified_tokens": s.num_unverified_tokens,
+            "num_unjudged_draft_tokens": s.num_unjudged_draft_tokens,
             "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
             "mean_accepted_length": s.mean_accepted_length,
             "elapsed_s": s.elapsed_s,

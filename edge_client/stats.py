@@ -35,7 +35,7 @@ class GenerationStats:
     num_forced_tokens: int = 0  # draft tokens a grammar forced, drafted without a draft forward pass
     # draft tokens the verifier did not judge (adaptive verification verified a prefix of their block: they were
     # neither accepted nor rejected, and were sent again at the start of the next block)
-    num_unverified_tokens: int = 0
+    num_unjudged_draft_tokens: int = 0
 
     def observe(self, block_len: int, verdict: Verdict, draft_s: float = 0.0, proactive_hit: bool = False,
                 num_forced: int = 0) -> None:
@@ -63,7 +63,7 @@ class GenerationStats:
         self.num_proactive_hits += int(proactive_hit)
         self.num_forced_tokens += int(num_forced)
         if verdict.num_verified_positions is not None:
-            self.num_unverified_tokens += max(0, block_len - verdict.num_verified_positions)
+            self.num_unjudged_draft_tokens += max(0, block_len - verdict.num_verified_positions)
         if len(self.num_accepted_tokens_per_pos) < block_len:
             self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):

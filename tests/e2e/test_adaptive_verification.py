@@ -117,7 +117,7 @@ def test_greedy_over_grpc_k1(runner, model, tiny_pair):
     finally:
         server.stop(timeout_s=30.0)
     assert res.token_ids == hf_greedy(tiny_pair.target_dir, ids, 24)
-    assert policy.cut > 0 and res.stats.num_unverified_tokens > 0
+    assert policy.cut > 0 and res.stats.num_unjudged_draft_tokens > 0
 
 
 SAMPLED = dict(temperature=0.7, top_k=20, ignore_eos=True)
@@ -156,7 +156,7 @@ def test_classic_blocks_of_a_seeded_session_are_never_cut(runner, model):
     finally:
         whole_backend.close()
     assert cut.token_ids == whole.token_ids
-    assert cut.stats.num_unverified_tokens == 0 and policy.cut == 0
+    assert cut.stats.num_unjudged_draft_tokens == 0 and policy.cut == 0
 
 
 class FirstDrafts:
