@@ -3,8 +3,9 @@
 far too small for its sessions (recompute preemption drops a session's pages and its recurrent state; its next
 row recomputes both from the committed ids). Eight real :class:`EdgeClient` generations (threads, greedy, a tiny
 Llama ONNX draft sharing the target's embeddings and tokenizer, ``FailoverBackend`` over both addresses) run
-concurrently on the first replica; after a few blocks each, it is SIGKILLed. The second resumes every session from
-the store (rebuilding the recurrent state from the committed ids) and finishes them under preemption too.
+concurrently on the first replica; once each has verdicts and the pool has run short (a session preempted),
+it is SIGKILLed. The second resumes every session from the store (rebuilding the recurrent state from the
+committed ids) and finishes them under preemption too.
 
 Checks: every output token-identical to target-only HF greedy decoding (tests/_reference.py), every session failed
 over once and was resumed on the survivor, preemptions > 0 on both replicas, the sessions shared forward passes.
