@@ -441,6 +441,7 @@ class Batcher:
             self.verify_policy.observe_verdict(work.full_block, judged, result.num_accepted)
             metrics.observe_verify_positions(len(work.full_block.draft_token_ids), judged)
         self.sessions.cache_committed(session)  # its newly final full pages, for sessions opening from now on
-        spec = block.num_speculative_tokens  # metrics count speculative positions
+        # speculative positions judged: a cut block's m draft tokens all were (it has no bonus position of its own)
+        spec = block.num_speculative_tokens if block is work.full_block else len(block.draft_token_ids)
         metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
         return verdict

@@ -25,7 +25,7 @@ class GenerationStats:
 
     num_generated_tokens: int = 0  # tokens committed after the prompt
     num_drafts: int = 0  # verify steps (draft blocks sent, empty blocks of target-only decoding included)
-    num_draft_tokens: int = 0  # draft tokens sent, all blocks together
+    num_draft_tokens: int = 0  # draft tokens the verifier judged, all blocks together (a cut block: its judged part)
     num_accepted_tokens: int = 0  # draft tokens the verifier accepted (recovered/bonus tokens not counted)
     elapsed_s: float = 0.0  # wall time of the whole generation (session open to close), s
     draft_s: float = 0.0  # edge time spent in the draft model, s (drafting ahead while a block travels included)
@@ -56,14 +56,15 @@ class GenerationStats:
         if not 0 <= verdict.num_accepted <= block_len:
             raise ValueError(f"num_accepted must be in [0, {block_len}], got {verdict.num_accepted}")
         self.num_drafts += 1
-        self.num_draft_tokens += block_len
+        # a cut block (adaptive verification) counts the draft tokens judged; the others are sent again next block
+        judged = block_len if verdict.num_verified_positions is None else min(block_len, verdict.num_verified_positions)
+        self.num_draft_tokens += judged
+        self.num_unjudged_draft_tokens += block_len - judged
         self.num_accepted_tokens += verdict.num_accepted
         self.draft_s += draft_s
         self.target_forward_s += verdict.forward_ms / 1000 / max(1, verdict.batch_size)
         self.num_proactive_hits += int(proactive_hit)
         self.num_forced_tokens += int(num_forced)
-        if verdict.num_verified_positions is not None:
-            self.num_unjudged_draft_tokens += max(0, block_len - verdict.num_verified_positions)
         if len(self.num_accepted_tokens_per_pos) < block_len:
             self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):
