@@ -132,9 +132,10 @@ def test_adaptive_num_speculative_tokens_ignores_the_draft_prefill(backend, tiny
     seen: list = []
 
     class Recording(AdaptiveNumSpeculativeTokens):
-        def observe(self, num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms):
+        def observe(self, num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms,
+                    num_verified=None):
             seen.append(draft_ms)
-            super().observe(num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms)
+            super().observe(num_speculative_tokens, num_accepted, draft_ms, round_trip_ms, forward_ms, num_verified)
 
     monkeypatch.setattr(speculative_mod, "AdaptiveNumSpeculativeTokens", Recording)
     res = _model_client(backend, tiny_pair, adaptive=True, proactive=False, num_speculative_tokens=4).generate(
