@@ -114,7 +114,9 @@ def replica_failover(compose: list[str], args, ref: list[int]) -> int:
     survivor = next((n for n in METRICS if n != killed), "")
     resumed = metric(METRICS[survivor], RESUMED) - resumed0[survivor] if survivor else 0
     print(f"  the survivor {survivor} resumed {resumed:.0f} session(s) from Redis")
-    ok &= bool(killed) and out is not None and out["num_failovers"] >= 1 and resumed >= 1
+    # the session finished on the survivor: the client retried it there, or nginx sent its next call there at once
+    # (a fast generation can lose its replica between two calls: no failed call for the client to count)
+    ok &= bool(killed) and out is not None and resumed >= 1
     ok &= finish(start(cmd), f"through the balancer, {survivor} alone", ref) is not None
     return 0 if ok else 1
 
