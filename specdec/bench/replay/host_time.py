@@ -12,14 +12,21 @@ STEP_METRICS = ("specdec_batch_step_seconds", "specdec_batch_host_seconds", "spe
 FORWARD_PASSES = "specdec_target_forward_passes_total"  # the target runner's counter (cloud_verifier/metrics.py)
 
 
-def _read_metrics(url: str | None) -> dict[str, float] | None:
-    """{sample name: value} of every unlabelled sample the /metrics address ``url`` serves; None when there is no
-    URL or it does not answer."""
+def _metrics_text(url: str | None) -> str | None:
+    """The text the /metrics address ``url`` serves; None when there is no URL or it does not answer."""
     if not url:
         return None
     try:
-        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        return urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
+        return None
+
+
+def _read_metrics(url: str | None) -> dict[str, float] | None:
+    """{sample name: value} of every unlabelled sample the /metrics address ``url`` serves; None when there is no
+    URL or it does not answer."""
+    body = _metrics_text(url)
+    if body is None:
         return None
     out = {}
     for line in body.splitlines():
@@ -94,11 +101,8 @@ def read_verify_policy(url: str | None) -> dict | None:
     """The verify policy's gauges and counters at ``url`` (a /metrics address, cloud_verifier/metrics.py):
     {"cost_model_s": {term: s}, "calibration_error": {"raw", "calibrated"}, "positions": {"drafted",
     "verified"}}; None when there is no URL or it does not answer."""
-    if not url:
-        return None
-    try:
-        body = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
+    body = _metrics_text(url)
+    if body is None:
         return None
     out: dict = {"cost_model_s": {}, "calibration_error": {}, "positions": {}}
     fields = {"specdec_verify_cost_seconds": ("cost_model_s", "term"),
