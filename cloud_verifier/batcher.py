@@ -115,6 +115,7 @@ class Batcher:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
         self._step_started = 0.0  # perf_counter time, s, the current step's first item was taken
+        self._step_ended = 0.0  # perf_counter time, s, the last timed step's futures were resolved
         self._last_forward_s: float | None = None  # the current step's forward pass, s (None: it raised)
         self.kv = KVScheduler(target, sessions)  # pages for each forward pass, preempting when the pool is short
         self._deferred: list[Work] = []  # items handed back for want of KV pages: first in the next batch
@@ -268,8 +269,10 @@ class Batcher:
             return
         end = time.perf_counter()
         metrics.observe_step(end - self._step_started, self._last_forward_s, collected - self._step_started)
-        # the verify policy's host cost: the step outside its forward pass, less the wait for more items
-        self.verify_policy.observe_host(max(0.0, end - collected - self._last_forward_s))
+        # the verify policy's host cost (step - forward - collect) and wait for blocks since the last step ended
+        wait = collected - (self._step_ended or self._step_started)
+        self.verify_policy.observe_host(max(0.0, end - collected - self._last_forward_s), wait)
+        self._step_ended = end
         self._steps += 1
         if self._steps % 16 == 1:  # the cost model and calibration gauges (a report per step is not needed)
             metrics.export_verify_policy(self.verify_policy.report())

@@ -17,7 +17,10 @@ token (:class:`~cloud_verifier.verify_policy.calibration.AcceptanceCalibration`)
     E(m) = 1 + Σ_{j=1..m-1} Π_{i≤j} α_i        (the same for classic and bonus_drafted blocks)
 
 :class:`AdaptiveVerifyPolicy` chooses, over the whole batch, the m of every row that maximises expected committed
-tokens per second of the step, Σ E(m_r) / (forward(R, T) + host), R rows and T tokens in the pass, from the cost
+tokens per second of the step's whole cycle, Σ E(m_r) / (forward(R, T) + host + wait), R rows and T tokens in the
+pass, host the step's time outside the forward pass and wait the verifier's wait for blocks before it (the
+edges' drafting and round trip at low load, ≈ 0 under load: a cut there saves a little of a long cycle and costs
+the session a round trip for its unjudged tail, so it is not made), from the cost
 model (:class:`~cloud_verifier.verify_policy.cost.ForwardCostModel`): every row's extra positions ranked by their
 marginal gain Π_{i≤j} α_i (which falls along a row, so any prefix of the ranking is a prefix of each row), the
 best prefix of the ranking taken (the argmax over all prefixes, not the first local maximum: on a GPU the cost is
@@ -40,6 +43,8 @@ __all__ = ["VERIFY_POLICIES", "AdaptiveVerifyPolicy", "VerifyPolicy", "draft_con
 
 VERIFY_POLICIES = ("fixed", "adaptive")
 TRIM_MIN_GAIN = 0.02  # a step is trimmed only when it expects ≥ 2 % more tokens/s than verifying every position
+# a wait for blocks longer than this is an idle verifier (no sessions), not the edges' round trip: counted as this
+MAX_WAIT_S = 1.0
 
 
 def truncate_block(block: DraftBlock, num_positions: int) -> DraftBlock:
@@ -87,6 +92,7 @@ class VerifyPolicy:
         self.cost = cost if cost is not None else ForwardCostModel()
         self.calibration = calibration if calibration is not None else AcceptanceCalibration()
         self.host_s = 0.0  # moving average of a step's host time outside the forward pass, s
+        self.wait_s = 0.0  # moving average of the verifier's wait for blocks before a step (idle + collect), s
         self.drafted_positions = 0  # draft tokens of the verify rows (whole blocks)
         self.verified_positions = 0  # draft tokens that went through the rejection rule
         self._lock = threading.Lock()
@@ -106,10 +112,14 @@ class VerifyPolicy:
         """A forward pass of ``rows`` rows and ``tokens`` tokens took ``forward_s`` s (the cost model)."""
         self.cost.observe(rows, tokens, forward_s)
 
-    def observe_host(self, host_s: float) -> None:
-        """A step spent ``host_s`` s outside its forward pass (moving average, weight 0.2)."""
+    def observe_host(self, host_s: float, wait_s: float = 0.0) -> None:
+        """A step spent ``host_s`` s outside its forward pass, after the verifier had waited ``wait_s`` s for
+        its blocks (idle since the last step, then collecting; at most :data:`MAX_WAIT_S`). Moving averages,
+        weight 0.2."""
+        wait_s = min(max(wait_s, 0.0), MAX_WAIT_S)
         with self._lock:
             self.host_s = host_s if not self.host_s else 0.8 * self.host_s + 0.2 * host_s
+            self.wait_s = wait_s if not self.wait_s else 0.8 * self.wait_s + 0.2 * wait_s
 
     def observe_verdict(self, block: DraftBlock, num_judged: int, num_accepted: int) -> None:
         """The verdict on a whole ``block`` verified to its first ``num_judged`` draft tokens, ``num_accepted`` of
@@ -122,8 +132,9 @@ class VerifyPolicy:
     def report(self) -> dict:
         """The policy's measurements (metrics, ``bench --replay``): cost model, host s, calibration, positions."""
         with self._lock:
-            drafted, verified, host = self.drafted_positions, self.verified_positions, self.host_s
+            drafted, verified, host, wait = self.drafted_positions, self.verified_positions, self.host_s, self.wait_s
         return {"policy": self.name, "cost_model_s": self.cost.as_dict(), "host_s": round(host, 6),
+                "wait_s": round(wait, 6),
                 "calibration_error": self.calibration.calibration_error(), "calibration": self.calibration.table(),
                 "drafted_positions": drafted, "verified_positions": verified}
 
@@ -152,7 +163,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         gains.sort(key=lambda g: (-g[0], g[1]))
         base_tokens, rows = fixed_tokens + len(blocks), fixed_rows + len(blocks)
         cumulative = np.concatenate([[0.0], np.cumsum([g[0] for g in gains])])  # [len(gains) + 1]
-        rates = [(len(blocks) + cumulative[c]) / max(self.cost.cost_s(rows, base_tokens + c) + self.host_s, 1e-9)
+        other_s = self.host_s + self.wait_s  # a step's cycle outside the forward pass: the cut does not shorten it
+        rates = [(len(blocks) + cumulative[c]) / max(self.cost.cost_s(rows, base_tokens + c) + other_s, 1e-9)
                  for c in range(len(gains) + 1)]
         best = int(np.argmax(rates))
         if rates[best] < rates[-1] * (1 + self.min_gain):

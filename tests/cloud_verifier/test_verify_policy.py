@@ -108,6 +108,24 @@ def test_adaptive_keeps_whole_blocks_when_extra_tokens_are_free():
     assert AdaptiveVerifyPolicy(ForwardCostModel()).choose(blocks, 0) == [9] * 8  # nothing measured yet
 
 
+def test_adaptive_does_not_cut_when_the_verifier_waits_for_its_edges():
+    # one session on a steep table: cutting its tail pays per forward pass, but when the verifier waits far longer
+    # for the next block (the edge's drafting and round trip) than the pass takes, a cut saves a sliver of the cycle
+    blocks = [_block([0.6] * 8)]
+    busy, waiting = AdaptiveVerifyPolicy(_steep()), AdaptiveVerifyPolicy(_steep())
+    for policy in (busy, waiting):
+        for _ in range(50):
+            policy.observe_verdict(blocks[0], 8, 1)  # a poor draft: calibrated down
+    for _ in range(20):
+        busy.observe_host(0.001, 0.0)
+        waiting.observe_host(0.001, 0.5)
+    assert busy.choose(blocks, 0)[0] < 9
+    assert waiting.choose(blocks, 0) == [9]
+    assert waiting.report()["wait_s"] == pytest.approx(0.5)
+    waiting.observe_host(0.001, 60.0)  # an idle verifier: counted as at most MAX_WAIT_S
+    assert waiting.wait_s <= 1.0
+
+
 def test_make_verify_policy():
     assert make_verify_policy("fixed").name == "fixed" and make_verify_policy("adaptive").uses_cost_model
     with pytest.raises(ValueError, match="unknown verify policy"):
