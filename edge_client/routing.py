@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, SamplingParams, SessionOpened, Verdict
-from edge_client.cloud_decode import cloud_verdicts
+from edge_client.cloud_decode import can_stop, cloud_verdicts
 from edge_client.context import GenerationContext
 from edge_client.draft_prefill import DraftPrefill, can_prefill
 from edge_client.fallback import DeviceDecoder, decode_unverified
@@ -92,6 +92,8 @@ class RouteRun:
     estimates: RouteEstimates | None = None  # the client's (reported under auto)
     last_verdict_t: float | None = None  # perf_counter() at the segment's last speculative verdict
     prefill: DraftPrefill | None = None  # cloud-first: the draft's prefill while the cloud streams
+    can_stop: bool = False  # a Decode stream can be ended at a token boundary (StopDecode, or per-token calls)
+    hand_over: dict | None = None  # a hand-over asked mid-chunk (why, when), applied when the stream has ended
     draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
     t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
@@ -105,9 +107,11 @@ class RouteRun:
             out["estimates"] = self.estimates.to_json()
         return out
 
-    def switch(self, to: str, at_tokens: int, why: str) -> None:
+    def switch(self, to: str, at_tokens: int, why: str, **asked) -> None:
+        """Record a switch now, at ``at_tokens`` generated tokens; ``asked``: when a mid-chunk hand-over was
+        asked (``asked_at_token``, ``asked_s``), before its stream ended."""
         self.switches.append({"at_token": at_tokens, "at_s": round(time.perf_counter() - self.t0, 4),
-                              "from": self.mode, "to": to, "why": why})
+                              "from": self.mode, "to": to, "why": why, **asked})
         self.mode, self.steps_in_mode, self.why = to, 0, why
 
 
@@ -123,6 +127,10 @@ class RouteSwitcher(Protocol):
     def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
         """After a cloud chunk."""
 
+    # optional: ``hand_over(client, run) -> str | None``, asked mid-chunk at the first cloud token after a
+    # cloud-first prefill got ready; a reason ends the Decode stream there (a switcher without it hands over
+    # at chunk ends only)
+
     def cloud_chunk_tokens(self, run: "Run") -> int:
         """Tokens of the next cloud decode chunk (a switch back is considered after it); 0 = the whole rest."""
 
@@ -136,9 +144,15 @@ class CostModelSwitcher:
 
     def cloud_chunk_tokens(self, run: "Run") -> int:
         rr: RouteRun = run.route
-        if rr.prefill is not None and not rr.prefill.ready:  # cloud-first: until the draft is expected ready
-            return _chunk_until_ready(rr)
+        if rr.prefill is not None and not rr.prefill.ready and not rr.can_stop:
+            return _chunk_until_ready(rr)  # cloud-first on a verifier without StopDecode: a chunk until ready
         return rr.cloud_chunk if rr.requested == "auto" else 0
+
+    def hand_over(self, client: GenerationContext, run: "Run") -> str | None:
+        """Mid-chunk, the draft is ready: hand over at this token? The rule of :meth:`to_speculative` (staying
+        on the cloud costs the rest of this chunk with no new call, about what the stop's trip costs
+        speculation, while the cloud goes on making tokens)."""
+        return self.to_speculative(client, run)
 
     def to_cloud(self, client: GenerationContext, run: "Run") -> str | None:
         rr: RouteRun = run.route
@@ -211,6 +225,7 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
+    rr.can_stop = rr.prefill is not None and can_stop(client.backend)
     run.switch_check = lambda *a: after_block(client, run, *a)
     run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
     try:
@@ -253,7 +268,8 @@ def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> N
         rr.mode, rr.why = "speculative", f"the draft has {unseen} tokens to catch up on: no prefill to overlap"
     if prefill:
         rr.mode, rr.why = "cloud", f"cloud-first: the draft prefills {unseen} tokens while the cloud streams"
-        rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free)
+        # started by the Decode call (_cloud_segment), once its request is on its way
+        rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free, start=False)
 
 
 def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
@@ -272,12 +288,16 @@ def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
 
 
 def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
-    """Cloud decode from the committed length: one chunk of the switcher's length, or the whole rest (0)."""
+    """Cloud decode from the committed length: one chunk of the switcher's length, or the whole rest (0); with
+    a cloud-first prefill, ended early (:meth:`edge_client.cloud_decode.CloudStream.stop`) at the token the draft
+    is ready and the switcher hands over (:func:`_ask_hand_over`): the verdicts committed until the stop lands
+    are read to the stream's end."""
     rr: RouteRun = run.route
     max_tokens = rr.switcher.cloud_chunk_tokens(run)
     seq, t0 = run.first_seq, time.perf_counter()
+    prefill, rr.hand_over = rr.prefill, None
     stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
-                            client.timeout_s)
+                            client.timeout_s, on_call=prefill.start if prefill is not None else None)
     try:
         for i, verdict in enumerate(stream):
             now = time.perf_counter()
@@ -294,11 +314,29 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
             if reason is not None:
                 run.finish_reason = reason
                 return
+            if not stream.stopping and _ask_hand_over(client, run):
+                stream.stop()
     finally:
         stream.close()  # an edge-side stop (a stop string across sessions) cancels the rest
     rr.steps_in_mode += 1
-    if rr.prefill is None:  # auto's chunks double; cloud-first's follow the prefill
+    if prefill is None:  # auto's chunks double; cloud-first's follow the prefill
         rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
+
+
+def _ask_hand_over(client: GenerationContext, run: "Run") -> bool:
+    """After a cloud token with a cloud-first prefill that is ready: True when the switcher's ``hand_over`` says
+    go now (remembered in ``rr.hand_over``, applied by :func:`after_chunk`); else it is asked again at the next
+    token, and the chunk's end decides as without a stop (:func:`after_chunk`)."""
+    rr: RouteRun = run.route
+    ask = getattr(rr.switcher, "hand_over", None)
+    if not rr.can_stop or ask is None or rr.prefill is None or not rr.prefill.ready or rr.hand_over is not None:
+        return False
+    why = ask(client, run)
+    if why is None:
+        return False
+    rr.hand_over = {"why": why, "asked_at_token": run.num_generated,
+                    "asked_s": round(time.perf_counter() - rr.t0, 4)}
+    return True
 
 
 def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
@@ -333,6 +371,10 @@ def after_chunk(client: GenerationContext, run: "Run") -> None:
     """Between two cloud chunks: switch (back) to speculative when the route's switcher says so; a cloud-first
     prefill that is ready when the switcher says stay ends there (a later switch back pays the catch-up)."""
     rr: RouteRun = run.route
+    asked, rr.hand_over = rr.hand_over, None
+    if asked is not None:  # asked mid-chunk: the stream ended at the stop
+        rr.switch("speculative", run.num_generated, asked.pop("why"), **asked)
+        return
     why = rr.switcher.to_speculative(client, run)
     if why is not None:
         rr.switch("speculative", run.num_generated, why)
