@@ -8,7 +8,8 @@ per token, so speculative blocks can follow at once (``seq`` = the last verdict'
 Transports:
 
 - a :class:`~edge_client.grpc_backend.GrpcBackend` (``decode``): one streaming call; one network round trip
-  before the first token, then the tokens arrive as the verifier makes them;
+  before the first token, then the tokens arrive as the verifier makes them; :meth:`CloudStream.stop` ends it at
+  a token boundary (``StopDecode``: the step in progress commits and is streamed, then the stream ends);
 - a :class:`~edge_client.failover.FailoverBackend` (``connection``): the same on its current connection; when the
   connection fails mid-stream (UNAVAILABLE, a reset), the tokens the verifier committed whose verdicts were lost
   are read back from the store (GetSession: the committed ids are the truth) and the stream is resumed at the

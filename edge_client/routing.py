@@ -7,7 +7,9 @@
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
 - ``cloud-first``: cloud decode streams the first tokens while the draft prefills the context in a thread of its
   own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); at the
-  first chunk boundary after the draft is ready the session goes on speculatively — unless few tokens are left.
+  first cloud token after the draft is ready the Decode call is stopped at a token boundary (StopDecode: the
+  tokens committed until it lands still stream in) and the session goes on speculatively — unless few tokens
+  are left.
   Time to first token is the cloud's, throughput speculation's.
 - ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to finish the
   tokens left sooner, start-up included (the draft's catch-up over the context it has not seen and a first block

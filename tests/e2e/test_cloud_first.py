@@ -147,3 +147,34 @@ def test_seeded_sampled_mid_stream_hand_over_equals_a_chunk_end_one_at_the_same_
             outs.append((at, stopped.token_ids))
     if outs[0][0] != outs[1][0]:  # other switch points: other tokens of the same distribution (not required)
         print("hand-over at", outs[0][0], "and", outs[1][0], "identical:", outs[0][1] == outs[1][1])
+
+
+def test_an_older_verifier_without_stop_decode_hands_over_at_a_chunk_end(tiny_pair, served, draft):
+    """A verifier without StopDecode answers UNIMPLEMENTED (a bare gRPC server stands for it): the backend
+    remembers it, and cloud-first then sizes its chunks to the draft's readiness and hands over at a chunk end,
+    still token-identical to target-only."""
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    bare = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = bare.add_insecure_port("127.0.0.1:0")
+    bare.start()
+    try:
+        with GrpcBackend(f"127.0.0.1:{port}") as old:
+            old.stop_decode("no-such-session", 1)
+            deadline = time.monotonic() + 10
+            while old.can_stop_decode and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not old.can_stop_decode
+    finally:
+        bare.stop(0)
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    with GrpcBackend(served) as backend:
+        backend.can_stop_decode = False  # as after that answer
+        client = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="cloud-first")
+        result = client.generate(ids, max_new_tokens=48, ignore_eos=True)
+    (switch,) = result.route["switches"]
+    assert "asked_at_token" not in switch and result.route["final"] == "speculative", result.route
+    assert result.token_ids == hf_greedy(tiny_pair.target_dir, ids, 48)
