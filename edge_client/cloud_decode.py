@@ -73,7 +73,7 @@ class CloudStream:
         self.session_id = session_id
         self._on_call = on_call
         self.stopping = False
-        self._live: tuple[object, int] | None = None  # (connection, first seq) of the Decode call in progress
+        self._live: tuple[object, int, bool] | None = None  # the Decode call in progress (_one_stream)
         if hasattr(backend, "connection"):
             self._it = self._with_failover(backend, seq, committed_length, max_tokens)
         elif hasattr(backend, "decode"):
@@ -94,15 +94,20 @@ class CloudStream:
     def stop(self) -> None:
         """End the stream at the next token boundary the verifier reaches (one network trip away); keep
         iterating to receive the tokens committed until then. Over a verifier without StopDecode the stream ends
-        at its ``max_tokens`` as before."""
+        at its ``max_tokens`` as before. May be called from another thread than the iterating one."""
         if self.stopping:
             return
         self.stopping = True
-        if self._live is not None:
-            conn, first_seq = self._live
-            stop = getattr(conn, "stop_decode", None)
+        self._send_stop()
+
+    def _send_stop(self) -> None:
+        """StopDecode for the call in progress once it has answered (the verifier runs it, so the stop cannot
+        overtake its start); before that, its first verdict sends it."""
+        live = self._live
+        if live is not None and live[2]:
+            stop = getattr(live[0], "stop_decode", None)
             if stop is not None:
-                stop(self.session_id, first_seq)
+                stop(self.session_id, live[1])
 
     def _called(self) -> None:
         """The first request is on its way: run ``on_call`` once."""
@@ -117,13 +122,14 @@ class CloudStream:
         from edge_client.grpc_errors import map_rpc_error
 
         call = conn.decode(self.session_id, seq, committed_length, max_tokens)
-        self._live = (conn, seq)
+        self._live = (conn, seq, False)  # (connection, first seq, answered)
         self._called()
-        stop = getattr(conn, "stop_decode", None)
-        if self.stopping and stop is not None:  # stopped between two calls (a failover): end this one too
-            stop(self.session_id, seq)
         try:
             for msg in call:
+                if not self._live[2]:
+                    self._live = (conn, seq, True)
+                    if self.stopping:  # asked before the call answered (or between two calls: a failover)
+                        self._send_stop()
                 verdict = verdict_from_proto(msg, [], committed_length)
                 committed_length = verdict.committed_length
                 yield verdict

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["DraftPrefill", "can_prefill"]
 
@@ -43,6 +43,8 @@ class DraftPrefill:
         ready_s: seconds from the start until the thread was caught up (None until then, or when stopped first).
         num_fed, fed_s: tokens fed and the seconds spent feeding them (the draft's prefill cost on this device).
         error: what the thread raised, if anything (re-raised by :meth:`stop`).
+        on_ready: called in the thread, once, the moment it is caught up (set it before :meth:`start`): the
+            hand-over need not wait for the next cloud token; what it raises is the thread's ``error``.
     """
 
     def __init__(self, drafter, committed: Sequence[int], whole_chunks: bool = False, start: bool = True):
@@ -53,6 +55,7 @@ class DraftPrefill:
         self.num_fed, self.fed_s = 0, 0.0
         self._seen = 0  # tokens of ``committed`` whose KV the draft holds (published after each chunk)
         self.error: BaseException | None = None
+        self.on_ready: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="draft-prefill", daemon=True)
         self._started = False
         if start:
@@ -98,6 +101,8 @@ class DraftPrefill:
                 if n == 0:
                     self._seen = len(ids) - 1
                     self.ready_s = time.perf_counter() - self.t0
+                    if self.on_ready is not None:
+                        self.on_ready()
                     return
                 self.num_fed, self.fed_s = self.num_fed + n, self.fed_s + time.perf_counter() - t0
                 self._seen = len(ids) - 1 - self._drafter.uncached(ids)

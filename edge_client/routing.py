@@ -6,10 +6,9 @@
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
 - ``cloud-first``: cloud decode streams the first tokens while the draft prefills the context in a thread of its
-  own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); at the
-  first cloud token after the draft is ready the Decode call is stopped at a token boundary (StopDecode: the
-  tokens committed until it lands still stream in) and the session goes on speculatively — unless few tokens
-  are left.
+  own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); the moment
+  the draft is ready the Decode call is stopped at a token boundary (StopDecode: the tokens committed until it
+  lands still stream in) and the session goes on speculatively — unless few tokens are left.
   Time to first token is the cloud's, throughput speculation's.
 - ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to finish the
   tokens left sooner, start-up included (the draft's catch-up over the context it has not seen and a first block
@@ -30,6 +29,7 @@ The choice and each switch are reported in :attr:`GenerationResult.route <edge_c
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol
@@ -96,6 +96,8 @@ class RouteRun:
     prefill: DraftPrefill | None = None  # cloud-first: the draft's prefill while the cloud streams
     can_stop: bool = False  # a Decode stream can be ended at a token boundary (StopDecode, or per-token calls)
     hand_over: dict | None = None  # a hand-over asked mid-chunk (why, when), applied when the stream has ended
+    # asked by the loop at a cloud token and by the prefill thread the moment it is ready: one decision at a time
+    hand_over_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
     t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
@@ -129,9 +131,9 @@ class RouteSwitcher(Protocol):
     def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
         """After a cloud chunk."""
 
-    # optional: ``hand_over(client, run) -> str | None``, asked mid-chunk at the first cloud token after a
-    # cloud-first prefill got ready; a reason ends the Decode stream there (a switcher without it hands over
-    # at chunk ends only)
+    # optional: ``hand_over(client, run) -> str | None``, asked mid-chunk the moment a cloud-first prefill is
+    # ready (from its thread) and at each later cloud token; a reason ends the Decode stream there (a switcher
+    # without it hands over at chunk ends only)
 
     def cloud_chunk_tokens(self, run: "Run") -> int:
         """Tokens of the next cloud decode chunk (a switch back is considered after it); 0 = the whole rest."""
@@ -285,7 +287,8 @@ def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
     try:
         prefill.stop()
     finally:
-        rr.draft_ready_s = prefill.ready_s
+        # from the generation's start, as the switches' at_s (the prefill's clock starts after the session opened)
+        rr.draft_ready_s = None if prefill.ready_s is None else prefill.t0 - rr.t0 + prefill.ready_s
         client.route_estimates.observe_prefill(prefill.num_fed, prefill.fed_s)
 
 
@@ -300,6 +303,8 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
     prefill, rr.hand_over = rr.prefill, None
     stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
                             client.timeout_s, on_call=prefill.start if prefill is not None else None)
+    if prefill is not None and not prefill.ready:  # ready while this stream runs: ask at once, from its thread
+        prefill.on_ready = lambda: _ask_hand_over(client, run, stream)
     try:
         for i, verdict in enumerate(stream):
             now = time.perf_counter()
@@ -316,29 +321,34 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
             if reason is not None:
                 run.finish_reason = reason
                 return
-            if not stream.stopping and _ask_hand_over(client, run):
-                stream.stop()
+            if not stream.stopping:
+                _ask_hand_over(client, run, stream)
     finally:
+        if prefill is not None:
+            prefill.on_ready = None
         stream.close()  # an edge-side stop (a stop string across sessions) cancels the rest
     rr.steps_in_mode += 1
     if prefill is None:  # auto's chunks double; cloud-first's follow the prefill
         rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
 
 
-def _ask_hand_over(client: GenerationContext, run: "Run") -> bool:
-    """After a cloud token with a cloud-first prefill that is ready: True when the switcher's ``hand_over`` says
-    go now (remembered in ``rr.hand_over``, applied by :func:`after_chunk`); else it is asked again at the next
-    token, and the chunk's end decides as without a stop (:func:`after_chunk`)."""
+def _ask_hand_over(client: GenerationContext, run: "Run", stream) -> None:
+    """With a cloud-first prefill that is ready (called at each cloud token, and by the prefill thread the moment
+    it gets ready): when the switcher's ``hand_over`` says go, stop ``stream`` at the verifier's next token
+    boundary and remember why (``rr.hand_over``, applied by :func:`after_chunk` once the stream has ended); when it
+    says stay, it is asked again at the next token, and the chunk's end decides as without a stop."""
     rr: RouteRun = run.route
     ask = getattr(rr.switcher, "hand_over", None)
-    if not rr.can_stop or ask is None or rr.prefill is None or not rr.prefill.ready or rr.hand_over is not None:
-        return False
-    why = ask(client, run)
-    if why is None:
-        return False
-    rr.hand_over = {"why": why, "asked_at_token": run.num_generated,
-                    "asked_s": round(time.perf_counter() - rr.t0, 4)}
-    return True
+    with rr.hand_over_lock:
+        prefill = rr.prefill
+        if not rr.can_stop or ask is None or prefill is None or not prefill.ready or rr.hand_over is not None:
+            return
+        why = ask(client, run)
+        if why is None:
+            return
+        rr.hand_over = {"why": why, "asked_at_token": run.num_generated,
+                        "asked_s": round(time.perf_counter() - rr.t0, 4)}
+        stream.stop()
 
 
 def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
