@@ -168,6 +168,10 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         if r in ("auto", "cloud-first"):  # when its first switch came (a cloud-first start: the hand-over)
             point[r]["first_switch_s"] = [round(t, 4) for t in switch_s]
             point[r]["draft_ready_s"] = [x["route"].get("draft_ready_s") for x in runs[r]]
+            # the hand-over's lag behind the draft's readiness (both from the generation's start)
+            point[r]["handover_lag_s"] = [round(x["route"]["switches"][0]["at_s"] - x["route"]["draft_ready_s"], 4)
+                                          for x in runs[r] if x["route"].get("switches")
+                                          and x["route"].get("draft_ready_s") is not None]
     if "auto" in runs:
         point["auto"]["routes"] = [{k: x["route"].get(k) for k in ("initial", "final", "why", "switches", "tokens",
                                                                    "draft_ready_s", "estimates")}
