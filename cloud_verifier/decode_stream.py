@@ -17,6 +17,11 @@ draws (every token from p_t with ``uniform(seed, t, TARGET_SAMPLE)``); a specula
 is distributed identically (Leviathan et al. 2023, Algorithm 1 is lossless) but its tokens are not the same
 ones: an accepted draft token at t is decided by ``uniform(seed, t, ACCEPT)`` and q_t, not by p_t's own draw.
 
+Stopping (``StopDecode``): the client names the call (session, first seq); the stream ends after the step in
+progress, which commits and is streamed as usual, so a client that reads the stream to its end holds every
+token committed: the hand-over of a cloud-first start to speculation at the token the draft gets ready
+(docs/routing.md). A stop for no running call (ended, on another replica) changes nothing.
+
 Cancellation: when the client cancels the call, the step in progress is either still queued (dropped: nothing
 of it runs) or in a forward pass (committed wholly, then the stream stops); GetSession shows what was committed.
 Tenant limits: each step is charged one token (cloud_verifier.limits); a step over the tenant's rate waits the
@@ -27,6 +32,7 @@ than :data:`MAX_RATE_WAIT_S`, which ends the stream with RESOURCE_EXHAUSTED and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, AsyncIterator
 
 from common.errors import InvalidRequestError, RateLimitedError, VerifierUnavailableError
@@ -37,7 +43,7 @@ from common.v1 import verifier_pb2 as pb
 if TYPE_CHECKING:
     from cloud_verifier.verifier import Verifier
 
-__all__ = ["DecodeStream", "MAX_RATE_WAIT_S", "load_hint"]
+__all__ = ["DecodeStops", "DecodeStream", "MAX_RATE_WAIT_S", "load_hint"]
 
 MAX_RATE_WAIT_S = 5.0  # longest wait for the tenant's token bucket inside one stream, s
 
@@ -67,6 +73,33 @@ def check_decode_request(request: pb.DecodeRequest) -> None:
         raise InvalidRequestError(f"Decode: max_tokens must be >= 0 (0: until the end), got {request.max_tokens}")
 
 
+class DecodeStops:
+    """The stop events of the Decode calls running on this server, keyed by (tenant, session id, first seq).
+    Used from the server's event loop only (no lock)."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str, int], asyncio.Event] = {}
+
+    @contextlib.contextmanager
+    def running(self, key: tuple[str, str, int]):
+        """Register a call for its lifetime; yields its stop event (a newer call with the same key replaces
+        it: a client reconnecting with the same seq means the old call is dead)."""
+        event = self._events[key] = asyncio.Event()
+        try:
+            yield event
+        finally:
+            if self._events.get(key) is event:
+                del self._events[key]
+
+    def stop(self, key: tuple[str, str, int]) -> bool:
+        """Tell the call ``key`` to end after its step in progress; False when no such call runs here."""
+        event = self._events.get(key)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+
 class DecodeStream:
     """One ``Decode`` call: γ = 0 verify steps of one session until ``max_tokens``, its end, or a cancel.
 
@@ -74,12 +107,15 @@ class DecodeStream:
         verifier: the Verifier (its ``verify`` does validation, batching, stopping and the commit).
         drain: set when the server shuts down: the stream ends with UNAVAILABLE before its next step.
         tenant_kw: ``{"tenant_id": ...}`` of the authenticated caller, or {}.
+        stops: the server's :class:`DecodeStops` (None: the call cannot be stopped, only cancelled).
     """
 
-    def __init__(self, verifier: "Verifier", drain: asyncio.Event, tenant_kw: dict[str, str]):
+    def __init__(self, verifier: "Verifier", drain: asyncio.Event, tenant_kw: dict[str, str],
+                 stops: DecodeStops | None = None):
         self.verifier = verifier
         self.drain = drain
         self.tenant_kw = tenant_kw
+        self.stops = stops if stops is not None else DecodeStops()
 
     async def verdicts(self, request: pb.DecodeRequest) -> AsyncIterator[pb.Verdict]:
         """One wire Verdict per step (num_accepted 0, is_bonus false as for any empty block, seq = the step's),
@@ -92,15 +128,17 @@ class DecodeStream:
         """
         check_decode_request(request)
         seq, committed_length, made = int(request.seq), int(request.committed_length), 0
-        while request.max_tokens == 0 or made < request.max_tokens:
-            if self.drain.is_set():
-                raise VerifierUnavailableError("verifier is shutting down")
-            verdict = await self._step(request.session_id, seq, committed_length)
-            yield verdict_to_proto(verdict, seq)
-            made += len(verdict.committed_token_ids)
-            seq, committed_length = seq + 1, verdict.committed_length
-            if verdict.finished:
-                return
+        key = (self.tenant_kw.get("tenant_id", ""), request.session_id, seq)
+        with self.stops.running(key) as stop:
+            while (request.max_tokens == 0 or made < request.max_tokens) and not stop.is_set():
+                if self.drain.is_set():
+                    raise VerifierUnavailableError("verifier is shutting down")
+                verdict = await self._step(request.session_id, seq, committed_length)
+                yield verdict_to_proto(verdict, seq)  # a stop during the step: it is streamed, then the end
+                made += len(verdict.committed_token_ids)
+                seq, committed_length = seq + 1, verdict.committed_length
+                if verdict.finished:
+                    return
 
     async def _step(self, session_id: str, seq: int, committed_length: int) -> Verdict:
         """One γ = 0 verify step; waits out the tenant's rate limit (up to MAX_RATE_WAIT_S in all)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from cloud_verifier import metrics
 from cloud_verifier.auth import current_tenant
-from cloud_verifier.decode_stream import DecodeStream, load_hint
+from cloud_verifier.decode_stream import DecodeStops, DecodeStream, load_hint
 from cloud_verifier.verify_stream import VerifyStream
 from common.errors import VerifierUnavailableError
 from common.wire import (
@@ -64,6 +64,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.verifier = verifier
         self._drain = asyncio.Event()
         self._background: set[asyncio.Task] = set()  # block tasks that outlive an aborted stream
+        self._decode_stops = DecodeStops()  # the Decode calls running here, for StopDecode
 
     def begin_drain(self) -> None:
         """Shutting down: open streams finish their in-flight blocks, then end with UNAVAILABLE."""
@@ -133,8 +134,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """Cloud decode: γ = 0 verify steps of one session, a verdict per token (cloud_verifier.decode_stream)."""
         self._check_serving()
         metrics.DECODE_STREAMS.inc()
-        stream = DecodeStream(self.verifier, self._drain, _tenant_kw())
+        stream = DecodeStream(self.verifier, self._drain, _tenant_kw(), self._decode_stops)
         async with contextlib.aclosing(stream.verdicts(request)) as verdicts:
             async for verdict in verdicts:
                 metrics.DECODE_TOKENS.inc()  # a γ = 0 step commits its one token
                 yield verdict
+
+    async def StopDecode(self, request: pb.StopDecodeRequest, context) -> pb.StopDecodeResponse:
+        """End a running Decode call after its step in progress (cloud_verifier.decode_stream); never an error."""
+        key = (_tenant_kw().get("tenant_id", ""), request.session_id, int(request.seq))
+        return pb.StopDecodeResponse(stopped=self._decode_stops.stop(key))

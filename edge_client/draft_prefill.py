@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["DraftPrefill", "can_prefill"]
 
@@ -29,21 +29,25 @@ def can_prefill(drafter) -> bool:
 
 class DraftPrefill:
     """Prefill ``drafter`` with ``committed`` (the generation's committed ids: read, never written) in a
-    daemon thread, started at once.
+    daemon thread, started at once or by :meth:`start`.
 
     Args:
         drafter: a drafter with ``prefill_step`` (:func:`can_prefill`).
         committed: the list the generation appends committed tokens to.
         whole_chunks: feed only whole chunks (a seeded sampled generation: the KV must not depend on when the
             thread ran; the rest is fed by the first block, as from scratch).
+        start: start the thread now; False: at :meth:`start` (cloud-first starts it once the Decode request is
+            on its way, so the draft's first forward pass does not delay the request on the device's CPU).
 
     Attributes:
         ready_s: seconds from the start until the thread was caught up (None until then, or when stopped first).
         num_fed, fed_s: tokens fed and the seconds spent feeding them (the draft's prefill cost on this device).
         error: what the thread raised, if anything (re-raised by :meth:`stop`).
+        on_ready: called in the thread, once, the moment it is caught up (set it before :meth:`start`): the
+            hand-over need not wait for the next cloud token; what it raises is the thread's ``error``.
     """
 
-    def __init__(self, drafter, committed: Sequence[int], whole_chunks: bool = False):
+    def __init__(self, drafter, committed: Sequence[int], whole_chunks: bool = False, start: bool = True):
         self._drafter, self._committed, self._whole = drafter, committed, bool(whole_chunks)
         self._stopping = threading.Event()
         self.t0 = time.perf_counter()
@@ -51,8 +55,17 @@ class DraftPrefill:
         self.num_fed, self.fed_s = 0, 0.0
         self._seen = 0  # tokens of ``committed`` whose KV the draft holds (published after each chunk)
         self.error: BaseException | None = None
+        self.on_ready: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="draft-prefill", daemon=True)
-        self._thread.start()
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the thread (once; later calls do nothing; ``ready_s`` still counts from the construction)."""
+        if not self._started and not self._stopping.is_set():
+            self._started = True
+            self._thread.start()
 
     @property
     def ready(self) -> bool:
@@ -62,7 +75,8 @@ class DraftPrefill:
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until the thread has ended (caught up, stopped or failed), at most ``timeout_s`` (None: no limit);
         True when ready."""
-        self._thread.join(timeout_s)
+        if self._started:
+            self._thread.join(timeout_s)
         return self.ready
 
     def num_unseen(self) -> int:
@@ -87,6 +101,8 @@ class DraftPrefill:
                 if n == 0:
                     self._seen = len(ids) - 1
                     self.ready_s = time.perf_counter() - self.t0
+                    if self.on_ready is not None:
+                        self.on_ready()
                     return
                 self.num_fed, self.fed_s = self.num_fed + n, self.fed_s + time.perf_counter() - t0
                 self._seen = len(ids) - 1 - self._drafter.uncached(ids)
@@ -99,7 +115,8 @@ class DraftPrefill:
         Raises:
             whatever the prefill raised (e.g. the draft's context is too short for the prompt: ValueError)."""
         self._stopping.set()
-        self._thread.join()
+        if self._started:
+            self._thread.join()
         if self.error is not None:
             error, self.error = self.error, None
             raise error

@@ -121,6 +121,7 @@ class GrpcBackend(VerifierBackend):
         self._metadata = ((AFFINITY_HEADER, self.client_id), *self.security.call_metadata())
         self.call_timeout_s = call_timeout_s
         self.open_timeout_s = open_timeout_s
+        self.can_stop_decode = True  # False once the verifier answered StopDecode UNIMPLEMENTED (an older one)
         self._channel = self.security.channel(address, channel_options or CHANNEL_OPTIONS)
         try:
             self._wait_ready(address, connect_timeout_s)
@@ -314,6 +315,27 @@ class GrpcBackend(VerifierBackend):
                                    max_tokens=int(max_tokens))
         self.count_sent(session_id, request.ByteSize())
         return self._stub.Decode(request, metadata=self._metadata)
+
+    def stop_decode(self, session_id: str, seq: int) -> None:
+        """Ask the verifier to end the Decode call of ``session_id`` whose first step was ``seq`` after its step
+        in progress (specdec.v1 StopDecode); returns at once (the call's stream ends on its own, its last
+        verdicts still come). Best effort: a failure or an older verifier (UNIMPLEMENTED: remembered in
+        ``can_stop_decode``) leaves the call to end at its max_tokens."""
+        if self._closed or not self.can_stop_decode:
+            return
+        request = pb.StopDecodeRequest(session_id=session_id, seq=int(seq))
+        self.count_sent(session_id, request.ByteSize())
+
+        def done(call_future) -> None:
+            try:
+                call_future.result()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self.can_stop_decode = False
+            except Exception:  # noqa: BLE001 - cancelled with the channel: nothing to stop any more
+                pass
+
+        self._stub.StopDecode.future(request, timeout=10.0, metadata=self._metadata).add_done_callback(done)
 
     def get_session(self, session_id: str, timeout_s: float = 10.0) -> pb.SessionInfo:
         """The verifier's view of a session (committed tokens, finish state), as the wire message."""

@@ -6,8 +6,9 @@
 - ``device``: the draft alone, unverified (as the device fallback: :class:`edge_client.fallback.DeviceDecoder`);
   every chunk is flagged ``verified=False`` and counted in ``num_unverified_tokens``. No verifier is called.
 - ``cloud-first``: cloud decode streams the first tokens while the draft prefills the context in a thread of its
-  own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); at the
-  first chunk boundary after the draft is ready the session goes on speculatively — unless few tokens are left.
+  own (:mod:`edge_client.draft_prefill`: the prompt, then what the cloud commits meanwhile, chunked); the moment
+  the draft is ready the Decode call is stopped at a token boundary (StopDecode: the tokens committed until it
+  lands still stream in) and the session goes on speculatively — unless few tokens are left.
   Time to first token is the cloud's, throughput speculation's.
 - ``auto``: speculative or cloud, whichever the cost model (:mod:`edge_client.route_cost`) expects to finish the
   tokens left sooner, start-up included (the draft's catch-up over the context it has not seen and a first block
@@ -28,13 +29,14 @@ The choice and each switch are reported in :attr:`GenerationResult.route <edge_c
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from common.errors import InvalidRequestError
 from common.types import DraftBlock, SamplingParams, SessionOpened, Verdict
-from edge_client.cloud_decode import cloud_verdicts
+from edge_client.cloud_decode import can_stop, cloud_verdicts
 from edge_client.context import GenerationContext
 from edge_client.draft_prefill import DraftPrefill, can_prefill
 from edge_client.fallback import DeviceDecoder, decode_unverified
@@ -92,6 +94,10 @@ class RouteRun:
     estimates: RouteEstimates | None = None  # the client's (reported under auto)
     last_verdict_t: float | None = None  # perf_counter() at the segment's last speculative verdict
     prefill: DraftPrefill | None = None  # cloud-first: the draft's prefill while the cloud streams
+    can_stop: bool = False  # a Decode stream can be ended at a token boundary (StopDecode, or per-token calls)
+    hand_over: dict | None = None  # a hand-over asked mid-chunk (why, when), applied when the stream has ended
+    # asked by the loop at a cloud token and by the prefill thread the moment it is ready: one decision at a time
+    hand_over_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
     t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
@@ -105,9 +111,11 @@ class RouteRun:
             out["estimates"] = self.estimates.to_json()
         return out
 
-    def switch(self, to: str, at_tokens: int, why: str) -> None:
+    def switch(self, to: str, at_tokens: int, why: str, **asked) -> None:
+        """Record a switch now, at ``at_tokens`` generated tokens; ``asked``: when a mid-chunk hand-over was
+        asked (``asked_at_token``, ``asked_s``), before its stream ended."""
         self.switches.append({"at_token": at_tokens, "at_s": round(time.perf_counter() - self.t0, 4),
-                              "from": self.mode, "to": to, "why": why})
+                              "from": self.mode, "to": to, "why": why, **asked})
         self.mode, self.steps_in_mode, self.why = to, 0, why
 
 
@@ -123,6 +131,10 @@ class RouteSwitcher(Protocol):
     def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
         """After a cloud chunk."""
 
+    # optional: ``hand_over(client, run) -> str | None``, asked mid-chunk the moment a cloud-first prefill is
+    # ready (from its thread) and at each later cloud token; a reason ends the Decode stream there (a switcher
+    # without it hands over at chunk ends only)
+
     def cloud_chunk_tokens(self, run: "Run") -> int:
         """Tokens of the next cloud decode chunk (a switch back is considered after it); 0 = the whole rest."""
 
@@ -136,9 +148,15 @@ class CostModelSwitcher:
 
     def cloud_chunk_tokens(self, run: "Run") -> int:
         rr: RouteRun = run.route
-        if rr.prefill is not None and not rr.prefill.ready:  # cloud-first: until the draft is expected ready
-            return _chunk_until_ready(rr)
+        if rr.prefill is not None and not rr.prefill.ready and not rr.can_stop:
+            return _chunk_until_ready(rr)  # cloud-first on a verifier without StopDecode: a chunk until ready
         return rr.cloud_chunk if rr.requested == "auto" else 0
+
+    def hand_over(self, client: GenerationContext, run: "Run") -> str | None:
+        """Mid-chunk, the draft is ready: hand over at this token? The rule of :meth:`to_speculative` (staying
+        on the cloud costs the rest of this chunk with no new call, about what the stop's trip costs
+        speculation, while the cloud goes on making tokens)."""
+        return self.to_speculative(client, run)
 
     def to_cloud(self, client: GenerationContext, run: "Run") -> str | None:
         rr: RouteRun = run.route
@@ -211,6 +229,7 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
+    rr.can_stop = rr.prefill is not None and can_stop(client.backend)
     run.switch_check = lambda *a: after_block(client, run, *a)
     run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
     try:
@@ -253,7 +272,8 @@ def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> N
         rr.mode, rr.why = "speculative", f"the draft has {unseen} tokens to catch up on: no prefill to overlap"
     if prefill:
         rr.mode, rr.why = "cloud", f"cloud-first: the draft prefills {unseen} tokens while the cloud streams"
-        rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free)
+        # started by the Decode call (_cloud_segment), once its request is on its way
+        rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free, start=False)
 
 
 def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
@@ -267,17 +287,24 @@ def stop_prefill(client: GenerationContext, rr: RouteRun) -> None:
     try:
         prefill.stop()
     finally:
-        rr.draft_ready_s = prefill.ready_s
+        # from the generation's start, as the switches' at_s (the prefill's clock starts after the session opened)
+        rr.draft_ready_s = None if prefill.ready_s is None else prefill.t0 - rr.t0 + prefill.ready_s
         client.route_estimates.observe_prefill(prefill.num_fed, prefill.fed_s)
 
 
 def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened) -> Iterator["Chunk"]:
-    """Cloud decode from the committed length: one chunk of the switcher's length, or the whole rest (0)."""
+    """Cloud decode from the committed length: one chunk of the switcher's length, or the whole rest (0); with
+    a cloud-first prefill, ended early (:meth:`edge_client.cloud_decode.CloudStream.stop`) at the token the draft
+    is ready and the switcher hands over (:func:`_ask_hand_over`): the verdicts committed until the stop lands
+    are read to the stream's end."""
     rr: RouteRun = run.route
     max_tokens = rr.switcher.cloud_chunk_tokens(run)
     seq, t0 = run.first_seq, time.perf_counter()
+    prefill, rr.hand_over = rr.prefill, None
     stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
-                            client.timeout_s)
+                            client.timeout_s, on_call=prefill.start if prefill is not None else None)
+    if prefill is not None and not prefill.ready:  # ready while this stream runs: ask at once, from its thread
+        prefill.on_ready = lambda: _ask_hand_over(client, run, stream)
     try:
         for i, verdict in enumerate(stream):
             now = time.perf_counter()
@@ -294,11 +321,34 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
             if reason is not None:
                 run.finish_reason = reason
                 return
+            if not stream.stopping:
+                _ask_hand_over(client, run, stream)
     finally:
+        if prefill is not None:
+            prefill.on_ready = None
         stream.close()  # an edge-side stop (a stop string across sessions) cancels the rest
     rr.steps_in_mode += 1
-    if rr.prefill is None:  # auto's chunks double; cloud-first's follow the prefill
+    if prefill is None:  # auto's chunks double; cloud-first's follow the prefill
         rr.cloud_chunk = min(MAX_CLOUD_CHUNK, rr.cloud_chunk * 2)
+
+
+def _ask_hand_over(client: GenerationContext, run: "Run", stream) -> None:
+    """With a cloud-first prefill that is ready (called at each cloud token, and by the prefill thread the moment
+    it gets ready): when the switcher's ``hand_over`` says go, stop ``stream`` at the verifier's next token
+    boundary and remember why (``rr.hand_over``, applied by :func:`after_chunk` once the stream has ended); when it
+    says stay, it is asked again at the next token, and the chunk's end decides as without a stop."""
+    rr: RouteRun = run.route
+    ask = getattr(rr.switcher, "hand_over", None)
+    with rr.hand_over_lock:
+        prefill = rr.prefill
+        if not rr.can_stop or ask is None or prefill is None or not prefill.ready or rr.hand_over is not None:
+            return
+        why = ask(client, run)
+        if why is None:
+            return
+        rr.hand_over = {"why": why, "asked_at_token": run.num_generated,
+                        "asked_s": round(time.perf_counter() - rr.t0, 4)}
+        stream.stop()
 
 
 def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
@@ -333,6 +383,10 @@ def after_chunk(client: GenerationContext, run: "Run") -> None:
     """Between two cloud chunks: switch (back) to speculative when the route's switcher says so; a cloud-first
     prefill that is ready when the switcher says stay ends there (a later switch back pays the catch-up)."""
     rr: RouteRun = run.route
+    asked, rr.hand_over = rr.hand_over, None
+    if asked is not None:  # asked mid-chunk: the stream ended at the stop
+        rr.switch("speculative", run.num_generated, asked.pop("why"), **asked)
+        return
     why = rr.switcher.to_speculative(client, run)
     if why is not None:
         rr.switch("speculative", run.num_generated, why)

@@ -10,6 +10,13 @@ identical across routes. auto chooses from the warm-up's and its own measurement
 from an empty draft KV cache (:func:`_generate`), so each speculative start pays the draft's prefill of its prompt,
 whichever route ran before it.
 
+Device and cloud on one machine: in a deployment the draft and the verifier run on different machines, here they
+share this one's cores, and a draft prefilling concurrently (cloud-first) or drafting ahead (proactive) would take
+CPU from the verifier's step. So by default (``split_cores``) they get half the cores each, as thread counts: the
+draft's ONNX Runtime ``cores // 2`` intra-op threads, the verifier's torch the rest (:func:`split_threads`; one
+each on 2 cores), for every route alike; the report says which (``threads``). ``split_cores=False``: both at
+their libraries' defaults (every core each), as before.
+
 Draft slowdown k (``--draft-slowdown 1,3``): each draft call is made to last k × its measured time (a sleep
 after it), standing for a device slower than this CPU (:class:`SlowDrafter`).
 
@@ -23,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SlowDrafter", "parse_ms_list", "run_wan_bench"]
+__all__ = ["SlowDrafter", "parse_ms_list", "run_wan_bench", "split_threads"]
 
 WAN_ROUTES = ("speculative", "cloud", "auto")  # the default; --route may add cloud-first
 _ALLOWED_ROUTES = (*WAN_ROUTES, "cloud-first")
@@ -38,6 +45,19 @@ def parse_ms_list(spec: str, what: str = "--wan") -> list[float]:
     if not values or any(v < 0 for v in values):
         raise ValueError(f"{what} needs numbers >= 0, got {spec!r}")
     return values
+
+
+def split_threads(split_cores: bool) -> dict[str, int | None]:
+    """Intra-op threads of the draft (ONNX Runtime) and of the target (torch) in one process: half the cores
+    this process may use each (the draft ``cores // 2``, at least 1; the target the rest, at least 1), or None
+    each (the libraries' defaults) when not ``split_cores``."""
+    if not split_cores:
+        return {"draft": None, "target": None}
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    draft = max(1, cores // 2)
+    return {"draft": draft, "target": max(1, cores - draft)}
 
 
 class SlowDrafter:
@@ -148,6 +168,10 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
         if r in ("auto", "cloud-first"):  # when its first switch came (a cloud-first start: the hand-over)
             point[r]["first_switch_s"] = [round(t, 4) for t in switch_s]
             point[r]["draft_ready_s"] = [x["route"].get("draft_ready_s") for x in runs[r]]
+            # the hand-over's lag behind the draft's readiness (both from the generation's start)
+            point[r]["handover_lag_s"] = [round(x["route"]["switches"][0]["at_s"] - x["route"]["draft_ready_s"], 4)
+                                          for x in runs[r] if x["route"].get("switches")
+                                          and x["route"].get("draft_ready_s") is not None]
     if "auto" in runs:
         point["auto"]["routes"] = [{k: x["route"].get(k) for k in ("initial", "final", "why", "switches", "tokens",
                                                                    "draft_ready_s", "estimates")}
@@ -178,7 +202,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
                   draft_slowdowns: tuple[float, ...] = (1.0,), max_new_tokens: int = 64,
                   num_speculative_tokens: int = 4, jitter_ms: float = 0.0, bandwidth_kbps: float = 0.0,
                   target: Path | None = None, draft: Path | None = None, device: str = "auto", dtype: str = "auto",
-                  seed: int = 0, plot: Path | None = None, repeats: int = 1) -> dict:
+                  seed: int = 0, plot: Path | None = None, repeats: int = 1, split_cores: bool = True) -> dict:
     """The grid one-way latency × draft slowdown → client tokens/s per route (greedy), as one JSON-able dict.
 
     Args:
@@ -186,6 +210,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
         one_way_ms: one-way latency of each direction, ms (RTT = 2 ×).
         routes: subset of speculative, cloud, auto, cloud-first (the CLI's ``--route``).
         repeats: every prompt on every route this many times per point (``--wan-repeats``).
+        split_cores: the draft and the verifier get half the cores each (:func:`split_threads`; module docstring).
 
     Raises:
         ValueError: an unknown route, a slowdown < 1, a bad link profile, repeats < 1.
@@ -204,9 +229,11 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     if bad:
         raise ValueError(f"--route for --wan: {', '.join(_ALLOWED_ROUTES)}, got {', '.join(bad)}")
     target_dir, draft_dir = resolve_dirs(target, draft)
-    draft_model = OnnxDraftModel(draft_dir)
+    threads = split_threads(split_cores)
+    draft_model = OnnxDraftModel(draft_dir, intra_op_num_threads=threads["draft"])
     ids = [encode_prompt(draft_model.tokenizer, p.prompt) for p in prompts]
-    verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype), max_batch_wait_ms=1.0)
+    verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype, num_threads=threads["target"]),
+                        max_batch_wait_ms=1.0)
     points = []
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
         _warm_process(address, draft_model, ids[0])
@@ -217,7 +244,7 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
                                      jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, seed=seed,
                                      repeats=repeats))
     report = {"mode": "wan", "routes": list(routes), "num_prompts": len(ids), "repeats": repeats,
-              "max_new_tokens": max_new_tokens,
+              "max_new_tokens": max_new_tokens, "threads": threads,
               "num_speculative_tokens": num_speculative_tokens, "jitter_ms": jitter_ms,
               "bandwidth_kbps": bandwidth_kbps, "points": points,
               "min_auto_vs_best": min((p["auto_vs_best"] for p in points if "auto_vs_best" in p), default=None),
@@ -266,7 +293,8 @@ def _plot(report: dict, path: Path) -> None:
 def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_slowdown: str, repeats: int,
                      limit: int | None,
                      max_new_tokens: int, num_speculative_tokens: int, jitter_ms: float, bandwidth_kbps: float,
-                     target: Path | None, draft: Path | None, device: str, dtype: str, plot: Path | None) -> dict:
+                     target: Path | None, draft: Path | None, device: str, dtype: str, plot: Path | None,
+                     split_cores: bool = True) -> dict:
     """`specdec bench --wan`: parse the CLI's lists (``route``: comma-separated routes, None = all three) and run
     :func:`run_wan_bench` on the first ``limit`` prompts (default 2). Raises ValueError with a one-line message."""
     from .prompts import load_prompts
@@ -277,4 +305,4 @@ def run_wan_from_cli(prompts_path: Path, wan: str, route: str | None, *, draft_s
                          draft_slowdowns=slowdowns, max_new_tokens=max_new_tokens,
                          num_speculative_tokens=num_speculative_tokens, jitter_ms=jitter_ms,
                          bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device, dtype=dtype,
-                         plot=plot, repeats=repeats)
+                         plot=plot, repeats=repeats, split_cores=split_cores)

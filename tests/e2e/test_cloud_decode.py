@@ -1,7 +1,9 @@
 """Cloud decode (specdec.v1 Decode) end to end over real gRPC on 127.0.0.1: the verifier generates a session's
 tokens itself, as γ = 0 verify steps through the batcher. Greedy output equals target-only (HF generate); a
 seeded sampled one equals target-only decoding by empty blocks with the same seed; a cancelled stream leaves
-only whole steps committed, and the session goes on from the store's committed length."""
+only whole steps committed, and the session goes on from the store's committed length; a stopped one
+(StopDecode) ends at a token boundary with every committed token streamed, and a stop naming another call of the
+session changes nothing."""
 
 from __future__ import annotations
 
@@ -90,6 +92,44 @@ def test_cancelled_stream_commits_whole_steps_and_the_session_goes_on(tiny_pair,
         rest = list(cloud_verdicts(backend, opened.session_id, len(committed) - len(ids) + 1, len(committed)))
     assert got == expected[:5]
     assert committed[len(ids):] + [t for v in rest for t in v.committed_token_ids] == expected
+
+
+def _stop_decode(address, session_id, seq) -> bool:
+    import grpc
+
+    from common.v1 import verifier_pb2 as pb
+    from common.v1 import verifier_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.VerifierStub(channel).StopDecode(pb.StopDecodeRequest(session_id=session_id, seq=seq),
+                                                        timeout=10).stopped
+
+
+@pytest.mark.parametrize("failover", [False, True])
+def test_a_stopped_stream_ends_at_a_token_boundary_with_every_committed_token_streamed(tiny_pair, served, failover):
+    from edge_client.failover import FailoverBackend
+
+    address, verifier, tok = served
+    ids = encode_prompt(tok, "What is 2 + 2?")
+    expected = hf_greedy(tiny_pair.target_dir, ids, 40)
+    with (FailoverBackend([address]) if failover else GrpcBackend(address)) as backend:
+        opened = _open(backend, ids, 40)
+        stream = cloud_verdicts(backend, opened.session_id, 1, len(ids))  # no max_tokens: only the stop ends it
+        got = [t for _, v in zip(range(5), stream) for t in v.committed_token_ids]
+        stream.stop()
+        got += [t for v in stream for t in v.committed_token_ids]  # what was committed until the stop landed
+        deadline = time.monotonic() + 10
+        while verifier.sessions.held(opened.session_id).busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        info = backend.get_session(opened.session_id)
+        assert 5 <= len(got) < 40 and not info.finished, len(got)  # ended early by the stop
+        assert list(info.committed_token_ids) == ids + got  # nothing committed without its verdict reaching us
+        assert not _stop_decode(address, opened.session_id, 1)  # that call has ended: nothing to stop
+        second = cloud_verdicts(backend, opened.session_id, len(got) + 1, len(ids) + len(got))
+        first = next(second).committed_token_ids
+        assert not _stop_decode(address, opened.session_id, 1)  # a late stop of the first call: not this one
+        rest = first + [t for v in second for t in v.committed_token_ids]
+    assert got + rest == expected  # the second call ran to the session's end
 
 
 def test_decode_refuses_a_wrong_committed_length(served):

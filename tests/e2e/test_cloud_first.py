@@ -3,7 +3,10 @@ first tokens while the draft prefills in its own thread, then the session goes o
 token-identical to target-only (HF generate), one session, tokens from both modes; a seeded sampled generation
 with a forced hand-over point (an injected RouteSwitcher) gives the same tokens on every run whatever the draft's
 speed (a fast draft, one slowed 4x: its prefill ends at another time), and another hand-over point another
-reproducible sequence."""
+reproducible sequence. The hand-over comes mid-stream, at the token the draft is ready (StopDecode ends the
+Decode call at a token boundary; the tokens committed until the stop lands are read to the stream's end): a
+seeded sampled generation handed over that way gives exactly the tokens of one handed over at a chunk end at the
+same token."""
 
 from __future__ import annotations
 
@@ -54,6 +57,26 @@ class HandOverAfter:
         return None
 
 
+class HandOverWhenReady:
+    """A RouteSwitcher whose cloud-first Decode call asks for every token (no chunk end), and that hands over
+    mid-stream at the first cloud token after the draft is ready, once at least ``k`` tokens were generated."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def cloud_chunk_tokens(self, run):
+        return 0
+
+    def hand_over(self, client, run):
+        return "ready" if run.num_generated >= self.k else None
+
+    def to_speculative(self, client, run):
+        return None
+
+    def to_cloud(self, client, run):
+        return None
+
+
 def _client(backend, drafter, tokenizer, **kw):
     return EdgeClient(backend, drafter, tokenizer, num_speculative_tokens=3, **kw)
 
@@ -81,6 +104,9 @@ def test_cloud_first_and_auto_are_target_only(tiny_pair, served, draft):
         assert route["final"] == "speculative", (name, route)
         assert route["tokens"]["speculative"] > 0 < route["tokens"]["cloud"], (name, route)
         assert route["switches"][0]["to"] == "speculative" and route["switches"][0]["at_s"] > 0, (name, route)
+    for name in ("cloud-first", "auto"):  # asked mid-stream (cloud-first's call asks for every token: a stop)
+        switch = results[name].route["switches"][0]
+        assert switch["asked_at_token"] <= switch["at_token"] < 48 and switch["asked_s"] <= switch["at_s"], switch
     assert results["forced"].route["switches"][0]["at_token"] == 7
 
 
@@ -99,3 +125,56 @@ def test_seeded_sampled_hand_over_is_reproducible_whatever_the_draft_speed(serve
     for k, outs in runs.items():
         assert all(out == outs[0] for out in outs), k  # the same hand-over point: the same tokens
     assert runs[2][0][:2] == runs[20][0][:2]  # the cloud's first tokens are the same draws
+
+
+def test_seeded_sampled_mid_stream_hand_over_equals_a_chunk_end_one_at_the_same_token(served, draft):
+    """The stop hands over at a token the timing decides (k + the tokens in flight); whatever it is, the output
+    equals that of a hand-over at a chunk end at the same token: no token lost, repeated, or drawn otherwise."""
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    kw = dict(max_new_tokens=40, temperature=1.0, top_k=20, ignore_eos=True, seed=5)
+    with GrpcBackend(served) as backend:
+        outs = []
+        for k in (3, 12):
+            stopped = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="cloud-first",
+                              route_switcher=HandOverWhenReady(k)).generate(ids, **kw)
+            (switch,) = stopped.route["switches"]
+            at = switch["at_token"]
+            assert k <= switch["asked_at_token"] <= at < 40 and stopped.route["tokens"]["cloud"] == at, switch
+            chunked = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="cloud-first",
+                              route_switcher=HandOverAfter(at)).generate(ids, **kw)
+            assert chunked.route["switches"][0]["at_token"] == at
+            assert stopped.token_ids == chunked.token_ids, (k, at)
+            outs.append((at, stopped.token_ids))
+    if outs[0][0] != outs[1][0]:  # other switch points: other tokens of the same distribution (not required)
+        print("hand-over at", outs[0][0], "and", outs[1][0], "identical:", outs[0][1] == outs[1][1])
+
+
+def test_an_older_verifier_without_stop_decode_hands_over_at_a_chunk_end(tiny_pair, served, draft):
+    """A verifier without StopDecode answers UNIMPLEMENTED (a bare gRPC server stands for it): the backend
+    remembers it, and cloud-first then sizes its chunks to the draft's readiness and hands over at a chunk end,
+    still token-identical to target-only."""
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    bare = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = bare.add_insecure_port("127.0.0.1:0")
+    bare.start()
+    try:
+        with GrpcBackend(f"127.0.0.1:{port}") as old:
+            old.stop_decode("no-such-session", 1)
+            deadline = time.monotonic() + 10
+            while old.can_stop_decode and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not old.can_stop_decode
+    finally:
+        bare.stop(0)
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    with GrpcBackend(served) as backend:
+        backend.can_stop_decode = False  # as after that answer
+        client = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="cloud-first")
+        result = client.generate(ids, max_new_tokens=48, ignore_eos=True)
+    (switch,) = result.route["switches"]
+    assert "asked_at_token" not in switch and result.route["final"] == "speculative", result.route
+    assert result.token_ids == hf_greedy(tiny_pair.target_dir, ids, 48)

@@ -62,3 +62,26 @@ def test_no_prefill_past_the_context_and_who_can_prefill(models):
     prefill.wait_ready(120)
     prefill.stop()  # no error: it stops at the context, where drafting stops too (room() is 0)
     assert model.num_cached == context and drafter.room(len(ids)) == 0
+
+
+def test_a_deferred_start_and_the_ready_callback(models):
+    """``start=False`` feeds nothing until :meth:`DraftPrefill.start` (and stopping it unstarted is fine);
+    ``on_ready`` runs once, in the prefill's thread, when it is caught up — before the thread ends."""
+    import threading
+
+    model, _ = models
+    drafter = ModelDrafter(model)
+    drafter.reset()
+    ids = _ids(70, seed=3)
+    unstarted = DraftPrefill(drafter, ids, start=False)
+    unstarted.stop()
+    assert drafter.uncached(ids) == 69 and not unstarted.ready  # nothing fed
+    prefill = DraftPrefill(drafter, ids, start=False)
+    calls = []
+    prefill.on_ready = lambda: calls.append((threading.current_thread().name, prefill.ready))
+    assert not prefill.wait_ready(0.2) and drafter.uncached(ids) == 69  # not started yet
+    prefill.start()
+    prefill.start()  # once only
+    assert prefill.wait_ready(60)
+    prefill.stop()
+    assert calls == [("draft-prefill", True)] and drafter.uncached(ids) == 0
