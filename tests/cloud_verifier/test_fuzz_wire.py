@@ -38,7 +38,6 @@ from _reference import hf_greedy
 from cloud_verifier.auth import ApiKeyStore, append_api_key
 from cloud_verifier.security import ServerSecurity
 from cloud_verifier.store import MemorySessionStore
-from common.types import SamplingParams, StoppingCriteria
 from specdec.embedded import EmbeddedServer
 from common.v1 import verifier_pb2 as pb
 from common.v1 import verifier_pb2_grpc as pb_grpc

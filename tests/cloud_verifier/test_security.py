@@ -33,7 +33,6 @@ from cloud_verifier.store import MemorySessionStore
 from common.errors import CapacityError, RateLimitedError, UnauthenticatedError, VerifierUnavailableError
 from common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
 from common.wire import MAX_MESSAGE_BYTES, block_to_proto, open_request_to_proto
-from edge_client.credentials import ChannelSecurity
 from edge_client.grpc_backend import CHANNEL_OPTIONS, GrpcBackend
 from specdec.embedded import EmbeddedServer
 from common.v1 import verifier_pb2 as pb

@@ -7,8 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
@@ -224,7 +222,6 @@ def test_cli_mismatched_vocabularies(tiny_pair, tmp_path):
 @pytest.mark.real_model
 def test_real_pair_greedy_identical_to_target_only(real_pair):
     """SmolLM2-135M target (fp32) with its ONNX int8 draft: token-identical to HF greedy decoding."""
-    from pathlib import Path
 
     runner = TargetRunner(real_pair.target_dir)
     backend = LocalBackend(Verifier(runner))
