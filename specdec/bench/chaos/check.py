@@ -1,8 +1,10 @@
 """Every finished output of a chaos run against its reference, computed after the run on a fault-free verifier
 in this process (:class:`specdec.embedded.LocalBackend`: no network, no store, no other session).
 
-- greedy kinds (greedy, json_schema, penalties, logprobs, multiturn, cloud): target-only decoding (no drafter:
-  one target token per step) with the same options; the token ids must be identical, turn by turn;
+- greedy kinds (greedy, json_schema, penalties, logprobs, multiturn, cloud, openai): target-only decoding (no
+  drafter: one target token per step) with the same options; the token ids must be identical, turn by turn (an
+  ``openai`` request answers text: its text must be the reference's, decoded from the reference's ids, and its
+  completion tokens as many);
 - sampled: the same request, the same draft and γ, on the fault-free verifier (what a seed guarantees:
   docs/architecture.md, "What a seed guarantees");
 - logprobs: each token's logprob within :data:`LOGPROB_TOLERANCE` of the reference's.
@@ -61,10 +63,29 @@ class References:
         self._backend.close()
 
 
+def _text_verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
+    """An ``openai`` outcome (text and a token count, no ids) against its reference."""
+    want, n_want = reference.text or "", len(reference.turns[0])
+    got, n_got = outcome.text or "", outcome.completion_tokens
+    if got == want and n_got == n_want:
+        # edge-serve names LENGTH and CONTEXT "length", EOS and a stop string "stop" (docs/openai.md)
+        wanted = ["length" if r in ("length", "context") else "stop" for r in reference.finish_reasons]
+        if outcome.finish_reasons != wanted:
+            return "mismatch", f"finish reasons {outcome.finish_reasons} vs {wanted}"
+        return "ok", ""
+    if n_got < n_want and want.startswith(got):
+        return "truncated", f"{n_got} of {n_want} tokens"
+    first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return "mismatch", f"{n_got} vs {n_want} tokens; text from character {first}: {got[first:first + 24]!r} vs " \
+                       f"{want[first:first + 24]!r}"
+
+
 def verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
-    """("ok" | "lost" | "truncated" | "mismatch", what differs)."""
+    """("ok" | "lost" | "truncated" | "mismatch" | "logprobs_missing", what differs)."""
     if outcome.error:
         return "lost", f"{outcome.error}: {outcome.error_message}"
+    if outcome.request.kind == "openai":
+        return _text_verdict(outcome, reference)
     if len(outcome.turns) != len(reference.turns):
         return "truncated", f"{len(outcome.turns)} of {len(reference.turns)} turns"
     for i, (got, want) in enumerate(zip(outcome.turns, reference.turns)):

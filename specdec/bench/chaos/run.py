@@ -68,20 +68,27 @@ class Monitor:
             m = r.metrics()
             if "specdec_kv_preemptions_total" in m:
                 self.preemptions[pid] = m["specdec_kv_preemptions_total"]
+        edge = self.stack.edge_serve
+        if edge is not None and edge.alive():
+            value = rss_bytes(edge.proc.pid)
+            if value is not None:
+                self.rss.setdefault(edge.proc.pid, []).append((time.monotonic(), value))
+                self.names[edge.proc.pid] = "edge-serve"
 
     def stop(self) -> None:
         self._stop.set()
 
     def growth(self) -> dict:
         """RSS growth per process (last sample - first sample after :data:`RSS_SETTLE_S`), bytes: each replica
-        process (``verifier_id#start``) and this one (``bench``: the sessions' side)."""
+        process (``verifier_id#start``), the edge-serve process (``edge_serve``: None without one) and this one
+        (``bench``: the sessions' side)."""
         out = {}
         for pid, samples in self.rss.items():
             settled = [v for t, v in samples if t >= samples[0][0] + RSS_SETTLE_S]
             if len(settled) >= 2:
                 out[self.names[pid]] = settled[-1] - settled[0]
-        bench = out.pop("bench", None)
-        return {"replicas": out, "max_replica": max(out.values(), default=0), "bench": bench}
+        bench, edge = out.pop("bench", None), out.pop("edge-serve", None)
+        return {"replicas": out, "max_replica": max(out.values(), default=0), "edge_serve": edge, "bench": bench}
 
 
 def _kv_pages_used(stack: Stack) -> int | None:
@@ -131,14 +138,16 @@ def run_chaos(*, store: str = "sentinel", sessions: int = 8, duration_s: float =
         raise ValueError(f"unknown request kinds {bad}: expected some of {', '.join(REQUEST_KINDS)}")
     target_dir, draft_dir = resolve_dirs(target, draft)
     wall0 = time.monotonic()
-    stack = Stack(StackConfig(store, target_dir, replicas, kv_cache_budget_tokens, seed=seed))
+    stack = Stack(StackConfig(store, target_dir, replicas, kv_cache_budget_tokens, seed=seed,
+                              edge_serve_draft_dir=draft_dir if "openai" in kinds else None))
     try:
         stack.start()
         progress, outcomes = Progress(time.monotonic()), []
         threads = [threading.Thread(target=session_worker, name=f"chaos-session-{i}", daemon=True,
                                     args=(i, stack.addresses, draft_dir),
                                     kwargs={"seed": seed, "end_s": duration_s, "progress": progress,
-                                            "outcomes": outcomes, "kinds": tuple(kinds)})
+                                            "outcomes": outcomes, "kinds": tuple(kinds),
+                                            "edge_serve_url": stack.edge_serve.url if stack.edge_serve else None})
                    for i in range(sessions)]
         for t in threads:
             t.start()
