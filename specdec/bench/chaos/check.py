@@ -11,8 +11,8 @@ in this process (:class:`specdec.embedded.LocalBackend`: no network, no store, n
 
 An outcome with an error is *lost*; a finished one shorter than its reference (a prefix of it) is *truncated*;
 one that differs anywhere else is a *mismatch*; one with the right tokens but fewer logprobs than tokens is
-*logprobs_missing* (blocks settled from the store after a failover carry none; their logprobs cannot be aligned
-with the tokens, so the rest are not compared). References are computed once per distinct request.
+*logprobs_missing* (the logprobs cannot be aligned with the tokens, so the rest are not compared; a block
+settled from the store after a failover has its logprobs: the store commits them with the tokens). References are computed once per distinct request.
 
 Give the sampled kind a draft that is not the target itself: with identical weights (the tiny test pair's
 ``draft_dir``) p ≈ q everywhere, the residual max(0, p - q) a recovered token is drawn from is rounding noise, and
@@ -99,8 +99,6 @@ def verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
         return "mismatch", f"finish reasons {outcome.finish_reasons} vs {reference.finish_reasons}"
     if reference.logprobs is not None:
         if outcome.logprobs is None or len(outcome.logprobs) != len(reference.logprobs):
-            # a block whose verdict was rebuilt from the store (edge_client.failover.verdict_from_store: the
-            # replica committed it, its answer was lost) has no logprobs: the store keeps token ids only
             got = 0 if outcome.logprobs is None else len(outcome.logprobs)
             return "logprobs_missing", f"{got} of {len(reference.logprobs)} logprobs"
         worst = max((abs(a - b) for a, b in zip(outcome.logprobs, reference.logprobs)), default=0.0)
