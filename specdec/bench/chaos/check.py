@@ -108,11 +108,14 @@ def verdict(outcome: Outcome, reference: Outcome) -> tuple[str, str]:
 
 
 def check_outcomes(outcomes: list[Outcome], references: References) -> list[dict]:
-    """One row per outcome that is not ok: session, number, kind, prompt, verdict, what differs."""
+    """One row per outcome that is not ok: session, number, kind, prompt, verdict, what differs, its failovers,
+    re-opened sessions and retried errors, and when it ran (s since the run's start)."""
     bad = []
     for o in outcomes:
         status, detail = ("lost", f"{o.error}: {o.error_message}") if o.error else verdict(o, references.of(o.request))
         if status != "ok":
             bad.append({"session": o.session, "number": o.number, "kind": o.request.kind, "prompt": o.request.prompt,
-                        "verdict": status, "detail": detail, "num_failovers": o.num_failovers})
+                        "verdict": status, "detail": detail, "num_failovers": o.num_failovers,
+                        "num_reopened_sessions": o.num_reopened_sessions, "retried_errors": list(o.retried_errors),
+                        "t_start": round(o.t_start, 3), "t_end": round(o.t_end, 3)})
     return bad

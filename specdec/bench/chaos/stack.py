@@ -60,6 +60,7 @@ class ServeReplica:
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     starts: int = 0
+    serving_since: float | None = None  # monotonic time this start turned SERVING (None: not yet)
 
     @property
     def address(self) -> str:
@@ -72,12 +73,14 @@ class ServeReplica:
                  "--metrics-port", str(self.metrics_port)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(_REPO_ROOT))
         self.starts += 1
+        self.serving_since = None
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Raises RuntimeError when the process exits or is not SERVING within ``timeout_s`` (log attached)."""
         if not wait_until(lambda: not self.alive() or health_status(self.address, 0.5) == "SERVING", timeout_s,
                           step_s=0.2) or not self.alive():
             raise RuntimeError(f"replica {self.verifier_id} did not become SERVING:\n{self.log()}")
+        self.serving_since = time.monotonic()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
