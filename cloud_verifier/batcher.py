@@ -421,7 +421,7 @@ class Batcher:
         try:
             self.store.append_committed(
                 record.session_id, committed_length, committed, work.seq, verdict.finished, reason, time.time(),
-                verifier_id=self.sessions.info.verifier_id,
+                verifier_id=self.sessions.info.verifier_id, logprobs=verdict.logprobs,
             )
         except (InvalidRequestError, SessionNotFoundError, PreconditionError):
             # the store moved on without us (another replica committed, or the session expired/finished):

@@ -23,6 +23,7 @@ from common.wire import (
     block_from_proto,
     extend_request_from_proto,
     finish_reason_to_proto,
+    logprobs_to_proto,
     open_request_from_proto,
     session_opened_to_proto,
     verdict_to_proto,
@@ -46,6 +47,7 @@ def session_info_to_proto(record: "SessionRecord") -> pb.SessionInfo:
         committed_token_ids=[int(t) for t in record.committed_token_ids],
         finished=record.finished,
         finish_reason=finish_reason_to_proto(record.finish_reason if record.finished else None),
+        output_logprobs=logprobs_to_proto(record.output_logprobs),
     )
 
 

@@ -328,8 +328,7 @@ def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
         queue_ms=float(verdict.queue_ms),
         forward_ms=float(verdict.forward_ms),
         batch_size=int(verdict.batch_size),
-        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
-                                   top_logprobs=list(lp.top_logprobs)) for lp in verdict.logprobs or ()],
+        logprobs=logprobs_to_proto(verdict.logprobs),
         num_verified_positions=verdict.num_verified_positions,  # None: unset (the whole block)
     )
 
@@ -372,8 +371,28 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
         forward_ms=float(msg.forward_ms),
         batch_size=int(msg.batch_size),
         seq=int(msg.seq),
-        logprobs=[TokenLogprobs(float(lp.logprob), tuple(int(t) for t in lp.top_token_ids),
-                                tuple(float(x) for x in lp.top_logprobs)) for lp in msg.logprobs][:grown]
-        if msg.logprobs else None,
+        logprobs=logprobs_from_proto(msg.logprobs)[:grown] if msg.logprobs else None,
         num_verified_positions=verified,
     )
+
+
+def logprobs_to_proto(logprobs) -> list[pb.TokenLogprobs]:
+    """Wire ``TokenLogprobs`` of :class:`~common.types.TokenLogprobs` (None: [])."""
+    return [pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
+                             top_logprobs=list(lp.top_logprobs)) for lp in logprobs or ()]
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprobs]:
+    """:class:`~common.types.TokenLogprobs` of wire ``TokenLogprobs`` messages, in order."""
+    return [TokenLogprobs(float(lp.logprob), tuple(int(t) for t in lp.top_token_ids),
+                          tuple(float(x) for x in lp.top_logprobs)) for lp in msgs]
+
+
+def session_logprobs(info: pb.SessionInfo, start: int, end: int) -> list[TokenLogprobs] | None:
+    """The logprobs of committed positions [``start``, ``end``) of a GetSession answer (its ``output_logprobs``
+    count from ``prompt_length``); None when it does not hold them all (the session did not ask for logprobs, or
+    a verifier without the field answered)."""
+    first, last = start - int(info.prompt_length), end - int(info.prompt_length)
+    if first < 0 or last > len(info.output_logprobs) or last < first:
+        return None
+    return logprobs_from_proto(info.output_logprobs[first:last])

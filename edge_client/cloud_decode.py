@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 from common.errors import InvalidRequestError, SpecdecError
 from common.types import DraftBlock, Verdict
-from common.wire import finish_reason_from_proto, verdict_from_proto
+from common.wire import finish_reason_from_proto, session_logprobs, verdict_from_proto
 from edge_client.backend import SentBlock, VerifierBackend
 from edge_client.retry import RetryPolicy, exhausted_error, is_retryable
 
@@ -191,10 +191,12 @@ class CloudStream:
 
 
 def _from_store(backend, session_id: str, committed_length: int) -> Iterator[Verdict]:
-    """Verdicts of the tokens the store holds past ``committed_length`` (committed, their verdicts lost)."""
+    """Verdicts of the tokens the store holds past ``committed_length`` (committed, their verdicts lost), with
+    their logprobs when the session asked for them."""
     info = backend.get_session(session_id)
     ids = list(info.committed_token_ids)
     for i in range(committed_length, len(ids)):
         last = i == len(ids) - 1
         yield Verdict(0, int(ids[i]), False, [int(ids[i])], i + 1, finished=bool(info.finished and last),
-                      finish_reason=finish_reason_from_proto(info.finish_reason) if info.finished and last else None)
+                      finish_reason=finish_reason_from_proto(info.finish_reason) if info.finished and last else None,
+                      logprobs=session_logprobs(info, i, i + 1))

@@ -11,8 +11,9 @@ the retry resumes the session from the shared store (Redis) by prefilling its co
 Reconciliation. The replica that failed may have committed the block before it died: the retry, which still
 extends the old committed length, is then refused (INVALID_ARGUMENT: committed length mismatch). The store's
 committed tokens are the truth: the backend reads the session (GetSession) from the replica that refused and
-rebuilds the block's verdict from the tokens after the old committed length (:func:`verdict_from_store`). So a
-block's tokens are counted and streamed exactly once whichever replica committed them.
+rebuilds the block's verdict from the tokens after the old committed length (:func:`verdict_from_store`), with
+their logprobs when the session asked for them (the store commits them with the tokens). So a block's tokens
+are counted and streamed exactly once whichever replica committed them.
 
 Late verdicts. Each call has one live attempt; a verdict that arrives for an abandoned attempt (the replica was
 given up after its deadline) is dropped. The store refuses that replica's commit anyway once another replica
@@ -398,11 +399,12 @@ class FailoverBackend(VerifierBackend):
             return
         ids = list(info.committed_token_ids)
         if len(ids) > call.committed_length:
-            from common.wire import finish_reason_from_proto
+            from common.wire import finish_reason_from_proto, session_logprobs
 
             try:
                 verdict = verdict_from_store(call.block.draft_token_ids, call.committed_length, ids, info.finished,
                                              finish_reason_from_proto(info.finish_reason), call.seq)
+                verdict.logprobs = session_logprobs(info, call.committed_length, len(ids))  # None unless asked
             except InvalidRequestError as e:
                 self._fail(call, e)
                 return

@@ -23,11 +23,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.errors import ConflictError, InvalidRequestError, PreconditionError, SessionNotFoundError
-from common.types import FinishReason, SamplingParams, StoppingCriteria
+from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
 if TYPE_CHECKING:
     from cloud_verifier.config import VerifierSettings
@@ -57,6 +57,9 @@ class SessionRecord:
     finish_reason: FinishReason | None = None
     last_seq: int = 0  # seq of the last committed block
     tenant_id: str = ""  # tenant that opened the session (its API key's); "" when authentication is off
+    # with sampling.logprobs: one per committed output token of the current turn (committed_token_ids from
+    # prompt_length on), committed with them; empty otherwise. A client whose verdict was lost reads them here.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def committed_length(self) -> int:
@@ -96,8 +99,12 @@ class SessionStore(abc.ABC):
         finish_reason: FinishReason | None,
         now: float,
         verifier_id: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> int:
         """Atomic compare-and-append of committed tokens; returns the new committed length (tokens).
+
+        ``logprobs``: one per token of ``token_ids`` when the session asked for logprobs (None: none), appended
+        to the record's ``output_logprobs`` in the same atomic write as the tokens (they cannot diverge).
 
         Appends ``token_ids`` only if the stored committed length equals ``expected_length`` (tokens) and, when
         ``verifier_id`` is given, only if that replica still holds the session (a replica that lost it to a
@@ -131,8 +138,8 @@ class SessionStore(abc.ABC):
         Only if the stored committed length equals ``expected_length`` (tokens), replica ``verifier_id`` holds
         the session, and the session is finished or has no output in its current turn (committed length =
         ``prompt_length``): appends ``token_ids``, makes the new committed length the ``prompt_length`` (the new
-        turn's output starts there), replaces ``sampling``, ``stopping`` and ``seed``, clears the finish state,
-        keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen and refreshes the TTL.
+        turn's output starts there), replaces ``sampling``, ``stopping`` and ``seed``, clears the finish state
+        and the output logprobs, keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen and refreshes the TTL.
 
         Raises:
             SessionNotFoundError: the session is unknown or expired.
@@ -185,7 +192,8 @@ def check_tokens(token_ids: list[int]) -> None:
 
 def copy_record(record: SessionRecord) -> SessionRecord:
     """A copy that shares no mutable list with ``record``."""
-    return dataclasses.replace(record, committed_token_ids=list(record.committed_token_ids))
+    return dataclasses.replace(record, committed_token_ids=list(record.committed_token_ids),
+                               output_logprobs=list(record.output_logprobs))
 
 
 def not_owner(session_id: str, verifier_id: str) -> InvalidRequestError:

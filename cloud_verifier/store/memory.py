@@ -69,7 +69,7 @@ class MemorySessionStore(SessionStore):
             return None if record is None else copy_record(record)
 
     def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now,
-                         verifier_id=None) -> int:
+                         verifier_id=None, logprobs=None) -> int:
         check_tokens(token_ids)
         with self._lock:
             record = self._live(session_id)
@@ -86,6 +86,7 @@ class MemorySessionStore(SessionStore):
             if record.finished:
                 raise finished_error(session_id)
             record.committed_token_ids.extend(int(t) for t in token_ids)
+            record.output_logprobs.extend(logprobs or ())
             record.last_seq = int(seq)
             record.finished = bool(finished)
             record.finish_reason = finish_reason if finished else None
@@ -108,7 +109,7 @@ class MemorySessionStore(SessionStore):
             record.committed_token_ids.extend(int(t) for t in token_ids)
             record.prompt_length = record.committed_length
             record.sampling, record.stopping, record.seed = sampling, stopping, int(seed)
-            record.finished, record.finish_reason = False, None
+            record.finished, record.finish_reason, record.output_logprobs = False, None, []
             record.last_seen_at = now
             self._refresh(session_id)
             return record.committed_length

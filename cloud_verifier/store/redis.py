@@ -5,6 +5,9 @@ Key layout (``P`` = prefix, e.g. ``specdec:v1:``)::
 
     P{<id>}:meta                  hash   metadata (sampling/stopping as JSON, times in unix s, tenant_id)
     P{<id>}:tokens                string committed token ids (prompt + output), little-endian int32
+    P{<id>}:logprobs              string only when the session asks for logprobs: the current turn's committed
+                                         output tokens' logprobs, appended by the same commit script as the tokens
+                                         (:func:`pack_logprobs`); deleted by ExtendSession
     Pverifier:{<vid>}:sessions    zset   index: session ids held by replica <vid>, scored by unix s (best-effort)
 
 A session's keys share one hash tag (``{<id>}``): one slot, so every script (atomic, all its keys in KEYS)
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import struct
 import threading
 import time
 
@@ -47,7 +51,7 @@ from cloud_verifier.store import (
 from cloud_verifier.store import redis_lua as lua
 from cloud_verifier.store.redis_connect import CLUSTER, StoreCaller, connect, parse_redis_url
 from common.errors import VerifierUnavailableError
-from common.types import FinishReason, SamplingParams, StoppingCriteria
+from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
 log = logging.getLogger(__name__)
 _INDEX_CACHE_MAX = 65536  # sessions whose last index refresh is remembered (pruned past it)
@@ -60,6 +64,28 @@ def _pack(token_ids: list[int]) -> bytes:
 
 def _unpack(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").astype(np.int64).tolist()
+
+
+def pack_logprobs(logprobs: list[TokenLogprobs] | None) -> bytes:
+    """One record per token, little-endian: logprob (float64), k (uint32), k top ids (int32), k top logprobs
+    (float64); b"" for None."""
+    out = []
+    for lp in logprobs or ():
+        k = len(lp.top_token_ids)
+        out.append(struct.pack(f"<dI{k}i{k}d", lp.logprob, k, *lp.top_token_ids, *lp.top_logprobs))
+    return b"".join(out)
+
+
+def unpack_logprobs(data: bytes | None) -> list[TokenLogprobs]:
+    """The records of :func:`pack_logprobs`, in order ([] for None)."""
+    out, pos = [], 0
+    while data and pos < len(data):
+        logprob, k = struct.unpack_from("<dI", data, pos)
+        ids = struct.unpack_from(f"<{k}i", data, pos + 12)
+        top = struct.unpack_from(f"<{k}d", data, pos + 12 + 4 * k)
+        out.append(TokenLogprobs(logprob, tuple(ids), tuple(top)))
+        pos += 12 + 12 * k
+    return out
 
 
 class RedisSessionStore(SessionStore):
@@ -115,6 +141,9 @@ class RedisSessionStore(SessionStore):
     def tokens_key(self, session_id: str) -> str:
         return f"{self.prefix}{{{session_id}}}:tokens"
 
+    def logprobs_key(self, session_id: str) -> str:
+        return f"{self.prefix}{{{session_id}}}:logprobs"
+
     def verifier_key(self, verifier_id: str) -> str:
         return f"{self.prefix}verifier:{{{verifier_id}}}:sessions"
 
@@ -130,14 +159,16 @@ class RedisSessionStore(SessionStore):
         return self.target.redacted()
 
     def _run(self, name: str, session_id: str, args: list, *, tokens: bool = True, durable: bool = False):
-        """Run script ``name`` over the session's keys (meta, and tokens unless ``tokens`` is False); with
+        """Run script ``name`` over the session's keys (meta, and tokens and logprobs unless ``tokens`` is False); with
         ``durable`` and ``wait_replicas`` > 0, WAIT for the replicas on the same connection.
 
         Raises:
             VerifierUnavailableError: the store did not answer, or fewer replicas than ``wait_replicas``
                 acknowledged within ``wait_timeout_ms`` (the write may have landed on the master).
         """
-        keys = [self.session_key(session_id)] + ([self.tokens_key(session_id)] if tokens else [])
+        keys = [self.session_key(session_id)]
+        if tokens:
+            keys += [self.tokens_key(session_id), self.logprobs_key(session_id)]
         script = self._scripts[name]
         if not (durable and self.wait_replicas):
             return self._call(name, script, keys=keys, args=args, key=keys[0])
@@ -234,7 +265,7 @@ class RedisSessionStore(SessionStore):
         self._index(record.session_id, add=record.verifier_id)
 
     def get(self, session_id: str) -> SessionRecord | None:
-        flat, tokens = self._run("get", session_id, [])
+        flat, tokens, logprobs = self._run("get", session_id, [])
         if not flat or tokens is None:
             return None
         h = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
@@ -257,14 +288,15 @@ class RedisSessionStore(SessionStore):
             finish_reason=FinishReason(h["finish_reason"]) if h.get("finish_reason") else None,
             last_seq=int(h.get("last_seq", 0)),
             tenant_id=h.get("tenant_id", ""),
+            output_logprobs=unpack_logprobs(logprobs),
         )
 
     def append_committed(self, session_id, expected_length, token_ids, seq, finished, finish_reason, now,
-                         verifier_id=None) -> int:
+                         verifier_id=None, logprobs=None) -> int:
         packed = _pack(token_ids)
         reason = finish_reason.value if (finished and finish_reason is not None) else ""
         args = [lua.ANY_HOLDER if verifier_id is None else verifier_id, 4 * int(expected_length), packed, int(seq),
-                "1" if finished else "0", reason, repr(float(now)), self._ttl_ms]
+                "1" if finished else "0", reason, repr(float(now)), self._ttl_ms, pack_logprobs(logprobs)]
         result = self._run("append", session_id, args, durable=True)
         status, value = int(result[0]), result[1]
         if status == 0:

@@ -1,7 +1,7 @@
 """The session store's Lua scripts (``cloud_verifier/store/redis.py``).
 
-Each script names every key it touches in KEYS, and those keys are one session's (``P{<id>}:meta`` and
-``P{<id>}:tokens``): one hash tag, one hash slot, so the scripts run unchanged on a Redis Cluster. The
+Each script names every key it touches in KEYS, and those keys are one session's (``P{<id>}:meta``,
+``P{<id>}:tokens`` and ``P{<id>}:logprobs``, the last only where the script touches it): one hash tag, one hash slot, so the scripts run unchanged on a Redis Cluster. The
 replica's session index (``Pverifier:{<vid>}:sessions``) lives in another slot and is never touched here: the
 store updates it apart, best-effort.
 
@@ -39,8 +39,8 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5 + n])
 return 1
 """
 
-# KEYS: meta, tokens.  ARGV: verifier id | ANY_HOLDER, expected byte length, packed tokens, seq, finished (0/1),
-# finish reason ('' = none), now (unix s), ttl ms.
+# KEYS: meta, tokens, logprobs.  ARGV: verifier id | ANY_HOLDER, expected byte length, packed tokens, seq,
+# finished (0/1), finish reason ('' = none), now (unix s), ttl ms, packed logprobs of the tokens ('' = none).
 # Returns {0, new byte length, holder} | {-1, 0} | {-2, byte length} | {-3, holder} | {-4, 0}.
 APPEND = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
@@ -54,16 +54,18 @@ if cur ~= expected then
 else
   if redis.call('HGET', KEYS[1], 'finished') == '1' then return {-4, 0} end
   len = redis.call('APPEND', KEYS[2], ARGV[3])
+  if ARGV[9] ~= '' then redis.call('APPEND', KEYS[3], ARGV[9]) end
   redis.call('HSET', KEYS[1], 'last_seq', ARGV[4], 'finished', ARGV[5], 'finish_reason', ARGV[6])
 end
 redis.call('HSET', KEYS[1], 'last_seen_at', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
 redis.call('PEXPIRE', KEYS[2], ARGV[8])
+redis.call('PEXPIRE', KEYS[3], ARGV[8])
 return {0, len, holder}
 """
 
-# KEYS: meta, tokens.  ARGV: verifier id, expected byte length, packed tokens, sampling JSON, stopping JSON,
-# seed, now (unix s), ttl ms.
+# KEYS: meta, tokens, logprobs (deleted: a new turn has no output yet).  ARGV: verifier id, expected byte
+# length, packed tokens, sampling JSON, stopping JSON, seed, now (unix s), ttl ms.
 # Returns {0, new byte length} | {-1, 0} | {-2, byte length} | {-3, holder} | {-5, 0}.
 EXTEND = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
@@ -79,6 +81,7 @@ end
 if redis.call('HGET', KEYS[1], 'finished') ~= '1'
    and cur ~= 4 * tonumber(redis.call('HGET', KEYS[1], 'prompt_length')) then return {-5, 0} end
 local len = redis.call('APPEND', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[1], 'prompt_length', len / 4, 'sampling', ARGV[4], 'stopping', ARGV[5], 'seed', ARGV[6],
            'finished', '0', 'finish_reason', '', 'last_seen_at', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
@@ -86,7 +89,7 @@ redis.call('PEXPIRE', KEYS[2], ARGV[8])
 return {0, len}
 """
 
-# KEYS: meta, tokens.  ARGV: verifier id | ANY_HOLDER, now (unix s), ttl ms.
+# KEYS: meta, tokens, logprobs.  ARGV: verifier id | ANY_HOLDER, now (unix s), ttl ms.
 # Returns {1, holder} touched | {0, 0} not found | {-3, holder}.
 TOUCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {0, 0} end
@@ -94,18 +97,19 @@ if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then
 redis.call('HSET', KEYS[1], 'last_seen_at', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return {1, holder}
 """
 
-# KEYS: meta, tokens.  ARGV: verifier id | ANY_HOLDER.
+# KEYS: meta, tokens, logprobs.  ARGV: verifier id | ANY_HOLDER.
 # Returns {1, holder} deleted | {0, 0} not found | {-3, holder}.
 DELETE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[2])
+  redis.call('DEL', KEYS[2], KEYS[3])
   return {0, 0}
 end
 """ + _HOLDER_OK + """
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return {1, holder}
 """
 
@@ -118,7 +122,7 @@ redis.call('HSET', KEYS[1], 'verifier_id', '')
 return {1, holder}
 """
 
-# KEYS: meta, tokens.  ARGV: old verifier id | ANY_HOLDER, new verifier id, now (unix s), ttl ms.
+# KEYS: meta, tokens, logprobs.  ARGV: old verifier id | ANY_HOLDER, new verifier id, now (unix s), ttl ms.
 # Returns {1, old holder} claimed (or already held by the new replica) | {0, 0} not found | {-3, holder}.
 CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return {0, 0} end
@@ -128,10 +132,12 @@ if ARGV[1] ~= '\\0any' and holder ~= ARGV[1] then return {-3, holder} end
 redis.call('HSET', KEYS[1], 'verifier_id', ARGV[2], 'last_seen_at', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return {1, holder}
 """
 
-# KEYS: meta, tokens.  Returns {hash as a flat list, tokens (nil when missing)}: one consistent read.
+# KEYS: meta, tokens, logprobs.  Returns {hash as a flat list, tokens (nil when missing), packed logprobs (nil
+# when none)}: one consistent read.
 GET = """
-return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2])}
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('GET', KEYS[3])}
 """

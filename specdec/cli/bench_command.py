@@ -120,8 +120,8 @@ STORE = typer.Option("sentinel", "--store", help="--chaos: sentinel (1 master, 2
                      "(3 masters, a replica each)")
 SESSIONS = typer.Option(8, "--sessions", help="--chaos: concurrent client sessions")
 REPLICAS = typer.Option(2, "--replicas", help="--chaos: `specdec serve` replicas (1-3)")
-KV_TOKENS = typer.Option(192, "--kv-cache-budget-tokens", help="--chaos: each replica's KV pool, tokens (small: "
-                         "sessions are preempted)")
+KV_TOKENS = typer.Option(None, "--kv-cache-budget-tokens", help="--chaos: each replica's KV pool, tokens (default "
+                         "48 per session, at least 192: small, sessions are preempted)")
 
 
 def _emit(bench_mod, report: dict, *, as_json: bool) -> None:
@@ -216,7 +216,7 @@ def bench(
     logit_bias: list[str] = LOGIT_BIAS,
     min_tokens: int = MIN_TOKENS,
     min_p: float = MIN_P, chaos: bool = CHAOS,
-    store: str = STORE, sessions: int = SESSIONS, replicas: int = REPLICAS, kv_tokens: int = KV_TOKENS,
+    store: str = STORE, sessions: int = SESSIONS, replicas: int = REPLICAS, kv_tokens: Optional[int] = KV_TOKENS,
 ):
     """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
     from common.types import SamplingParams

@@ -112,7 +112,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
                    network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
-                   security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None):
+                   security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None,
+                   retry_policy=None):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of user_errors().
 
     ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
@@ -122,6 +123,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     None = plaintext, ``$SPECDEC_API_KEY`` if set).
 
     ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded.
+    ``retry_policy``: the :class:`edge_client.failover.RetryPolicy` of ``server``'s calls (None: its defaults with a
+    10 s connect timeout).
     With ``server`` nothing imports torch or transformers (an edge install has neither)."""
     from common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
     from edge_client.client import EdgeClient
@@ -151,7 +154,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
         # several addresses (or one balancer): calls that fail are retried on the next one; with device fallback
         # the client starts even when no verifier answers now
-        backend = FailoverBackend(server, policy=RetryPolicy(connect_timeout_s=10.0),
+        backend = FailoverBackend(server, policy=retry_policy or RetryPolicy(connect_timeout_s=10.0),
                                   connect=fallback == "none" if connect is None else connect,
                                   security=security)
     else:
@@ -185,10 +188,10 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
 
 def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
-                 num_speculative_tokens, device, dtype, connect=None, before_load=None):
+                 num_speculative_tokens, device, dtype, connect=None, before_load=None, retry_policy=None):
     """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
     line on a bad option or a model/verifier error. ``before_load``: called once the options are checked, before
-    any model loads (the command's own last checks)."""
+    any model loads (the command's own last checks). ``retry_policy``: as :func:`build_pipeline`'s."""
     check_num_speculative_tokens(num_speculative_tokens)
     if fallback not in ("none", "device"):
         fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
@@ -219,7 +222,21 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
             target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=DEFAULT_DRAFT_TOP_K,
             num_speculative_tokens=num_speculative_tokens, adaptive=True, min_confidence=DEFAULT_MIN_CONFIDENCE,
             proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
-            device=device, dtype=dtype, connect=connect,
+            device=device, dtype=dtype, connect=connect, retry_policy=retry_policy,
         )
     except user_errors() as e:
         fail(explain(e))
+
+
+def retry_policy(budget_s: float, max_attempts: int):
+    """The :class:`edge_client.failover.RetryPolicy` of the ``--retry-budget-s`` / ``--retry-max-attempts`` flags
+    (a 10 s connect timeout, the other fields their defaults), or exit with one line on a value out of range."""
+    from edge_client.retry import RetryPolicy
+
+    policy = RetryPolicy(budget_s=budget_s, max_attempts=max_attempts, connect_timeout_s=10.0)
+    try:
+        policy.validate()
+    except ValueError as e:
+        flag = "--retry-budget-s" if "budget_s" in str(e) else "--retry-max-attempts"
+        fail(f"{flag}: {e}")
+    return policy

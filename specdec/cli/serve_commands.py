@@ -14,7 +14,7 @@ from specdec.cli._shared import (
 )
 from specdec.cli.checks import check_device_names, check_port_free, check_readable
 from specdec.cli._shared import ROUTE_HELP, check_route
-from specdec.cli.pipeline import build_edge_client
+from specdec.cli.pipeline import build_edge_client, retry_policy
 
 
 @app.command("edge-serve")
@@ -24,6 +24,10 @@ def edge_serve(
     server: Optional[str] = typer.Option(None, help=SERVER_HELP),
     fallback: str = typer.Option("none", help=FALLBACK_HELP),
     reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),
+    retry_budget_s: float = typer.Option(30.0, "--retry-budget-s", help="--server: how long a failed call goes on "
+                                         "being retried on the next replica, s (cover a replica's restart)"),
+    retry_max_attempts: int = typer.Option(8, "--retry-max-attempts", help="--server: tries of one call, the "
+                                           "first one included"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_EDGE_API_KEY", show_envvar=True,
                                           help="Key the endpoint's callers must send (authorization: Bearer)"),
     api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="Also accept the keys of this "
@@ -56,6 +60,7 @@ def edge_serve(
         fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
     if max_conversations < 0:
         fail(f"--max-conversations must be >= 0, got {max_conversations}")
+    policy = retry_policy(retry_budget_s, retry_max_attempts)
     check_readable(api_keys_file, "--api-keys-file")
     check_readable(ca_cert, "--ca-cert")
     check_port_free(host, port)  # before the models load: a used port is one line at once, not uvicorn's
@@ -65,6 +70,7 @@ def edge_serve(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+        retry_policy=policy,
         connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
     client.route = route  # edge_client.routing; a request's 'route' field wins
     if model_name is None:

@@ -35,9 +35,9 @@ def test_chaos_sentinel_run_loses_nothing(tiny_pair, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     print({k: v for k, v in report.items() if k not in ("fault_events", "kinds")})
-    # token ids (and complete logprobs) identical; a logprobs request whose block was settled from the store
-    # after a failover comes back with fewer logprobs than tokens (``logprobs_missing``): reported, not yet fixed
+    # token ids and logprobs identical, one logprob per token even for blocks settled from the store
     assert report["mismatches"] == 0, report["problems"]
+    assert report["logprobs_missing"] == 0, report["problems"]
     assert report["lost"] == 0 and report["truncated"] == 0, report["problems"]
     assert report["undocumented_errors"] == 0, report["errors_by_code"]
     assert not report["fault_errors"], report["fault_errors"]

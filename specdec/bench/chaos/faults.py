@@ -26,7 +26,9 @@ from specdec.bench.chaos.procs import wait_until
 
 FAULT_KINDS = ("replica_kill", "replica_drain", "redis_master_kill", "redis_restart", "wan_stall", "wan_reset",
                "wan_latency")
-GAP_S = (1.0, 3.0)  # uniform gap between one fault's recovery and the next fault, s
+# uniform gap between one fault's recovery and the next fault, s: short, so that a 600 s run with 16 sessions
+# (a replica's restart ~20-40 s on a loaded machine, two per round) fits 5 rounds of every kind or more
+GAP_S = (0.5, 1.5)
 RECOVERY_TIMEOUT_S = 60.0
 
 

@@ -47,6 +47,9 @@ def build_report(*, config: dict, outcomes: list[Outcome], problems: list[dict],
                  progress: Progress, cleanup: dict, rss: dict, extra: dict) -> dict:
     """The JSON-able report (the keys are described in docs/benchmarks.md, "Chaos")."""
     verdicts = Counter(p["verdict"] for p in problems)
+    for p in problems:  # which faults a problem overlapped: where to look for its cause
+        p["faults_during"] = [e.kind for e in events if p["t_start"] <= e.t_s <= p["t_end"]
+                              or (e.recovered_s is not None and e.t_s <= p["t_start"] <= e.recovered_s)]
     pauses = fault_pauses(events, outcomes, progress)
     return {
         "mode": "chaos", **config,
@@ -55,6 +58,7 @@ def build_report(*, config: dict, outcomes: list[Outcome], problems: list[dict],
         "tokens": sum(o.num_tokens for o in outcomes),
         "faults": len(events),
         "faults_by_kind": {k: sum(e.kind == k for e in events) for k in FAULT_KINDS},
+        "min_faults_per_kind": min(sum(e.kind == k for e in events) for k in FAULT_KINDS),
         "fault_errors": [e.to_json() for e in events if e.error],
         "mismatches": verdicts.get("mismatch", 0),
         "lost": verdicts.get("lost", 0),

@@ -60,6 +60,7 @@ class ServeReplica:
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     starts: int = 0
+    serving_since: float | None = None  # monotonic time this start turned SERVING (None: not yet)
 
     @property
     def address(self) -> str:
@@ -72,12 +73,14 @@ class ServeReplica:
                  "--metrics-port", str(self.metrics_port)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(_REPO_ROOT))
         self.starts += 1
+        self.serving_since = None
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Raises RuntimeError when the process exits or is not SERVING within ``timeout_s`` (log attached)."""
         if not wait_until(lambda: not self.alive() or health_status(self.address, 0.5) == "SERVING", timeout_s,
                           step_s=0.2) or not self.alive():
             raise RuntimeError(f"replica {self.verifier_id} did not become SERVING:\n{self.log()}")
+        self.serving_since = time.monotonic()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -100,9 +103,51 @@ class ServeReplica:
 
 
 @dataclass
+class EdgeServe:
+    """One `specdec edge-serve` process (the OpenAI-compatible endpoint on the device) over every replica's WAN
+    proxy, with the bench sessions' failover retry policy (it rides out a replica restart, a Redis promotion)."""
+
+    argv: list[str]
+    env: dict
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    serving_since: float | None = None  # monotonic time it first answered /v1/models
+    model_id: str = "chaos"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "specdec.cli", "edge-serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--model-name", self.model_id, *self.argv],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(_REPO_ROOT))
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Raises RuntimeError when the process exits or does not answer within ``timeout_s`` (log attached)."""
+        if not wait_until(lambda: not self.alive() or self._answers(), timeout_s, step_s=0.3) or not self.alive():
+            raise RuntimeError(f"edge-serve did not answer:\n{self.log_path.read_text(errors='replace')[-4000:]}")
+        self.serving_since = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
 class StackConfig:
     """What :class:`Stack` starts. ``kv_cache_budget_tokens``: each replica's KV pool (small: preemption);
-    ``session_ttl_s``: the store's session TTL (orphans of a killed client or replica expire after it)."""
+    ``session_ttl_s``: the store's session TTL (orphans of a killed client or replica expire after it);
+    ``edge_serve_draft_dir``: also an :class:`EdgeServe` with this draft (None: none)."""
 
     store: str
     target_dir: Path
@@ -110,6 +155,7 @@ class StackConfig:
     kv_cache_budget_tokens: int = 192
     session_ttl_s: int = 20
     seed: int = 0
+    edge_serve_draft_dir: Path | None = None  # start an edge-serve process with this draft (None: none)
 
 
 class Stack:
@@ -130,6 +176,7 @@ class Stack:
         self.redis = None
         self.replicas: list[ServeReplica] = []
         self.proxies = []
+        self.edge_serve: EdgeServe | None = None
 
     @property
     def addresses(self) -> list[str]:
@@ -161,7 +208,20 @@ class Stack:
             r.wait_serving()
         for i, r in enumerate(self.replicas):
             self.proxies.append(WanProxy(0, r.address, self.base_profile(), seed=self.config.seed * 100 + i).start())
+        if self.config.edge_serve_draft_dir is not None:
+            self._start_edge_serve(env)
         return self
+
+    def _start_edge_serve(self, env: dict) -> None:
+        # the sessions' RetryPolicy (workload.session_worker): a replica's restart and a promotion fit its budget;
+        # no kept conversations: each request is a session of its own, as the SDK sessions' requests are
+        argv = ["--server", ",".join(self.addresses), "--target", str(self.config.target_dir), "--draft",
+                str(self.config.edge_serve_draft_dir), "--num-speculative-tokens", "3", "--max-conversations", "0",
+                "--retry-max-attempts", "200", "--retry-budget-s", "120"]
+        self.edge_serve = EdgeServe(argv, {k: v for k, v in env.items() if k != "SPECDEC_EDGE_API_KEY"},
+                                    self.workdir / "edge-serve.log")
+        self.edge_serve.start()
+        self.edge_serve.wait_serving()
 
     @staticmethod
     def base_profile():
@@ -192,6 +252,8 @@ class Stack:
         return total
 
     def stop(self) -> None:
+        if self.edge_serve is not None and self.edge_serve.proc is not None:
+            stop_process(self.edge_serve.proc, timeout_s=15.0)
         for p in self.proxies:
             p.stop()
         for r in self.replicas:

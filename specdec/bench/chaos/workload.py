@@ -5,7 +5,9 @@ Request kinds (:data:`REQUEST_KINDS`): ``greedy``; ``sampled`` (temperature 0.8,
 ``json_schema`` (greedy under a JSON schema grammar); ``penalties`` (greedy with repetition, presence and
 frequency penalties and a logit_bias); ``logprobs`` (greedy, each token's logprob and its top 3); ``multiturn``
 (two greedy turns of one conversation: the second extends the verifier session, ExtendSession); ``cloud``
-(greedy, route=cloud: the verifier decodes, the Decode stream). Which request a session sends next is a
+(greedy, route=cloud: the verifier decodes, the Decode stream); ``openai`` (a greedy chat completion, streamed,
+through the official ``openai`` client to the stack's one `specdec edge-serve`: :mod:`specdec.bench.chaos.
+openai_kind`). Which request a session sends next is a
 function of (seed, session, request number) only (:func:`request_for`), so a run's requests can be replayed on
 a fault-free verifier (:mod:`specdec.bench.chaos.check`).
 """
@@ -17,8 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-REQUEST_KINDS = ("greedy", "sampled", "json_schema", "penalties", "logprobs", "multiturn", "cloud")
-GREEDY_KINDS = ("greedy", "json_schema", "penalties", "logprobs", "multiturn", "cloud")  # reference: target-only
+REQUEST_KINDS = ("greedy", "sampled", "json_schema", "penalties", "logprobs", "multiturn", "cloud", "openai")
+GREEDY_KINDS = ("greedy", "json_schema", "penalties", "logprobs", "multiturn", "cloud", "openai")  # target-only
 NUM_SPECULATIVE_TOKENS = 3
 MAX_NEW_TOKENS = 32
 TURN_TOKENS = 16  # per turn of a multiturn request
@@ -71,9 +73,10 @@ def request_for(seed: int, session: int, number: int, kinds: tuple[str, ...] = R
 
 @dataclass
 class Outcome:
-    """What one request gave: ``turns`` (token ids per turn; one turn but for multiturn), ``logprobs`` (the
-    logprob of each token of the first turn, or None), ``finish_reasons``, ``error`` (the error's code name, or
-    ""), timings in s since the run's start."""
+    """What one request gave: ``turns`` (token ids per turn; one turn but for multiturn), ``text`` (the text of
+    the first turn), ``logprobs`` (the logprob of each token of the first turn, or None), ``finish_reasons``,
+    ``error`` (the error's code name, or ""), timings in s since the run's start. An ``openai`` request has no
+    token ids (the API answers text): its ``turns`` stay empty and ``completion_tokens`` counts its tokens."""
 
     session: int
     number: int
@@ -81,6 +84,8 @@ class Outcome:
     t_start: float
     t_end: float = 0.0
     turns: list[list[int]] = field(default_factory=list)
+    text: str | None = None
+    completion_tokens: int = 0  # an openai request's usage.completion_tokens
     logprobs: list[float] | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
     error: str = ""
@@ -91,7 +96,7 @@ class Outcome:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(t) for t in self.turns)
+        return sum(len(t) for t in self.turns) + self.completion_tokens
 
 
 def _drain(chunks, on_tokens) -> None:
@@ -119,6 +124,7 @@ def run_request(client, request: Request, outcome: Outcome, on_tokens=lambda n: 
     _drain(client.stream_chunks(request.text, route=route or kind_route, **options), on_tokens)
     result = client.last_result
     outcome.turns.append(list(result.token_ids))
+    outcome.text = result.text
     outcome.finish_reasons.append(result.finish_reason.value if result.finish_reason else None)
     outcome.num_failovers, outcome.num_reopened_sessions = result.num_failovers, result.num_reopened_sessions
     if result.logprobs is not None:
@@ -126,7 +132,12 @@ def run_request(client, request: Request, outcome: Outcome, on_tokens=lambda n: 
 
 
 def error_code(exc: BaseException) -> str:
-    """The gRPC status code name of a specdec error, else the exception's type name."""
+    """The gRPC status code name of a specdec error (an HTTP status of edge-serve's: the code it stands for,
+    docs/openai.md), else the exception's type name."""
+    from specdec.bench.chaos.openai_kind import http_error_code
+
+    if http_error_code(exc):
+        return http_error_code(exc)
     code = getattr(exc, "code", None)
     return getattr(code, "name", None) or type(exc).__name__
 
@@ -144,13 +155,18 @@ class Progress:
             self.events.append((time.monotonic() - self.t0, session, n))
 
 
-def _run_with_retries(client, request: Request, outcome: Outcome, on_tokens) -> None:
+def _run_with_retries(client, request: Request, outcome: Outcome, on_tokens, http=None) -> None:
     """:func:`run_request`, sent again (from the start) after an error of :data:`RETRIED_ERRORS`, at most
-    :data:`MAX_REQUEST_TRIES` tries; the last error stays in ``outcome.error``."""
+    :data:`MAX_REQUEST_TRIES` tries; the last error stays in ``outcome.error``. ``http``: the session's
+    :class:`~specdec.bench.chaos.openai_kind.EdgeServeClient` (for ``openai`` requests)."""
     for attempt in range(MAX_REQUEST_TRIES):
         outcome.turns, outcome.finish_reasons, outcome.logprobs = [], [], None
+        outcome.text, outcome.completion_tokens = None, 0
         try:
-            run_request(client, request, outcome, on_tokens)
+            if request.kind == "openai":
+                http.run(request, outcome, on_tokens)
+            else:
+                run_request(client, request, outcome, on_tokens)
             outcome.error = outcome.error_message = ""
             return
         except Exception as exc:  # noqa: BLE001 - every error is counted by the report
@@ -163,9 +179,12 @@ def _run_with_retries(client, request: Request, outcome: Outcome, on_tokens) -> 
 
 
 def session_worker(index: int, addresses: list[str], draft_dir, *, seed: int, end_s: float, progress: Progress,
-                   outcomes: list[Outcome], kinds: tuple[str, ...] = REQUEST_KINDS) -> None:
+                   outcomes: list[Outcome], kinds: tuple[str, ...] = REQUEST_KINDS,
+                   edge_serve_url: str | None = None) -> None:
     """One edge device: requests back to back until ``end_s`` (s since ``progress.t0``); each outcome is
-    appended to ``outcomes`` (errors recorded in it, never raised)."""
+    appended to ``outcomes`` (errors recorded in it, never raised). ``edge_serve_url``: the stack's edge-serve
+    endpoint (``.../v1``), for ``openai`` requests."""
+    from specdec.bench.chaos.openai_kind import EdgeServeClient
     from edge_client.client import EdgeClient
     from edge_client.drafter import ModelDrafter
     from edge_client.failover import FailoverBackend, RetryPolicy
@@ -177,13 +196,16 @@ def session_worker(index: int, addresses: list[str], draft_dir, *, seed: int, en
     policy = RetryPolicy(max_attempts=200, budget_s=120.0, attempt_timeout_s=15.0, connect_timeout_s=3.0,
                          max_backoff_s=1.0)
     backend = FailoverBackend(order, policy=policy, seed=seed * 1000 + index)
+    http = EdgeServeClient(edge_serve_url) if edge_serve_url else None
     number = 0
     with EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
                     timeout_s=300.0, open_timeout_s=300.0) as client:
         while time.monotonic() - progress.t0 < end_s:
             request = request_for(seed, index, number, kinds)
             outcome = Outcome(index, number, request, time.monotonic() - progress.t0)
-            _run_with_retries(client, request, outcome, lambda n: progress.add(index, n))
+            _run_with_retries(client, request, outcome, lambda n: progress.add(index, n), http)
             outcome.t_end = time.monotonic() - progress.t0
             outcomes.append(outcome)
             number += 1
+    if http is not None:
+        http.close()
