@@ -19,16 +19,16 @@ The verifier batches that step across sessions: continuous batching at verify-st
    per forward pass (one chunk, or several short prompts' chunks that fit in ``prefill_chunk_tokens``): a long
    prompt is prefilled interleaved with the running sessions' verify steps instead of stalling them.
 3. **Verify lengths**: the verify policy picks, per verify row, the prefix of its block this step verifies
-   (:mod:`cloud_verifier.verify_policy`: every position, or adaptive). Then **KV pages**: every row's pages, earliest admitted session first; when the paged pool is short, sessions
-   admitted later are preempted (their pages dropped, their KV recomputed at their next row) and a row that
-   still finds none waits for the next step (:mod:`cloud_verifier.kv_scheduler`).
+   (:mod:`cloud_verifier.verify_policy`: every position, or adaptive). Then **KV pages**: every row's pages,
+   earliest admitted session first; when the paged pool is short, sessions admitted later are preempted (their
+   pages dropped, their KV recomputed at their next row) and a row that still finds none waits for the next step
+   (:mod:`cloud_verifier.kv_scheduler`).
 4. **Forward**: ONE ragged target forward pass over all rows (:meth:`~cloud_verifier.target.TargetRunner.forward`).
-5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature
-   0, speculative sampling otherwise, each session with its own counter-based random stream,
-   so its output does not depend on which sessions share its batches); stopping over the candidate tokens
-   (EOS, stop strings, length, context: nothing after the earliest stop is committed); the commit to the
-   store, a compare-and-append on the committed length (a replica whose copy is stale cannot commit: its copy
-   is dropped and the next block resumes from the store); the :class:`~common.types.Verdict`.
+5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature 0,
+   speculative sampling otherwise, each session with its own counter-based random stream, so its output does not
+   depend on which sessions share its batches); stopping over the candidate tokens (EOS, stop strings, length,
+   context: nothing after the earliest stop is committed); the commit to the store, a compare-and-append on the
+   committed length (a stale replica cannot commit: its copy is dropped, the next block resumes from the store).
 
 Sessions and the deferred KV release: :mod:`cloud_verifier.sessions`; block validation: :mod:`~.validation`.
 """

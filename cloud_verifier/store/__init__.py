@@ -139,7 +139,8 @@ class SessionStore(abc.ABC):
         the session, and the session is finished or has no output in its current turn (committed length =
         ``prompt_length``): appends ``token_ids``, makes the new committed length the ``prompt_length`` (the new
         turn's output starts there), replaces ``sampling``, ``stopping`` and ``seed``, clears the finish state
-        and the output logprobs, keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen and refreshes the TTL.
+        and the output logprobs, keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen
+        and refreshes the TTL.
 
         Raises:
             SessionNotFoundError: the session is unknown or expired.

@@ -1,9 +1,10 @@
 """The session store's Lua scripts (``cloud_verifier/store/redis.py``).
 
 Each script names every key it touches in KEYS, and those keys are one session's (``P{<id>}:meta``,
-``P{<id>}:tokens`` and ``P{<id>}:logprobs``, the last only where the script touches it): one hash tag, one hash slot, so the scripts run unchanged on a Redis Cluster. The
-replica's session index (``Pverifier:{<vid>}:sessions``) lives in another slot and is never touched here: the
-store updates it apart, best-effort.
+``P{<id>}:tokens`` and ``P{<id>}:logprobs``, the last only where the script touches it): one hash tag, one hash
+slot, so the scripts run unchanged on a Redis Cluster. The replica's session index
+(``Pverifier:{<vid>}:sessions``) lives in another slot and is never touched here: the store updates it apart,
+best-effort.
 
 Holder check: ``ARGV[1]`` is a replica id that must hold the session, or ``ANY_HOLDER`` (no check).
 Statuses shared by the scripts: 0 or 1 done, -1 not found, -2 length mismatch, -3 held by another replica,

@@ -12,7 +12,8 @@ in this process (:class:`specdec.embedded.LocalBackend`: no network, no store, n
 An outcome with an error is *lost*; a finished one shorter than its reference (a prefix of it) is *truncated*;
 one that differs anywhere else is a *mismatch*; one with the right tokens but fewer logprobs than tokens is
 *logprobs_missing* (the logprobs cannot be aligned with the tokens, so the rest are not compared; a block
-settled from the store after a failover has its logprobs: the store commits them with the tokens). References are computed once per distinct request.
+settled from the store after a failover has its logprobs: the store commits them with the tokens). References
+are computed once per distinct request.
 
 Give the sampled kind a draft that is not the target itself: with identical weights (the tiny test pair's
 ``draft_dir``) p ≈ q everywhere, the residual max(0, p - q) a recovered token is drawn from is rounding noise, and
