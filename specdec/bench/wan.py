@@ -112,10 +112,25 @@ def _generate(client, prompt_ids: list[int], route: str, max_new_tokens: int) ->
             "tokens_per_s": len(result.token_ids) / max(elapsed, 1e-9)}
 
 
+def route_orders(routes: tuple[str, ...]) -> list[list[str]]:
+    """The orders :func:`_measure` cycles through: a Williams design (Williams 1949, a Latin square balanced for
+    first-order carry-over; for an odd number of routes the square and its rows reversed). Over one cycle (n
+    orders for n routes, 2n when n is odd) each route runs first equally often and directly after each other
+    route equally often."""
+    n, first, lo, hi = len(routes), [0], 1, len(routes) - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo if len(first) % 2 else hi)
+        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    square = [[routes[(x + s) % n] for x in first] for s in range(n)]
+    return square + [order[::-1] for order in square] if n % 2 else square
+
+
 def _measure(client, prompts: list[list[int]], routes: tuple[str, ...], max_new_tokens: int,
              repeats: int = 1) -> dict:
-    """Every prompt with every route, ``repeats`` times, the routes interleaved (rotated per prompt and per
-    repeat) so that a change of load on a shared machine falls on all of them. ``auto`` keeps its own running
+    """Every prompt with every route, ``repeats`` times, the routes interleaved so that a change of load on a
+    shared machine falls on all of them: each (repeat, prompt) slot takes the next of :func:`route_orders`, so
+    that each route follows each other one equally often (with a single cyclic order one route would always follow the same other, and what a run leaves behind — a session
+    being released, the collector — would fall on one route's runs only). ``auto`` keeps its own running
     estimates (from the warm-up and its own generations); the fixed routes run on a copy of the warm-up's, so auto
     learns nothing from them. Per route: the runs in order, prompt by prompt within each repeat."""
     import copy
@@ -123,10 +138,10 @@ def _measure(client, prompts: list[list[int]], routes: tuple[str, ...], max_new_
     warm = client.route_estimates
     auto_est = copy.deepcopy(warm)
     runs: dict[str, list] = {r: [] for r in routes}
+    orders = route_orders(routes)
     for rep in range(repeats):
         for i, ids in enumerate(prompts):
-            for k in range(len(routes)):
-                r = routes[(i + rep + k) % len(routes)]
+            for r in orders[(rep * len(prompts) + i) % len(orders)]:
                 client.route_estimates = auto_est if r == "auto" else copy.deepcopy(warm)
                 runs[r].append(_generate(client, ids, r, max_new_tokens))
     client.route_estimates = warm
