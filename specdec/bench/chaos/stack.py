@@ -49,6 +49,13 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+
+def _spawn_cli(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    """``specdec <args>`` as a child process from the repository root, stdout and stderr appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "specdec.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=str(_REPO_ROOT))
+
 @dataclass
 class ServeReplica:
     """One `specdec serve` process on a fixed port (it comes back on the same port after a restart)."""
@@ -67,11 +74,8 @@ class ServeReplica:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--metrics-port", str(self.metrics_port)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(_REPO_ROOT))
+        self.proc = _spawn_cli(["serve", "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port",
+                                str(self.metrics_port)], self.log_path, self.env)
         self.starts += 1
         self.serving_since = None
 
@@ -120,11 +124,8 @@ class EdgeServe:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specdec.cli", "edge-serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--model-name", self.model_id, *self.argv],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(_REPO_ROOT))
+        self.proc = _spawn_cli(["edge-serve", "--host", "127.0.0.1", "--port", str(self.port), "--model-name",
+                                self.model_id, *self.argv], self.log_path, self.env)
 
     def _answers(self) -> bool:
         try:
