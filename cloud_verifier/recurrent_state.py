@@ -24,8 +24,9 @@ says so before a forward pass (the scheduler then recomputes from position 0), a
 
 The mixers' own code (their torch fallbacks: chunked scans, recurrent steps) runs unchanged: each gets a
 :class:`LayerCache`, the subset of transformers' ``Cache`` API they call (``get_conv_state``,
-``get_recurrent_state``, ``update_conv_state``, ``update_recurrent_state``, ``is_recording_past``) with the
-semantics of ``cache_utils.LinearAttentionLayer`` (transformers 5).
+``get_recurrent_state``, ``update_conv_state``, ``update_recurrent_state``, ``is_recording_past``, and since 5.25
+``increase_count`` and ``get_recurrent_states_to_keep``) with the semantics of ``cache_utils.LinearAttentionLayer``
+(transformers 5.24 and 5.25).
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ class LayerCache:
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        # no intermediate states: a rejected tail is undone by replaying stored inputs, not by a state history
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        # transformers counts tokens here when a single-token path updates the conv state in place; the
+        # positions of a row are the verifier's, so there is nothing to count
+        return None
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None,
                           state_idx: int = 0, **kwargs) -> torch.Tensor:
