@@ -31,6 +31,12 @@ token, 1/4 for a start-up), so a short warm-up's first sample does not dominate;
 one client (the device and the network change slowly), so the next generation's first choice is already informed
 and no generation pays a probe: the RTT comes from the verdicts themselves (round trip − the verifier's queue and
 forward times it reports).
+
+Exploration (:meth:`RouteEstimates.explore_reason`): a route auto stops taking is never measured again, so a
+cloud pick closer than EXPLORE_MARGIN whose speculative rate rests on few blocks (MIN_RATE_SAMPLES), or on none
+of the last EXPLORE_AFTER_GENERATIONS generations, is overruled once: the generation starts cloud-first and hands
+over when the draft is ready, and its blocks refresh the estimates (its loss is bounded by the margin; the usual
+switch back to the cloud applies).
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ _W = 0.25  # weight of the newest block's observation (and of a start-up's)
 _W_BLOCK = 1 / 8  # weight of the newest block's wall time (a loaded device's blocks swing by 2x)
 _W_TOKEN = 1 / 16  # weight of the newest cloud token's (a chunk has dozens; one stalled token must not decide)
 STEP_OVERHEAD_MS = 0.5  # edge + server Python per step beyond the forward pass, ms (a floor, not measured)
+# auto explores speculation although the cost model picks the cloud when the pick is closer than EXPLORE_MARGIN
+# and the speculative rate rests on fewer than MIN_RATE_SAMPLES blocks, or on none of the client's last
+# EXPLORE_AFTER_GENERATIONS generations: a route auto stops taking is never measured again, so one slow start
+# (a warm-up's first blocks) would otherwise decide every later generation
+EXPLORE_MARGIN = 1.25
+MIN_RATE_SAMPLES = 16
+EXPLORE_AFTER_GENERATIONS = 16
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
@@ -92,6 +105,7 @@ class RouteEstimates:
     rejected: float | None = None  # EWMA of blocks ending in a rejection (R)
     load: float = 0.0  # the verifier's load hint at the last open
     hint_forward_ms: float = 0.0  # the verifier's recent forward pass at the last open
+    generations_since_blocks: int = 0  # auto / cloud-first generations begun since the last speculative block
     _unseen: int | None = None  # tokens the draft had to ingest before the segment's first block (None: not first)
     _pending: tuple[float, int, int] | None = None  # a first block's (draft_ms, tokens, unseen) until c_draft is known
     _counts: dict = field(default_factory=dict)  # samples taken per estimate
@@ -108,6 +122,7 @@ class RouteEstimates:
         """At a session's start: take the verifier's load hint (no probe: the RTT is learnt from the verdicts,
         and is None until the first one of this client)."""
         self.load, self.hint_forward_ms = float(opened.load), float(opened.forward_ms)
+        self.generations_since_blocks += 1
 
     def begin_segment(self, unseen: int) -> None:
         """A speculative segment starts: its first block carries the draft's catch-up over ``unseen`` tokens
@@ -121,6 +136,7 @@ class RouteEstimates:
         previous verdict (None for the first block of a segment: it carries the draft's catch-up; the block that
         finishes a generation is no rate sample either: it is cut to the tokens left)."""
         gamma = block.num_speculative_tokens
+        self.generations_since_blocks = 0
         self._update("rtt_ms", max(0.0, round_trip_ms - verdict.forward_ms - verdict.queue_ms), _W)
         self._update("verify_ms", verdict.forward_ms + verdict.queue_ms, _W)
         draft_ms = block.draft_ms if block.draft_ms > 0 else draft_s * 1000
@@ -263,6 +279,22 @@ class RouteEstimates:
             if cloud < bound:
                 return "cloud", f"expected {cloud / 1000:.2f} s cloud beats a perfect draft's {bound / 1000:.2f} s"
         return "speculative", "draft not measured yet: speculative blocks measure it"
+
+    def explore_reason(self, spec_ms: float | None, cloud_ms: float | None) -> str | None:
+        """Why ``auto`` should run speculatively although cloud decode is expected to finish sooner (``spec_ms``,
+        ``cloud_ms``: the two expected finish times of :meth:`choose`): the pick is closer than EXPLORE_MARGIN and
+        the speculative rate is thin (fewer than MIN_RATE_SAMPLES blocks measured) or stale (no block in the last
+        EXPLORE_AFTER_GENERATIONS generations). None: exploit the pick. The loss is bounded by the margin, and by
+        the switch back to the cloud the fresh blocks may call for."""
+        if spec_ms is None or cloud_ms is None or spec_ms > EXPLORE_MARGIN * cloud_ms:
+            return None
+        samples = self._counts.get("block_wall_ms", 0)
+        close = f"speculative expected {spec_ms / 1000:.2f} s vs {cloud_ms / 1000:.2f} s cloud"
+        if samples < MIN_RATE_SAMPLES:
+            return f"exploring: {close}, from {samples} blocks only"
+        if self.generations_since_blocks > EXPLORE_AFTER_GENERATIONS:
+            return f"exploring: {close}, no block in {self.generations_since_blocks - 1} generations"
+        return None
 
     def to_json(self) -> dict:
         return {"rtt_ms": self.rtt_ms, "draft_ms_per_token": self.draft_ms_per_token,

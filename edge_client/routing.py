@@ -99,6 +99,7 @@ class RouteRun:
     # asked by the loop at a cloud token and by the prefill thread the moment it is ready: one decision at a time
     hand_over_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
+    explore: str | None = None  # auto speculates against its cost model's pick, and why (RouteEstimates.explore_reason)
     t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
     def report(self) -> dict:
@@ -107,6 +108,8 @@ class RouteRun:
                "why": self.why, "switches": list(self.switches), "tokens": dict(self.tokens)}
         if self.draft_ready_s is not None:
             out["draft_ready_s"] = round(self.draft_ready_s, 4)
+        if self.explore is not None:
+            out["explore"] = self.explore
         if self.estimates is not None and self.requested == "auto":
             out["estimates"] = self.estimates.to_json()
         return out
@@ -175,6 +178,8 @@ class CostModelSwitcher:
             return None
         if rr.prefill is not None and not rr.prefill.ready:
             return None  # cloud-first: another chunk while the draft prefills
+        if rr.prefill is not None and rr.explore is not None:
+            return rr.explore  # the hand-over an exploring start planned: fresh blocks measure the draft
         if rr.requested == "cloud-first":
             return "the draft is ready" if rr.prefill is not None else None
         est, left = client.route_estimates, _tokens_left(run)
@@ -257,21 +262,30 @@ def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> N
     prefill running whenever the draft has at least MIN_UNSEEN_FOR_CLOUD_FIRST tokens to catch up on (else it
     speculates at once); auto does so when the cost model picks speculative but its first verdict (the catch-up
     and a first block) is expected after a Decode call's first token (or either is unknown), else it takes the
-    cost model's pick.
+    cost model's pick — unless that pick is the cloud by a small margin while the speculative estimates are thin
+    or stale (:meth:`RouteEstimates.explore_reason`): then it speculates anyway (cloud-first when it can, handing
+    over once the draft is ready) so that fresh blocks correct them.
     ``timing_free``: a seeded sampled generation (the prefill feeds whole chunks only)."""
     rr: RouteRun = run.route
     est, unseen = client.route_estimates, draft_unseen(client.drafter, run.committed)
     prefill = can_prefill(client.drafter) and unseen >= MIN_UNSEEN_FOR_CLOUD_FIRST and not _few_left(run)
     if rr.requested == "auto":
-        rr.mode, rr.why = est.choose(client, _tokens_left(run), unseen, rr.cloud_chunk, MAX_CLOUD_CHUNK)
+        left = _tokens_left(run)
+        rr.mode, rr.why = est.choose(client, left, unseen, rr.cloud_chunk, MAX_CLOUD_CHUNK)
+        if rr.mode == "cloud" and not _few_left(run):
+            rr.explore = est.explore_reason(est.speculative_finish_ms(client, left, unseen),
+                                            est.cloud_finish_ms(left, rr.cloud_chunk, MAX_CLOUD_CHUNK))
+            if rr.explore is not None:
+                rr.mode, rr.why = "speculative", rr.explore
         # the first block's verdict (catch-up, drafting, round trip, verify) against the cloud's first token
         spec_first, cloud_first = est.speculative_finish_ms(client, 1, unseen), est.cloud_first_expected_ms()
         prefill = prefill and rr.mode == "speculative" and (
-            spec_first is None or cloud_first is None or spec_first > cloud_first)
+            rr.explore is not None or spec_first is None or cloud_first is None or spec_first > cloud_first)
     else:
         rr.mode, rr.why = "speculative", f"the draft has {unseen} tokens to catch up on: no prefill to overlap"
     if prefill:
-        rr.mode, rr.why = "cloud", f"cloud-first: the draft prefills {unseen} tokens while the cloud streams"
+        rr.mode, rr.why = "cloud", (f"cloud-first: the draft prefills {unseen} tokens while the cloud streams"
+                                    + (f"; {rr.explore}" if rr.explore else ""))
         # started by the Decode call (_cloud_segment), once its request is on its way
         rr.prefill = DraftPrefill(client.drafter, run.committed, whole_chunks=timing_free, start=False)
 

@@ -184,3 +184,49 @@ def test_an_older_verifier_without_stop_decode_hands_over_at_a_chunk_end(tiny_pa
     (switch,) = result.route["switches"]
     assert "asked_at_token" not in switch and result.route["final"] == "speculative", result.route
     assert result.token_ids == hf_greedy(tiny_pair.target_dir, ids, 48)
+
+
+def _close_cloud_pick(est, client, ids, new_tokens, block_samples):
+    """``est`` (a client's measured estimates) with the speculative blocks' wall time set so that, for this
+    prompt on a fresh draft, the cost model picks the cloud by 10 % (speculative's finish is linear in it), its
+    rate resting on ``block_samples`` blocks."""
+    import copy
+
+    from edge_client.routing import FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK
+
+    est = copy.deepcopy(est)
+    est.block_rtt_ms, est.generations_since_blocks = est.rtt_ms, 0
+    unseen, cloud = len(ids) - 1, est.cloud_finish_ms(new_tokens, FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK)
+    spec = []
+    for wall in (100.0, 200.0):
+        est.block_wall_ms = wall
+        spec.append(est.speculative_finish_ms(client, new_tokens, unseen))
+    est.block_wall_ms = 100.0 + 100.0 * (1.1 * cloud - spec[0]) / (spec[1] - spec[0])
+    assert est.block_wall_ms > 0 and est.choose(client, new_tokens, unseen, FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK)[0] \
+        == "cloud"
+    est._counts["block_wall_ms"] = block_samples
+    return est
+
+
+def test_auto_explores_a_close_cloud_pick_on_thin_estimates_and_stays_target_only(tiny_pair, served, draft):
+    """The cost model picks the cloud by 10 %: on a rate measured from 3 blocks auto explores (a cloud-first
+    start that hands over once the draft is ready), token-identical to target-only; on one measured from 100
+    recent blocks it stays on the cloud to the end."""
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    expected = hf_greedy(tiny_pair.target_dir, ids, 48)
+    with GrpcBackend(served) as backend:
+        learner = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="auto")
+        learner.generate(ids, max_new_tokens=48, ignore_eos=True)  # measures both routes' estimates
+        assert learner.route_estimates.cloud_first_ms is not None
+        results = {}
+        for samples in (3, 100):
+            client = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route="auto")
+            client.route_estimates = _close_cloud_pick(learner.route_estimates, client, ids, 48, samples)
+            results[samples] = client.generate(ids, max_new_tokens=48, ignore_eos=True)
+    explored, kept = results[3].route, results[100].route
+    print(explored, kept, sep="\n")
+    assert results[3].token_ids == expected and results[100].token_ids == expected
+    assert explored["initial"] == "cloud" and "from 3 blocks only" in explored["explore"], explored
+    assert explored["switches"][0]["to"] == "speculative" and explored["tokens"]["speculative"] > 0, explored
+    assert kept["initial"] == kept["final"] == "cloud" and "explore" not in kept, kept
+    assert kept["tokens"]["cloud"] == 48 and not kept["switches"], kept

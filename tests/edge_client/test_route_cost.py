@@ -210,3 +210,35 @@ def test_a_generation_s_last_block_is_not_a_rate_sample():
                           0.01, 200.0)
     est.observe_block(DraftBlock([1], draft_ms=2.0), Verdict(0, 5, False, [1], 10, finished=True), 25.0, 0.002, 120.0)
     assert est.speculative_tokens_per_s(client) == pytest.approx(20.0)
+
+
+def test_auto_explores_a_close_thin_or_stale_speculative_estimate_only():
+    """A cloud pick by less than EXPLORE_MARGIN is explored while the speculative rate rests on fewer than
+    MIN_RATE_SAMPLES blocks, and again once no block came for EXPLORE_AFTER_GENERATIONS generations; a clear cloud
+    win, or a close one on a fresh, well-measured rate, is taken as it is."""
+    from types import SimpleNamespace
+
+    from edge_client.route_cost import EXPLORE_AFTER_GENERATIONS, EXPLORE_MARGIN, MIN_RATE_SAMPLES
+
+    est, opened = RouteEstimates(), SimpleNamespace(load=0.0, forward_ms=20.0)
+    close, far = (1.1 * 4000, 4000.0), (1.01 * EXPLORE_MARGIN * 4000, 4000.0)
+    assert est.explore_reason(*close) and "from 0 blocks" in est.explore_reason(*close)
+    assert est.explore_reason(*far) is None and est.explore_reason(None, 4000.0) is None
+    for i in range(MIN_RATE_SAMPLES - 1):
+        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+                          0.01, None if i == 0 else 200.0)
+    assert est.explore_reason(*close) is not None  # one block short of MIN_RATE_SAMPLES rate samples
+    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+                      0.01, 200.0)
+    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+                      0.01, 200.0)
+    assert est.explore_reason(*close) is None  # measured and fresh: exploit
+    for _ in range(EXPLORE_AFTER_GENERATIONS):  # generations on the cloud, no block
+        est.begin(None, opened)
+    assert est.explore_reason(*close) is None
+    est.begin(None, opened)
+    assert f"no block in {EXPLORE_AFTER_GENERATIONS} generations" in est.explore_reason(*close)
+    assert est.explore_reason(*far) is None
+    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+                      0.01, 200.0)
+    assert est.explore_reason(*close) is None  # the explored generation's blocks refresh it
