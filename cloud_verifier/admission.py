@@ -33,7 +33,7 @@ from cloud_verifier import metrics
 from cloud_verifier.prefix_cache import cache_prefilled, extend_session_kv, open_session_kv
 from cloud_verifier.session_state import Session, owned
 from cloud_verifier.store import SessionRecord
-from common.errors import CapacityError, InvalidRequestError, PreconditionError, SessionNotFoundError
+from common.errors import CapacityError, PreconditionError, SessionNotFoundError, StaleSessionError
 from common.stopping import StopChecker
 from common.types import SamplingParams, StoppingCriteria
 
@@ -217,7 +217,7 @@ class SessionAdmission:
             PreconditionError: the session is generating (finished = False and output committed).
             SessionNotFoundError: the session was closed, or expired in the store.
             CapacityError: no KV budget for the longer session (nothing stays reserved).
-            InvalidRequestError: another replica took the session meanwhile (stale copy: released here).
+            StaleSessionError: another replica took the session meanwhile (stale copy: released here).
             VerifierUnavailableError: shutting down, or the store is unreachable.
         """
         from cloud_verifier.store import extend_conflict, generating_error
@@ -273,7 +273,7 @@ class SessionAdmission:
             with self.table.lock:
                 cache_prefilled(self.table.target, session.kv, record.committed_token_ids, new_length - 1,
                                 record.tenant_id)
-        except (SessionNotFoundError, InvalidRequestError):
+        except (SessionNotFoundError, StaleSessionError):
             self.table.release(sid)  # gone from the store, or held elsewhere: this copy is stale
             raise
         finally:

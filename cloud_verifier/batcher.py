@@ -50,7 +50,7 @@ from cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
 from cloud_verifier.verify_policy import VerifyPolicy, profile_forward, set_verify_lengths
 from cloud_verifier.work import Work
 from common.errors import (InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError,
-                           VerifierUnavailableError)
+                           StaleSessionError, VerifierUnavailableError)
 from common.rejection import RejectionResult
 from common.types import DraftBlock, Verdict
 
@@ -394,8 +394,8 @@ class Batcher:
         overwritten by the next forward pass.
 
         Raises:
-            InvalidRequestError, SessionNotFoundError, PreconditionError: the store refused the commit (this
-                replica's copy is stale): the session is released here, nothing is committed.
+            InvalidRequestError, SessionNotFoundError, PreconditionError, StaleSessionError: the store refused
+                the commit (this replica's copy is stale): the session is released here, nothing is committed.
             VerifierUnavailableError: the store did not answer: the verdict is kept as the session's
                 ``unconfirmed`` one, for :meth:`SessionTable.settle` to check against the store.
             TargetOutputError: (given logits) the row's logits cannot be verified; the session is released.
@@ -423,7 +423,7 @@ class Batcher:
                 record.session_id, committed_length, committed, work.seq, verdict.finished, reason, time.time(),
                 verifier_id=self.sessions.info.verifier_id, logprobs=verdict.logprobs,
             )
-        except (InvalidRequestError, SessionNotFoundError, PreconditionError):
+        except (InvalidRequestError, SessionNotFoundError, PreconditionError, StaleSessionError):
             # the store moved on without us (another replica committed, or the session expired/finished):
             # our copy is stale; drop it so the next block resumes from the store
             session.stop.restore(stop_state)

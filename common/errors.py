@@ -63,6 +63,13 @@ class VerifierUnavailableError(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StaleSessionError(VerifierUnavailableError):
+    """This replica's copy of a session is stale: another replica holds it in the store, or it was given up
+    (a drain, a store fail-over that lost the last claim). Nothing was committed and the copy is released, so the
+    same block (same seq, same committed length) retried on any replica resumes the session from the store:
+    UNAVAILABLE, the status a client retries."""
+
+
 class DeadlineError(SpecdecError, TimeoutError):
     """A call did not finish within its deadline."""
 

@@ -26,7 +26,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.errors import ConflictError, InvalidRequestError, PreconditionError, SessionNotFoundError
+from common.errors import (
+    ConflictError,
+    InvalidRequestError,
+    PreconditionError,
+    SessionNotFoundError,
+    StaleSessionError,
+)
 from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -115,8 +121,9 @@ class SessionStore(abc.ABC):
 
         Raises:
             SessionNotFoundError: the session is unknown or expired.
-            InvalidRequestError: the stored length differs (a stale or duplicate block), or the session is held
-                by another replica than ``verifier_id``; nothing changes.
+            InvalidRequestError: the stored length differs (a stale or duplicate block); nothing changes.
+            StaleSessionError: the session is held by another replica than ``verifier_id``, or by none (given
+                up); nothing changes.
             PreconditionError: the session already finished; nothing changes.
         """
 
@@ -146,7 +153,7 @@ class SessionStore(abc.ABC):
             SessionNotFoundError: the session is unknown or expired.
             ConflictError: the stored length differs (ABORTED); nothing changes.
             PreconditionError: the session is generating (not finished, output committed); nothing changes.
-            InvalidRequestError: another replica holds the session; nothing changes.
+            StaleSessionError: another replica holds the session, or none does; nothing changes.
         """
 
     @abc.abstractmethod
@@ -197,8 +204,8 @@ def copy_record(record: SessionRecord) -> SessionRecord:
                                output_logprobs=list(record.output_logprobs))
 
 
-def not_owner(session_id: str, verifier_id: str) -> InvalidRequestError:
-    return InvalidRequestError(
+def not_owner(session_id: str, verifier_id: str) -> StaleSessionError:
+    return StaleSessionError(
         f"session {session_id!r} is no longer held by replica {verifier_id!r} (resumed elsewhere or given up): "
         "stale copy, nothing committed"
     )

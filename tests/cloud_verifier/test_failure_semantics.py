@@ -25,7 +25,7 @@ import pytest
 from _cluster import ForwardGate, PrivateRedis, ServerOnPort, free_port, health_status, wait_until
 from _reference import hf_greedy
 from cloud_verifier.store import MemorySessionStore, RedisSessionStore, SessionRecord
-from common.errors import InvalidRequestError
+from common.errors import StaleSessionError
 from common.types import DraftBlock, SamplingParams, StoppingCriteria
 from common.wire import block_to_proto, open_request_to_proto
 from common.v1 import verifier_pb2 as pb
@@ -57,7 +57,7 @@ def test_owner_checked_commit_and_disown(store):
     store.create(SessionRecord("s1", "v1", "m", 3, [1, 2, 3], SamplingParams(), StoppingCriteria(), 7, now, now))
     assert store.append_committed("s1", 3, [4], 1, False, None, now, verifier_id="v1") == 4
     assert store.claim("s1", "v2", now)  # v2 resumed it: v1's late commit is refused, nothing changes
-    with pytest.raises(InvalidRequestError, match="no longer held by replica 'v1'"):
+    with pytest.raises(StaleSessionError, match="no longer held by replica 'v1'"):
         store.append_committed("s1", 4, [5], 2, False, None, now, verifier_id="v1")
     assert store.get("s1").committed_token_ids == [1, 2, 3, 4]
     assert store.append_committed("s1", 4, [5], 2, False, None, now, verifier_id="v2") == 5
@@ -66,7 +66,7 @@ def test_owner_checked_commit_and_disown(store):
     record = store.get("s1")
     assert record.verifier_id == "" and record.committed_token_ids == [1, 2, 3, 4, 5]
     assert store.session_ids_of("v2") == []
-    with pytest.raises(InvalidRequestError):  # given up: v2 cannot commit any more either
+    with pytest.raises(StaleSessionError):  # given up: v2 cannot commit any more either
         store.append_committed("s1", 5, [6], 3, False, None, now, verifier_id="v2")
     assert store.claim("s1", "v3", now)  # the next replica takes it
     assert store.append_committed("s1", 5, [6], 3, False, None, now, verifier_id="v3") == 6
@@ -367,3 +367,58 @@ def _open_quietly(address, prompt_ids):
             _open(pb_grpc.VerifierStub(ch), prompt_ids)
         except grpc.RpcError:
             pass
+
+
+# ---------------------------------------------------------------------------------------------- ownership lost
+
+
+class _TakesTheSession:
+    """A drafter that, at its ``at``-th block, makes the store name ``holder`` as the session's replica ("" =
+    given up), as a drain or a store fail-over that lost the last claim would, while this client is mid-generation
+    on the replica that still holds a copy."""
+
+    def __init__(self, inner, store, verifier_id: str, holder: str, at: int):
+        self._inner, self.store, self.verifier_id, self.holder, self.at, self.calls = inner, store, verifier_id, \
+            holder, at, 0
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            (sid,) = self.store.session_ids_of(self.verifier_id)
+            if self.holder:
+                assert self.store.claim(sid, self.holder, time.time())
+            else:
+                assert self.store.disown(sid, self.verifier_id)
+        return self._inner.propose(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("holder", ["another-replica", ""])
+def test_a_session_taken_from_its_replica_mid_generation_goes_on_without_an_error(tiny_pair, runner, prompt_ids,
+                                                                                  expected, holder):
+    """The store stops naming the replica a client is generating on as the session's holder (another replica
+    claimed it; or it was given up): that replica's next commit is refused with StaleSessionError — UNAVAILABLE,
+    nothing committed, its copy released — so the SDK retries the same block, the replica resumes the session
+    from the store, and the output is target-only's. Before, the refusal was INVALID_ARGUMENT and ended the
+    request with an error (the chaos soak's lost requests on a Redis Cluster)."""
+    from edge_client.client import EdgeClient
+    from edge_client.drafter import ModelDrafter
+    from edge_client.failover import FailoverBackend, RetryPolicy
+    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec.embedded import EmbeddedServer
+
+    store = MemorySessionStore(ttl_s=60)
+    verifier = _verifier(runner, store)
+    draft = OnnxDraftModel(tiny_pair.draft_dir)
+    with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
+        with FailoverBackend([address], policy=RetryPolicy(connect_timeout_s=2.0, budget_s=20.0)) as backend:
+            drafter = _TakesTheSession(ModelDrafter(draft, draft_top_k=5), store, "test-verifier", holder, at=4)
+            client = EdgeClient(backend, drafter, draft.tokenizer, num_speculative_tokens=3)
+            result = client.generate(prompt_ids, max_new_tokens=48, ignore_eos=True)
+            failovers = backend.num_failovers
+    assert drafter.calls > 4
+    assert result.token_ids == expected[:48]
+    assert failovers >= 1  # the refused block was retried, not answered at once
+    assert result.num_sessions == 1  # the same session went on (resumed from the store), none was re-opened

@@ -24,7 +24,7 @@ from cloud_verifier.store import MemorySessionStore
 from cloud_verifier.target import TargetRunner
 from cloud_verifier.verifier import Verifier
 from cloud_verifier.work import Work
-from common.errors import InvalidRequestError, TargetOutputError
+from common.errors import InvalidRequestError, StaleSessionError, TargetOutputError
 from common.rejection import verify_block
 from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
 
@@ -329,7 +329,7 @@ def test_commit_refused_when_another_replica_holds_the_session(runner, ref):
         sid = opened.session_id
         held = verifier.sessions.held(sid)
         assert store.claim(sid, "another-replica", time.time())
-        with pytest.raises(InvalidRequestError, match="no longer held by replica 'verdict-unit'"):
+        with pytest.raises(StaleSessionError, match="no longer held by replica 'verdict-unit'"):
             await verifier.batcher.verify(held, 1, len(prompt), DraftBlock(tokens[:2]))
         return store.get(sid), verifier.sessions.held(sid)
 
