@@ -151,8 +151,10 @@ def connect(target: RedisTarget, socket_timeout_s: float, *, sentinel_username: 
                                    health_check_interval=30)
     from redis.cluster import ClusterNode, RedisCluster
 
+    # retry off here too: redis-py >= 8 retries a cluster command 10 times with backoff by default, so a ping
+    # during a fail-over would block until the promotion instead of answering "not serving"
     return LazyCluster(lambda: RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
-                                            **common, **auth, **tls))
+                                            retry=Retry(NoBackoff(), 0), **common, **auth, **tls))
 
 
 class LazyCluster:

@@ -601,7 +601,13 @@ def test_two_replicas_share_redis(runner, redis_url):
             v2 = b.VerifyBlock(_block(sid, 2, v1.committed_length, [5]), timeout=WAIT_S)
             assert v2.committed_length == v1.committed_length + v2.num_accepted + 1
             assert _committed(a, sid) == _committed(b, sid) and len(_committed(a, sid)) == v2.committed_length
-            # a stale block (A's view is behind) is refused: the commit is a compare-and-append in Redis
+            # a block to A, whose copy is stale (B holds the session now): refused at the commit, which names
+            # its holder: UNAVAILABLE (retry), nothing committed, A's copy released
+            with pytest.raises(grpc.RpcError) as e:
+                a.VerifyBlock(_block(sid, 2, v1.committed_length, [5]), timeout=WAIT_S)
+            assert _code(e) == grpc.StatusCode.UNAVAILABLE
+            assert len(_committed(b, sid)) == v2.committed_length
+            # the same block retried: A resumes from Redis and finds it behind (a compare-and-append): ended
             with pytest.raises(grpc.RpcError) as e:
                 a.VerifyBlock(_block(sid, 2, v1.committed_length, [5]), timeout=WAIT_S)
             assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT

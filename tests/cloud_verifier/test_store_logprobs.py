@@ -12,7 +12,7 @@ from test_store import _record, _redis_store, _wait_until
 
 from cloud_verifier.store import RedisSessionStore
 from cloud_verifier.store.redis import pack_logprobs, unpack_logprobs
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, StaleSessionError
 from common.types import SamplingParams, StoppingCriteria, TokenLogprobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +42,7 @@ def test_logprobs_committed_with_the_tokens(make):
     with pytest.raises(InvalidRequestError):  # a stale block: refused, nothing appended
         store.append_committed("s1", 3, [9], seq=2, finished=False, finish_reason=None, now=time.time(),
                                verifier_id="v1", logprobs=[_lp(9)])
-    with pytest.raises(InvalidRequestError):  # another replica's commit: refused, nothing appended
+    with pytest.raises(StaleSessionError):  # another replica's commit: refused, nothing appended
         store.append_committed("s1", 5, [9], seq=2, finished=False, finish_reason=None, now=time.time(),
                                verifier_id="v2", logprobs=[_lp(9)])
     store.append_committed("s1", 5, [6], seq=2, finished=True, finish_reason=None, now=time.time(),
