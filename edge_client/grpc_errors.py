@@ -19,13 +19,22 @@ _BROKEN_STREAM_MARKERS = ("rst_stream", "stream removed", "socket closed", "conn
                           "http2 header with status")
 
 
+# Details of a CANCELLED status that this process asked for (a call or channel it cancelled or closed itself).
+_LOCAL_CANCEL_MARKERS = ("locally cancelled", "channel closed")
+
+
 def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
-    """True when a status is a transport failure rather than the verifier's verdict on a request: UNAVAILABLE,
-    and INTERNAL/UNKNOWN/CANCELLED statuses whose details name a reset or broken stream (a load balancer's
-    RST_STREAM or HTTP 502 after its upstream died)."""
+    """True when a status is a transport failure rather than the verifier's verdict on a request: UNAVAILABLE;
+    CANCELLED unless this process cancelled the call itself (the peer or a proxy cancelled it: a replica's
+    transport cancels its streams while it shuts down, "CANCELLED" with no other details — the verifier never
+    answers a request with CANCELLED, and a block is idempotent, so it is retried like UNAVAILABLE); and
+    INTERNAL/UNKNOWN statuses whose details name a reset or broken stream (a load balancer's RST_STREAM or
+    HTTP 502 after its upstream died)."""
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+    if code == grpc.StatusCode.CANCELLED:
+        return not any(m in (details or "").lower() for m in _LOCAL_CANCEL_MARKERS)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
         d = (details or "").lower()
         return any(m in d for m in _BROKEN_STREAM_MARKERS)
     return False
