@@ -140,10 +140,11 @@ class VerifierSettings(BaseSettings):
     ``SPECDEC_KV_BLOCK_SIZE`` (its former name: "block" now means only a draft block) is still read, with a
     warning, for one release; ``SPECDEC_KV_PAGE_SIZE`` wins when both are set."""
 
-    verify_policy: Literal["fixed", "adaptive"] = "fixed"
+    verify_policy: Literal["fixed", "adaptive"] = "adaptive"
     """How much of each draft block a batch step verifies: ``adaptive`` (per row, the prefix that maximises the
-    step's expected committed tokens per second, from a profiled cost model and the calibrated draft confidence)
-    or ``fixed`` (every drafted position, the default: docs/verification.md says why); lossless either way."""
+    step's expected committed tokens per second, from a profiled cost model and the calibrated draft confidence;
+    the default: docs/verification.md has the measurements) or ``fixed`` (every drafted position); lossless either
+    way."""
 
     prefill_chunk_tokens: int = Field(256, ge=1)
     """Prompt tokens per prefill forward pass (chunked prefill), tokens."""

@@ -61,7 +61,7 @@ class Verifier:
             KV, not the recurrent state after it).
         prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
         verify_policy: how much of each block a batch step verifies: ``"adaptive"`` (the lengths that maximise the
-            step's expected tokens/s), ``"fixed"`` (every drafted position; the default), or a
+            step's expected tokens/s; the default), ``"fixed"`` (every drafted position), or a
             :class:`~cloud_verifier.verify_policy.VerifyPolicy` (docs/verification.md).
 
     Tenants: every session belongs to the tenant that opened it (``tenant_id``, "" without authentication);
@@ -87,7 +87,7 @@ class Verifier:
         tenant_limits: TenantLimits | None = None,
         prefix_caching: bool = True,
         prefix_cache_salt: str = "none",
-        verify_policy: str | VerifyPolicy = "fixed",
+        verify_policy: str | VerifyPolicy = "adaptive",
     ):
         self.target = target
         self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)

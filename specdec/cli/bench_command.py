@@ -99,7 +99,7 @@ REPLAY = typer.Option(
 DURATION_S = typer.Option(None, "--duration-s", help="--replay: measured window per N, s (default 20); --chaos: "
                           "how long requests are started and faults injected, s (default 60)")
 VERIFY_POLICY = typer.Option(None, "--verify-policy", help="--replay: the verifier's verify policies side by side, "
-                             "interleaved per N, e.g. fixed,adaptive (default: the verifier's own, fixed)")
+                             "interleaved per N, e.g. fixed,adaptive (default: the verifier's own, adaptive)")
 WAN = typer.Option(None, "--wan", help="One-way WAN latencies, ms, e.g. 0,20,50,100: routes side by side through "
                    "specdec.netem's proxy (JSON; docs/routing.md)")
 ROUTE = typer.Option(None, "--route", help="--wan: routes compared (default: speculative,cloud,auto); --replay: "
