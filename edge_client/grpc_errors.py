@@ -30,12 +30,12 @@ def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
     answers a request with CANCELLED, and a block is idempotent, so it is retried like UNAVAILABLE); and
     INTERNAL/UNKNOWN statuses whose details name a reset or broken stream (a load balancer's RST_STREAM or
     HTTP 502 after its upstream died)."""
+    d = (details or "").lower()
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
     if code == grpc.StatusCode.CANCELLED:
-        return not any(m in (details or "").lower() for m in _LOCAL_CANCEL_MARKERS)
+        return not any(m in d for m in _LOCAL_CANCEL_MARKERS)
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        d = (details or "").lower()
         return any(m in d for m in _BROKEN_STREAM_MARKERS)
     return False
 
