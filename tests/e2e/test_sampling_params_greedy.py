@@ -53,6 +53,17 @@ def clients(tiny_pair, backend):
     return {"agree": spec(tiny_pair.draft_dir), "disagree": spec(tiny_pair.other_draft_dir), "target": target_only}
 
 
+@pytest.fixture(scope="module")
+def fixed_agree(tiny_pair):
+    """The agreeing draft against a verifier that verifies every drafted position (the negative control's case
+    is a block's later rows; an adaptive cut to one position, which timing decides, has none)."""
+    b = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir), max_num_speculative_tokens=8,
+                              verify_policy="fixed"))
+    model = OnnxDraftModel(tiny_pair.draft_dir)
+    yield EdgeClient(b, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4)
+    b.close()
+
+
 def _generate(client, ids, **kw):
     return client.generate(ids, max_new_tokens=N, **kw)
 
@@ -88,7 +99,7 @@ def test_min_tokens_masks_eos_until_reached(tiny_pair, clients):
         assert res.finish_reason.value == "eos"
 
 
-def test_penalty_history_without_the_blocks_draft_tokens_breaks_exactness(clients, monkeypatch):
+def test_penalty_history_without_the_blocks_draft_tokens_breaks_exactness(clients, fixed_agree, monkeypatch):
     """Negative control: every block position penalised with the committed history only (the block's earlier
     draft tokens left out, SGLang's documented approximation) no longer equals target-only decoding."""
     kw = SETTINGS["all"][0]
@@ -101,9 +112,9 @@ def test_penalty_history_without_the_blocks_draft_tokens_breaks_exactness(client
         return logits
 
     monkeypatch.setattr(row_logits, "process_block", same_history_everywhere)
-    assert _generate(clients["agree"], ids, ignore_eos=True, **kw).token_ids != ref
+    assert _generate(fixed_agree, ids, ignore_eos=True, **kw).token_ids != ref
     monkeypatch.undo()
-    assert _generate(clients["agree"], ids, ignore_eos=True, **kw).token_ids == ref
+    assert _generate(fixed_agree, ids, ignore_eos=True, **kw).token_ids == ref
 
 
 def test_logit_bias_minus_100_bans_a_token(clients):
