@@ -29,6 +29,16 @@ Departures from the paper:
   min(1, p/q) or drawn from norm(max(0, p − q)), whose mixture is p (Leviathan et al. 2023, Appendix A.1);
   the position that was the bonus position still yields exactly one token per forward pass.
 
+- **drafter-invariant sessions** (``SamplingParams.drafter_invariant``; Daliri, Musco & Suresh 2024, "Coupling
+  without Communication and Drafter-Invariant Speculative Decoding"): the token at every position t is p_t's own
+  Gumbel-max draw y_t = argmax_x log p_t(x) + G_t(x), the noise G_t(x) a counter draw of (seed, t, x)
+  (:func:`own_draw`; what a cloud decode of the session commits there, as an empty block's bonus token); a draft
+  token is accepted iff it equals y_t, the first that does not is replaced by y_t (the recovered token), and the
+  bonus token is y_t. Lossless trivially (every token is a draw from p), and the output is a function of (p, the
+  seed) alone: the same for any draft, γ, block boundary, verify length or switch point between cloud decode and
+  speculation. The draft draws its tokens from its own q with the same noise (:func:`common.sampling.draft_token`),
+  so x_t = y_t with probability at least (1 − TV)/(1 + TV) (the paper's bound; Algorithm 1 accepts 1 − TV).
+
 The verifier calls :func:`verify_block` once per verify row (one session's block); :func:`verify_greedy` and
 :func:`verify_sampled` are its two cases.
 """
@@ -39,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.draws import gumbel_argmax
 from common.sampling import Stream, dense_draft_probs, logits_to_probs, sample_from, uniform
 from common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
 
@@ -88,6 +99,7 @@ def verify_sampled(
     seed: int,
     start_position: int,  # absolute position of draft_token_ids[0] (= committed length)
     bonus_drafted: bool = False,  # the last draft token stands for the bonus position: target_probs [γ, vocab]
+    drafter_invariant: bool = False,  # the drafter-invariant rule (module docstring): q is not read
 ) -> RejectionResult:
     """Speculative sampling (Leviathan et al. 2023, Algorithm 1): lossless w.r.t. target_probs.
 
@@ -95,10 +107,14 @@ def verify_sampled(
     from norm(max(0, p_i − q_i)); after a full block sample the bonus token from p_γ. With ``bonus_drafted``
     (the bonus_drafted departure of the module docstring) every one of the γ draft tokens goes through the
     acceptance test, ``target_probs`` has γ rows, and a full block returns ``next_token_id = -1`` (no bonus
-    token): the token at absolute position t is then a function of (p_t, q_t, the draws at t) alone.
+    token): the token at absolute position t is then a function of (p_t, q_t, the draws at t) alone. With
+    ``drafter_invariant`` a draft token is accepted iff it equals p_i's own draw, which is the recovered token
+    otherwise (module docstring).
     """
     gamma = len(draft_token_ids)
     vocab = target_probs.shape[-1]
+    if drafter_invariant:
+        return _verify_drafter_invariant(draft_token_ids, target_probs, seed, start_position, bonus_drafted)
     for i in range(gamma):
         x = int(draft_token_ids[i])
         position = start_position + i
@@ -115,6 +131,30 @@ def verify_sampled(
         return RejectionResult(gamma, NO_TOKEN)
     bonus = sample_from(target_probs[gamma], uniform(seed, start_position + gamma, Stream.TARGET_SAMPLE))
     return RejectionResult(gamma, bonus)
+
+
+def own_draw(target_probs: np.ndarray, seed: int, position: int) -> int:
+    """A drafter-invariant session's token at ``position``: the Gumbel-max draw of target_probs [vocab_size]
+    (:func:`common.draws.gumbel_argmax`, ``Stream.GUMBEL``; module docstring).
+
+    Raises:
+        ValueError: ``target_probs`` has no positive mass."""
+    token = gumbel_argmax(np.arange(len(target_probs)), target_probs, seed, position, Stream.GUMBEL)
+    if token < 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    return token
+
+
+def _verify_drafter_invariant(draft_token_ids, target_probs, seed, start_position, bonus_drafted) -> RejectionResult:
+    """The drafter-invariant rule (module docstring): accepted while a draft token is p's own draw there."""
+    gamma = len(draft_token_ids)
+    for i in range(gamma):
+        own = own_draw(target_probs[i], seed, start_position + i)
+        if int(draft_token_ids[i]) != own:
+            return RejectionResult(i, own)
+    if bonus_drafted:
+        return RejectionResult(gamma, NO_TOKEN)
+    return RejectionResult(gamma, own_draw(target_probs[gamma], seed, start_position + gamma))
 
 
 def verify_block(
@@ -145,4 +185,4 @@ def verify_block(
         return verify_greedy(block.draft_token_ids, target_logits, valid_vocab_size, block.bonus_drafted)
     target_probs = logits_to_probs(target_logits, sampling, valid_vocab_size)  # [rows, vocab_size]
     return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, seed, start_position,
-                          block.bonus_drafted)
+                          block.bonus_drafted, bool(sampling.drafter_invariant))

@@ -19,6 +19,7 @@ import enum
 import numpy as np
 
 from common.draft_topk import draft_topk_distribution, draft_topk_from_probs
+from common.draws import gumbel_argmax
 from common.logits import logits_to_probs
 from common.types import SparseDraftProbs
 
@@ -32,6 +33,7 @@ class Stream(enum.IntEnum):
     ACCEPT = 0  # verifier: acceptance test u < p(x)/q(x)
     TARGET_SAMPLE = 1  # verifier: recovered / bonus token, and target-only sampling
     DRAFT_SAMPLE = 2  # edge: sampling of draft tokens
+    GUMBEL = 3  # both: per token id (the counter's third word), drafter-invariant sessions (common.draws)
 
 
 _MASK64 = (1 << 64) - 1
@@ -96,9 +98,13 @@ def draft_token(
 ) -> tuple[int, np.ndarray | None, np.ndarray | None]:  # (token id, [k] ids, [k] float32 q) or (id, None, None)
     """The draft's token at one position: the argmax of the valid ids (greedy), or a draw from its top-k q
     (:func:`draft_topk_distribution`) with ``uniform(seed, position, Stream.DRAFT_SAMPLE)``, returned with that
-    q so it goes on the wire as exactly the distribution the token was drawn from."""
+    q so it goes on the wire as exactly the distribution the token was drawn from. A drafter-invariant session
+    (:mod:`common.rejection`) draws it from q with the verifier's own Gumbel noise (:func:`gumbel_argmax`,
+    ``Stream.GUMBEL``): the coupling that makes it the target's draw as often as q is close to p."""
     if sampling.greedy:
         return int(np.argmax(logits[:valid_vocab_size])), None, None
     ids, q = draft_topk_distribution(logits, sampling, draft_top_k, valid_vocab_size)
+    if sampling.drafter_invariant:
+        return gumbel_argmax(ids, normalize_sparse(q), seed, position, Stream.GUMBEL), ids, q
     j = sample_from(normalize_sparse(q), uniform(seed, position, Stream.DRAFT_SAMPLE))
     return int(ids[j]), ids, q

@@ -54,6 +54,11 @@ class SamplingParams:
         top_logprobs: that many alternatives too (0..MAX_TOP_LOGPROBS; needs logprobs).
     grammar: structured output, a :class:`common.grammar.GrammarSpec` as JSON ("" = none): the ids it forbids get
         -inf at every position before everything above (both sides; the turn's output must match it).
+    drafter_invariant: sampled sessions: the drafter-invariant rule of :mod:`common.rejection` (the token at
+        every position is target-only sampling's draw, whatever was drafted, so a seeded session's tokens do not
+        depend on the draft, the route or its switch points); False: Algorithm 1 (more accepted tokens); None:
+        the edge's route decides (on for seeded sampled ``auto`` and ``cloud-first`` generations, whose switch
+        points timing decides), off on the verifier.
     """
 
     temperature: float = 0.0
@@ -69,6 +74,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str = ""
+    drafter_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias

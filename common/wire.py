@@ -70,6 +70,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         top_logprobs=params.top_logprobs,
         grammar=params.grammar,
     )
+    if params.drafter_invariant is not None:  # unset: the verifier's default (off)
+        msg.drafter_invariant = bool(params.drafter_invariant)
     for token_id, bias in params.logit_bias:
         msg.logit_bias[int(token_id)] = float(bias)
     return msg
@@ -93,6 +95,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=bool(msg.logprobs),
         top_logprobs=int(msg.top_logprobs),
         grammar=str(msg.grammar),
+        drafter_invariant=bool(msg.drafter_invariant) if msg.HasField("drafter_invariant") else None,
     )
 
 

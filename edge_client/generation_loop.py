@@ -28,7 +28,7 @@ from edge_client.context import GenerationContext
 from edge_client.fallback import decode_on_device
 from edge_client.generation import Run, with_seed
 from edge_client.output import Chunk, TextOutput
-from edge_client.routing import decode_device, run_session, start_route
+from edge_client.routing import decode_device, run_session, start_route, with_drafter_invariance
 
 __all__ = ["KeptSession", "close_session", "generate"]
 
@@ -92,6 +92,7 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
     failovers_before = getattr(client.backend, "num_failovers", 0)
     requested_seed = sampling.seed
     run = _start(client, prompt_ids, sampling, stopping, route)
+    sampling = with_drafter_invariance(sampling, run.route.requested)
     yield from decode_device(client, run, sampling)  # route=device only: the draft alone, to the end
     while run.finish_reason is None:
         if len(run.session_ids) >= MAX_SESSIONS:

@@ -17,7 +17,7 @@ __all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "g
 # keyword options of a generation (those of generation_params)
 GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
                       "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                      "min_tokens", "min_p", "logprobs", "top_logprobs", "grammar")
+                      "min_tokens", "min_p", "logprobs", "top_logprobs", "grammar", "drafter_invariant")
 
 
 def check_generation_options(options: Mapping) -> None:
@@ -48,6 +48,7 @@ def generation_params(
     logprobs: bool = SamplingParams.logprobs,
     top_logprobs: int = SamplingParams.top_logprobs,
     grammar=None,
+    drafter_invariant: bool | None = None,
 ) -> tuple[SamplingParams, StoppingCriteria]:
     """The sampling parameters and stopping criteria of one generation, checked.
 
@@ -65,6 +66,9 @@ def generation_params(
             top_logprobs: and that many alternatives (0..20).
         grammar: structured output: a :class:`common.grammar.GrammarSpec` (json_object, json_schema, regex, choice,
             Lark/GBNF grammar) or its JSON; None = none. Checked by compiling it on the verifier at OpenSession.
+        drafter_invariant: sampled tokens that do not depend on the draft or the route's switch points (the
+            target-only draws of the seed; fewer accepted tokens); None = on for seeded ``auto`` and
+            ``cloud-first`` generations (:func:`edge_client.routing.with_drafter_invariance`).
 
     Raises:
         InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,
@@ -73,7 +77,8 @@ def generation_params(
     sampling = SamplingParams(
         temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}), min_tokens=min_tokens, min_p=min_p,
-        logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, grammar=_grammar_json(grammar))
+        logprobs=bool(logprobs or top_logprobs), top_logprobs=top_logprobs, grammar=_grammar_json(grammar),
+        drafter_invariant=None if drafter_invariant is None else bool(drafter_invariant))
     stopping = StoppingCriteria(max_new_tokens, tuple(stop_token_ids), tuple(stop), bool(ignore_eos))
     try:
         sampling.validate()
@@ -104,7 +109,8 @@ def generation_options(sampling: SamplingParams) -> dict:
                 repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
                 min_tokens=sampling.min_tokens, min_p=sampling.min_p, logprobs=sampling.logprobs,
-                top_logprobs=sampling.top_logprobs, grammar=sampling.grammar or None)
+                top_logprobs=sampling.top_logprobs, grammar=sampling.grammar or None,
+                drafter_invariant=sampling.drafter_invariant)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:

@@ -28,6 +28,7 @@ The choice and each switch are reported in :attr:`GenerationResult.route <edge_c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from edge_client.output import Chunk
 
 __all__ = ["ROUTES", "CostModelSwitcher", "RouteEstimates", "RouteRun", "RouteSwitcher", "check_route", "decode_device",
-           "run_session", "start_route", "stop_prefill"]
+           "run_session", "start_route", "stop_prefill", "with_drafter_invariance"]
 
 ROUTES = ("speculative", "cloud", "device", "auto", "cloud-first")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
@@ -204,6 +205,17 @@ def _chunk_until_ready(rr: RouteRun) -> int:
     if left_s is None or not step_ms:
         return CLOUD_FIRST_CHUNK
     return int(min(FIRST_CLOUD_CHUNK, max(MIN_CLOUD_FIRST_CHUNK, math.ceil(1000 * left_s / step_ms) + 1)))
+
+
+def with_drafter_invariance(sampling: SamplingParams, requested: str) -> SamplingParams:
+    """``sampling`` with ``drafter_invariant`` decided when it is None: on for a seeded sampled ``auto`` or
+    ``cloud-first`` generation, whose switch points between cloud decode and speculation timing decides (its
+    tokens are then those of a cloud decode with the seed, whatever the switches: :mod:`common.rejection`), and
+    for ``cloud``, so that those are its tokens; off otherwise (Algorithm 1 accepts more)."""
+    if sampling.drafter_invariant is not None:
+        return sampling
+    on = requested in ("auto", "cloud-first", "cloud") and not sampling.greedy and sampling.seed is not None
+    return dataclasses.replace(sampling, drafter_invariant=on)
 
 
 def start_route(client: GenerationContext, route: str | None) -> RouteRun:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier.verdict.draws import uniform_many
+from common.draws import gumbel_argmax, uniform_many
 from cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
 from cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
 from common.rejection import RejectionResult
@@ -59,8 +59,11 @@ class BatchedRejectionSampler:
     - recovered token: at the first rejection, the inverse-CDF sample of norm(max(0, p − q)) (p where that has
       no mass) with u_sample = ``uniform(seed, position, TARGET_SAMPLE)``; bonus token: the same from p after a
       fully accepted classic block (q = 0 there); greedy rows: the argmax.
+    - drafter-invariant rows (``SamplingParams.drafter_invariant``, :mod:`common.rejection`): x is accepted iff
+      it is p's own Gumbel-max draw at its position (:func:`common.draws.gumbel_argmax`, over the candidates
+      when they hold p, else the dense row), which is the recovered / bonus token too; q is not read.
 
-    The draws are computed on the host exactly as today (:func:`cloud_verifier.verdict.draws.uniform_many`,
+    The draws are computed on the host exactly as today (:func:`common.draws.uniform_many`,
     bit-identical to :func:`common.sampling.uniform`), a few numbers per row, and passed in. Per row the
     result is a RejectionResult, or the reason (str) why its logits cannot be verified: NaN, +inf, a
     position with no finite logit, or no distribution to sample from (the guard rules of
@@ -272,21 +275,44 @@ class _SampledPart:
             p_dense = self.dense.gather(1, x_d.clamp(min=0, max=vocab - 1)[:, None])[:, 0]
             p_x[dense_at] = torch.where(x_d < vocab, p_dense, 0.0)  # ids past the valid vocabulary: p = 0
         q_x = (self.q_probs * (self.q_ids == x[:, None])).sum(-1)  # [n] q(x)
-        accepted = (u_accept * q_x < p_x) & (x >= 0) & ~bad  # accept iff u < p/q <=> u·q < p
-        accept[tokens] = accepted.cpu().numpy()
+        accepted = ((u_accept * q_x < p_x) & (x >= 0) & ~bad).cpu().numpy()  # accept iff u < p/q <=> u·q < p
         self.bad = bad.cpu().numpy()
         self.dev = dev
+        # drafter-invariant rows: x accepted iff it is p's own draw, which is also their recovered / bonus token
+        invariant = np.flatnonzero([bool(params[j].drafter_invariant) for j in range(len(tokens))])
+        self.own = {int(j): self._own_draw(int(j)) for j in invariant}  # local position -> token (NO_TOKEN: bad)
+        if invariant.size:
+            own = np.asarray([self.own[int(j)] for j in invariant])
+            accepted[invariant] = (own == lay.draft[np.asarray(tokens)[invariant]]) & ~self.bad[invariant]
+        accept[tokens] = accepted
         # where the sampled positions were decided (the benchmark reports it): fast path, the exact normaliser
         # (the scan's bounds left a top-p decision open), the dense path
         self.paths = {"positions": len(tokens), "exact_normaliser": len(z_open_at), "dense": len(dense_at)}
+
+    def _own_draw(self, j: int) -> int:
+        """p's Gumbel-max draw at local position ``j`` (common.rejection.own_draw; NO_TOKEN at a bad position):
+        over the candidates when they hold p, else over the dense row."""
+        if self.bad[j]:
+            return NO_TOKEN
+        if j in self.dense_row:
+            p = self.dense[self.dense_row[j]].cpu().numpy()
+            ids = np.arange(len(p))
+        else:
+            ids, p = self.ids[j].cpu().numpy(), self.probs[j].cpu().numpy()
+        token = gumbel_argmax(ids, p, self.seeds[j], int(self.positions[j]), Stream.GUMBEL)
+        return NO_TOKEN if token < 0 else token
 
     def sample(self, tokens: list[int]) -> list[int]:
         """Recovered / bonus token at each given token's position (NO_TOKEN: no distribution to sample from)."""
         local = [self.index[t] for t in tokens]
         out = np.full(len(local), NO_TOKEN, dtype=np.int64)
+        for j, t in enumerate(local):
+            if t in self.own:
+                out[j] = self.own[t]
         dev = self.dev
-        sparse = [j for j, t in enumerate(local) if t not in self.dense_row and not self.bad[t]]
-        dense = [j for j, t in enumerate(local) if t in self.dense_row]
+        rest = [t not in self.own for t in local]
+        sparse = [j for j, t in enumerate(local) if rest[j] and t not in self.dense_row and not self.bad[t]]
+        dense = [j for j, t in enumerate(local) if rest[j] and t in self.dense_row]
         u = uniform_many([self.seeds[j] for j in local], self.positions[local],
                          [Stream.TARGET_SAMPLE] * len(local))  # [len(tokens)] host
         if sparse:

@@ -181,11 +181,12 @@ def set_verify_lengths(policy: VerifyPolicy, batch: list) -> None:
     prefix: :func:`truncate_block`; chosen again from the whole block when a row waits for KV pages). A classic
     block of a seeded sampled session is always verified whole: a prefix of it would sample where the whole block
     judges (its edge keeps a timing-independent schedule for such sessions; a bonus_drafted block's tokens do not
-    depend on the cut)."""
+    depend on the cut, nor do a drafter-invariant session's)."""
     fixed, verify = 0, []
     for w in batch:
         sampling = w.session.record.sampling
-        if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None):
+        if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None
+                                         or sampling.drafter_invariant):
             verify.append(w)
         else:
             fixed += len(w.tokens)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.verdict.draws import uniform_many
+from common.draws import uniform_many
 from cloud_verifier.verdict.numerics import verify_row, verify_rows
 from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
 from cloud_verifier.verdict.scan_native import available as native_available
@@ -86,6 +86,11 @@ def test_draws_are_common_sampling_uniform_bit_for_bit():
     got = uniform_many(seeds, positions, streams)
     want = [uniform(s, p, Stream(t)) for s, p, t in zip(seeds, positions, streams)]
     assert got.tolist() == want
+    # a token id in the counter's third word (the Gumbel noise of drafter-invariant sessions): numpy's own
+    token_ids = [int(x) for x in rng.integers(0, 200_000, len(seeds))]
+    want = [float(np.random.Generator(np.random.Philox(key=s, counter=[p, t, x, 0])).random())
+            for s, p, t, x in zip(seeds, positions, streams, token_ids)]
+    assert uniform_many(np.asarray(seeds, dtype=np.uint64), positions, streams, token_ids).tolist() == want
 
 
 def test_greedy_rows_token_identical_to_the_reference():

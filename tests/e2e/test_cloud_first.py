@@ -2,8 +2,8 @@
 first tokens while the draft prefills in its own thread, then the session goes on speculatively: greedy output
 token-identical to target-only (HF generate), one session, tokens from both modes; a seeded sampled generation
 with a forced hand-over point (an injected RouteSwitcher) gives the same tokens on every run whatever the draft's
-speed (a fast draft, one slowed 4x: its prefill ends at another time), and another hand-over point another
-reproducible sequence. The hand-over comes mid-stream, at the token the draft is ready (StopDecode ends the
+speed (a fast draft, one slowed 4x: its prefill ends at another time), and, drafter-invariant (its default), the
+same tokens at another hand-over point, on the cloud alone and on speculation alone (Algorithm 1: other tokens). The hand-over comes mid-stream, at the token the draft is ready (StopDecode ends the
 Decode call at a token boundary; the tokens committed until the stop lands are read to the stream's end): a
 seeded sampled generation handed over that way gives exactly the tokens of one handed over at a chunk end at the
 same token."""
@@ -230,3 +230,33 @@ def test_auto_explores_a_close_cloud_pick_on_thin_estimates_and_stays_target_onl
     assert explored["switches"][0]["to"] == "speculative" and explored["tokens"]["speculative"] > 0, explored
     assert kept["initial"] == kept["final"] == "cloud" and "explore" not in kept, kept
     assert kept["tokens"]["cloud"] == 48 and not kept["switches"], kept
+
+
+def test_seeded_sampled_tokens_are_the_same_at_any_switch_point(served, draft):
+    """A seeded sampled cloud-first generation is drafter-invariant (common.rejection): handed over after 2 or
+    after 20 cloud tokens, or sent wholly to the cloud or to speculation (invariance asked for), the same tokens,
+    those of cloud decode with the seed. Negative control: with Algorithm 1 (drafter_invariant=False) the two
+    hand-over points give other tokens."""
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    kw = dict(max_new_tokens=40, temperature=1.0, top_k=20, ignore_eos=True, seed=23)
+    with GrpcBackend(served) as backend:
+        def run(route, k=None, **more):
+            switcher = HandOverAfter(k) if k is not None else None
+            client = _client(backend, ModelDrafter(draft, draft_top_k=5), draft.tokenizer, route=route,
+                             route_switcher=switcher)
+            return client.generate(ids, **kw, **more)
+
+        cloud = run("cloud").token_ids
+        handed = {k: run("cloud-first", k) for k in (2, 20)}
+        speculative = run("speculative", drafter_invariant=True)
+        classic = run("speculative").stats.acceptance_rate  # Algorithm 1 (the speculative route's default)
+        algorithm_1 = {k: run("cloud-first", k, drafter_invariant=False).token_ids for k in (2, 20)}
+    for k, result in handed.items():
+        assert [s["at_token"] for s in result.route["switches"]] == [k]
+        assert result.route["tokens"]["speculative"] == 40 - k
+        assert result.token_ids == cloud, k
+    assert speculative.token_ids == cloud
+    accepted = speculative.stats.acceptance_rate
+    print(f"\nacceptance rate: drafter-invariant {accepted:.2f}, Algorithm 1 {classic:.2f}")
+    assert accepted > 0.2  # the draft's coupled draws match the target's often: blocks are accepted in part
+    assert algorithm_1[2] != algorithm_1[20]
