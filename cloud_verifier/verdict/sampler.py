@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.draws import gumbel_argmax, uniform_many
 from cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
 from cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
+from common.draws import gumbel_argmax, uniform_many
 from common.rejection import RejectionResult
 from common.sampling import Stream, normalize_sparse
 from common.types import NO_TOKEN, DraftBlock, SamplingParams
