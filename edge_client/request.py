@@ -67,7 +67,7 @@ def generation_params(
         grammar: structured output: a :class:`common.grammar.GrammarSpec` (json_object, json_schema, regex, choice,
             Lark/GBNF grammar) or its JSON; None = none. Checked by compiling it on the verifier at OpenSession.
         drafter_invariant: sampled tokens that do not depend on the draft or the route's switch points (the
-            target-only draws of the seed; fewer accepted tokens); None = on for seeded ``auto`` and
+            target-only draws of the seed; fewer accepted tokens); None = on for seeded ``auto``, ``cloud`` and
             ``cloud-first`` generations (:func:`edge_client.routing.with_drafter_invariance`).
 
     Raises:
