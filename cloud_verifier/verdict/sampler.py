@@ -280,7 +280,7 @@ class _SampledPart:
         self.dev = dev
         # drafter-invariant rows: x accepted iff it is p's own draw, which is also their recovered / bonus token
         invariant = np.flatnonzero([bool(params[j].drafter_invariant) for j in range(len(tokens))])
-        self.own = {int(j): self._own_draw(int(j)) for j in invariant}  # local position -> token (NO_TOKEN: bad)
+        self.own = self._own_draws(invariant.tolist())  # local position -> token (NO_TOKEN: bad)
         if invariant.size:
             own = np.asarray([self.own[int(j)] for j in invariant])
             accepted[invariant] = (own == lay.draft[np.asarray(tokens)[invariant]]) & ~self.bad[invariant]
@@ -289,18 +289,23 @@ class _SampledPart:
         # (the scan's bounds left a top-p decision open), the dense path
         self.paths = {"positions": len(tokens), "exact_normaliser": len(z_open_at), "dense": len(dense_at)}
 
-    def _own_draw(self, j: int) -> int:
-        """p's Gumbel-max draw at local position ``j`` (common.rejection.own_draw; NO_TOKEN at a bad position):
-        over the candidates when they hold p, else over the dense row."""
-        if self.bad[j]:
-            return NO_TOKEN
-        if j in self.dense_row:
-            p = self.dense[self.dense_row[j]].cpu().numpy()
-            ids = np.arange(len(p))
-        else:
-            ids, p = self.ids[j].cpu().numpy(), self.probs[j].cpu().numpy()
-        token = gumbel_argmax(ids, p, self.seeds[j], int(self.positions[j]), Stream.GUMBEL)
-        return NO_TOKEN if token < 0 else token
+    def _own_draws(self, local: list[int]) -> dict[int, int]:
+        """p's Gumbel-max draw at each local position (common.rejection.own_draw; NO_TOKEN at a bad one): over
+        the candidates when they hold p, else over the dense row. One host copy of each kind of row per step."""
+        own = {j: NO_TOKEN for j in local if self.bad[j]}
+        dense = [j for j in local if not self.bad[j] and j in self.dense_row]
+        sparse = [j for j in local if not self.bad[j] and j not in self.dense_row]
+        if dense:
+            rows = self.dense[torch.as_tensor([self.dense_row[j] for j in dense], device=self.dev)].cpu().numpy()
+            vocab_ids = np.arange(rows.shape[1])
+            own.update({j: gumbel_argmax(vocab_ids, p, self.seeds[j], int(self.positions[j]), Stream.GUMBEL)
+                        for j, p in zip(dense, rows)})
+        if sparse:
+            at = torch.as_tensor(sparse, device=self.dev)
+            ids, probs = self.ids[at].cpu().numpy(), self.probs[at].cpu().numpy()
+            own.update({j: gumbel_argmax(i, p, self.seeds[j], int(self.positions[j]), Stream.GUMBEL)
+                        for j, i, p in zip(sparse, ids, probs)})
+        return {j: NO_TOKEN if t < 0 else int(t) for j, t in own.items()}
 
     def sample(self, tokens: list[int]) -> list[int]:
         """Recovered / bonus token at each given token's position (NO_TOKEN: no distribution to sample from)."""
