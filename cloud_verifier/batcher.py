@@ -22,15 +22,15 @@ The verifier batches that step across sessions: continuous batching at verify-st
    (:mod:`cloud_verifier.verify_policy`: every position, or adaptive). Then **KV pages**: every row's pages,
    earliest admitted session first; when the paged pool is short, sessions admitted later are preempted (their
    pages dropped, their KV recomputed at their next row) and a row that still finds none waits for the next step
-   (:mod:`cloud_verifier.kv_scheduler`).
-4. **Forward**: ONE ragged target forward pass over all rows (:meth:`~cloud_verifier.target.TargetRunner.forward`).
+   (:mod:`cloud_verifier.kv.scheduler`).
+4. **Forward**: ONE ragged target forward pass over all rows (:meth:`~cloud_verifier.target.runner.TargetRunner.forward`).
 5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature 0,
    speculative sampling otherwise, each session with its own counter-based random stream, so its output does not
    depend on which sessions share its batches); stopping over the candidate tokens (EOS, stop strings, length,
    context: nothing after the earliest stop is committed); the commit to the store, a compare-and-append on the
    committed length (a stale replica cannot commit: its copy is dropped, the next block resumes from the store).
 
-Sessions and the deferred KV release: :mod:`cloud_verifier.sessions`; block validation: :mod:`~.validation`.
+Sessions and the deferred KV release: :mod:`cloud_verifier.session.table`; block validation: :mod:`~.validation`.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cloud_verifier import metrics
-from cloud_verifier.kv_scheduler import KVScheduler
-from cloud_verifier.session_state import Session
-from cloud_verifier.sessions import SessionTable
-from cloud_verifier.store import SessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
-from cloud_verifier.verify_policy import VerifyPolicy, profile_forward, set_verify_lengths
-from cloud_verifier.work import Work
-from common.errors import (InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError,
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.kv.scheduler import KVScheduler
+from specdec_runtime.cloud_verifier.session.state import Session
+from specdec_runtime.cloud_verifier.session.table import SessionTable
+from specdec_runtime.cloud_verifier.store import SessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
+from specdec_runtime.cloud_verifier.verify_policy import VerifyPolicy, profile_forward, set_verify_lengths
+from specdec_runtime.cloud_verifier.work import Work
+from specdec_runtime.common.errors import (InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError,
                            StaleSessionError, VerifierUnavailableError)
-from common.rejection import RejectionResult
-from common.types import DraftBlock, Verdict
+from specdec_runtime.common.rejection import RejectionResult
+from specdec_runtime.common.types import DraftBlock, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class Batcher:
         stopping and the commit.
 
         Returns one result per item: a Verdict (verify), None (prefill), the exception to raise, or _DEFERRED
-        (no KV pages for it this step: :meth:`cloud_verifier.kv_scheduler.KVScheduler.plan`)."""
+        (no KV pages for it this step: :meth:`cloud_verifier.kv.scheduler.KVScheduler.plan`)."""
         start = time.perf_counter()
         set_verify_lengths(self.verify_policy, batch)  # the part of each block this step verifies
         planned = self.kv.plan(batch)  # pages for every row (preempting later sessions), or the item deferred

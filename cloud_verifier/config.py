@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.types import MAX_NUM_SPECULATIVE_TOKENS
+from specdec_runtime.common.types import MAX_NUM_SPECULATIVE_TOKENS
 
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class VerifierSettings(BaseSettings):
     """Weights and KV cache of the target: ``auto`` = bfloat16 on CUDA, float32 on CPU."""
 
     compile: Literal["off", "torch_compile", "cuda_graphs"] = "off"
-    """How the target's verify/decode forward runs (:mod:`cloud_verifier.compiled_forward`): ``off`` = eagerly;
+    """How the target's verify/decode forward runs (:mod:`cloud_verifier.target.compiled_forward`): ``off`` = eagerly;
     ``torch_compile`` = decoder + LM head through ``torch.compile`` (dynamic shapes; the first passes compile,
     seconds to minutes); ``cuda_graphs`` = captured CUDA graphs for uniform verify/decode batches (rows bucketed
     to powers of two; prefill stays eager), eager with one log line off CUDA. Off by default: on the CPU the

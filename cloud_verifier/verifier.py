@@ -2,9 +2,9 @@
 
 One :class:`Verifier` serves many edge sessions over one target model. It is a thin layer over three parts:
 
-- :mod:`cloud_verifier.validation`: what a request or a draft block must satisfy (checked before anything
+- :mod:`cloud_verifier.session.validation`: what a request or a draft block must satisfy (checked before anything
   changes);
-- :mod:`cloud_verifier.sessions`: the session table (admission, chunked prefill, resume from the store,
+- :mod:`cloud_verifier.session.table`: the session table (admission, chunked prefill, resume from the store,
   deferred KV release, reaping idle sessions, gauges);
 - :mod:`cloud_verifier.batcher`: the batched verify step (one target forward pass over the blocks of many
   sessions, then the rejection rule, stopping and the compare-and-append commit per block).
@@ -22,19 +22,19 @@ import functools
 import logging
 from pathlib import Path
 
-from cloud_verifier.batcher import Batcher
-from cloud_verifier.limits import TenantLimits
-from cloud_verifier.prefix_cache import attach_prefix_cache
-from cloud_verifier.grammar_state import check_grammar, register_target
-from cloud_verifier.session_state import Session
-from cloud_verifier.sessions import SessionTable
-from cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.validation import check_extend_request, check_open_request, validate_block
-from cloud_verifier.verify_policy import VerifyPolicy, make_verify_policy
-from common.errors import SessionNotFoundError, VerifierUnavailableError
-from common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
-from common.vocab import tokenizer_fingerprint
+from specdec_runtime.cloud_verifier.batcher import Batcher
+from specdec_runtime.cloud_verifier.security.limits import TenantLimits
+from specdec_runtime.cloud_verifier.kv.prefix_cache import attach_prefix_cache
+from specdec_runtime.cloud_verifier.session.grammar import check_grammar, register_target
+from specdec_runtime.cloud_verifier.session.state import Session
+from specdec_runtime.cloud_verifier.session.table import SessionTable
+from specdec_runtime.cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.session.validation import check_extend_request, check_open_request, validate_block
+from specdec_runtime.cloud_verifier.verify_policy import VerifyPolicy, make_verify_policy
+from specdec_runtime.common.errors import SessionNotFoundError, VerifierUnavailableError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
+from specdec_runtime.common.vocab import tokenizer_fingerprint
 
 
 class Verifier:
@@ -55,9 +55,9 @@ class Verifier:
         reap_interval_s: how often idle sessions are looked for, s.
         busy_wait_s: how long a block waits for the previous block of its session to end (e.g. one whose
             stream the client cancelled and resent at once) before it is refused as a second block in flight, s.
-        tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.limits`); None = none.
+        tenant_limits: per-tenant session cap and verify rate (:mod:`cloud_verifier.security.limits`); None = none.
         prefix_caching: share the KV pages of identical leading tokens across sessions
-            (:mod:`cloud_verifier.prefix_cache`); False = off. Always off for hybrid targets (a cached page holds
+            (:mod:`cloud_verifier.kv.prefix_cache`); False = off. Always off for hybrid targets (a cached page holds
             KV, not the recurrent state after it).
         prefix_cache_salt: ``"none"`` (shared by every tenant) or ``"tenant"`` (shared within a tenant only).
         verify_policy: how much of each block a batch step verifies: ``"adaptive"`` (the lengths that maximise the
@@ -135,8 +135,8 @@ class Verifier:
             ValueError: unknown device or dtype, or a CUDA device where CUDA is not available (one line).
             common.paths.ModelNotFoundError: the target directory is not a causal-LM directory.
         """
-        from cloud_verifier.store import make_store
-        from common.paths import default_model_paths
+        from specdec_runtime.cloud_verifier.store import make_store
+        from specdec_runtime.common.paths import default_model_paths
 
         target_dir = settings.target or default_model_paths().target_dir
         runner = TargetRunner(

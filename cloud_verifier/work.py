@@ -7,8 +7,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from cloud_verifier.session_state import Session
-from common.types import DraftBlock
+from specdec_runtime.cloud_verifier.session.state import Session
+from specdec_runtime.common.types import DraftBlock
 
 __all__ = ["Work"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from common.types import FinishReason
+from specdec_runtime.common.types import FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.logits import logits_to_probs
-from common.types import SamplingParams
+from specdec_runtime.common.logits import logits_to_probs
+from specdec_runtime.common.types import SamplingParams
 
 _DRAFT_MAX_TIED = 4096  # draft_topk_distribution: more tokens tied at its k-th largest logit go the reference's way
 
@@ -73,7 +73,7 @@ def draft_topk_distribution(
     normaliser's exp is float32; they differ by rounding only, so the kept prefix can differ only when the
     mass of the tokens before a candidate is within ~1e-7 of top_p, and q's probabilities by ~1e-7. Either
     way q stays exactly the distribution the draft samples from (it samples from this q), which is all
-    losslessness asks of the draft (:class:`edge_client.drafter.Drafter`); the verifier's target_probs keep
+    losslessness asks of the draft (:class:`edge_client.drafting.drafter.Drafter`); the verifier's target_probs keep
     the reference's exact semantics. Rows that are not finite, and greedy params, go through the reference.
     """
     logits = np.asarray(logits)

@@ -1,4 +1,4 @@
-"""Errors of specdec, each mapped to one gRPC status code (cloud_verifier.server maps them; the edge client
+"""Errors of specdec, each mapped to one gRPC status code (cloud_verifier.serving.server maps them; the edge client
 maps status codes back). Messages are one line, fit for a CLI error."""
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ _LOCK = threading.Lock()
 
 def tokenizer_json(tokenizer) -> str:
     """The ``tokenizer.json`` text of a ``tokenizers.Tokenizer``, a Hugging Face fast tokenizer
-    (``backend_tokenizer``) or an :class:`edge_client.tokenizer.EdgeTokenizer`; a str is returned as given.
+    (``backend_tokenizer``) or an :class:`edge_client.drafting.tokenizer.EdgeTokenizer`; a str is returned as given.
 
     Raises ValueError: none of these (a slow tokenizer)."""
     if isinstance(tokenizer, str):
@@ -245,7 +245,7 @@ class CompiledGrammar:
         self._template = template
 
     def matcher(self) -> "GrammarMatcher":
-        from common.grammar_matcher import GrammarMatcher
+        from specdec_runtime.common.grammar_matcher import GrammarMatcher
 
         return GrammarMatcher(self._template.deep_copy(), self.tokenizer.vocab_size, self.spec,
                               self.tokenizer.eos_token_ids)
@@ -300,4 +300,4 @@ def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return logits
 
 
-from common.grammar_matcher import GrammarMatcher  # noqa: E402  (re-exported; it imports nothing from here)
+from specdec_runtime.common.grammar_matcher import GrammarMatcher  # noqa: E402  (re-exported; it imports nothing from here)

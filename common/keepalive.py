@@ -1,8 +1,8 @@
 """HTTP/2 keepalive: the edge's pings and the verifier's ping policy, defined together so that they agree.
 
-The edge (``edge_client.grpc_backend``) pings its connection every ``CLIENT_KEEPALIVE_TIME_MS`` — with or
+The edge (``edge_client.transport.grpc_backend``) pings its connection every ``CLIENT_KEEPALIVE_TIME_MS`` — with or
 without calls in flight — to keep NAT and load-balancer mappings of a WAN link alive and to find a dead peer
-(no ping ack within ``CLIENT_KEEPALIVE_TIMEOUT_MS``). The verifier (``cloud_verifier.server``) enforces gRPC's
+(no ping ack within ``CLIENT_KEEPALIVE_TIMEOUT_MS``). The verifier (``cloud_verifier.serving.server``) enforces gRPC's
 ping policy: a ping that arrives less than ``SERVER_MIN_PING_INTERVAL_MS`` after the previous one while no data
 flows is a "strike"; after ``SERVER_MAX_PING_STRIKES`` strikes the server closes the connection with GOAWAY
 ``too_many_pings``. Both sides must permit pings without calls (an idle edge keeps its connection).

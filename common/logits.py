@@ -10,8 +10,8 @@ import functools
 
 import numpy as np
 
-from common.top_p import top_p_keep
-from common.types import SamplingParams
+from specdec_runtime.common.top_p import top_p_keep
+from specdec_runtime.common.types import SamplingParams
 
 
 def logits_to_probs(
@@ -116,7 +116,7 @@ def exp64(
     checks it), so a row's probabilities do not depend on the rows around it; values are within an ulp of
     libm's. Both :func:`logits_to_probs` and its reference use it (they stay bit-identical).
 
-    Without torch (an edge install, ``specdec[edge]``) numpy's exp, also element for element: the draft's q only
+    Without torch (an edge install, ``specdec-edgecloud[edge]``) numpy's exp, also element for element: the draft's q only
     has to be the distribution the draft sampled from, never bit-identical to the verifier's p."""
     torch = _torch()
     if torch is None:

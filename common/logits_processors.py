@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from common.types import SamplingParams
+from specdec_runtime.common.types import SamplingParams
 
 __all__ = ["TokenHistory", "process_block"]
 

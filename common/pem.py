@@ -1,7 +1,7 @@
 """Reading PEM material (certificates, private keys, CA bundles) for TLS, on both sides of the wire.
 
-One function, used by the verifier's server credentials (:mod:`cloud_verifier.security`) and the edge's channel
-credentials (:mod:`edge_client.credentials`), so both report a bad file with the same one-line message.
+One function, used by the verifier's server credentials (:mod:`cloud_verifier.security.transport`) and the edge's channel
+credentials (:mod:`edge_client.transport.credentials`), so both report a bad file with the same one-line message.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.draws import gumbel_argmax
-from common.sampling import Stream, dense_draft_probs, logits_to_probs, sample_from, uniform
-from common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.common.draws import gumbel_argmax
+from specdec_runtime.common.sampling import Stream, dense_draft_probs, logits_to_probs, sample_from, uniform
+from specdec_runtime.common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def verify_block(
     processed exactly as the draft processed its own (:func:`common.sampling.logits_to_probs`: temperature →
     top-k → top-p) into target_probs [γ + 1, vocab_size] and :func:`verify_sampled` applies Algorithm 1.
     ``block.bonus_drafted`` selects the bonus_drafted rule (module docstring; logits have γ rows then).
-    Block validation (cloud_verifier.validation) must have run: every draft token has q(x) > 0, and a
+    Block validation (cloud_verifier.session.validation) must have run: every draft token has q(x) > 0, and a
     bonus_drafted block is not empty.
 
     Raises:

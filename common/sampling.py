@@ -18,10 +18,10 @@ import enum
 
 import numpy as np
 
-from common.draft_topk import draft_topk_distribution, draft_topk_from_probs
-from common.draws import gumbel_argmax
-from common.logits import logits_to_probs
-from common.types import SparseDraftProbs
+from specdec_runtime.common.draft_topk import draft_topk_distribution, draft_topk_from_probs
+from specdec_runtime.common.draws import gumbel_argmax
+from specdec_runtime.common.logits import logits_to_probs
+from specdec_runtime.common.types import SparseDraftProbs
 
 __all__ = ["Stream", "dense_draft_probs", "draft_token", "draft_topk_distribution", "logits_to_probs", "normalize_sparse",
            "sample_from", "draft_topk_from_probs", "uniform"]

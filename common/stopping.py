@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from common.detok import IncrementalDecoder, find_stop_string
-from common.types import FinishReason, StoppingCriteria
+from specdec_runtime.common.detok import IncrementalDecoder, find_stop_string
+from specdec_runtime.common.types import FinishReason, StoppingCriteria
 
 
 class StopChecker:

@@ -68,7 +68,7 @@ def _kind(tokenizer: Any) -> str:
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The raw bytes of token ``token_id`` of ``tokenizer`` (an HF tokenizer or
-    :class:`edge_client.tokenizer.EdgeTokenizer`); see the module docstring for the rules. An id with no token
+    :class:`edge_client.drafting.tokenizer.EdgeTokenizer`); see the module docstring for the rules. An id with no token
     string gives the UTF-8 of its decoded text."""
     token_id = int(token_id)
     added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(token_id)

@@ -1,7 +1,7 @@
 """Conversions between the wire messages (specdec.v1, protos/common/v1/verifier.proto) and common.types.
 
-Used by both sides: the verifier's gRPC servicer (cloud_verifier.servicer) and the edge's gRPC backend
-(edge_client.grpc_backend). Incoming requests convert to typed results (:class:`OpenRequest`,
+Used by both sides: the verifier's gRPC servicer (cloud_verifier.serving.servicer) and the edge's gRPC backend
+(edge_client.transport.grpc_backend). Incoming requests convert to typed results (:class:`OpenRequest`,
 :class:`ExtendRequest`, :class:`BlockRequest`). Structural problems of incoming messages (ragged top-k rows,
 counts that do not match, ids outside int32) raise :class:`~common.errors.InvalidRequestError`; the shape of
 ``draft_probs`` has one check for every side, :func:`check_draft_probs_shape`; semantic checks (vocabulary,
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.errors import InvalidRequestError
-from common.types import (
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.types import (
     DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, TokenLogprobs,
     Verdict,
 )
-from common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2 as pb
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -284,7 +284,7 @@ def check_draft_probs_shape(token_ids: np.ndarray | Sequence[Sequence], probs: n
     message's rows, which may be ragged); ``num_draft_tokens``: γ. Returns k (0 for no rows).
 
     The one shape check of ``draft_probs``: the edge before sending, the wire on receipt and the verifier's
-    block validation (cloud_verifier.validation) all call it.
+    block validation (cloud_verifier.session.validation) all call it.
 
     Raises:
         InvalidRequestError: not two-dimensional, or not one row per draft token; a row whose token ids and

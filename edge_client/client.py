@@ -1,21 +1,21 @@
 """The edge client SDK: drafts on the device, sends draft blocks to a verifier, streams committed text.
 
-    from edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.client import EdgeClient
     client = EdgeClient.connect("verifier.example:50051", draft_dir)      # or EdgeClient(backend, drafter, tok)
     for delta in client.stream("Why is the sky blue?", max_new_tokens=128):
         print(delta, end="", flush=True)
     print(client.last_result.stats.mean_accepted_length)
 
 The client holds the settings and the parts (backend, drafter, tokenizer); the generation loop is
-:mod:`edge_client.generation_loop` (sessions, re-opens, device fallback), a session's route
-:mod:`edge_client.routing`, the speculative step :mod:`edge_client.speculative` (draft num_speculative_tokens (γ)
+:mod:`edge_client.generation.loop` (sessions, re-opens, device fallback), a session's route
+:mod:`edge_client.generation.routing`, the speculative step :mod:`edge_client.generation.speculative` (draft num_speculative_tokens (γ)
 tokens from the committed prefix, send the block, commit the verdict's tokens: accepted prefix + recovered/bonus
 token, stream the new text). The verifier applies the stopping rule, so the edge only ever streams committed
 tokens, cut at the earliest stop. The speculation policy (γ per step, drafting ahead while a block is in flight) is
-:mod:`edge_client.policy`; the drafters and their contract are :mod:`edge_client.drafter`; the counters of a
+:mod:`edge_client.generation.policy`; the drafters and their contract are :mod:`edge_client.drafting.drafter`; the counters of a
 generation are :mod:`edge_client.stats`; its state across sessions and its result are
-:mod:`edge_client.generation`; the streamed chunks are :mod:`edge_client.output`; the prompt and the generation
-options are :mod:`edge_client.request`; device fallback is :mod:`edge_client.fallback`.
+:mod:`edge_client.generation.run`; the streamed chunks are :mod:`edge_client.output`; the prompt and the generation
+options are :mod:`edge_client.request`; device fallback is :mod:`edge_client.generation.fallback`.
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from common.errors import (InvalidRequestError)
-from common.types import DEFAULT_DRAFT_TOP_K
-from common.vocab import tokenizer_fingerprint
-from edge_client.backend import VerifierBackend
-from edge_client.generation import GenerationResult
-from edge_client.output import Chunk
-from edge_client.generation_loop import generate
-from edge_client.route_cost import RouteEstimates
-from edge_client.routing import RouteSwitcher, check_route
-from edge_client.request import check_generation_options, encode_prompt, generation_params
+from specdec_runtime.common.errors import (InvalidRequestError)
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.vocab import tokenizer_fingerprint
+from specdec_runtime.edge_client.transport.backend import VerifierBackend
+from specdec_runtime.edge_client.generation.run import GenerationResult
+from specdec_runtime.edge_client.output import Chunk
+from specdec_runtime.edge_client.generation.loop import generate
+from specdec_runtime.edge_client.generation.route_cost import RouteEstimates
+from specdec_runtime.edge_client.generation.routing import RouteSwitcher, check_route
+from specdec_runtime.edge_client.request import check_generation_options, encode_prompt, generation_params
 
-if TYPE_CHECKING:  # the protocol only; edge_client.drafter loads the ONNX draft runner
-    from edge_client.conversation import Conversation
-    from edge_client.drafter import Drafter
+if TYPE_CHECKING:  # the protocol only; edge_client.drafting.drafter loads the ONNX draft runner
+    from specdec_runtime.edge_client.conversation import Conversation
+    from specdec_runtime.edge_client.drafting.drafter import Drafter
 
 __all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
 
@@ -55,13 +55,13 @@ class EdgeClient:
             uses max_num_speculative_tokens = min(this, the verifier's ``max_num_speculative_tokens``), and
             shorter blocks near the end (max_new_tokens, context limit).
         adaptive: choose γ per step from measured acceptance, draft cost, verify time and round trip
-            (:class:`edge_client.policy.AdaptiveNumSpeculativeTokens`).
+            (:class:`edge_client.generation.policy.AdaptiveNumSpeculativeTokens`).
         min_confidence: confidence truncation: stop a block early when the draft's top probability falls below
-            it (llama.cpp's draft-p-min; done by the drafter, :meth:`edge_client.drafter.Drafter.propose`);
+            it (llama.cpp's draft-p-min; done by the drafter, :meth:`edge_client.drafting.drafter.Drafter.propose`);
             0 disables.
         proactive: while a block is in flight, draft the next one assuming full acceptance and the bonus token
             the draft predicts; used at once when the verdict matches, dropped otherwise
-            (:class:`edge_client.policy.ProactiveBet`).
+            (:class:`edge_client.generation.policy.ProactiveBet`).
         bonus_drafted: whether sampled sessions send bonus_drafted blocks (``DraftBlock.bonus_drafted``; the
             rule and why it exists: :mod:`common.rejection`; cost: one more draft forward pass per block).
             None (default, "auto"): only where block ends depend on timing, i.e. a seeded sampled session with
@@ -71,16 +71,16 @@ class EdgeClient:
         timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
         fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":
-            decode with the draft model alone meanwhile, unverified (:mod:`edge_client.fallback`), needs a draft
+            decode with the draft model alone meanwhile, unverified (:mod:`edge_client.generation.fallback`), needs a draft
             model.
         reconnect_interval_s: during a device fallback, probe the cloud this often, s; once it answers, a new
             session (prompt: everything committed so far) goes on verified.
-        route: "speculative" (default), "cloud", "device", "cloud-first" or "auto" (edge_client.routing); a
+        route: "speculative" (default), "cloud", "device", "cloud-first" or "auto" (edge_client.generation.routing); a
             request's route= wins.
         route_switcher: decides switches between speculative and cloud decode within a session
-            (:class:`edge_client.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
+            (:class:`edge_client.generation.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
 
-    Resilience (:mod:`edge_client.failover` does the retries of a call on other replicas): a session whose
+    Resilience (:mod:`edge_client.transport.failover` does the retries of a call on other replicas): a session whose
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
     committed as its prompt and the same seed, so the output does not change.
 
@@ -114,7 +114,7 @@ class EdgeClient:
         route: str = "speculative",
         route_switcher: RouteSwitcher | None = None,
     ):
-        from edge_client.fallback import FALLBACK_MODES
+        from specdec_runtime.edge_client.generation.fallback import FALLBACK_MODES
 
         if fallback not in FALLBACK_MODES:
             raise InvalidRequestError(f"fallback must be one of {', '.join(FALLBACK_MODES)}, got {fallback!r}")
@@ -153,9 +153,9 @@ class EdgeClient:
         Args:
             address: "host:port", several ("host:port,host:port" or a list: tried in order, the first preferred)
                 or one load balancer; calls that fail are retried on the next one
-                (:class:`edge_client.failover.FailoverBackend`).
+                (:class:`edge_client.transport.failover.FailoverBackend`).
             connect_timeout_s: connecting to one address, s (when ``retry_policy`` is None).
-            retry_policy: :class:`edge_client.failover.RetryPolicy` (default: its defaults).
+            retry_policy: :class:`edge_client.transport.failover.RetryPolicy` (default: its defaults).
             fallback: "none" or "device" (decode on the device alone while no verifier answers; then the
                 client starts even when none answers now).
             tls: TLS channels (implied by ``root_certificates`` or a client certificate).
@@ -164,7 +164,7 @@ class EdgeClient:
             api_key: sent as ``authorization: Bearer <key>`` on every call; None = ``$SPECDEC_API_KEY`` if set.
             certificate_chain, private_key: PEM client certificate and key (mutual TLS).
             draft_prefix_cache_mb: bound of the draft's prefix cache, MiB (KV of prompt prefixes reused by new
-                sessions: :mod:`edge_client.draft_prefix_cache`); None = DEFAULT_DRAFT_PREFIX_CACHE_MB, 0 = off.
+                sessions: :mod:`edge_client.drafting.prefix_cache`); None = DEFAULT_DRAFT_PREFIX_CACHE_MB, 0 = off.
             **kwargs: :class:`EdgeClient` options.
 
         Raises:
@@ -172,12 +172,12 @@ class EdgeClient:
             (with ``fallback="none"``). InvalidRequestError: a malformed address. ValueError: a certificate
             file unreadable or not PEM.
         """
-        from common.paths import default_model_paths, resolve_draft_dir
-        from edge_client.credentials import ChannelSecurity
-        from edge_client.draft_prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
-        from edge_client.drafter import ModelDrafter
-        from edge_client.failover import FailoverBackend, RetryPolicy
-        from edge_client.onnx_draft import OnnxDraftModel
+        from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir
+        from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
+        from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+        from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+        from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
         model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
         policy = retry_policy or RetryPolicy(connect_timeout_s=connect_timeout_s)
@@ -224,7 +224,7 @@ class EdgeClient:
         """A multi-turn conversation that keeps its verifier session and both KV caches between turns
         (:class:`edge_client.conversation.Conversation`: ``send(message)`` streams a reply). ``system``: system
         message; ``defaults``: generation options of every turn (as :meth:`stream_chunks`)."""
-        from edge_client.conversation import Conversation
+        from specdec_runtime.edge_client.conversation import Conversation
 
         return Conversation(self, system, **defaults)
 

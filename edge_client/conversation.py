@@ -4,7 +4,7 @@ A conversation's turns run in ONE verifier session: the first turn opens it (Ope
 prompt); each later turn extends it (ExtendSession with only the new tokens: the end of the assistant's turn,
 the new user message and the generation prompt, :func:`common.chat.continuation_ids`), so the verifier
 prefills only those and keeps the target KV cache of the conversation so far, and the session is not closed
-between turns. The edge draft keeps its KV cache too: :class:`edge_client.drafter.ModelDrafter` keeps the
+between turns. The edge draft keeps its KV cache too: :class:`edge_client.drafting.drafter.ModelDrafter` keeps the
 longest common prefix of what it holds and the committed ids, so a turn feeds the draft only the appended ids.
 
 The committed ids (``history_ids``) are the prompt plus each reply *as generated* (token ids, not re-tokenized
@@ -23,15 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from common.chat import continuation_ids, message_text, render_chat_ids
-from common.errors import InvalidRequestError
-from edge_client.context import GenerationContext
-from edge_client.generation_loop import KeptSession, close_session, generate
-from edge_client.request import check_generation_options, generation_params
+from specdec_runtime.common.chat import continuation_ids, message_text, render_chat_ids
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.generation.loop import KeptSession, close_session, generate
+from specdec_runtime.edge_client.request import check_generation_options, generation_params
 
 if TYPE_CHECKING:
-    from edge_client.generation import GenerationResult
-    from edge_client.output import Chunk
+    from specdec_runtime.edge_client.generation.run import GenerationResult
+    from specdec_runtime.edge_client.output import Chunk
 
 __all__ = ["Conversation"]
 
@@ -59,7 +59,7 @@ class Conversation:
     """
 
     def __init__(self, client: GenerationContext, system: str | None = None, **defaults):
-        check_generation_options({k: v for k, v in defaults.items() if k != "route"})  # route: edge_client.routing
+        check_generation_options({k: v for k, v in defaults.items() if k != "route"})  # route: edge_client.generation.routing
         self.client = client
         self.system = system
         self.defaults = dict(defaults)
@@ -120,7 +120,7 @@ class Conversation:
         if not appended:
             raise InvalidRequestError("no token ids to send")
         kwargs = {**self.defaults, **kwargs}
-        route = kwargs.pop("route", None)  # edge_client.routing (None: the client's), not a sampling option
+        route = kwargs.pop("route", None)  # edge_client.generation.routing (None: the client's), not a sampling option
         check_generation_options(kwargs)
         sampling, stopping = generation_params(**kwargs)
         prompt_ids = self.history_ids + appended

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.detok import IncrementalDetokenizer
-from common.types import FinishReason
+from specdec_runtime.common.detok import IncrementalDetokenizer
+from specdec_runtime.common.types import FinishReason
 
 __all__ = ["Chunk", "TextOutput"]
 
@@ -47,7 +47,7 @@ class TextOutput:
     def __init__(self, tokenizer, stop_strings) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
         self.unverified_until = 0  # characters of output text (from the start) that may hold unverified text
-        # the generation's per-token logprobs (edge_client.generation.Run shares its list: extended before each
+        # the generation's per-token logprobs (edge_client.generation.run.Run shares its list: extended before each
         # push), and the tokens / entries not yet handed out with a chunk
         self.logprobs: list = []
         self._handed_logprobs = 0

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from common.chat import render_chat_ids
-from common.errors import InvalidRequestError
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.common.chat import render_chat_ids
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
 __all__ = ["GENERATION_OPTIONS", "check_generation_options", "encode_prompt", "generation_options",
            "generation_params"]
@@ -68,7 +68,7 @@ def generation_params(
             Lark/GBNF grammar) or its JSON; None = none. Checked by compiling it on the verifier at OpenSession.
         drafter_invariant: sampled tokens that do not depend on the draft or the route's switch points (the
             target-only draws of the seed; fewer accepted tokens); None = on for seeded ``auto``, ``cloud`` and
-            ``cloud-first`` generations (:func:`edge_client.routing.with_drafter_invariance`).
+            ``cloud-first`` generations (:func:`edge_client.generation.routing.with_drafter_invariance`).
 
     Raises:
         InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,
@@ -94,7 +94,7 @@ def _grammar_json(grammar) -> str:
     """A grammar option as the JSON SamplingParams carries ("" for None). Raises InvalidRequestError."""
     if grammar is None or grammar == "":
         return ""
-    from common.grammar import GrammarSpec
+    from specdec_runtime.common.grammar import GrammarSpec
 
     try:
         spec = grammar if isinstance(grammar, GrammarSpec) else GrammarSpec.from_json(grammar)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.types import Verdict
+from specdec_runtime.common.types import Verdict
 
 __all__ = ["GenerationStats", "WireStats"]
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # distill's progress
-    from common.paths import default_model_paths
+    from specdec_runtime.common.paths import default_model_paths
     from specdec.bench.offline import run_bench
     from specdec.models import is_complete
 

@@ -59,7 +59,7 @@ images() {
   apt_image "specdec-local/services:$SUITE" redis-server nginx-light
 }
 
-wheelhouse() {   # deploy/wheelhouse: the specdec wheel and every dependency, no sdist (built here, once)
+wheelhouse() {   # deploy/wheelhouse: the specdec-edgecloud wheel and every dependency, no sdist (built here, once)
   local wh=deploy/wheelhouse extras=verifier
   [ "${SPECDEC_MODELS:-mount}" = prepare ] && extras=all
   local key
@@ -68,10 +68,10 @@ wheelhouse() {   # deploy/wheelhouse: the specdec wheel and every dependency, no
   [ -f "$wh/.key" ] && [ "$(cat "$wh/.key")" = "$key" ] && return 0
   echo "wheelhouse ($extras) into $wh"
   mkdir -p "$wh"
-  rm -f "$wh"/specdec-*.whl "$wh/.key"
+  rm -f "$wh"/specdec_edgecloud-*.whl "$wh/.key"
   pip download -q torch==2.13.0 --no-deps -d "$wh"   # the CPU build (never the CUDA one as a dependency)
   pip wheel -q --no-deps -w "$wh" .
-  pip download -q -d "$wh" --find-links "$wh" "$(ls "$wh"/specdec-*.whl)[$extras]" torch==2.13.0
+  pip download -q -d "$wh" --find-links "$wh" "$(ls "$wh"/specdec_edgecloud-*.whl)[$extras]" torch==2.13.0
   # what the image's Python needs and this one's markers skip (redis on Python < 3.11.3: Debian 12 has 3.11.2)
   pip download -q -d "$wh" 'async-timeout>=4.0.3'
   if [ "$extras" = all ]; then

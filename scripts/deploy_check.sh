@@ -66,7 +66,7 @@ healthy() {   # the replicas' health checks pass (Docker's health state) and the
   local t0="$1" deadline=$((SECONDS + 300))
   shift
   compose "$@" up -d balancer
-  until compose "$@" run --rm --no-deps -T edge-demo python -m cloud_verifier.healthcheck \
+  until compose "$@" run --rm --no-deps -T edge-demo python -m specdec_runtime.cloud_verifier.serving.healthcheck \
       --address 127.0.0.1:50060 --timeout 2 >/dev/null 2>&1; do
     [ $SECONDS -lt $deadline ] || { echo "error: the balancer is not serving after 300 s" >&2; compose "$@" logs --tail 30; exit 1; }
     sleep 1

@@ -47,7 +47,7 @@ def metric(port: int, name: str) -> float:
 
 
 def serving(address: str) -> bool:
-    run = subprocess.run([sys.executable, "-m", "cloud_verifier.healthcheck", "--address", address, "--timeout", "1"],
+    run = subprocess.run([sys.executable, "-m", "specdec_runtime.cloud_verifier.serving.healthcheck", "--address", address, "--timeout", "1"],
                          capture_output=True, text=True)
     return run.returncode == 0
 
@@ -126,7 +126,7 @@ def sdk_failover(args, redis_port: int, work: Path, procs: list, addr_b: str, re
             raise StartError("replica a2 did not start")
         time.sleep(0.5)
     sys.path.insert(0, str(ROOT))
-    from edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.client import EdgeClient
 
     with EdgeClient.connect([addr_a2, addr_b]) as client:
         chunks = client.stream_chunks(args.prompt, max_new_tokens=args.max_new_tokens, temperature=0.0)

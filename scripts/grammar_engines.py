@@ -113,7 +113,7 @@ def bench_xgrammar(target: Path, ids: list[int]) -> dict:
 
 
 def main() -> None:
-    from common.paths import resolve_target_dir
+    from specdec_runtime.common.paths import resolve_target_dir
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None)
     ap.add_argument("--engines", default="llguidance,xgrammar")

@@ -2,7 +2,7 @@
 # Mutation testing of the core with mutmut 3 (docs/testing.md, "Mutation testing"). Not in CI (~20-30 min on 2 cores).
 #
 # Scope (pyproject.toml [tool.mutmut] + the name filter below): common/rejection.py, the sampling maths
-# (common/sampling.py, logits.py, top_p.py, draft_topk.py), common/stopping.py, cloud_verifier/validation.py,
+# (common/sampling.py, logits.py, top_p.py, draft_topk.py), common/stopping.py, cloud_verifier/session/validation.py,
 # cloud_verifier/verdict/numerics.py, and of cloud_verifier/batcher.py the verdict of the verify step, Batcher._apply_verdict.
 # Each mutant runs only the tests that executed its function (mutmut's per-function test mapping from a first,
 # instrumented run of the selected test files).

@@ -25,19 +25,19 @@ from pathlib import Path
 # the sampling maths, by module (the plain full-sort implementations the fast path is checked against are out of
 # scope: logits_to_probs_reference lives in specdec/logits_reference.py, top_p_drop_reference is a fallback)
 SAMPLING_FUNCTIONS = {
-    "common/sampling.py": ("common.sampling", ["x_uniform", "x_sample_from", "x_normalize_sparse",
+    "common/sampling.py": ("specdec_runtime.common.sampling", ["x_uniform", "x_sample_from", "x_normalize_sparse",
                                                "x_dense_draft_probs"]),
-    "common/logits.py": ("common.logits", ["x_logits_to_probs", "x__scale"]),
-    "common/top_p.py": ("common.top_p", ["x__top_p_keep", "x__top_p_round", "x__negative_ramp",
+    "common/logits.py": ("specdec_runtime.common.logits", ["x_logits_to_probs", "x__scale"]),
+    "common/top_p.py": ("specdec_runtime.common.top_p", ["x__top_p_keep", "x__top_p_round", "x__negative_ramp",
                                          "x__top_candidates"]),
-    "common/draft_topk.py": ("common.draft_topk", ["x_draft_topk_from_probs"]),
+    "common/draft_topk.py": ("specdec_runtime.common.draft_topk", ["x_draft_topk_from_probs"]),
 }
 SCOPE = {
     "common/rejection.py": ["common.rejection.*"],
     **{path: [f"{module}.{f}__mutmut_*" for f in functions]
        for path, (module, functions) in SAMPLING_FUNCTIONS.items()},
     "common/stopping.py": ["common.stopping.*"],
-    "cloud_verifier/validation.py": ["cloud_verifier.validation.*"],
+    "cloud_verifier/session/validation.py": ["cloud_verifier.session.validation.*"],
     "cloud_verifier/verdict/numerics.py": ["cloud_verifier.verdict.numerics.*"],
     "cloud_verifier/batcher.py": ["cloud_verifier.batcher.xǁBatcherǁ_apply_verdict__mutmut_*"],
 }

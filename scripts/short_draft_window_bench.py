@@ -71,11 +71,11 @@ def _timed(client, prompt: list[int], n: int, repeats: int) -> tuple[float, floa
 def measure(target: Path, draft: Path, prompt_tokens: int, draft_context: int, target_context: int,
             num_speculative_tokens: int, repeats: int) -> dict:
     """Before/past-window ms per token (wall and draft) for speculative and target-only decoding."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
 
     backend = LocalBackend(Verifier(TargetRunner(target), max_num_speculative_tokens=8))
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: need --prompt-tokens < --draft-context < --target-context", file=sys.stderr)
         return 2
 
-    from common.paths import default_model_paths
+    from specdec_runtime.common.paths import default_model_paths
     from specdec.models import is_complete
 
     target_dir = default_model_paths().target_dir

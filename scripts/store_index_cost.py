@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
-from cloud_verifier.store import RedisSessionStore, SessionRecord  # noqa: E402
-from common.types import SamplingParams, StoppingCriteria  # noqa: E402
+from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord  # noqa: E402
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria  # noqa: E402
 
 
 def measure(url: str, n: int, label: str) -> None:

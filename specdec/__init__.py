@@ -2,12 +2,12 @@
 
     from specdec import EdgeClient, EmbeddedServer
 
-    with EmbeddedServer() as address:                      # a verifier in this process (specdec[verifier])
+    with EmbeddedServer() as address:                      # a verifier in this process (specdec-edgecloud[verifier])
         with EdgeClient.connect(address) as client:        # the default prepared ONNX draft
             print(client.generate("Why is the sky blue?", max_new_tokens=64).text)
 
 Names are imported on first use (PEP 562 module ``__getattr__``), so ``import specdec`` and the edge names work on
-the slim ``pip install 'specdec[edge]'`` (no torch, no transformers); a cloud name there raises ImportError naming
+the slim ``pip install 'specdec-edgecloud[edge]'`` (no torch, no transformers); a cloud name there raises ImportError naming
 the extra to install. Each name's own docstring is its reference (``help(specdec.EdgeClient)``).
 
 Edge (the core install):
@@ -26,7 +26,7 @@ Edge (the core install):
 - Drafting: :class:`Drafter` (the protocol), :class:`ModelDrafter` (an ONNX draft model), :class:`NgramDrafter`
   (prompt lookup, no model).
 
-Cloud (``specdec[verifier]``: torch, transformers):
+Cloud (``specdec-edgecloud[verifier]``: torch, transformers):
 
 - :class:`Verifier` — the batched lossless verifier over a :class:`TargetRunner` (the target model);
   :class:`VerifierSettings` — its configuration (``SPECDEC_*`` environment variables).
@@ -48,35 +48,35 @@ from typing import TYPE_CHECKING
 
 # public name -> the module that defines it
 _EDGE = {
-    "EdgeClient": "edge_client.client",
-    "Conversation": "edge_client.conversation",
-    "GenerationResult": "edge_client.generation",
-    "GenerationStats": "edge_client.stats",
-    "Chunk": "edge_client.output",
-    "FinishReason": "common.types",
-    "TokenLogprobs": "common.types",
-    "SamplingParams": "common.types",
-    "StoppingCriteria": "common.types",
-    "GrammarSpec": "common.grammar",
-    "RetryPolicy": "edge_client.retry",
-    "ModelPaths": "common.paths",
-    "default_model_paths": "common.paths",
-    "Drafter": "edge_client.drafter",
-    "ModelDrafter": "edge_client.drafter",
-    "NgramDrafter": "edge_client.ngram",
+    "EdgeClient": "specdec_runtime.edge_client.client",
+    "Conversation": "specdec_runtime.edge_client.conversation",
+    "GenerationResult": "specdec_runtime.edge_client.generation.run",
+    "GenerationStats": "specdec_runtime.edge_client.stats",
+    "Chunk": "specdec_runtime.edge_client.output",
+    "FinishReason": "specdec_runtime.common.types",
+    "TokenLogprobs": "specdec_runtime.common.types",
+    "SamplingParams": "specdec_runtime.common.types",
+    "StoppingCriteria": "specdec_runtime.common.types",
+    "GrammarSpec": "specdec_runtime.common.grammar",
+    "RetryPolicy": "specdec_runtime.edge_client.transport.retry",
+    "ModelPaths": "specdec_runtime.common.paths",
+    "default_model_paths": "specdec_runtime.common.paths",
+    "Drafter": "specdec_runtime.edge_client.drafting.drafter",
+    "ModelDrafter": "specdec_runtime.edge_client.drafting.drafter",
+    "NgramDrafter": "specdec_runtime.edge_client.drafting.ngram",
 }
 _CLOUD = {
-    "Verifier": "cloud_verifier.verifier",
-    "TargetRunner": "cloud_verifier.target",
-    "VerifierSettings": "cloud_verifier.config",
+    "Verifier": "specdec_runtime.cloud_verifier.verifier",
+    "TargetRunner": "specdec_runtime.cloud_verifier.target.runner",
+    "VerifierSettings": "specdec_runtime.cloud_verifier.config",
     "EmbeddedServer": "specdec.embedded",
     "LocalBackend": "specdec.embedded",
 }
-_ERRORS = {name: "common.errors" for name in (
+_ERRORS = {name: "specdec_runtime.common.errors" for name in (
     "SpecdecError", "InvalidRequestError", "ContextLengthError", "SessionNotFoundError", "PreconditionError",
     "ConflictError", "CapacityError", "RateLimitedError", "VerifierUnavailableError", "DeadlineError",
     "UnauthenticatedError")}
-_ERRORS.update(ModelNotFoundError="common.paths", VocabMismatchError="common.vocab")
+_ERRORS.update(ModelNotFoundError="specdec_runtime.common.paths", VocabMismatchError="specdec_runtime.common.vocab")
 _HOMES = {**_EDGE, **_CLOUD, **_ERRORS}
 
 __all__ = [*_EDGE, *_CLOUD, *_ERRORS, "__version__"]
@@ -84,7 +84,7 @@ __all__ = [*_EDGE, *_CLOUD, *_ERRORS, "__version__"]
 
 def __getattr__(name: str):
     """Import a public name on first use and keep it (PEP 562). Raises AttributeError for other names, and
-    ImportError naming specdec[verifier] for a cloud name where the verifier's packages are not installed.
+    ImportError naming specdec-edgecloud[verifier] for a cloud name where the verifier's packages are not installed.
     ``__version__``: the installed distribution's version."""
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
@@ -101,8 +101,8 @@ def __getattr__(name: str):
     except ModuleNotFoundError as e:
         if name not in _CLOUD:
             raise
-        raise ImportError(f"specdec.{name} needs specdec[verifier] ({e.name} not installed): "
-                          f"pip install 'specdec[verifier]'", name=e.name) from e
+        raise ImportError(f"specdec.{name} needs specdec-edgecloud[verifier] ({e.name} not installed): "
+                          f"pip install 'specdec-edgecloud[verifier]'", name=e.name) from e
     value = getattr(module, name)
     globals()[name] = value
     return value
@@ -113,22 +113,22 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from cloud_verifier.config import VerifierSettings
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from common.errors import (CapacityError, ConflictError, ContextLengthError, DeadlineError, InvalidRequestError,
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.common.errors import (CapacityError, ConflictError, ContextLengthError, DeadlineError, InvalidRequestError,
                                PreconditionError, RateLimitedError, SessionNotFoundError, SpecdecError,
                                UnauthenticatedError, VerifierUnavailableError)
-    from common.grammar import GrammarSpec
-    from common.paths import ModelNotFoundError, ModelPaths, default_model_paths
-    from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
-    from common.vocab import VocabMismatchError
-    from edge_client.client import EdgeClient
-    from edge_client.conversation import Conversation
-    from edge_client.drafter import Drafter, ModelDrafter
-    from edge_client.generation import GenerationResult
-    from edge_client.ngram import NgramDrafter
-    from edge_client.output import Chunk
-    from edge_client.retry import RetryPolicy
-    from edge_client.stats import GenerationStats
+    from specdec_runtime.common.grammar import GrammarSpec
+    from specdec_runtime.common.paths import ModelNotFoundError, ModelPaths, default_model_paths
+    from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
+    from specdec_runtime.common.vocab import VocabMismatchError
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.conversation import Conversation
+    from specdec_runtime.edge_client.drafting.drafter import Drafter, ModelDrafter
+    from specdec_runtime.edge_client.generation.run import GenerationResult
+    from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+    from specdec_runtime.edge_client.output import Chunk
+    from specdec_runtime.edge_client.transport.retry import RetryPolicy
+    from specdec_runtime.edge_client.stats import GenerationStats
     from specdec.embedded import EmbeddedServer, LocalBackend

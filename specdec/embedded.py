@@ -2,7 +2,7 @@
 ``--server``, benchmarks and tests.
 
 - :class:`EmbeddedServer`: a real gRPC verifier server on 127.0.0.1 (free port) in a background thread; the edge
-  reaches it through :class:`edge_client.grpc_backend.GrpcBackend` exactly as it reaches a remote one.
+  reaches it through :class:`edge_client.transport.grpc_backend.GrpcBackend` exactly as it reaches a remote one.
 - :class:`LocalBackend`: direct calls into an in-process :class:`cloud_verifier.verifier.Verifier` (no network),
   the bare loop for ``--in-process`` and benchmarks.
 
@@ -17,12 +17,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from cloud_verifier.server import VerifierServer
-from edge_client.backend import VerifierBackend
+from specdec_runtime.cloud_verifier.serving.server import VerifierServer
+from specdec_runtime.edge_client.transport.backend import VerifierBackend
 
 if TYPE_CHECKING:
-    from cloud_verifier.config import VerifierSettings
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class EmbeddedServer:
 
     ``verifier``: serve this verifier (not freed on stop); None = ``Verifier.from_settings(settings)``
     (default settings), freed on stop. ``grace_s``: shutdown grace period, s. ``security``: TLS credentials and
-    API keys of the port (:class:`cloud_verifier.security.ServerSecurity`; None = plaintext, no authentication).
+    API keys of the port (:class:`cloud_verifier.security.transport.ServerSecurity`; None = plaintext, no authentication).
 
     Usage::
 
@@ -62,8 +62,8 @@ class EmbeddedServer:
             return self.address
         owns = self.verifier is None
         if owns:
-            from cloud_verifier.config import VerifierSettings
-            from cloud_verifier.verifier import Verifier
+            from specdec_runtime.cloud_verifier.config import VerifierSettings
+            from specdec_runtime.cloud_verifier.verifier import Verifier
 
             self.verifier = Verifier.from_settings(self.settings or VerifierSettings(metrics_port=0))
         self._thread = threading.Thread(target=self._run, args=(owns,), name="specdec-embedded-verifier",

@@ -1,4 +1,4 @@
-"""`specdec keys`: API keys of a verifier (the key file of ``SPECDEC_API_KEYS_FILE``; cloud_verifier/auth.py).
+"""`specdec keys`: API keys of a verifier (the key file of ``SPECDEC_API_KEYS_FILE``; cloud_verifier/security/auth.py).
 
     specdec keys create --tenant acme [--file F]   print a new key ONCE, append its SHA-256 to the file
     specdec keys list [--file F]                   tenants, and the first 12 hex digits of each key's hash
@@ -49,7 +49,7 @@ def _os_error(e: OSError, path: Path, file: Optional[Path]) -> str:
 
 
 def _read_entries(path: Path, file: Optional[Path]) -> list[tuple[str, str]]:
-    from cloud_verifier.auth import parse_key_file
+    from specdec_runtime.cloud_verifier.security.auth import parse_key_file
 
     try:
         return parse_key_file(path.read_text(), str(path))
@@ -67,7 +67,7 @@ def keys_create(
     file: Optional[Path] = typer.Option(None, "--file", help=f"Key file (default ${FILE_ENV}); created 0600"),
 ):
     """Make a new API key for a tenant: prints it once (stdout) and appends its SHA-256 hash to the key file."""
-    from cloud_verifier.auth import append_api_key
+    from specdec_runtime.cloud_verifier.security.auth import append_api_key
 
     path = _key_file(file)
     try:

@@ -2,7 +2,7 @@
 
 Two call shapes, as the two sides make them:
 
-- edge path: the draft's per-token call (edge_client.drafter, once per draft token): the sparse top-k q straight
+- edge path: the draft's per-token call (edge_client.drafting.drafter, once per draft token): the sparse top-k q straight
   from one row of raw logits (``draft_topk_distribution``) vs the full-sort reference then
   ``draft_topk_from_probs``;
 - verifier path: one block [γ + 1, vocab_size] (cloud_verifier, once per verify row); reported per position;
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from common.sampling import (
+from specdec_runtime.common.sampling import (
     Stream,
     draft_topk_distribution,
     logits_to_probs,
@@ -40,7 +40,7 @@ from common.sampling import (
     draft_topk_from_probs,
     uniform,
 )
-from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, SamplingParams
 from specdec.logits_reference import logits_to_probs_reference
 
 DEFAULT_SETTINGS: tuple[tuple[float, int, float], ...] = ((0.7, 0, 0.9), (0.7, 50, 1.0), (0.7, 0, 0.95), (1.0, 0, 1.0))
@@ -76,7 +76,7 @@ def real_logits(num_rows: int, vocab_size: int) -> np.ndarray | None:  # [num_ro
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from common.paths import default_model_paths
+        from specdec_runtime.common.paths import default_model_paths
 
         target_dir = default_model_paths().target_dir
         if not (target_dir / "config.json").is_file():
@@ -109,7 +109,7 @@ def _draft_topk_from_probs_before(probs: np.ndarray, k: int) -> tuple[np.ndarray
 
 
 def _edge_q_fast(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The drafter's q of one row [vocab_size] (edge_client.drafter)."""
+    """The drafter's q of one row [vocab_size] (edge_client.drafting.drafter)."""
     return draft_topk_distribution(row, params, k)
 
 
@@ -124,7 +124,7 @@ def _edge_q_before(row: np.ndarray, params: SamplingParams, k: int) -> tuple[np.
 
 
 def _edge_step(q_of: Callable, row: np.ndarray, params: SamplingParams, draft_top_k: int) -> int:
-    """The drafter's sampled per-token step (edge_client.drafter): the sparse top-k q of the row [vocab_size],
+    """The drafter's sampled per-token step (edge_client.drafting.drafter): the sparse top-k q of the row [vocab_size],
     one draft token drawn from it."""
     ids, q = q_of(row, params, draft_top_k)
     return int(ids[sample_from(normalize_sparse(q), uniform(1, 0, Stream.DRAFT_SAMPLE))])

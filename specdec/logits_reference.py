@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.logits import exp64
-from common.types import SamplingParams
+from specdec_runtime.common.logits import exp64
+from specdec_runtime.common.types import SamplingParams
 
 
 def logits_to_probs_reference(

@@ -27,7 +27,7 @@ NOTES = {
     "granite": "embedding / residual / attention multipliers, logits_scaling",
 }
 ARCHITECTURES = tuple(NOTES)
-# Hybrid targets: recurrent layers (conv, SSM, linear attention) beside attention (cloud_verifier/recurrent_state.py)
+# Hybrid targets: recurrent layers (conv, SSM, linear attention) beside attention (cloud_verifier/kv/recurrent_state.py)
 HYBRID_NOTES = {
     "lfm2": "short conv (kernel 3), then attention",
     "qwen3_next": "gated delta rule + conv, then gated attention; MoE MLPs",

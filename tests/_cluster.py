@@ -245,14 +245,14 @@ class ForwardGate:
 
 
 class ServerOnPort:
-    """A real verifier gRPC server (cloud_verifier.server.VerifierServer) on a given 127.0.0.1 port, in a
+    """A real verifier gRPC server (cloud_verifier.serving.server.VerifierServer) on a given 127.0.0.1 port, in a
     background thread with its own event loop: a verifier that appears on an address that was closed."""
 
     def __init__(self, verifier, port: int, grace_s: float = 1.0, **server_kw):
         import asyncio
         import threading
 
-        from cloud_verifier.server import VerifierServer
+        from specdec_runtime.cloud_verifier.serving.server import VerifierServer
 
         self.port = port
         self._ready = threading.Event()

@@ -18,7 +18,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from common.types import SamplingParams
+from specdec_runtime.common.types import SamplingParams
 
 
 class PresenceFrequencyPenalty(LogitsProcessor):

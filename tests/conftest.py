@@ -83,7 +83,7 @@ def memory_or_redis_store(request):
     """A session store of each kind: in-process, and Redis under its own key prefix (deleted afterwards)."""
     import uuid
 
-    from cloud_verifier.store import MemorySessionStore, RedisSessionStore
+    from specdec_runtime.cloud_verifier.store import MemorySessionStore, RedisSessionStore
 
     if request.param == "memory":
         yield MemorySessionStore(ttl_s=60)

@@ -26,17 +26,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.errors import (
+from specdec_runtime.common.errors import (
     ConflictError,
     InvalidRequestError,
     PreconditionError,
     SessionNotFoundError,
     StaleSessionError,
 )
-from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
+from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
 if TYPE_CHECKING:
-    from cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +239,8 @@ def not_found(session_id: str) -> SessionNotFoundError:
 
 
 # The implementations import the definitions above, so they are imported after them.
-from cloud_verifier.store.memory import MemorySessionStore  # noqa: E402
-from cloud_verifier.store.redis import RedisSessionStore  # noqa: E402
+from specdec_runtime.cloud_verifier.store.memory import MemorySessionStore  # noqa: E402
+from specdec_runtime.cloud_verifier.store.redis import RedisSessionStore  # noqa: E402
 
 
 def make_store(settings: "VerifierSettings") -> SessionStore:

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from cloud_verifier.store import (
+from specdec_runtime.cloud_verifier.store import (
     SessionRecord,
     SessionStore,
     check_tokens,
@@ -48,10 +48,10 @@ from cloud_verifier.store import (
     not_found,
     not_owner,
 )
-from cloud_verifier.store import redis_lua as lua
-from cloud_verifier.store.redis_connect import CLUSTER, StoreCaller, connect, parse_redis_url
-from common.errors import VerifierUnavailableError
-from common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
+from specdec_runtime.cloud_verifier.store import redis_lua as lua
+from specdec_runtime.cloud_verifier.store.redis_connect import CLUSTER, StoreCaller, connect, parse_redis_url
+from specdec_runtime.common.errors import VerifierUnavailableError
+from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
 log = logging.getLogger(__name__)
 _INDEX_CACHE_MAX = 65536  # sessions whose last index refresh is remembered (pruned past it)

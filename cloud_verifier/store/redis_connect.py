@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
-from cloud_verifier import metrics
-from common.errors import VerifierUnavailableError
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.common.errors import VerifierUnavailableError
 
 STANDALONE, SENTINEL, CLUSTER = "standalone", "sentinel", "cluster"
 _SCHEMES = {"redis": (STANDALONE, False), "rediss": (STANDALONE, True), "unix": (STANDALONE, False),

@@ -13,7 +13,7 @@ backends (the one pass over the full logits; ``scan_native.c`` is compiled on fi
 counter-based uniforms). Rejection rule: Leviathan, Kalman & Matias 2023, Algorithm 1.
 """
 
-from cloud_verifier.verdict.row_logits import committed_logprobs
-from cloud_verifier.verdict.stage import make_verdict, rejections
+from specdec_runtime.cloud_verifier.verdict.row_logits import committed_logprobs
+from specdec_runtime.cloud_verifier.verdict.stage import make_verdict, rejections
 
 __all__ = ["committed_logprobs", "make_verdict", "rejections"]

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cloud_verifier import metrics
-from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
-from common.errors import TargetOutputError
-from common.rejection import RejectionResult, verify_block
-from common.types import NO_TOKEN, DraftBlock, SamplingParams
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
+from specdec_runtime.common.errors import TargetOutputError
+from specdec_runtime.common.rejection import RejectionResult, verify_block
+from specdec_runtime.common.types import NO_TOKEN, DraftBlock, SamplingParams
 
 
 def logits_fault(logits: np.ndarray, valid_vocab_size: int | None = None) -> str | None:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud_verifier.grammar_state import apply_session_grammar
-from cloud_verifier.session_state import Session
-from common.logits_processors import TokenHistory, process_block
-from common.types import DraftBlock, TokenLogprobs
+from specdec_runtime.cloud_verifier.session.grammar import apply_session_grammar
+from specdec_runtime.cloud_verifier.session.state import Session
+from specdec_runtime.common.logits_processors import TokenHistory, process_block
+from specdec_runtime.common.types import DraftBlock, TokenLogprobs
 
 
 def prepare_row_logits(

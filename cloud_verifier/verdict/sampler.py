@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
-from cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
-from common.draws import gumbel_argmax, uniform_many
-from common.rejection import RejectionResult
-from common.sampling import Stream, normalize_sparse
-from common.types import NO_TOKEN, DraftBlock, SamplingParams
+from specdec_runtime.cloud_verifier.verdict.scan import NUM_CANDIDATES, Scan, scan_logits
+from specdec_runtime.cloud_verifier.verdict.warpers import dense_probs, exact_normaliser, sparse_probs
+from specdec_runtime.common.draws import gumbel_argmax, uniform_many
+from specdec_runtime.common.rejection import RejectionResult
+from specdec_runtime.common.sampling import Stream, normalize_sparse
+from specdec_runtime.common.types import NO_TOKEN, DraftBlock, SamplingParams
 
 
 @dataclass

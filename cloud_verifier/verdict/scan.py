@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud_verifier.verdict.scan_native import available as native_available, scan_native
-from cloud_verifier.verdict.scan_numpy import scan_numpy
+from specdec_runtime.cloud_verifier.verdict.scan_native import available as native_available, scan_native
+from specdec_runtime.cloud_verifier.verdict.scan_numpy import scan_numpy
 
 NUM_CANDIDATES = 64  # tokens the fast path keeps per position: real nuclei at top-p 0.9, T 0.7 have 1-57
 

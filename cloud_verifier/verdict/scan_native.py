@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloud_verifier.verdict.scan_numpy import BOUND_GAP, BUCKETS_PER_UNIT, EXACT_GAP, run_threaded
+from specdec_runtime.cloud_verifier.verdict.scan_numpy import BOUND_GAP, BUCKETS_PER_UNIT, EXACT_GAP, run_threaded
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _library():
         if lib is None:
             log.info("no C compiler and no prebuilt library: the verdict scan runs in numpy")
         return lib
-    from common.paths import default_cache_dir
+    from specdec_runtime.common.paths import default_cache_dir
 
     source = _SOURCE.read_bytes()
     # the model cache may be read-only to the service's user (a container image): then a private temp folder

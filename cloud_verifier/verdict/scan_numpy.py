@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common.types import NO_TOKEN
+from specdec_runtime.common.types import NO_TOKEN
 
 EXACT_GAP = 16.0  # scaled-logit units below the max: the gathered tokens (normaliser summed, candidates taken)
 BOUND_GAP = 20.0  # scaled-logit units below the max: tokens counted, bounded by exp(-EXACT_GAP) each

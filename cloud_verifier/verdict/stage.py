@@ -12,11 +12,11 @@ import logging
 
 import torch
 
-from cloud_verifier.verdict.numerics import verify_rows
-from cloud_verifier.verdict.row_logits import prepare_row_logits, raw_logprobs
-from cloud_verifier.verdict.sampler import VerifyRow
-from common.errors import TargetOutputError
-from common.types import NO_TOKEN, Verdict
+from specdec_runtime.cloud_verifier.verdict.numerics import verify_rows
+from specdec_runtime.cloud_verifier.verdict.row_logits import prepare_row_logits, raw_logprobs
+from specdec_runtime.cloud_verifier.verdict.sampler import VerifyRow
+from specdec_runtime.common.errors import TargetOutputError
+from specdec_runtime.common.types import NO_TOKEN, Verdict
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from cloud_verifier.verdict.scan import Scan
+from specdec_runtime.cloud_verifier.verdict.scan import Scan
 
 # A top-p decision is the fast path's only where its estimated ascending cumulative mass is further than this
 # from 1 - top_p, for both bounds of the normaliser: the estimate and the reference's cumsum differ by the order

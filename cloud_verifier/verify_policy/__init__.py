@@ -1,9 +1,9 @@
 """Adaptive verification: how much of each queued draft block a batch step verifies (the verify-length policy
 of :class:`cloud_verifier.batcher.Batcher`; docs/verification.md)."""
 
-from cloud_verifier.verify_policy.calibration import AcceptanceCalibration
-from cloud_verifier.verify_policy.cost import ForwardCostModel, profile_forward
-from cloud_verifier.verify_policy.policy import (
+from specdec_runtime.cloud_verifier.verify_policy.calibration import AcceptanceCalibration
+from specdec_runtime.cloud_verifier.verify_policy.cost import ForwardCostModel, profile_forward
+from specdec_runtime.cloud_verifier.verify_policy.policy import (
     VERIFY_POLICIES,
     AdaptiveVerifyPolicy,
     VerifyPolicy,

@@ -96,11 +96,11 @@ def _nonnegative_fit(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
 
 
 def profile_forward(runner: Any, model: ForwardCostModel, shapes=PROFILE_SHAPES, repeats: int = 2) -> None:
-    """Fill ``model`` with the forward time of ``runner`` (a :class:`cloud_verifier.target.TargetRunner`) for
+    """Fill ``model`` with the forward time of ``runner`` (a :class:`cloud_verifier.target.runner.TargetRunner`) for
     passes of each of ``shapes`` ((rows, tokens per row)): one warm-up pass, then the median of ``repeats``. Shapes
     the KV pool cannot hold at once are left out (live steps fill the model). Runs forward passes: call it on the
     target's thread, before sessions open."""
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
     for rows, per_row in shapes:
         ids = [(7919 * i + 11) % max(1, min(runner.vocab_size, 32000)) for i in range(per_row)]

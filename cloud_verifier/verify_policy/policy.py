@@ -34,9 +34,9 @@ import threading
 
 import numpy as np
 
-from cloud_verifier.verify_policy.calibration import AcceptanceCalibration
-from cloud_verifier.verify_policy.cost import ForwardCostModel
-from common.types import DraftBlock, SparseDraftProbs
+from specdec_runtime.cloud_verifier.verify_policy.calibration import AcceptanceCalibration
+from specdec_runtime.cloud_verifier.verify_policy.cost import ForwardCostModel
+from specdec_runtime.common.types import DraftBlock, SparseDraftProbs
 
 __all__ = ["VERIFY_POLICIES", "AdaptiveVerifyPolicy", "VerifyPolicy", "draft_confidences", "make_verify_policy",
            "set_verify_lengths", "truncate_block"]

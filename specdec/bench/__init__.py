@@ -4,12 +4,12 @@
 prompt, so a slow patch of a shared machine hits each variant alike):
 
 - ``target_only``: the EdgeClient with no drafter (empty blocks: one target token per verify step);
-- ``specdec``: the EdgeClient with the ONNX draft (:class:`edge_client.drafter.ModelDrafter`);
+- ``specdec``: the EdgeClient with the ONNX draft (:class:`edge_client.drafting.drafter.ModelDrafter`);
 - ``hf_assisted``: HF transformers assisted generation, ``target.generate(assistant_model=draft_pt)``, with the
   PyTorch form of the draft (see :func:`draft_pytorch_source`).
 
-(a) and (b) share ONE :class:`~cloud_verifier.target.TargetRunner` / :class:`~cloud_verifier.verifier.Verifier`
-behind the in-process :class:`~edge_client.backend.LocalBackend`, so the target is loaded once and both pay the
+(a) and (b) share ONE :class:`~cloud_verifier.target.runner.TargetRunner` / :class:`~cloud_verifier.verifier.Verifier`
+behind the in-process :class:`~edge_client.transport.backend.LocalBackend`, so the target is loaded once and both pay the
 same verifier overheads. (c) uses a separately loaded HF model with standard SDPA attention. All three decode
 greedily from the same prompt token ids (chat template, first turn of each question) with the same
 max_new_tokens and EOS; the report records whether their token ids agree.

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 WARMUP_NEW_TOKENS = 4  # tokens of the untimed warm-up generation of each variant
 
 # Device and dtype of the target in every bench mode (``specdec bench --device/--dtype``): names as in
-# cloud_verifier.target.resolve_device / resolve_dtype. HF assisted generation stays on the CPU in float32.
+# cloud_verifier.target.runner.resolve_device / resolve_dtype. HF assisted generation stays on the CPU in float32.
 _TARGET_PLACEMENT = {"device": "auto", "dtype": "auto"}
 
 
@@ -119,9 +119,9 @@ def load_pair(target_dir: Path, draft_dir: Path):
     Raises:
         common.vocab.VocabMismatchError: the draft's tokenizer differs from the target's.
     """
-    from cloud_verifier.target import TargetRunner
-    from common.vocab import check_vocab_compatible
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.common.vocab import check_vocab_compatible
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     draft_model = OnnxDraftModel(draft_dir)
     runner = TargetRunner(target_dir, **current_target_placement())
@@ -135,7 +135,7 @@ def run_interleaved(questions, tokenizer, variants: list[str], run_variant, max_
                      desc: str, postfix) -> list[PromptResult]:
     """Run every variant on every question, interleaved per prompt with a rotating order (so load drift on a
     shared machine hits all variants alike), after an untimed warm-up of each variant; tqdm bar on stderr."""
-    from edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.client import encode_prompt
 
     encoded = [encode_prompt(tokenizer, q.prompt, chat=True) for q in questions]
     for v in variants:  # untimed warm-up (ORT / torch first calls, allocator growth)
@@ -209,11 +209,11 @@ def time_draft_forward(model, past_tokens: int = 100, repeats: int = 9) -> float
 
 
 def time_forward(runner, num_tokens: int, past_tokens: int = 100, repeats: int = 5) -> float:
-    """Median wall time of a single-row forward of the target (:class:`cloud_verifier.target.TargetRunner`) of
+    """Median wall time of a single-row forward of the target (:class:`cloud_verifier.target.runner.TargetRunner`) of
     ``num_tokens`` tokens after ``past_tokens`` cached tokens, ms."""
     import numpy as np
 
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
     kv = runner.allocate(past_tokens + num_tokens)
     try:

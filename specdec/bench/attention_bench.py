@@ -59,10 +59,10 @@ def run(target: str | None, rows: int, tokens: int, context: int, repeats: int, 
     """One runner, ``rows`` sessions of ``context`` tokens; the timings and what was timed."""
     import numpy as np
 
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
-    from cloud_verifier.target import TargetRunner
-    from common.paths import default_model_paths
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.common.paths import default_model_paths
 
     import inspect
 

@@ -14,7 +14,7 @@ from typing import Any
 from ._shared import (WARMUP_NEW_TOKENS, progress_bar, safe_ratio, resolve_dirs, current_target_placement, threading_config,
                       package_versions)
 from .prompts import BenchPrompt, load_prompts
-from common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 
 CLIENTS_DEFAULT_LIMIT = 8  # prompts of run_clients_bench when no limit is given (keeps the run bounded)
 
@@ -164,7 +164,7 @@ def _clients_config(prompts: Path, limit: int, questions: list[BenchPrompt], rig
 def _check_clients_args(client_counts: list[int], rounds: int, client_drafter: str, max_new_tokens: int,
                         num_speculative_tokens: int) -> list[int]:
     """The unique client counts, in the given order. Raises InvalidRequestError on any invalid argument."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     counts = list(dict.fromkeys(int(c) for c in client_counts))
     if rounds < 1:
@@ -188,8 +188,8 @@ class _ClientsRig:
 
     def __init__(self, target_dir: Path, draft_dir: Path, questions: list[BenchPrompt], *, max_batch_size: int,
                  max_sessions: int, draft_threads: int, client_drafter: str, num_speculative_tokens: int):
-        from cloud_verifier.target import TargetRunner
-        from cloud_verifier.verifier import Verifier
+        from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+        from specdec_runtime.cloud_verifier.verifier import Verifier
         from specdec.embedded import EmbeddedServer
 
         self.draft_dir = draft_dir
@@ -211,11 +211,11 @@ class _ClientsRig:
             self.pool.append(self._new_client(max_new_tokens))
 
     def _new_client(self, max_new_tokens: int) -> tuple[Any, _RecordingBackend]:
-        from common.vocab import check_vocab_compatible
-        from edge_client.client import EdgeClient, encode_prompt
-        from edge_client.drafter import ModelDrafter
-        from edge_client.grpc_backend import GrpcBackend
-        from edge_client.onnx_draft import OnnxDraftModel
+        from specdec_runtime.common.vocab import check_vocab_compatible
+        from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+        from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+        from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
         model = OnnxDraftModel(self.draft_dir, intra_op_num_threads=self.draft_threads)
         if self.valid is None:

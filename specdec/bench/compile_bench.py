@@ -1,4 +1,4 @@
-"""Eager vs compiled target forward (``compile_mode``, :mod:`cloud_verifier.compiled_forward`), side by side in
+"""Eager vs compiled target forward (``compile_mode``, :mod:`cloud_verifier.target.compiled_forward`), side by side in
 one process. Prints one JSON line per row count.
 
     python -m specdec.bench.compile_bench --rows 16,64 --tokens 5 --context 300 --repeats 5 --layers 4
@@ -51,7 +51,7 @@ def _timed(runner, rows, sync) -> tuple[float, list]:
 
 
 def _session_rows(runner, rng, num, context, vocab):
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
     kvs = [runner.allocate(context + 32) for _ in range(num)]
     prompts = [rng.integers(3, vocab, context - 1).tolist() for _ in range(num)]
@@ -65,7 +65,7 @@ def measure(runners, num_rows, tokens, context, repeats, seed=0) -> dict:
     import numpy as np
     import torch
 
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
     eager, compiled = runners
     sync = torch.cuda.synchronize if eager.device.type == "cuda" else (lambda: None)
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from cloud_verifier.target import TargetRunner
-    from common.paths import default_model_paths
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.common.paths import default_model_paths
 
     row_counts = [int(r) for r in args.rows.split(",")]
     budget = max(row_counts) * (args.context + 64)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                "dtype": str(runners[0].dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
                "active_mode": runners[1]._compiled.mode, "dynamic": not args.static, "results": []}
         if args.static and args.mode == "torch_compile":
-            from cloud_verifier.compiled_forward import CompiledForward
+            from specdec_runtime.cloud_verifier.target.compiled_forward import CompiledForward
 
             keys = runners[1]._compiled.plan_keys
             runners[1]._compiled = CompiledForward(runners[1], "torch_compile", dynamic=False)

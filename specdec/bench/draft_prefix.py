@@ -3,7 +3,7 @@
 One client, ``runs`` consecutive new sessions whose prompts share a ``system_tokens``-token system prompt (then a
 short user message of their own). The draft first warms up on an unrelated prompt; before each session its KV
 cache is emptied (a new session on a draft that served another context meanwhile), so each prefill either
-restores the shared prefix from the prefix cache (edge_client.draft_prefix_cache) or pays it whole. Per session:
+restores the shared prefix from the prefix cache (edge_client.drafting.prefix_cache) or pays it whole. Per session:
 the draft's prefill time (ModelDrafter.prefill_step to the end of the prompt, the path the first block takes),
 then a greedy speculative generation checked token-for-token against target-only decoding (the same verifier, no
 drafter). Prints one JSON object: ``prefill_s`` per session, ``later_vs_first`` (each of sessions 2.. / the
@@ -34,12 +34,12 @@ def _system_text(tokenizer, n_tokens: int) -> str:
 def run_draft_prefix_bench(system_tokens: int = 500, runs: int = 8, max_new_tokens: int = 16,
                            prefix_cache_mb: float = 64.0) -> dict:
     """The measurement of the module docstring, as a JSON-able dict."""
-    from common.chat import render_chat_ids
-    from common.paths import default_model_paths
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.common.chat import render_chat_ids
+    from specdec_runtime.common.paths import default_model_paths
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.cli.pipeline import _embedded_backend
 
     paths = default_model_paths()

@@ -28,14 +28,14 @@ from ._shared import (
 )
 from .prompts import BenchPrompt, load_prompts
 from .verifier_process import VERIFIER_STARTUP_TIMEOUT_S, VerifierProcess
-from common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 
 EDGE_CLOUD_VARIANTS = ("cloud_only", "specdec", "specdec_proactive")
 
 
 def parse_delays_ms(spec: str) -> list[float]:
     """One-way delays of ``--delays-ms`` ("0,20"), ms, each >= 0, unique, in the given order."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     out: list[float] = []
     for part in str(spec).split(","):
@@ -137,7 +137,7 @@ def run_edge_cloud_bench(
 ) -> dict:
     """Edge–cloud benchmark: the verifier in a SEPARATE process (``specdec serve``, torch threads 1, pinned to
     one core with taskset), the edge client in this process pinned to another core (ORT intra-op threads 1),
-    gRPC on loopback, each simulated one-way delay added by :class:`edge_client.netsim.DelayedBackend`.
+    gRPC on loopback, each simulated one-way delay added by :class:`edge_client.transport.netsim.DelayedBackend`.
 
     Variants, all in the same run and interleaved per prompt (order rotating over every delay × variant):
     ``cloud_only`` (EdgeClient with no drafter: the target alone on the verifier, one token per verify step),
@@ -187,7 +187,7 @@ def run_edge_cloud_bench(
 def _check_edge_cloud_args(delays_ms: list[float], max_new_tokens: int, num_speculative_tokens: int,
                            min_confidence: float) -> list[float]:
     """The unique delays, in the given order. Raises InvalidRequestError on any invalid argument."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     delays = list(dict.fromkeys(float(d) for d in delays_ms))
     if not delays or min(delays) < 0:
@@ -215,12 +215,12 @@ class _EdgeRig:
              min_confidence: float) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from common.vocab import check_vocab_compatible
-        from edge_client.client import EdgeClient
-        from edge_client.drafter import ModelDrafter
-        from edge_client.grpc_backend import GrpcBackend
-        from edge_client.netsim import DelayedBackend
-        from edge_client.onnx_draft import OnnxDraftModel
+        from specdec_runtime.common.vocab import check_vocab_compatible
+        from specdec_runtime.edge_client.client import EdgeClient
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+        from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+        from specdec_runtime.edge_client.transport.netsim import DelayedBackend
+        from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
         self.draft_model = OnnxDraftModel(draft_dir, intra_op_num_threads=1)
         tokenizer = self.draft_model.tokenizer
@@ -311,7 +311,7 @@ class _EdgeCloudRun:
                 notes: list[str]) -> list[PromptResult]:
         """Pin, start the verifier process, warm up, run every prompt; always stop the process and restore this
         process's CPU affinity."""
-        from edge_client.client import encode_prompt
+        from specdec_runtime.edge_client.client import encode_prompt
 
         self.edge_core, self.verifier_core = _pin_plan(pin, notes)
         saved_affinity = os.sched_getaffinity(0) if self.edge_core is not None else None
@@ -359,7 +359,7 @@ class _EdgeCloudRun:
             "categories": categories_of(results),
             "max_new_tokens": self.max_new_tokens,
             "delays_ms": self.delays,
-            "delay": "one-way, added to each message in each direction (edge_client.netsim.DelayedBackend)",
+            "delay": "one-way, added to each message in each direction (edge_client.transport.netsim.DelayedBackend)",
             "num_speculative_tokens": self.num_speculative_tokens,
             "adaptive": self.adaptive,
             "min_confidence": self.min_confidence,

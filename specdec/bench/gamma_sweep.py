@@ -27,14 +27,14 @@ from ._shared import (
     time_forward,
 )
 from .prompts import load_prompts
-from common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 
 SWEEP_ADAPTIVE_VARIANTS = ("adaptive", "adaptive_no_truncation")
 
 
 def _parse_int_list(spec: str, what: str) -> list[int]:
     """Integers of "1-8", "1,2,4,8" or a mix ("1-4,8"): sorted, unique. Raises InvalidRequestError."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     out: set[int] = set()
     try:
@@ -59,7 +59,7 @@ def _parse_int_list(spec: str, what: str) -> list[int]:
 
 def parse_gamma_sweep(spec: str) -> list[int]:
     """γ values of ``--gamma-sweep`` ("1-8", "1,2,4,8", "1-4,8"), each >= 1. Raises InvalidRequestError."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     gammas = _parse_int_list(spec, "--gamma-sweep")
     if gammas[0] < 1:
@@ -232,7 +232,7 @@ def _check_sweep_args(gammas: list[int], max_new_tokens: int, min_confidence: fl
                       adaptive_max_num_speculative_tokens: int | None, plot: Path | None) -> tuple[list[int], int]:
     """(sorted unique γ values, the adaptive variants' largest γ). Raises InvalidRequestError, or ImportError when
     ``plot`` is given and matplotlib is missing."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     gammas = sorted(set(int(g) for g in gammas))
     if not gammas or gammas[0] < 1:
@@ -255,7 +255,7 @@ def _sweep_notes(amax: int, min_confidence: float) -> list[str]:
         "all variants share one TargetRunner/Verifier behind the in-process LocalBackend (no network, no proactive "
         "drafting); variants run interleaved per prompt, their order rotating from prompt to prompt",
         "fixed-γ variants draft exactly γ tokens per block (no confidence truncation); 'adaptive' chooses γ ≤ "
-        f"{amax} per step (edge_client.policy) with confidence truncation at min_confidence={min_confidence}, "
+        f"{amax} per step (edge_client.generation.policy) with confidence truncation at min_confidence={min_confidence}, "
         "'adaptive_no_truncation' the same without truncation",
         "draft_ms_per_token = edge drafting time (the draft KV sync incl. the prompt's draft prefill, and the γ "
         "forwards) / drafted tokens; draft_cost_ratio divides it by the target's one-token forward measured in "
@@ -280,10 +280,10 @@ class _SweepRig:
     @classmethod
     def open(cls, target_dir: Path, draft_dir: Path, gammas: list[int], amax: int, min_confidence: float) -> _SweepRig:
         """Raises InvalidRequestError when a γ exceeds the verifier's max_num_speculative_tokens."""
-        from cloud_verifier.verifier import Verifier
-        from common.errors import InvalidRequestError
-        from edge_client.client import EdgeClient
-        from edge_client.drafter import ModelDrafter
+        from specdec_runtime.cloud_verifier.verifier import Verifier
+        from specdec_runtime.common.errors import InvalidRequestError
+        from specdec_runtime.edge_client.client import EdgeClient
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
         from specdec.embedded import LocalBackend
 
         draft_model, runner, valid_vocab = load_pair(target_dir, draft_dir)

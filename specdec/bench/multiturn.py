@@ -43,12 +43,12 @@ def _ttft(chunks) -> tuple[float, list[str]]:
 
 
 def run(turns: int, at: list[int], max_new_tokens: int, repeats: int, gamma: int) -> dict:
-    from cloud_verifier.config import VerifierSettings
-    from common.paths import default_model_paths
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.common.paths import default_model_paths
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     paths = default_model_paths()

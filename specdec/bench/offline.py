@@ -29,7 +29,7 @@ from ._shared import (
 )
 from .hf_assisted import HF_DRAFT_MODES, generate_hf_assisted, load_hf_models
 from .prompts import load_prompts
-from common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 
 VARIANTS = ("target_only", "specdec", "hf_assisted")
 
@@ -128,7 +128,7 @@ def run_bench(
     Raises:
         FileNotFoundError, InvalidRequestError (prompts), ModelNotFoundError (models), VocabMismatchError.
     """
-    from common.types import SamplingParams
+    from specdec_runtime.common.types import SamplingParams
 
     sampling = sampling or SamplingParams()
     _check_bench_args(max_new_tokens, num_speculative_tokens, hf_draft, sampling)
@@ -222,7 +222,7 @@ def _history_processing_ms(sampling: Any, vocab_size: int, history: int = 256, p
     ``history`` distinct-ish tokens, each position pushing one more (the block's incremental cost)."""
     import numpy as np
 
-    from common.logits_processors import TokenHistory
+    from specdec_runtime.common.logits_processors import TokenHistory
 
     rng = np.random.default_rng(0)
     h = TokenHistory(sampling, vocab_size, history // 2, (), rng.integers(0, vocab_size, history).tolist())
@@ -248,7 +248,7 @@ def _logits_processing_ms(sampling: Any, vocab_size: int, num_speculative_tokens
 
 
 def _check_bench_args(max_new_tokens: int, num_speculative_tokens: int, hf_draft: str, sampling: Any) -> None:
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     try:
         sampling.validate()
@@ -282,9 +282,9 @@ class _OfflineRig:
 
     @classmethod
     def open(cls, target_dir: Path, draft_dir: Path, num_speculative_tokens: int, sampling: Any) -> _OfflineRig:
-        from cloud_verifier.verifier import Verifier
-        from edge_client.client import EdgeClient
-        from edge_client.drafter import ModelDrafter
+        from specdec_runtime.cloud_verifier.verifier import Verifier
+        from specdec_runtime.edge_client.client import EdgeClient
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
         from specdec.embedded import LocalBackend
 
         draft_model, runner, valid_vocab = load_pair(target_dir, draft_dir)
@@ -319,7 +319,7 @@ class _OfflineRig:
         if v == "hf_assisted":
             return generate_hf_assisted(self.hf_target, self.draft_pt, ids, n_new, self.num_speculative_tokens,
                                          self.verifier.eos_token_ids, self.sampling)
-        from edge_client.request import generation_options
+        from specdec_runtime.edge_client.request import generation_options
 
         t = time.perf_counter()
         res = self.clients[v].generate(ids, max_new_tokens=n_new, **generation_options(self.sampling))

@@ -51,7 +51,7 @@ def _batch_tokens() -> float:
 
 def _decode(backend, opened, max_new_tokens: int) -> list[int]:
     """Target-only greedy decoding of an open session (empty draft blocks) to its end."""
-    from common.types import DraftBlock
+    from specdec_runtime.common.types import DraftBlock
 
     out, seq, length = [], 1, opened.committed_length
     while True:
@@ -64,8 +64,8 @@ def _decode(backend, opened, max_new_tokens: int) -> list[int]:
 
 def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bool) -> dict:
     """Open every prompt in turn (timed), count KV pages in use, decode, close; the report of one mode."""
-    from common.types import SamplingParams, StoppingCriteria
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import LocalBackend
 
     backend = LocalBackend(Verifier(runner, max_batch_wait_ms=0.0, prefix_caching=caching))
@@ -101,8 +101,8 @@ def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bo
 
 def run(sessions: int, prefix_tokens: int, max_new_tokens: int, page_size: int, target: str | None,
         device: str, dtype: str) -> dict:
-    from cloud_verifier.target import TargetRunner
-    from common.paths import default_model_paths
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.common.paths import default_model_paths
 
     runner = TargetRunner(target or default_model_paths().target_dir, device=device, dtype=dtype,
                           kv_page_size=page_size, kv_cache_budget_tokens=(sessions + 2) * (prefix_tokens + 64))

@@ -42,7 +42,7 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Benc
         InvalidRequestError: a line is not JSON or has neither a non-empty ``prompt`` nor a non-empty first turn;
             limit < 1; no questions.
     """
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     path = Path(path).expanduser()
     if not path.is_file():

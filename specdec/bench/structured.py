@@ -38,7 +38,7 @@ def _arm(client, prompts, max_new_tokens, grammar):
 
 
 def _grammar_cost_ms(spec, tokenizer, outputs) -> float:
-    from common.grammar import compile_grammar, grammar_tokenizer
+    from specdec_runtime.common.grammar import compile_grammar, grammar_tokenizer
 
     compiled = compile_grammar(spec, grammar_tokenizer(tokenizer, [int(tokenizer.eos_token_id)]))
     positions, t = 0, 0.0
@@ -58,14 +58,14 @@ def run_structured(json_schema: Path, *, target=None, draft=None, limit: int | N
 
     Raises:
         InvalidRequestError: the file cannot be read, or is not a JSON schema (one line for the CLI)."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from common.errors import InvalidRequestError
-    from common.grammar import GrammarSpec
-    from common.paths import resolve_draft_dir, resolve_target_dir
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.common.errors import InvalidRequestError
+    from specdec_runtime.common.grammar import GrammarSpec
+    from specdec_runtime.common.paths import resolve_draft_dir, resolve_target_dir
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
 
     try:

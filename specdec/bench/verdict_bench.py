@@ -31,13 +31,13 @@ from specdec.bench import _shared  # noqa: F401 - sets OMP_WAIT_POLICY before to
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cloud_verifier.verdict import numerics  # noqa: E402
-from cloud_verifier.verdict.numerics import verify_row, verify_rows  # noqa: E402
-from cloud_verifier.verdict.sampler import VerifyRow  # noqa: E402
-from common.draft_topk import draft_topk_distribution  # noqa: E402
-from common.errors import TargetOutputError  # noqa: E402
-from common.sampling import Stream, sample_from, uniform  # noqa: E402
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs  # noqa: E402
+from specdec_runtime.cloud_verifier.verdict import numerics  # noqa: E402
+from specdec_runtime.cloud_verifier.verdict.numerics import verify_row, verify_rows  # noqa: E402
+from specdec_runtime.cloud_verifier.verdict.sampler import VerifyRow  # noqa: E402
+from specdec_runtime.common.draft_topk import draft_topk_distribution  # noqa: E402
+from specdec_runtime.common.errors import TargetOutputError  # noqa: E402
+from specdec_runtime.common.sampling import Stream, sample_from, uniform  # noqa: E402
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs  # noqa: E402
 from specdec.logits_bench import real_logits, synthetic_logits  # noqa: E402
 
 VOCAB = 49152
@@ -149,7 +149,7 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
 
 
 def _cpu_scan_backend() -> str:
-    from cloud_verifier.verdict.scan_native import available
+    from specdec_runtime.cloud_verifier.verdict.scan_native import available
 
     return "native" if available() else "numpy"
 

@@ -154,9 +154,9 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
     """One grid point: every prompt with every route through one WanProxy, after one warm-up shared by all
     routes (short speculative and cloud generations, one per prompt: the channel, the draft, the prompts'
     prefill, the client's estimates of both routes — what a client learns once, not per request)."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
     from specdec.netem import DirectionProfile, LinkProfile, WanProxy
 
     way = DirectionProfile(latency_ms, jitter_ms, bandwidth_kbps)
@@ -203,9 +203,9 @@ def _warm_process(address: str, draft_model, prompt_ids: list[int]) -> None:
     """One untimed speculative and one cloud generation straight to the verifier, before the first point: the
     process's first forward passes (allocations, kernel choices) are slower, and the first point's warm-up would
     otherwise give its client estimates no later point's client sees."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     with GrpcBackend(address) as backend:
         client = EdgeClient(backend, ModelDrafter(draft_model), draft_model.tokenizer, adaptive=True, proactive=True)
@@ -232,10 +232,10 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     """
     if repeats < 1:  # before anything loads
         raise ValueError(f"--wan-repeats must be at least 1, got {repeats}")
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import encode_prompt
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     from ._shared import resolve_dirs

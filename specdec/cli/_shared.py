@@ -76,7 +76,7 @@ def fail(message: str) -> None:
 
 def explain(e: BaseException) -> str:
     """The one line of a user error, with what to do where the error alone does not say it."""
-    from common.errors import UnauthenticatedError
+    from specdec_runtime.common.errors import UnauthenticatedError
 
     if isinstance(e, UnauthenticatedError):
         return f"{e}: pass the verifier's key with --api-key KEY (or $SPECDEC_API_KEY)"
@@ -92,22 +92,22 @@ _EXTRA_MODULES = {
 
 
 def require_extra(extra: str, what: str) -> None:
-    """Exit with one line when specdec[``extra``] is not installed (e.g. an edge-only install): ``what`` needs
+    """Exit with one line when specdec-edgecloud[``extra``] is not installed (e.g. an edge-only install): ``what`` needs
     it. Looks the modules up without importing them (torch takes seconds)."""
     import importlib.util
 
     missing = [m for m in _EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
     if missing:
         elsewhere = ", or use a verifier elsewhere with --server HOST:PORT" if extra == "verifier" else ""
-        fail(f"{what} needs specdec[{extra}] ({', '.join(missing)} not installed): "
-              f"pip install 'specdec[all]'{elsewhere}")
+        fail(f"{what} needs specdec-edgecloud[{extra}] ({', '.join(missing)} not installed): "
+              f"pip install 'specdec-edgecloud[all]'{elsewhere}")
 
 
 def check_device(device: str, dtype: str) -> tuple[str, str]:
     """(device, dtype) names resolved (``auto`` included), or exit with one line (unknown name, no CUDA, no
     verifier packages)."""
     require_extra("verifier", "the embedded verifier (no --server)")
-    from cloud_verifier.target import resolve_device, resolve_dtype
+    from specdec_runtime.cloud_verifier.target.runner import resolve_device, resolve_dtype
 
     try:
         dev = resolve_device(device)
@@ -117,12 +117,12 @@ def check_device(device: str, dtype: str) -> tuple[str, str]:
 
 
 def user_errors():
-    from common.errors import SpecdecError
-    from common.paths import ModelNotFoundError
-    from common.vocab import VocabMismatchError
+    from specdec_runtime.common.errors import SpecdecError
+    from specdec_runtime.common.paths import ModelNotFoundError
+    from specdec_runtime.common.vocab import VocabMismatchError
 
     try:  # a target the verifier cannot run (embedded verifier): one line, not a traceback
-        from cloud_verifier.architectures import UnsupportedArchitectureError
+        from specdec_runtime.cloud_verifier.target.architectures import UnsupportedArchitectureError
     except ImportError:  # an edge-only install has no verifier
         return (SpecdecError, ModelNotFoundError, VocabMismatchError)
     return (SpecdecError, ModelNotFoundError, VocabMismatchError, UnsupportedArchitectureError)
@@ -135,7 +135,7 @@ ROUTE_HELP = ("'speculative' (draft + verify), 'cloud' (the verifier generates a
 
 def check_route(route: str) -> None:
     """Exit with one line on an unknown --route (before any model loads)."""
-    from edge_client.routing import ROUTES
+    from specdec_runtime.edge_client.generation.routing import ROUTES
 
     if route not in ROUTES:
         fail(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")

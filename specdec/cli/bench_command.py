@@ -38,7 +38,7 @@ def _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, re
     if duration_s is not None and not replay:
         fail("--duration-s goes with --replay or --chaos")
     if verify_policy is not None:
-        from cloud_verifier.verify_policy import VERIFY_POLICIES
+        from specdec_runtime.cloud_verifier.verify_policy import VERIFY_POLICIES
 
         if not replay:
             fail("--verify-policy goes with --replay")
@@ -219,7 +219,7 @@ def bench(
     store: str = STORE, sessions: int = SESSIONS, replicas: int = REPLICAS, kv_tokens: Optional[int] = KV_TOKENS,
 ):
     """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
-    from common.types import SamplingParams
+    from specdec_runtime.common.types import SamplingParams
     from specdec import bench as bench_mod
     logging.basicConfig(level=logging.WARNING)
     processing = processing_options(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,  # all

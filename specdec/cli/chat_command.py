@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
@@ -69,7 +69,7 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     """Stream one reply, then its statistics line on stderr; a refused request (e.g. the conversation outgrew the
     context) prints one line and keeps the conversation; so does Ctrl-C, which stops the reply (the turn is
     dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is)."""
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     chunks = conv.send(message, **kwargs)
     try:
@@ -162,7 +162,7 @@ def chat(
     every reply is constrained to it (docs/structured-output.md)."""
     logging.basicConfig(level=logging.WARNING)
     check_route(route)
-    from common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -183,7 +183,7 @@ def chat(
         before_load=check_chat_input)  # nothing to read: say so now, not after the models load
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   **processing)
-    client.route = route  # edge_client.routing
+    client.route = route  # edge_client.generation.routing
     interactive = sys.stdin.isatty()
     conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
     if interactive:

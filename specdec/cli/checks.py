@@ -21,8 +21,8 @@ def check_server(server: str | None) -> list[str] | None:
     """The addresses of ``--server`` (None without it), or exit: empty, a URL, no port, a port out of range."""
     if server is None:
         return None
-    from common.errors import InvalidRequestError
-    from edge_client.connections import parse_addresses
+    from specdec_runtime.common.errors import InvalidRequestError
+    from specdec_runtime.edge_client.transport.connections import parse_addresses
 
     try:
         return parse_addresses(server)
@@ -40,7 +40,7 @@ def check_device_names(device: str, dtype: str) -> None:
 
 def check_model_dirs(target: Path | None, draft: Path | None) -> None:
     """Exit when ``--target`` is not an HF model directory or ``--draft`` holds no ONNX draft (given ones only)."""
-    from common.paths import ModelNotFoundError, resolve_draft_dir, resolve_target_dir
+    from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir, resolve_target_dir
 
     try:
         if target is not None:
@@ -85,9 +85,9 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 
 
 def start_preflight(addresses: list[str], security, *, unreachable_is_error: bool) -> Future:
-    """A background probe of the verifier addresses (:func:`edge_client.probe.diagnose`) while models load:
+    """A background probe of the verifier addresses (:func:`edge_client.transport.probe.diagnose`) while models load:
     its result is the one-line reason none can serve, or None."""
-    from edge_client.probe import diagnose
+    from specdec_runtime.edge_client.transport.probe import diagnose
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-preflight")
     future = pool.submit(diagnose, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
@@ -97,7 +97,7 @@ def start_preflight(addresses: list[str], security, *, unreachable_is_error: boo
 
 def check_num_speculative_tokens(num_speculative_tokens: int) -> None:
     """Exit unless γ (``-g``) is in [1, MAX_NUM_SPECULATIVE_TOKENS] (the most any verifier may accept)."""
-    from common.types import MAX_NUM_SPECULATIVE_TOKENS
+    from specdec_runtime.common.types import MAX_NUM_SPECULATIVE_TOKENS
 
     if not 1 <= num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
         fail(f"--num-speculative-tokens must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
@@ -113,7 +113,7 @@ def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
 def _tokenizer_dir(target: Path | None, draft: Path | None) -> Path | None:
     """A directory with the pair's tokenizer (the draft's, else the target's; the default models' when not given),
     None when none is there yet (the default models not prepared)."""
-    from common.paths import default_model_paths
+    from specdec_runtime.common.paths import default_model_paths
 
     defaults = default_model_paths()
     for d in (draft or defaults.draft_dir, target or defaults.target_dir):
@@ -129,7 +129,7 @@ def check_logit_bias_vocabulary(options: dict, target: Path | None, draft: Path 
     where = _tokenizer_dir(target, draft) if bias else None
     if where is None:
         return
-    from edge_client.tokenizer import load_tokenizer
+    from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
 
     size = len(load_tokenizer(where))
     outside = sorted(t for t in bias if not 0 <= t < size)

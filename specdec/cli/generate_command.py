@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from common.types import DEFAULT_DRAFT_TOP_K, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEVICE_HELP, DTYPE_HELP, check_device, explain, fail, user_errors, app,
 )
@@ -36,7 +36,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
     if not prompt.strip():
         fail("empty prompt")
     check_server(server)
-    from common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
     try:
         SamplingParams(temperature, top_k, top_p, seed, **(processing or {})).validate()
@@ -66,7 +66,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
             fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
         check_device(device, dtype)  # the embedded verifier's target: no CUDA is one line, before any model loads
         return None
-    from edge_client.credentials import ChannelSecurity
+    from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
 
     try:
         return ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key,
@@ -198,7 +198,7 @@ def generate(
         )
     except user_errors() as e:
         fail(explain(e))
-    client.route = route  # edge_client.routing
+    client.route = route  # edge_client.generation.routing
     _stream(client, close, prompt, as_json, dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stop=tuple(stop), ignore_eos=ignore_eos, chat=not raw, **processing))

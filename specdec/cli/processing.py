@@ -42,7 +42,7 @@ def processing_options(*, repetition_penalty: float, presence_penalty: float, fr
                        logprobs: Optional[int]) -> dict:
     """The generation options of these flags (only the ones set, so the defaults stay the SDK's), checked by
     :meth:`common.types.SamplingParams.validate` (a bad value exits with one line naming the field)."""
-    from common.types import SamplingParams
+    from specdec_runtime.common.types import SamplingParams
 
     opts: dict = {}
     for name, value, neutral in (("repetition_penalty", repetition_penalty, 1.0),

@@ -54,7 +54,7 @@ def edge_serve(
     --api-key (or --api-keys-file), or --insecure."""
     logging.basicConfig(level=logging.WARNING)
     check_route(route)
-    from edge_client.credentials import is_loopback_address
+    from specdec_runtime.edge_client.transport.credentials import is_loopback_address
 
     if not is_loopback_address(f"[{host.strip('[]')}]:0") and not (api_key or api_keys_file) and not insecure:
         fail(f"--host {host} is not a loopback address: give --api-key (or --api-keys-file), or --insecure")
@@ -72,7 +72,7 @@ def edge_serve(
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
         retry_policy=policy,
         connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
-    client.route = route  # edge_client.routing; a request's 'route' field wins
+    client.route = route  # edge_client.generation.routing; a request's 'route' field wins
     if model_name is None:
         from specdec.models import default_model_paths
 
@@ -121,7 +121,7 @@ def serve(
     from specdec.cli._shared import require_extra
 
     require_extra("verifier", "specdec serve")
-    from cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
@@ -148,7 +148,7 @@ def serve(
     check_device_names(settings.device, settings.dtype)
     check_device(settings.device, settings.dtype)  # before loading anything: no CUDA is one line
     quiet_transformers()  # after the checks: importing transformers takes a second
-    from cloud_verifier.server import serve as serve_async
+    from specdec_runtime.cloud_verifier.serving.server import serve as serve_async
     try:
         asyncio.run(serve_async(settings))
     except (*user_errors(), OSError, RuntimeError, ValueError) as e:

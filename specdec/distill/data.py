@@ -155,7 +155,7 @@ def _generate_shard(model: Any, tok: Any, prompts: list[str], prompt_indices: li
     top-k logits per answer position; prompts longer than the plan's ``max_prompt_tokens`` are left out."""
     import torch
 
-    from edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.client import encode_prompt
 
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos

@@ -92,7 +92,7 @@ def measure_costs(
     """Side-by-side cost of one single-token forward with ``past`` tokens of KV cache, median ms.
 
     The target runs in PyTorch (as the verifier runs it: float32, DynamicCache), each ONNX draft in ONNX
-    Runtime (:class:`edge_client.onnx_draft.OnnxDraftModel`), all with ``threads`` threads, interleaved
+    Runtime (:class:`edge_client.drafting.onnx_draft.OnnxDraftModel`), all with ``threads`` threads, interleaved
     round-robin in one process so that machine load affects them alike.
 
     Returns:
@@ -101,7 +101,7 @@ def measure_costs(
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     torch.set_num_threads(int(threads))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -160,7 +160,7 @@ def evaluate_onnx(onnx_dir: str | os.PathLike, records: list[dict], threads: int
     Same metrics as :func:`evaluate` (``agreement``, ``sim_acceptance``, ``sim_tau``) for any ONNX draft in
     the layout of :mod:`specdec.models` (the distilled draft, its int8 variant, the int8 copy of the target).
     """
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     m = OnnxDraftModel(onnx_dir, providers=["CPUExecutionProvider"], intra_op_num_threads=threads)
     agree = total = accepted = drafted = steps = 0

@@ -34,7 +34,7 @@ Tests that monkeypatch a setting or helper patch the submodule that uses it (e.g
 
 from __future__ import annotations
 
-from common.paths import (
+from specdec_runtime.common.paths import (
     COMPLETE_MARKER,
     DRAFT_DIR_NAME,
     EXPORT_REPORT,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.paths import COMPLETE_MARKER, is_complete
+from specdec_runtime.common.paths import COMPLETE_MARKER, is_complete
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from common.paths import (
+from specdec_runtime.common.paths import (
     EXPORT_REPORT,
     ONNX_FILE,
     TARGET_DIR_NAME,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.paths import ModelNotFoundError, is_complete
+from specdec_runtime.common.paths import ModelNotFoundError, is_complete
 
 from ._util import atomic_dir, offline_env, Progress, write_marker
 

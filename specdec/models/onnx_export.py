@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.paths import EXPORT_REPORT, ONNX_FILE, is_complete, resolve_target_dir
+from specdec_runtime.common.paths import EXPORT_REPORT, ONNX_FILE, is_complete, resolve_target_dir
 
 from ._util import atomic_dir, offline_env, onnx_bytes, Progress, write_marker
 from .onnx_check import ExportCheckError  # noqa: F401 - raised by export_onnx_draft (through the check)

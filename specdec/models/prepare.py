@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from common.paths import COMPLETE_MARKER, ModelPaths, default_model_paths, is_complete
+from specdec_runtime.common.paths import COMPLETE_MARKER, ModelPaths, default_model_paths, is_complete
 
 from .gguf import prepare_target_from_gguf
 from .onnx_export import export_onnx_draft, genai_builder_available

@@ -101,11 +101,11 @@ def _add_auth(app, api_keys: Callable[[str | None], bool]) -> None:
 def key_checker(api_key: str | None = None,
                 api_keys_file: str | None = None) -> Callable[[str | None], bool] | None:
     """The Bearer-token check of the endpoint: ``api_key`` (compared in constant time) and/or the key hashes of
-    ``api_keys_file`` (the ``specdec keys create`` file, :class:`cloud_verifier.auth.ApiKeyStore`);
+    ``api_keys_file`` (the ``specdec keys create`` file, :class:`cloud_verifier.security.auth.ApiKeyStore`);
     None when neither is given (no authentication)."""
     store = None
     if api_keys_file:
-        from cloud_verifier.auth import ApiKeyStore
+        from specdec_runtime.cloud_verifier.security.auth import ApiKeyStore
 
         store = ApiKeyStore(api_keys_file)
     if not api_key and store is None:

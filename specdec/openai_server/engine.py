@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.errors import CapacityError
-from common.types import FinishReason
+from specdec_runtime.common.errors import CapacityError
+from specdec_runtime.common.types import FinishReason
 
 from .request import GenRequest
 
@@ -135,7 +135,7 @@ class Engine:
         conversations are closed and the request is tried once more; the second refusal is the answer (429)."""
         if job.cancelled.is_set():
             return
-        # (a seeded sampled request starts from a fresh draft KV cache: edge_client.generation_loop resets the drafter)
+        # (a seeded sampled request starts from a fresh draft KV cache: edge_client.generation.loop resets the drafter)
         for attempt in (1, 2):
             emitted = [False]
             try:

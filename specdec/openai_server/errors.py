@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from common.errors import (
+from specdec_runtime.common.errors import (
     CapacityError,
     DeadlineError,
     InvalidRequestError,

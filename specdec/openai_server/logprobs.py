@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 
-from common.token_bytes import token_bytes
+from specdec_runtime.common.token_bytes import token_bytes
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.types import MAX_NEW_TOKENS, StoppingCriteria
+from specdec_runtime.common.types import MAX_NEW_TOKENS, StoppingCriteria
 
 from .errors import ApiError
 
@@ -100,7 +100,7 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
 def _processing_kwargs(body: dict, chat: bool, vocab_size: int) -> tuple[dict, bool]:
     """The logits-processing options of ``body`` (only those set) and whether logprobs are reported
     (``vocab_size``: logit_bias token ids must be below it)."""
-    from common.types import MAX_TOP_LOGPROBS
+    from specdec_runtime.common.types import MAX_TOP_LOGPROBS
 
     kw: dict = {}
     for name, lo, hi, default, kind in (("presence_penalty", -2.0, 2.0, 0.0, float),
@@ -247,7 +247,7 @@ def parse_messages(messages) -> list[dict]:
 def render_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Prompt ids of a chat through the tokenizer's chat template, message content as literal text
     (:func:`common.chat.render_chat_ids`: special-token strings typed in a message are not parsed)."""
-    from common.chat import render_chat_ids as render
+    from specdec_runtime.common.chat import render_chat_ids as render
 
     return [int(t) for t in render(tokenizer, messages, add_generation_prompt=True)]
 

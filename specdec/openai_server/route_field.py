@@ -20,7 +20,7 @@ def routed(parse: Callable, body: dict, tokenizer):
 
     Raises:
         ApiError: 400 (param ``route``) for a value that is not a route; the parser's errors."""
-    from edge_client.routing import ROUTES
+    from specdec_runtime.edge_client.generation.routing import ROUTES
 
     body = dict(body)
     route = body.pop(ROUTE_FIELD, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
+from specdec_runtime.common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
 
 from .errors import ApiError
 from .tools import ToolCallStreamer, ToolRequest, parse_tool_calls, parse_tools, tool_grammar, tool_messages

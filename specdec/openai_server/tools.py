@@ -21,7 +21,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from common.grammar import GrammarSpec
+from specdec_runtime.common.grammar import GrammarSpec
 
 from .errors import ApiError
 

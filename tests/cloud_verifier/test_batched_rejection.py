@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.draws import uniform_many
-from cloud_verifier.verdict.numerics import verify_row, verify_rows
-from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
-from cloud_verifier.verdict.scan_native import available as native_available
-from common.errors import TargetOutputError
-from common.sampling import Stream, logits_to_probs, uniform
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.common.draws import uniform_many
+from specdec_runtime.cloud_verifier.verdict.numerics import verify_row, verify_rows
+from specdec_runtime.cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
+from specdec_runtime.cloud_verifier.verdict.scan_native import available as native_available
+from specdec_runtime.common.errors import TargetOutputError
+from specdec_runtime.common.sampling import Stream, logits_to_probs, uniform
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs
 
 V = 2048  # vocabulary of the corpus (the last 3 ids are padding: valid_vocab_size = V - 3)
 VALID = V - 3

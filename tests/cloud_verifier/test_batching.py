@@ -8,13 +8,13 @@ import threading
 import numpy as np
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import CapacityError
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import CapacityError
 from specdec.embedded import LocalBackend
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_kv_budget_refuses_and_reuses(tiny_pair):
     try:
         model = OnnxDraftModel(tiny_pair.draft_dir)
         client = EdgeClient(backend, ModelDrafter(model), model.tokenizer)
-        from common.types import SamplingParams, StoppingCriteria
+        from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
         # 7 KV pages of 16 tokens; a 30-token prompt holds 2 (its first 29 tokens), not prompt + max_new_tokens
         prompt, stopping = list(range(10, 40)), StoppingCriteria(max_new_tokens=50)
@@ -164,7 +164,7 @@ def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
         while not any(v for _, v in batches) and time.monotonic() < deadline:  # wait until A is decoding
             time.sleep(0.001)
         long_prompt = np.random.default_rng(1).integers(3, 5000, size=32 * 12 + 1).tolist()
-        from common.types import SamplingParams, StoppingCriteria
+        from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
         opened = backend.open_session(long_prompt, SamplingParams(), StoppingCriteria(max_new_tokens=4))
         t.join(timeout=300)
@@ -183,8 +183,8 @@ def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
 
 def test_closing_a_session_with_a_block_in_flight_spares_the_batch(tiny_pair, runner):
     """A client that goes away mid-block (Ctrl-C) must not break the other sessions batched with it."""
-    from common.errors import SessionNotFoundError
-    from common.types import DraftBlock, SamplingParams, StoppingCriteria
+    from specdec_runtime.common.errors import SessionNotFoundError
+    from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 
     backend = LocalBackend(Verifier(runner, max_batch_size=8, max_batch_wait_ms=50))
     try:

@@ -21,12 +21,12 @@ import uuid
 import grpc
 import pytest
 
-from cloud_verifier.store import RedisSessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 from _reference import hf_greedy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.redis]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from _architectures import make_tiny_model
-from cloud_verifier.compiled_forward import CompiledForward
-from cloud_verifier.forward_row import ForwardRow
-from cloud_verifier.target import TargetRunner
+from specdec_runtime.cloud_verifier.target.compiled_forward import CompiledForward
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
 TOL = 1e-4  # relative to the largest eager logit (float32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,7 +111,7 @@ def test_cuda_graph_buffers_and_padding_equal_eager(target_dir):
 
 
 def test_cuda_graphs_without_cuda_runs_eagerly_with_one_log_line(target_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="cloud_verifier.compiled_forward"):
+    with caplog.at_level(logging.WARNING, logger="specdec_runtime.cloud_verifier.target.compiled_forward"):
         runner = _runner(target_dir, "cuda_graphs")
     lines = [r.message for r in caplog.records if "cuda_graphs" in r.message]
     if DEVICE == "cuda":  # on a GPU the setting is kept and nothing is logged

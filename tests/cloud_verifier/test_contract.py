@@ -24,12 +24,12 @@ from typing import Callable
 import grpc
 import pytest
 
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -319,7 +319,7 @@ def test_seq_rule_holds_across_replicas(runner, redis_url):
     seq after B's block."""
     import uuid
 
-    from cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
     prefix = f"specdec-test:seq-{uuid.uuid4().hex}:"
     stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cloud_verifier.config import VerifierSettings
-from cloud_verifier.target import TargetRunner, resolve_device, resolve_dtype
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner, resolve_device, resolve_dtype
+from specdec_runtime.cloud_verifier.verifier import Verifier
 
 
 @pytest.fixture

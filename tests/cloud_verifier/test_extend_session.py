@@ -12,20 +12,20 @@ import pytest
 from prometheus_client import REGISTRY
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.chat import continuation_ids, render_chat_ids
-from common.errors import (
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.chat import continuation_ids, render_chat_ids
+from specdec_runtime.common.errors import (
     ConflictError,
     ContextLengthError,
     InvalidRequestError,
     PreconditionError,
     SessionNotFoundError,
 )
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
 
 WAIT_S = 60.0
@@ -165,9 +165,9 @@ def test_errors_leave_the_session_unchanged(local, runner, turns):
 
 def test_grpc_status_codes(runner, turns):
     """The wire answers each error with its documented status code (never INTERNAL)."""
-    from common.wire import extend_request_to_proto
-    from common.v1 import verifier_pb2_grpc as pb_grpc
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.common.wire import extend_request_to_proto
+    from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     prompt, reply1, appended, reply2 = turns
     history = prompt + reply1
@@ -208,7 +208,7 @@ def test_grpc_status_codes(runner, turns):
 def test_conversation_resumes_on_another_replica_from_redis(tiny_pair, runner, redis_url, turns):
     """Replica A runs turn 1 and the extension; replica B (same Redis) resumes the conversation from the store
     at the next block: turn 2 equals target-only decoding; then B extends it to turn 3."""
-    from cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
     prompt, reply1, appended, reply2 = turns
     prefix = f"specdec-test:{uuid.uuid4().hex}:"
@@ -251,10 +251,10 @@ def test_conversation_resumes_on_another_replica_from_redis(tiny_pair, runner, r
 def test_failover_retry_of_an_applied_extension_is_reconciled(tiny_pair, runner, redis_url, turns):
     """Replica A applies the extension and goes away before its answer reaches the client: the SDK's retry on B
     is refused (ABORTED: the committed length moved) and reconciled from the store, not applied twice."""
-    from cloud_verifier.store import RedisSessionStore
-    from common.wire import extend_request_to_proto
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from common.v1 import verifier_pb2_grpc as pb_grpc
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.common.wire import extend_request_to_proto
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
     prompt, reply1, appended, reply2 = turns
     prefix = f"specdec-test:{uuid.uuid4().hex}:"

@@ -24,12 +24,12 @@ import pytest
 
 from _cluster import ForwardGate, PrivateRedis, ServerOnPort, free_port, health_status, wait_until
 from _reference import hf_greedy
-from cloud_verifier.store import MemorySessionStore, RedisSessionStore, SessionRecord
-from common.errors import StaleSessionError
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from common.wire import block_to_proto, open_request_to_proto
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.cloud_verifier.store import MemorySessionStore, RedisSessionStore, SessionRecord
+from specdec_runtime.common.errors import StaleSessionError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.wire import block_to_proto, open_request_to_proto
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,15 +78,15 @@ def test_owner_checked_commit_and_disown(store):
 
 @pytest.fixture(scope="module")
 def runner(tiny_pair):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=16384)
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(tiny_pair):
-    from edge_client.client import encode_prompt
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     return encode_prompt(OnnxDraftModel(tiny_pair.draft_dir).tokenizer, PROMPT)
 
@@ -97,7 +97,7 @@ def expected(tiny_pair, prompt_ids):
 
 
 def _verifier(runner, store=None, **kw):
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     kw.setdefault("max_batch_wait_ms", 1.0)
     return Verifier(runner, store or MemorySessionStore(ttl_s=60), verifier_id="test-verifier", **kw)
@@ -202,9 +202,9 @@ def test_cancel_during_the_forward_pass_then_resume_at_once(runner, prompt_ids, 
 
 
 def test_keepalive_policies_agree_as_shipped():
-    from cloud_verifier.server import SERVER_OPTIONS
-    from common.keepalive import PING_INTERVAL_MARGIN, check_agreement
-    from edge_client.grpc_backend import CHANNEL_OPTIONS
+    from specdec_runtime.cloud_verifier.serving.server import SERVER_OPTIONS
+    from specdec_runtime.common.keepalive import PING_INTERVAL_MARGIN, check_agreement
+    from specdec_runtime.edge_client.transport.grpc_backend import CHANNEL_OPTIONS
 
     server, client = dict(SERVER_OPTIONS), dict(CHANNEL_OPTIONS)
     # the option gRPC core reads (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)
@@ -221,9 +221,9 @@ def _keepalive_run(runner, prompt_ids, expected, client_ms: int, server_min_ms: 
     """A Verify stream idle for ``idle_s`` then used, and an OpenSession whose prefill is held ``idle_s``, with a
     client pinging every ``client_ms`` and a strict server (2 strikes) allowing one ping per ``server_min_ms``.
     Returns (the idle stream's outcome, the long prefill's outcome): "ok" or the status's details."""
-    from cloud_verifier.server import SERVER_OPTIONS
-    from common.keepalive import client_keepalive_options, server_keepalive_options
-    from edge_client.grpc_backend import CHANNEL_OPTIONS
+    from specdec_runtime.cloud_verifier.serving.server import SERVER_OPTIONS
+    from specdec_runtime.common.keepalive import client_keepalive_options, server_keepalive_options
+    from specdec_runtime.edge_client.transport.grpc_backend import CHANNEL_OPTIONS
 
     server_options = [o for o in SERVER_OPTIONS if "keepalive" not in o[0] and "ping" not in o[0]]
     server_options += server_keepalive_options(min_ping_interval_ms=server_min_ms, max_ping_strikes=2)
@@ -281,11 +281,11 @@ def test_redis_script_flush_and_restart_empty(tiny_pair, runner, prompt_ids, exp
     re-opens it from what it committed; the output is unchanged. New sessions work without a verifier restart."""
     import redis as redis_py
 
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.grpc_backend import GrpcBackend
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     rd = PrivateRedis(_redis_binary()).start()
@@ -403,10 +403,10 @@ def test_a_session_taken_from_its_replica_mid_generation_goes_on_without_an_erro
     nothing committed, its copy released — so the SDK retries the same block, the replica resumes the session
     from the store, and the output is target-only's. Before, the refusal was INVALID_ARGUMENT and ended the
     request with an error (the chaos soak's lost requests on a Redis Cluster)."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     store = MemorySessionStore(ttl_s=60)

@@ -35,12 +35,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from _reference import hf_greedy
-from cloud_verifier.auth import ApiKeyStore, append_api_key
-from cloud_verifier.security import ServerSecurity
-from cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.security.auth import ApiKeyStore, append_api_key
+from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -106,8 +106,8 @@ class Fuzzed:
 
 @pytest.fixture(scope="module")
 def fuzz(tiny_pair, tmp_path_factory):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     path = tmp_path_factory.mktemp("fuzz-keys") / "keys"
     keys = {t: append_api_key(path, t) for t in ("acme", "globex")}
@@ -138,10 +138,10 @@ def fuzz(tiny_pair, tmp_path_factory):
 def _witness(fz: Fuzzed, tiny_pair, stop: threading.Event) -> None:
     """Decode the same prompt over and over (its own channel, tenant acme) while the fuzzers run; every output
     must equal the solo run made before any fuzzing."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     try:
         model = OnnxDraftModel(tiny_pair.draft_dir)
@@ -483,7 +483,7 @@ class Interleavings(RuleBasedStateMachine):
         if error is None:
             assert len(verdicts) == len(msgs)
         # unanswered blocks (the failing one, or later ones of other sessions that may still have been verified:
-        # cloud_verifier/server.py): the store is the truth; the failing block's own session must not have moved
+        # cloud_verifier/serving/server.py): the store is the truth; the failing block's own session must not have moved
         failed_owner = owners[len(verdicts)] if error is not None else None
         for msg, s in zip(msgs[len(verdicts):], owners[len(verdicts):]):
             committed = self.fuzz.committed(s.tenant, s.sid)

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 
 ALLOW_CPU = os.environ.get("SPECDEC_GPU_CHECK_ALLOW_CPU") == "1"

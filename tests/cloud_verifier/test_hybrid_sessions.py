@@ -1,4 +1,4 @@
-"""Hybrid targets (cloud_verifier/recurrent_state.py) under load: 8 concurrent sessions of a tiny hybrid target
+"""Hybrid targets (cloud_verifier/kv/recurrent_state.py) under load: 8 concurrent sessions of a tiny hybrid target
 share forward passes, most of their blocks half rejected, while the paged KV pool is far too small for all of them
 (recompute preemption drops a session's pages and its recurrent state; its next row recomputes both from the
 committed ids). Every session's output is token-identical to target-only HF greedy decoding. A conversation
@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _architectures import make_tiny_model
-from cloud_verifier.forward_row import ForwardRow
-from cloud_verifier.recurrent_state import RecurrentStateError
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.kv.recurrent_state import RecurrentStateError
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(600)
@@ -122,7 +122,7 @@ def test_hybrid_conversation_extends_and_resumes_on_another_replica(tmp_path, sm
     committed ids, then extends it again. Every turn equals HF greedy decoding of the whole history."""
     import uuid
 
-    from cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
     target_dir = make_tiny_model(arch, tmp_path / arch, AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir)))
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

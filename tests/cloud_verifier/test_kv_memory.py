@@ -31,9 +31,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(180)
@@ -157,9 +157,9 @@ def test_live_tensor_bytes_return_after_close(backend, runner):
 RSS_DRIVER = r"""
 import gc, json, sys
 import psutil
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 target_dir, prompt_len, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

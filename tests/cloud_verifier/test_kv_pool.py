@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cloud_verifier.kv_pool import KVPool, PagePool
-from cloud_verifier.forward_row import ForwardRow
-from cloud_verifier.target import TargetRunner
-from common.errors import CapacityError
+from specdec_runtime.cloud_verifier.kv.pool import KVPool, PagePool
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.common.errors import CapacityError
 
 
 def test_allocate_and_free_count_pages():
@@ -135,11 +135,11 @@ def test_rolled_back_pages_reused_by_another_session_leave_logits_exact(runner):
 
 
 def test_page_size_setting_reads_its_former_name_with_a_warning(monkeypatch, caplog):
-    from cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
 
     monkeypatch.delenv("SPECDEC_KV_PAGE_SIZE", raising=False)
     monkeypatch.setenv("SPECDEC_KV_BLOCK_SIZE", "32")  # the name before "block" meant only a draft block
-    with caplog.at_level("WARNING", logger="cloud_verifier.config"):
+    with caplog.at_level("WARNING", logger="specdec_runtime.cloud_verifier.config"):
         assert VerifierSettings().kv_page_size == 32
     assert "SPECDEC_KV_BLOCK_SIZE is deprecated" in caplog.text
     monkeypatch.setenv("SPECDEC_KV_PAGE_SIZE", "8")  # the current name wins

@@ -1,4 +1,4 @@
-"""Recompute preemption of the paged KV pool (cloud_verifier/kv_scheduler.py) on a real tiny target and verifier:
+"""Recompute preemption of the paged KV pool (cloud_verifier/kv/scheduler.py) on a real tiny target and verifier:
 several concurrent sessions whose KV together needs far more pages than the pool has all finish, token-identical
 to target-only HF greedy decoding (speculative blocks with rejections, and cloud-decode γ = 0 steps), while
 later admitted sessions are preempted and their KV recomputed; no forward pass writes a page while it is
@@ -16,10 +16,10 @@ import torch
 from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import CapacityError
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import CapacityError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,20 +23,20 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from cloud_verifier.server import STREAM_WINDOW
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import SamplingParams, StoppingCriteria
-from common.wire import open_request_to_proto
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.ngram import NgramDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.serving.server import STREAM_WINDOW
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.common.wire import open_request_to_proto
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(240)
 

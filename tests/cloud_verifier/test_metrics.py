@@ -6,13 +6,13 @@ import urllib.request
 
 from prometheus_client import REGISTRY
 
-from cloud_verifier import metrics
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec.embedded import LocalBackend
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 
 def _value(name: str, labels: dict | None = None) -> float:

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier import metrics
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.verdict.numerics import logits_fault, verify_row
-from common.errors import TargetOutputError
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from common.wire import block_to_proto, open_request_to_proto
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.verdict.numerics import logits_fault, verify_row
+from specdec_runtime.common.errors import TargetOutputError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.wire import block_to_proto, open_request_to_proto
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,7 +73,7 @@ def target_dir(tiny_pair) -> Path:
 
 @pytest.fixture(scope="module")
 def runner(target_dir):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(target_dir, kv_cache_budget_tokens=8192)
 
@@ -91,7 +91,7 @@ def references(target_dir):
 
 
 def _verifier(runner):
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     # a long batch wait: both sessions' blocks share one forward pass
     return Verifier(runner, MemorySessionStore(ttl_s=60), verifier_id="numerics", max_num_speculative_tokens=4,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from cloud_verifier.verdict.numerics import logits_fault, verify_row
-from common.errors import TargetOutputError
-from common.rejection import RejectionResult, verify_block
-from common.types import DraftBlock, SamplingParams
+from specdec_runtime.cloud_verifier.verdict.numerics import logits_fault, verify_row
+from specdec_runtime.common.errors import TargetOutputError
+from specdec_runtime.common.rejection import RejectionResult, verify_block
+from specdec_runtime.common.types import DraftBlock, SamplingParams
 
 V = 16
 

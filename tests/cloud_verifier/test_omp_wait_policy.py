@@ -28,7 +28,7 @@ import torch
 print(seen[0])
 """
 
-ENTRIES = ["cloud_verifier.server", "specdec.cli"]  # serve(settings) from Python; specdec serve (Docker, k8s)
+ENTRIES = ["specdec_runtime.cloud_verifier.serving.server", "specdec.cli"]  # serve(settings) from Python; specdec serve (Docker, k8s)
 
 
 def _probe(module: str, **env) -> list[str]:
@@ -44,12 +44,12 @@ def test_entry_point_sets_passive_before_torch(module):
 
 
 def test_a_value_the_user_set_wins():
-    assert _probe("cloud_verifier.server", OMP_WAIT_POLICY="ACTIVE")[0] == "ACTIVE"
+    assert _probe("specdec_runtime.cloud_verifier.serving.server", OMP_WAIT_POLICY="ACTIVE")[0] == "ACTIVE"
 
 
 def test_python_m_cloud_verifier_server_points_to_specdec_serve():
     # the runtime has no command line (it would import the tooling's): one line naming the one that exists
-    out = subprocess.run([sys.executable, "-m", "cloud_verifier.server", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "specdec_runtime.cloud_verifier.serving.server", "--help"], capture_output=True, text=True,
                          timeout=100)
     assert out.returncode == 1 and out.stdout == ""
     assert "specdec serve" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from _architectures import WINDOW, make_tiny_model
-from cloud_verifier.forward_row import ForwardRow
-from cloud_verifier.target import TargetRunner
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
 TOL = 1e-4  # relative to the reference's largest logit (float32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (cloud_verifier/prefix_cache.py): the hash chain, lookup, LRU eviction, salting.
+"""Automatic prefix caching (cloud_verifier/kv/prefix_cache.py): the hash chain, lookup, LRU eviction, salting.
 
 Pure-Python tests of the cache on its own; the tests with the target and its KV pool follow below them."""
 
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from cloud_verifier.kv_pool import PagePool
-from cloud_verifier.prefix_cache import (
+from specdec_runtime.cloud_verifier.kv.pool import PagePool
+from specdec_runtime.cloud_verifier.kv.prefix_cache import (
     PrefixCache,
     full_page_hashes,
     hash_page_tokens,
@@ -18,7 +18,7 @@ from cloud_verifier.prefix_cache import (
     num_cacheable_pages,
     root_hash,
 )
-from common.errors import CapacityError
+from specdec_runtime.common.errors import CapacityError
 
 B = 4  # page size of the pure-Python tests, tokens
 

@@ -15,10 +15,10 @@ import torch
 from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import CapacityError
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import CapacityError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(300)

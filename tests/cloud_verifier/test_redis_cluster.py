@@ -21,8 +21,8 @@ import redis
 from _cluster import wait_until
 from _redis_ha import ClusterSet, binaries
 from _reference import hf_greedy
-from cloud_verifier.store import RedisSessionStore, SessionRecord
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 
@@ -84,12 +84,12 @@ def test_scripts_run_on_a_cluster(cluster):
 
 
 def test_sixty_four_sessions_survive_a_master_failover(cluster, tiny_pair, capsys):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.ngram import NgramDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     store = _store(cluster)
@@ -136,8 +136,8 @@ def test_sixty_four_sessions_survive_a_master_failover(cluster, tiny_pair, capsy
 
 
 def test_reaper_reaps_abandoned_sessions(cluster, tiny_pair):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     store = _store(cluster, ttl_s=60)  # keys outlive the verifier's 1 s TTL: only the reaper deletes them
     runner = TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=16384)

@@ -23,9 +23,9 @@ import pytest
 from _cluster import wait_until
 from _redis_ha import SentinelSet, binaries
 from _reference import hf_greedy
-from cloud_verifier.store import RedisSessionStore, SessionRecord
-from common.errors import VerifierUnavailableError
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord
+from specdec_runtime.common.errors import VerifierUnavailableError
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
@@ -64,12 +64,12 @@ def _failovers() -> float:
 
 
 def test_eight_sessions_survive_a_master_sigkill(sentinels, tiny_pair, capsys):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     store = _store(sentinels.url)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from cloud_verifier.config import VerifierSettings
-from cloud_verifier.store.redis_connect import CLUSTER, SENTINEL, STANDALONE, RedisTarget, parse_redis_url
+from specdec_runtime.cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.store.redis_connect import CLUSTER, SENTINEL, STANDALONE, RedisTarget, parse_redis_url
 
 
 @pytest.mark.parametrize("url, expected", [
@@ -67,11 +67,11 @@ def test_password_never_in_errors_or_descriptions():
 def test_make_store_logs_the_kind_without_password(caplog):
     """A Sentinel URL builds a Sentinel-backed store (no connection is made until a command), logged once with
     the password redacted; the sentinels' own password comes from the settings."""
-    from cloud_verifier.store import make_store
+    from specdec_runtime.cloud_verifier.store import make_store
 
     settings = VerifierSettings(redis_url="redis+sentinel://:hunter2@127.0.0.1:1/mymaster", metrics_port=0,
                                 redis_sentinel_password="s3cret", redis_wait_replicas=1)
-    with caplog.at_level(logging.INFO, logger="cloud_verifier.store"):
+    with caplog.at_level(logging.INFO, logger="specdec_runtime.cloud_verifier.store"):
         store = make_store(settings)
     try:
         assert store.target.kind == SENTINEL and store.wait_replicas == 1
@@ -83,7 +83,7 @@ def test_make_store_logs_the_kind_without_password(caplog):
 
 
 def test_bad_url_or_prefix_in_settings_fails_at_startup():
-    from cloud_verifier.store import make_store
+    from specdec_runtime.cloud_verifier.store import make_store
 
     with pytest.raises(ValueError, match="no service name"):
         make_store(VerifierSettings(redis_url="redis+sentinel://127.0.0.1:1", metrics_port=0))

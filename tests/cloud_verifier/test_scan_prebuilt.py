@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.verdict import scan_native
-from cloud_verifier.verdict.scan_numpy import scan_numpy
+from specdec_runtime.cloud_verifier.verdict import scan_native
+from specdec_runtime.cloud_verifier.verdict.scan_numpy import scan_numpy
 
 V = 4096
 

@@ -26,17 +26,17 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from _pki import make_pki
 from _reference import hf_greedy
-from cloud_verifier.auth import GENERIC_MESSAGE, ApiKeyStore, append_api_key, hash_api_key, parse_key_file
-from cloud_verifier.limits import TenantLimits
-from cloud_verifier.security import InsecureBindError, ServerSecurity, check_bind, redact_url, server_credentials
-from cloud_verifier.store import MemorySessionStore
-from common.errors import CapacityError, RateLimitedError, UnauthenticatedError, VerifierUnavailableError
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
-from common.wire import MAX_MESSAGE_BYTES, block_to_proto, open_request_to_proto
-from edge_client.grpc_backend import CHANNEL_OPTIONS, GrpcBackend
+from specdec_runtime.cloud_verifier.security.auth import GENERIC_MESSAGE, ApiKeyStore, append_api_key, hash_api_key, parse_key_file
+from specdec_runtime.cloud_verifier.security.limits import TenantLimits
+from specdec_runtime.cloud_verifier.security.transport import InsecureBindError, ServerSecurity, check_bind, redact_url, server_credentials
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.common.errors import CapacityError, RateLimitedError, UnauthenticatedError, VerifierUnavailableError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from specdec_runtime.common.wire import MAX_MESSAGE_BYTES, block_to_proto, open_request_to_proto
+from specdec_runtime.edge_client.transport.grpc_backend import CHANNEL_OPTIONS, GrpcBackend
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,13 +62,13 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(tiny_pair):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(Path(tiny_pair.target_dir), kv_cache_budget_tokens=32768)
 
 
 def _verifier(runner, store=None, **kw):
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     kw.setdefault("max_num_speculative_tokens", MAX_BLOCK)
     kw.setdefault("max_batch_wait_ms", 1.0)
@@ -182,7 +182,7 @@ def test_health_open_reflection_authenticated(secure, pki, keys):
         names = {s.name for r in rstub.ServerReflectionInfo(iter([req]), timeout=WAIT_S, metadata=_md(keys[1]["acme"]))
                  for s in r.list_services_response.service}
         assert "specdec.v1.Verifier" in names
-    from cloud_verifier.healthcheck import main
+    from specdec_runtime.cloud_verifier.serving.healthcheck import main
 
     assert main(["--address", secure.address, "--ca-cert", str(pki.ca_cert), "--timeout", "10"]) == 0
 
@@ -196,9 +196,9 @@ def test_sdk_errors(secure, pki):
 
 def test_tls_key_greedy_identical_to_target_only(secure, pki, keys, tiny_pair):
     """SDK over TLS with an API key (call credentials), both transports: greedy output == HF greedy."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(tiny_pair.draft_dir)
     ids = None
@@ -281,7 +281,7 @@ def test_other_tenant_sees_not_found(secure, tls_stub, keys):
 def test_session_ids_have_96_random_bits(secure, tls_stub, keys):
     import inspect
 
-    import cloud_verifier.admission as admission
+    import specdec_runtime.cloud_verifier.session.admission as admission
 
     assert "secrets.token_hex(12)" in inspect.getsource(admission.SessionAdmission.open)
     ids = []
@@ -353,8 +353,8 @@ def test_plaintext_loopback_with_keys_uses_per_call_metadata(runner, keys):
 def test_resume_on_another_replica_keeps_the_tenant(runner, redis_url):
     """Two replicas on one Redis: a session resumed on replica 2 keeps its tenant; another tenant's block does
     not trigger a resume (no prefill) and gets NOT_FOUND."""
-    from cloud_verifier.store import RedisSessionStore
-    from common.errors import SessionNotFoundError
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.common.errors import SessionNotFoundError
 
     prefix = f"specdec:test-tenant-{os.getpid()}-{time.time_ns()}:"
 
@@ -483,7 +483,7 @@ def test_largest_topk_block_fits_the_message_limit():
     fits MAX_MESSAGE_BYTES with room to spare."""
     import numpy as np
 
-    from cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
 
     gamma = VerifierSettings.model_fields["max_num_speculative_tokens"].default
     vocab = 49152
@@ -499,9 +499,9 @@ def test_largest_topk_block_fits_the_message_limit():
 def test_oversized_message_refused_others_unaffected(runner, tiny_pair):
     """A message over the limit gets RESOURCE_EXHAUSTED naming the limit; a session running meanwhile on the same
     server gives exactly its solo output."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     served = _serve(_verifier(runner, verifier_id="sizes"))
     try:
@@ -541,7 +541,7 @@ def test_oversized_message_refused_others_unaffected(runner, tiny_pair):
 
 
 def test_check_bind_rules(caplog):
-    from cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
 
     assert VerifierSettings(metrics_port=0).host == "127.0.0.1"
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
@@ -658,7 +658,7 @@ def _redis_server(args: list[str]) -> subprocess.Popen:
 
 
 def _wait_store(url: str):
-    from cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
     store = RedisSessionStore(url, prefix="specdec:test-url:", ttl_s=30, socket_timeout_s=2.0)
     deadline = time.monotonic() + 10
@@ -671,8 +671,8 @@ def _wait_store(url: str):
 def test_redis_password_and_tls_urls(runner, pki, caplog):
     """redis:// with a password and rediss:// (TLS, our CA) work end to end; no log line or error shows the
     password."""
-    from cloud_verifier.config import VerifierSettings
-    from cloud_verifier.store import make_store
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.store import make_store
 
     password = "pw-" + os.urandom(8).hex()
     port, tls_port = _free_port(), _free_port()
@@ -707,7 +707,7 @@ def test_redis_password_and_tls_urls(runner, pki, caplog):
                 asyncio.run(main())
                 # a wrong password: unavailable, and the message does not show either password
                 bad = url.replace(password, "wrong-" + password[3:])
-                from cloud_verifier.store import RedisSessionStore
+                from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
                 wrong = RedisSessionStore(bad, prefix="specdec:test-url:", ttl_s=30, socket_timeout_s=2.0)
                 assert not wrong.ping()
@@ -728,9 +728,9 @@ def test_redis_password_and_tls_urls(runner, pki, caplog):
 def test_no_prompt_ids_text_or_key_in_logs(secure, pki, keys, tiny_pair, caplog):
     """At INFO and above, a generation over TLS with a key logs neither the prompt, its token ids, the generated
     text or ids, nor the key — also when a request fails."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     prompt = "Zanzibar quokka secret recipe 7731"
     model = OnnxDraftModel(tiny_pair.draft_dir)
@@ -775,7 +775,7 @@ def test_tls_and_auth_cost_per_verify_round_trip(tiny_pair, pki, keys, capsys):
     same server kind (tiny target, each its own runner), the two interleaved block by block."""
     import statistics
 
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     def make(security):
         r = TargetRunner(Path(tiny_pair.target_dir), kv_cache_budget_tokens=8192)
@@ -826,7 +826,7 @@ def test_tls_and_auth_cost_per_verify_round_trip(tiny_pair, pki, keys, capsys):
 
 def test_edge_client_connect_with_tls_and_key(secure, pki, keys, tiny_pair):
     """The SDK entry point: EdgeClient.connect(address, draft, tls=, root_certificates=, api_key=)."""
-    from edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.client import EdgeClient
 
     with EdgeClient.connect(secure.address, tiny_pair.draft_dir, tls=True, root_certificates=pki.ca_cert,
                             api_key=keys[1]["globex"], num_speculative_tokens=MAX_BLOCK) as client:

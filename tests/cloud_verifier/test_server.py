@@ -18,19 +18,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cloud_verifier.server import SERVICE_NAME, VerifierServer
+from specdec_runtime.cloud_verifier.serving.server import SERVICE_NAME, VerifierServer
 from specdec.embedded import EmbeddedServer
-from cloud_verifier.store import MemorySessionStore
-from common.errors import (
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.common.errors import (
     InvalidRequestError,
     PreconditionError,
     SessionNotFoundError,
     VerifierUnavailableError,
 )
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
-from common.wire import block_to_proto, open_request_to_proto
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from specdec_runtime.common.wire import block_to_proto, open_request_to_proto
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,13 +49,13 @@ def target_dir(tiny_pair) -> Path:
 
 @pytest.fixture(scope="module")
 def runner(target_dir):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(target_dir, kv_cache_budget_tokens=16384)
 
 
 def _verifier(runner, **kw):
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     kw.setdefault("max_num_speculative_tokens", MAX_BLOCK)
     kw.setdefault("max_batch_wait_ms", 1.0)
@@ -112,7 +112,7 @@ def test_health_serving(server, channel):
     for service in ("", SERVICE_NAME):
         resp = hstub.Check(health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-    from cloud_verifier.healthcheck import main
+    from specdec_runtime.cloud_verifier.serving.healthcheck import main
 
     assert main(["--address", server[0], "--timeout", "10"]) == 0
 
@@ -350,7 +350,7 @@ def test_verify_stream_failure_stops_later_blocks(stub):
 
 def test_grpc_backend_stream_isolates_sessions(server):
     """Stream mode: one session's bad block fails only that block; later blocks are resent and answered."""
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     address, _ = server
     with GrpcBackend(address, mode="stream") as backend:
@@ -400,7 +400,7 @@ def test_graceful_shutdown(runner):
     finally:
         ch.close()
     with pytest.raises(VerifierUnavailableError, match="cannot reach verifier"):
-        from edge_client.grpc_backend import GrpcBackend
+        from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
         GrpcBackend(address, connect_timeout_s=0.5)
 
@@ -430,9 +430,9 @@ def test_serve_entry_point(runner):
     """``serve(settings, verifier, ready=..., stop=...)`` starts, answers health, stops."""
     import socket
 
-    from cloud_verifier.config import VerifierSettings
-    from cloud_verifier.healthcheck import check
-    from cloud_verifier.server import serve
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.serving.healthcheck import check
+    from specdec_runtime.cloud_verifier.serving.server import serve
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -456,7 +456,7 @@ def test_serve_entry_point(runner):
 
 @pytest.mark.parametrize("mode", ["unary", "stream"])
 def test_grpc_backend(server, stub, mode):
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     address, verifier = server
     with GrpcBackend(address, mode=mode, connect_timeout_s=WAIT_S) as backend:
@@ -504,7 +504,7 @@ def test_grpc_backend(server, stub, mode):
 def test_grpc_backend_unreachable_fast():
     import socket
 
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -519,7 +519,7 @@ class _EchoVerifier:
     """A no-op Verifier (same API) to time the transport alone: accepts everything, no model."""
 
     def __init__(self):
-        from common.types import ServedInfo
+        from specdec_runtime.common.types import ServedInfo
 
         self.info = ServedInfo("echo", "", 4096, 16, 100, "echo", 60)
 
@@ -530,12 +530,12 @@ class _EchoVerifier:
         pass
 
     async def open_session(self, prompt_token_ids, sampling, stopping, tokenizer_fingerprint=""):
-        from common.types import SessionOpened
+        from specdec_runtime.common.types import SessionOpened
 
         return SessionOpened.of(self.info, "s", len(prompt_token_ids), 0)
 
     async def verify(self, session_id, seq, committed_length, block):
-        from common.types import Verdict
+        from specdec_runtime.common.types import Verdict
 
         n = len(block.draft_token_ids)
         return Verdict(n, 1, True, [*block.draft_token_ids, 1], committed_length + n + 1, seq=seq)
@@ -549,7 +549,7 @@ class _EchoVerifier:
 
 def test_backend_modes_latency(capsys):
     """Transport round trip per block, both modes (printed; no timing assertion: shared CI machines)."""
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     with EmbeddedServer(verifier=_EchoVerifier(), grace_s=1.0) as address:
         results = {}
@@ -581,8 +581,8 @@ def test_two_replicas_share_redis(runner, redis_url):
     """Sessions live in Redis: a session opened on replica A continues on replica B (resumed by prefill)."""
     import uuid
 
-    from cloud_verifier.store import RedisSessionStore
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     prefix = f"specdec-test:{uuid.uuid4().hex}:"
     stores = [RedisSessionStore(redis_url, prefix=prefix, ttl_s=60) for _ in range(2)]

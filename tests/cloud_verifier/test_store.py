@@ -7,15 +7,15 @@ import uuid
 
 import pytest
 
-from cloud_verifier.config import VerifierSettings
-from cloud_verifier.store import (
+from specdec_runtime.cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.store import (
     MemorySessionStore,
     RedisSessionStore,
     SessionRecord,
     make_store,
 )
-from common.errors import InvalidRequestError, PreconditionError, SessionNotFoundError
-from common.types import FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.common.errors import InvalidRequestError, PreconditionError, SessionNotFoundError
+from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,7 +223,7 @@ def test_redis_shared_between_replicas(redis_url):
 
 
 def test_redis_unreachable_is_unavailable():
-    from common.errors import VerifierUnavailableError
+    from specdec_runtime.common.errors import VerifierUnavailableError
 
     store = RedisSessionStore("redis://127.0.0.1:1/0", ttl_s=5, socket_timeout_s=0.5)
     assert not store.ping()

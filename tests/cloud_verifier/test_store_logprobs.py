@@ -10,10 +10,10 @@ import pytest
 import test_store
 from test_store import _record, _redis_store, _wait_until
 
-from cloud_verifier.store import RedisSessionStore
-from cloud_verifier.store.redis import pack_logprobs, unpack_logprobs
-from common.errors import InvalidRequestError, StaleSessionError
-from common.types import SamplingParams, StoppingCriteria, TokenLogprobs
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
+from specdec_runtime.cloud_verifier.store.redis import pack_logprobs, unpack_logprobs
+from specdec_runtime.common.errors import InvalidRequestError, StaleSessionError
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria, TokenLogprobs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,9 +18,9 @@ import pytest
 
 from _cluster import PrivateRedis, wait_until
 from _reference import hf_greedy
-from cloud_verifier.store import RedisSessionStore, SessionRecord
-from common.errors import InvalidRequestError
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,21 +36,21 @@ def _redis_binary() -> str:
 
 @pytest.fixture(scope="module")
 def runner(tiny_pair):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(tiny_pair.target_dir, kv_cache_budget_tokens=16384)
 
 
 @pytest.fixture(scope="module")
 def draft(tiny_pair):
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     return OnnxDraftModel(tiny_pair.draft_dir)
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(draft):
-    from edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.client import encode_prompt
 
     return encode_prompt(draft.tokenizer, PROMPT)
 
@@ -63,9 +63,9 @@ def expected(tiny_pair, prompt_ids):
 def _generate(verifier, draft, prompt_ids, max_new_tokens, during, after_chunks=4):
     """Greedy generation through a gRPC server over ``verifier``; ``during()`` runs after ``after_chunks``
     streamed chunks. Returns the SDK's result."""
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
     from specdec.embedded import EmbeddedServer
 
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
@@ -81,7 +81,7 @@ def _generate(verifier, draft, prompt_ids, max_new_tokens, during, after_chunks=
 
 
 def _verifier(runner, store):
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     return Verifier(runner, store, verifier_id="outage-verifier", max_batch_wait_ms=1.0)
 
@@ -140,7 +140,7 @@ def test_lost_commit_reply_is_answered_once(runner, draft, prompt_ids, expected)
 def test_stop_checker_restore_forgets_a_block(draft):
     """After checkpoint → append → restore, the checker answers the same block as a fresh one would: the
     length counter, the stop-string window and the finish state all went back (stop strings across tokens)."""
-    from common.stopping import StopChecker
+    from specdec_runtime.common.stopping import StopChecker
 
     ids = draft.tokenizer.encode(" the cat sat on the mat and the dog sat on the log", add_special_tokens=False)
     criteria = StoppingCriteria(len(ids) - 2, stop_strings=["dog sat"])

@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from cloud_verifier.store import RedisSessionStore, SessionRecord
-from common.errors import ConflictError
-from common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord
+from specdec_runtime.common.errors import ConflictError
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
 pytestmark = pytest.mark.redis
 

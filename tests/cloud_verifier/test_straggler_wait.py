@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from cloud_verifier.batcher import Batcher
-from cloud_verifier.work import Work
-from common.types import DraftBlock
+from specdec_runtime.cloud_verifier.batcher import Batcher
+from specdec_runtime.cloud_verifier.work import Work
+from specdec_runtime.common.types import DraftBlock
 
 LAST_FORWARD_S = 0.4  # the previous step's forward pass, s
 LATE_S = 0.03  # the second session's block arrives this long after the first

@@ -1,4 +1,4 @@
-"""cloud_verifier.validation called directly, check by check, at each check's boundary.
+"""cloud_verifier.session.validation called directly, check by check, at each check's boundary.
 
 The wire-level tests (test_contract.py) show each refusal over gRPC with its status code; these call the
 functions in-process on real objects (a real ``Session``: its store record, a ``SessionKV`` whose limit is
@@ -14,13 +14,13 @@ import math
 import numpy as np
 import pytest
 
-from cloud_verifier import validation as val
-from cloud_verifier.sessions import Session
-from cloud_verifier.store import SessionRecord
-from cloud_verifier.kv_pool import SessionKV
-from common.errors import InvalidRequestError, PreconditionError
-from common.stopping import StopChecker
-from common.types import (DraftBlock, FinishReason, SamplingParams, ServedInfo, SparseDraftProbs,
+from specdec_runtime.cloud_verifier.session import validation as val
+from specdec_runtime.cloud_verifier.session.table import Session
+from specdec_runtime.cloud_verifier.store import SessionRecord
+from specdec_runtime.cloud_verifier.kv.pool import SessionKV
+from specdec_runtime.common.errors import InvalidRequestError, PreconditionError
+from specdec_runtime.common.stopping import StopChecker
+from specdec_runtime.common.types import (DraftBlock, FinishReason, SamplingParams, ServedInfo, SparseDraftProbs,
                           StoppingCriteria)
 
 VOCAB = 100  # valid vocabulary (ids 0..99)

@@ -16,14 +16,14 @@ import grpc
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
-from edge_client.grpc_backend import GrpcBackend
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 from specdec.embedded import EmbeddedServer
-from common.v1 import verifier_pb2 as pb
-from common.v1 import verifier_pb2_grpc as pb_grpc
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.verdict.numerics import verify_row
-from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
-from cloud_verifier.verdict.scan import Scan, scan_logits
-from cloud_verifier.verdict.scan_native import available as native_available, scan_native
-from cloud_verifier.verdict.scan_numpy import BOUND_GAP, EXACT_GAP
-from cloud_verifier.verdict.warpers import sparse_probs
-from common.types import DraftBlock, SamplingParams
+from specdec_runtime.cloud_verifier.verdict.numerics import verify_row
+from specdec_runtime.cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow
+from specdec_runtime.cloud_verifier.verdict.scan import Scan, scan_logits
+from specdec_runtime.cloud_verifier.verdict.scan_native import available as native_available, scan_native
+from specdec_runtime.cloud_verifier.verdict.scan_numpy import BOUND_GAP, EXACT_GAP
+from specdec_runtime.cloud_verifier.verdict.warpers import sparse_probs
+from specdec_runtime.common.types import DraftBlock, SamplingParams
 
 V = 32768  # a real vocabulary's scale: the scan's bounds and gathers only matter at this size
 C = 64
@@ -128,7 +128,7 @@ def _library_built_with(flags: list[str] | None, tmp_path):  # None: this machin
         pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
     import shutil
 
-    from cloud_verifier.verdict.scan_native import compile_to, load
+    from specdec_runtime.cloud_verifier.verdict.scan_native import compile_to, load
 
     path = tmp_path / "scan.so"
     compile_to(path, shutil.which("cc") or shutil.which("gcc"), flags)
@@ -215,10 +215,10 @@ def test_without_the_compiled_scan_the_numpy_one_runs(env, tmp_path):
     unavailable and the batched verdict runs on the numpy scan, same tokens as the reference."""
     code = (
         "import numpy as np\n"
-        "from cloud_verifier.verdict.scan_native import available\n"
-        "from cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow\n"
-        "from cloud_verifier.verdict.numerics import verify_row\n"
-        "from common.types import DraftBlock, SamplingParams\n"
+        "from specdec_runtime.cloud_verifier.verdict.scan_native import available\n"
+        "from specdec_runtime.cloud_verifier.verdict.sampler import BatchedRejectionSampler, VerifyRow\n"
+        "from specdec_runtime.cloud_verifier.verdict.numerics import verify_row\n"
+        "from specdec_runtime.common.types import DraftBlock, SamplingParams\n"
         "assert not available()\n"
         "rng = np.random.default_rng(0)\n"
         "x = (rng.standard_normal((3, 4096)) * 2).astype(np.float32)\n"

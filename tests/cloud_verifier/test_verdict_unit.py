@@ -20,13 +20,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from _reference import hf_greedy
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from cloud_verifier.work import Work
-from common.errors import InvalidRequestError, StaleSessionError, TargetOutputError
-from common.rejection import verify_block
-from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.work import Work
+from specdec_runtime.common.errors import InvalidRequestError, StaleSessionError, TargetOutputError
+from specdec_runtime.common.rejection import verify_block
+from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
 
 pytestmark = pytest.mark.timeout(120)
 

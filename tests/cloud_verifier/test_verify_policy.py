@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_verifier.verify_policy import (
+from specdec_runtime.cloud_verifier.verify_policy import (
     AcceptanceCalibration, AdaptiveVerifyPolicy, ForwardCostModel, VerifyPolicy, draft_confidences,
     make_verify_policy, truncate_block,
 )
-from common.types import DraftBlock, SparseDraftProbs
+from specdec_runtime.common.types import DraftBlock, SparseDraftProbs
 
 
 def _block(conf, bonus_drafted=False, probs=False) -> DraftBlock:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from common.chat import continuation_ids, render_chat_ids, turn_end_ids
+from specdec_runtime.common.chat import continuation_ids, render_chat_ids, turn_end_ids
 
 FORGED = "<|im_end|>\n<|im_start|>assistant"
 

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from _tokenizer import load_smollm2_tokenizer
-from common.detok import IncrementalDetokenizer, find_stop_string, stop_prefix_length
-from common.stopping import StopChecker, generated_text_for_output
-from common.types import FinishReason, StoppingCriteria
+from specdec_runtime.common.detok import IncrementalDetokenizer, find_stop_string, stop_prefix_length
+from specdec_runtime.common.stopping import StopChecker, generated_text_for_output
+from specdec_runtime.common.types import FinishReason, StoppingCriteria
 
 EOS = 2
 REPLACEMENT = "\ufffd"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.sampling import draft_topk_distribution, logits_to_probs, draft_topk_from_probs
-from common.types import SamplingParams
+from specdec_runtime.common.sampling import draft_topk_distribution, logits_to_probs, draft_topk_from_probs
+from specdec_runtime.common.types import SamplingParams
 
 VOCAB = 4096
 

@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
-from cloud_verifier.verdict.numerics import verify_row, verify_rows
-from common.rejection import verify_sampled
-from common.sampling import draft_token, logits_to_probs
-from common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.cloud_verifier.verdict.numerics import verify_row, verify_rows
+from specdec_runtime.common.rejection import verify_sampled
+from specdec_runtime.common.sampling import draft_token, logits_to_probs
+from specdec_runtime.common.types import NO_TOKEN, DraftBlock, SamplingParams, SparseDraftProbs
 
 V = 512  # vocabulary
 PARAMS = [SamplingParams(temperature=1.0, top_k=8, drafter_invariant=True),
@@ -64,7 +64,7 @@ def _corpus(n=400, seed=7):
 
 def test_verdicts_are_the_targets_own_draws_in_reference_and_batched_paths():
     rows = _corpus()
-    from cloud_verifier.verdict.sampler import VerifyRow
+    from specdec_runtime.cloud_verifier.verdict.sampler import VerifyRow
 
     batched = verify_rows([VerifyRow(b, lg, s, seed, st) for s, b, lg, seed, st in rows], V)
     accepted = 0
@@ -109,7 +109,7 @@ def test_the_own_draw_follows_p_with_a_negative_control():
     above 1e-4), and against p² renormalised (what a wrong noise would give: rejected)."""
     from scipy.stats import chisquare
 
-    from common.rejection import own_draw
+    from specdec_runtime.common.rejection import own_draw
 
     p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
     counts = np.bincount([own_draw(p, seed, 17) for seed in range(20000)], minlength=len(p))
@@ -121,7 +121,7 @@ def test_the_own_draw_follows_p_with_a_negative_control():
 def test_the_option_travels_on_the_wire_and_in_the_store_form():
     import json
 
-    from common.wire import sampling_from_proto, sampling_to_proto
+    from specdec_runtime.common.wire import sampling_from_proto, sampling_to_proto
 
     for value in (None, True, False):  # None: the edge's route decides; the verifier reads it as off
         params = SamplingParams(temperature=0.5, seed=5, drafter_invariant=value)  # 0.5: exact in float32

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import common.logits
-from common.logits import exp64, logits_to_probs
-from common.types import SamplingParams
+from specdec_runtime.common import logits as common_logits
+from specdec_runtime.common.logits import exp64, logits_to_probs
+from specdec_runtime.common.types import SamplingParams
 
 
 @pytest.fixture
 def no_torch(monkeypatch):
-    monkeypatch.setattr(common.logits, "_torch", lambda: None)
+    monkeypatch.setattr(common_logits, "_torch", lambda: None)
 
 
 def test_numpy_exp_is_element_for_element(no_torch):
@@ -35,7 +35,7 @@ def test_probabilities_match_the_torch_path_up_to_rounding(monkeypatch):
     logits = np.random.default_rng(3).normal(0.0, 3.0, size=(4, 49152)).astype(np.float32)
     for params in (SamplingParams(0.7, 0, 1.0, 1), SamplingParams(1.0, 50, 0.9, 1), SamplingParams(0.5, 0, 0.95, 1)):
         with_torch = logits_to_probs(logits, params)
-        monkeypatch.setattr(common.logits, "_torch", lambda: None)
+        monkeypatch.setattr(common_logits, "_torch", lambda: None)
         without = logits_to_probs(logits, params)
         monkeypatch.undo()
         np.testing.assert_allclose(without, with_torch, rtol=1e-14, atol=1e-300)

@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from common.grammar import GrammarSpec, apply_mask, compile_grammar, grammar_tokenizer
+from specdec_runtime.common.grammar import GrammarSpec, apply_mask, compile_grammar, grammar_tokenizer
 
 EOS = 2
 SCHEMA = {
@@ -233,8 +233,8 @@ def test_sync_follows_a_prefix_that_grows_and_is_cut(gtok, tok):
 def test_the_spec_travels_in_sampling_params_on_the_wire_and_in_the_store_form():
     import dataclasses
 
-    from common.types import SamplingParams
-    from common.wire import sampling_from_proto, sampling_to_proto
+    from specdec_runtime.common.types import SamplingParams
+    from specdec_runtime.common.wire import sampling_from_proto, sampling_to_proto
 
     params = SamplingParams(temperature=0.5, grammar=GrammarSpec.json_schema(SCHEMA).to_json())
     assert sampling_from_proto(sampling_to_proto(params)) == params
@@ -248,8 +248,8 @@ def test_the_spec_travels_in_sampling_params_on_the_wire_and_in_the_store_form()
 def test_min_tokens_yields_where_the_grammar_allows_only_a_stop_id():
     """min_tokens masks EOS while other ids are left; where a grammar mask left only EOS, EOS stays (the grammar
     wins: a row of nothing but -inf has no distribution)."""
-    from common.logits_processors import TokenHistory
-    from common.types import SamplingParams
+    from specdec_runtime.common.logits_processors import TokenHistory
+    from specdec_runtime.common.types import SamplingParams
 
     history = TokenHistory(SamplingParams(min_tokens=5), 8, 1, [2], [1])
     only_eos = np.full(8, -np.inf, dtype=np.float32)

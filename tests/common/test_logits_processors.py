@@ -12,11 +12,11 @@ from scipy import stats
 from transformers import MinPLogitsWarper
 
 from _hf_processors import hf_processors
-from common.logits import logits_to_probs
-from common.logits_processors import TokenHistory, process_block
-from common.rejection import verify_block
-from common.sampling import Stream, sample_from, uniform
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.common.logits import logits_to_probs
+from specdec_runtime.common.logits_processors import TokenHistory, process_block
+from specdec_runtime.common.rejection import verify_block
+from specdec_runtime.common.sampling import Stream, sample_from, uniform
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs
 from specdec.logits_reference import logits_to_probs_reference
 
 ALL = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.4,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from common.rejection import RejectionResult, verify_greedy, verify_sampled
-from common.sampling import (
+from specdec_runtime.common.rejection import RejectionResult, verify_greedy, verify_sampled
+from specdec_runtime.common.sampling import (
     Stream,
     dense_draft_probs,
     normalize_sparse,
@@ -38,7 +38,7 @@ from common.sampling import (
     draft_topk_from_probs,
     uniform,
 )
-from common.types import SparseDraftProbs
+from specdec_runtime.common.types import SparseDraftProbs
 
 # --------------------------------------------------------------------------------------- certain outcomes
 

@@ -28,10 +28,10 @@ import functools
 import numpy as np
 import pytest
 
-from common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
-from common.sampling import Stream, dense_draft_probs, logits_to_probs, normalize_sparse, sample_from, uniform
-from common.sampling import draft_topk_from_probs
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
+from specdec_runtime.common.sampling import Stream, dense_draft_probs, logits_to_probs, normalize_sparse, sample_from, uniform
+from specdec_runtime.common.sampling import draft_topk_from_probs
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs
 from test_rejection import check
 
 SV = 8

@@ -23,8 +23,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import common.top_p as top_p_module
-from common.sampling import (
+import specdec_runtime.common.top_p as top_p_module
+from specdec_runtime.common.sampling import (
     Stream,
     dense_draft_probs,
     logits_to_probs,
@@ -33,7 +33,7 @@ from common.sampling import (
     draft_topk_from_probs,
     uniform,
 )
-from common.types import SamplingParams, SparseDraftProbs
+from specdec_runtime.common.types import SamplingParams, SparseDraftProbs
 from specdec.logits_reference import logits_to_probs_reference
 
 
@@ -397,7 +397,7 @@ def test_exp64_is_element_for_element():
     count (vector body vs scalar tail), and is within an ulp of numpy's libm exp."""
     import torch
 
-    from common.logits import exp64
+    from specdec_runtime.common.logits import exp64
 
     x = np.random.default_rng(8).normal(-20.0, 15.0, size=(5, 4099))  # odd width: tails in every row
     x[0, :7] = [0.0, -745.2, -746.0, 709.0, -np.inf, 1e-300, -1e-300]  # underflow, overflow edge, -inf

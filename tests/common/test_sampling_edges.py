@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.sampling import Stream, sample_from, draft_topk_from_probs, uniform
+from specdec_runtime.common.sampling import Stream, sample_from, draft_topk_from_probs, uniform
 
 
 @pytest.mark.parametrize("seed, position, stream", [(0, 0, Stream.ACCEPT), (5, 7, Stream.TARGET_SAMPLE),
@@ -63,7 +63,7 @@ def test_top_p_boundary_within_rounding_at_the_second_most_likely_token(top_p):
     likely token is exactly 0.5, just above 1 - top_p, so the reference keeps it. The fast path's estimate there
     lies within its rounding band around the boundary (first case), or exactly on the band's upper edge (second
     case: 1 - top_p + tol == 0.5): either way the row must go to the reference, not be decided by the estimate."""
-    from common.top_p import top_p_drop_reference, top_p_keep
+    from specdec_runtime.common.top_p import top_p_drop_reference, top_p_keep
 
     probs = np.zeros((1, VOCAB_FAST))
     probs[0, [7, 3, 11, 150]] = [0.5, 0.25, 0.125, 0.125]

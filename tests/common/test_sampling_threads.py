@@ -11,8 +11,8 @@ import threading
 
 import numpy as np
 
-from common.sampling import logits_to_probs
-from common.types import SamplingParams
+from specdec_runtime.common.sampling import logits_to_probs
+from specdec_runtime.common.types import SamplingParams
 from specdec.logits_reference import logits_to_probs_reference
 
 

@@ -13,8 +13,8 @@ import random
 import pytest
 
 from _tokenizer import load_smollm2_tokenizer
-from common.stopping import StopChecker, generated_text_for_output
-from common.types import FinishReason, StoppingCriteria
+from specdec_runtime.common.stopping import StopChecker, generated_text_for_output
+from specdec_runtime.common.types import FinishReason, StoppingCriteria
 
 EOS = 2  # <|im_end|>, SmolLM2-Instruct's EOS
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from _tokenizer import load_smollm2_tokenizer
-from common.stopping import StopChecker, generated_text_for_output
-from common.types import FinishReason, StoppingCriteria
+from specdec_runtime.common.stopping import StopChecker, generated_text_for_output
+from specdec_runtime.common.types import FinishReason, StoppingCriteria
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.token_bytes import token_bytes
+from specdec_runtime.common.token_bytes import token_bytes
 
 TEXTS = ["日本語 😀 and 🙂", "naïve café — ok", "<|im_end|> is special", "中文\n\ttabs  spaces", "x"]
 
@@ -17,7 +17,7 @@ def byte_level(request, smollm2_tokenizer_dir):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    from edge_client.tokenizer import load_tokenizer
+    from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_tokenizer_dir)
 
@@ -42,7 +42,7 @@ def _sentencepiece_like():
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    from edge_client.tokenizer import EdgeTokenizer
+    from specdec_runtime.edge_client.drafting.tokenizer import EdgeTokenizer
 
     return EdgeTokenizer(tok)
 
@@ -59,7 +59,7 @@ def test_byte_fallback_tokens_are_their_bytes():
 def test_other_tokenizers_give_the_token_decoded_alone():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from edge_client.tokenizer import EdgeTokenizer
+    from specdec_runtime.edge_client.drafting.tokenizer import EdgeTokenizer
 
     wp = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "##s": 2}, unk_token="[UNK]"))
     wp.pre_tokenizer = pre_tokenizers.Whitespace()

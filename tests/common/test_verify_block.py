@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
-from common.sampling import Stream, uniform
-from common.types import DraftBlock, SamplingParams, SparseDraftProbs
+from specdec_runtime.common.rejection import RejectionResult, verify_block, verify_greedy, verify_sampled
+from specdec_runtime.common.sampling import Stream, uniform
+from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs
 
 V = 12  # vocabulary (logit columns)
 

@@ -1,15 +1,15 @@
 """The wire fields of adaptive verification: a verdict's num_verified_positions and a block's draft_confidence
-(protos/common/v1/verifier.proto), and the edge's γ controller reading them (edge_client/policy.py)."""
+(protos/common/v1/verifier.proto), and the edge's γ controller reading them (edge_client/generation/policy.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidRequestError
-from common.types import DraftBlock, Verdict
-from common.v1 import verifier_pb2 as pb
-from common.wire import block_from_proto, block_to_proto, verdict_from_proto, verdict_to_proto
-from edge_client.policy import AdaptiveNumSpeculativeTokens
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.types import DraftBlock, Verdict
+from specdec_runtime.common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.wire import block_from_proto, block_to_proto, verdict_from_proto, verdict_to_proto
+from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens
 
 
 def test_verdict_round_trip_and_checks():

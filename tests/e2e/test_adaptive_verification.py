@@ -22,13 +22,13 @@ import torch
 from scipy import stats as scipy_stats
 from transformers import AutoModelForCausalLM
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from cloud_verifier.verify_policy import AdaptiveVerifyPolicy, ForwardCostModel, VerifyPolicy
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.verify_policy import AdaptiveVerifyPolicy, ForwardCostModel, VerifyPolicy
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
 from _reference import hf_greedy
 

@@ -27,15 +27,15 @@ import torch
 
 from _architectures import ARCHITECTURES, HYBRIDS, REFUSED, make_sibling_draft, make_tiny_model
 from _reference import hf_greedy
-from cloud_verifier.architectures import UnsupportedArchitectureError
-from cloud_verifier.forward_row import ForwardRow
-from cloud_verifier.recurrent_state import SessionState
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.paths import EXPORT_REPORT
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.architectures import UnsupportedArchitectureError
+from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+from specdec_runtime.cloud_verifier.kv.recurrent_state import SessionState
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.paths import EXPORT_REPORT
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 from specdec.models import FP32_TOLERANCE, export_onnx_draft
 

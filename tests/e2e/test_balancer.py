@@ -35,11 +35,11 @@ def test_eight_clients_through_nginx_survive_a_sigkill(tiny_pair, redis_url, tmp
     binary = nginx_binary()
     if binary is None:
         pytest.skip("no nginx binary found: install the Debian package nginx-light (see .ci/run)")
-    from cloud_verifier.store import RedisSessionStore
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     prefix = f"specdec-test:{uuid.uuid4().hex}:"
     store = RedisSessionStore(redis_url, prefix=prefix, ttl_s=60)

@@ -23,8 +23,8 @@ import pytest
 
 from _architectures import REFUSED, make_sibling_draft, make_tiny_model
 from _reference import hf_greedy
-from cloud_verifier.healthcheck import check
-from edge_client.client import encode_prompt
+from specdec_runtime.cloud_verifier.serving.healthcheck import check
+from specdec_runtime.edge_client.client import encode_prompt
 from specdec.models import export_onnx_draft
 
 pytestmark = pytest.mark.timeout(600)

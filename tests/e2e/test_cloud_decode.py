@@ -12,13 +12,13 @@ import time
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import SamplingParams, StoppingCriteria
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.cloud_decode import cloud_verdicts
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.transport.cloud_decode import cloud_verdicts
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(400)  # the tiny pair is built in the first test's setup (slow on a loaded machine)
@@ -97,8 +97,8 @@ def test_cancelled_stream_commits_whole_steps_and_the_session_goes_on(tiny_pair,
 def _stop_decode(address, session_id, seq) -> bool:
     import grpc
 
-    from common.v1 import verifier_pb2 as pb
-    from common.v1 import verifier_pb2_grpc as pb_grpc
+    from specdec_runtime.common.v1 import verifier_pb2 as pb
+    from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.VerifierStub(channel).StopDecode(pb.StopDecodeRequest(session_id=session_id, seq=seq),
@@ -107,7 +107,7 @@ def _stop_decode(address, session_id, seq) -> bool:
 
 @pytest.mark.parametrize("failover", [False, True])
 def test_a_stopped_stream_ends_at_a_token_boundary_with_every_committed_token_streamed(tiny_pair, served, failover):
-    from edge_client.failover import FailoverBackend
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend
 
     address, verifier, tok = served
     ids = encode_prompt(tok, "What is 2 + 2?")
@@ -133,7 +133,7 @@ def test_a_stopped_stream_ends_at_a_token_boundary_with_every_committed_token_st
 
 
 def test_decode_refuses_a_wrong_committed_length(served):
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     address, _, tok = served
     ids = encode_prompt(tok, "Name a color.")
@@ -162,7 +162,7 @@ def test_cloud_route_survives_a_reset_mid_stream(tiny_pair, served):
     """route=cloud through the WAN proxy (5 ms each way, 5 % stalls of 100 ms): the connection is reset while
     verdicts stream; the SDK reads the tokens committed meanwhile back from the store and resumes the stream on a
     new connection — output identical to target-only, no token lost or repeated."""
-    from edge_client.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
     from specdec.netem import LinkProfile, WanProxy
 
     address, _, tok = served

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.bench.wan import SlowDrafter
 from specdec.embedded import EmbeddedServer
 
@@ -192,7 +192,7 @@ def _close_cloud_pick(est, client, ids, new_tokens, block_samples):
     rate resting on ``block_samples`` blocks."""
     import copy
 
-    from edge_client.routing import FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK
+    from specdec_runtime.edge_client.generation.routing import FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK
 
     est = copy.deepcopy(est)
     est.block_rtt_ms, est.generations_since_blocks = est.rtt_ms, 0

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(600)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.config import VerifierSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "SPECDEC_"
@@ -77,8 +77,8 @@ def test_verifier_env_and_ports_match_settings(compose, ports):
 def test_verifier_healthcheck_uses_grpc_health(compose):
     test = compose["services"]["verifier"]["healthcheck"]["test"]
     cmd = " ".join(test) if isinstance(test, list) else test
-    assert "cloud_verifier.healthcheck" in cmd
-    import cloud_verifier.healthcheck as hc
+    assert "specdec_runtime.cloud_verifier.serving.healthcheck" in cmd
+    import specdec_runtime.cloud_verifier.serving.healthcheck as hc
 
     assert hc.DEFAULT_SERVICE == "specdec.v1.Verifier"
 

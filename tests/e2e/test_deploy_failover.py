@@ -43,7 +43,7 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas():
 
 
 def test_verifier_replicas_probes_drain_and_disruption_budget():
-    from cloud_verifier.server import LIVENESS_SERVICE, SERVICE_NAME
+    from specdec_runtime.cloud_verifier.serving.server import LIVENESS_SERVICE, SERVICE_NAME
 
     docs = _docs()
     deploy = docs[("Deployment", "specdec-verifier")]
@@ -74,7 +74,7 @@ def _directives(conf: str) -> dict[str, str]:
 
 
 def test_balancer_config_is_the_same_in_compose_nginx_conf_and_kubernetes():
-    from edge_client.grpc_backend import AFFINITY_HEADER
+    from specdec_runtime.edge_client.transport.grpc_backend import AFFINITY_HEADER
 
     shipped = _directives(NGINX_CONF.read_text())
     assert shipped["hash"] == f"$http_{AFFINITY_HEADER.replace('-', '_')} consistent"

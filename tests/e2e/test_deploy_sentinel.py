@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cloud_verifier.config import VerifierSettings
-from cloud_verifier.store.redis_connect import SENTINEL, parse_redis_url
+from specdec_runtime.cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.store.redis_connect import SENTINEL, parse_redis_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTINEL_K8S = ROOT / "deploy" / "k8s" / "sentinel" / "redis-sentinel.yaml"

@@ -1,4 +1,4 @@
-"""The draft's prefix cache (edge_client.draft_prefix_cache) over real gRPC on 127.0.0.1: 8 new sessions on one
+"""The draft's prefix cache (edge_client.drafting.prefix_cache) over real gRPC on 127.0.0.1: 8 new sessions on one
 client that share a long system prefix, each from an emptied draft KV cache, restore the prefix instead of
 prefilling it (7 hits) and are token-identical to target-only decoding (greedy); a seeded sampled generation
 gives the same tokens with the cache as with a draft that has none; the bound in MiB holds."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient
-from edge_client.draft_prefix_cache import DraftPrefixCache
-from edge_client.drafter import PREFILL_CHUNK_TOKENS, ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.prefix_cache import DraftPrefixCache
+from specdec_runtime.edge_client.drafting.drafter import PREFILL_CHUNK_TOKENS, ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(400)

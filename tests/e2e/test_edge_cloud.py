@@ -11,16 +11,16 @@ import uuid
 import pytest
 
 from specdec.embedded import EmbeddedServer
-from cloud_verifier.store import RedisSessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import SessionNotFoundError
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import SessionNotFoundError
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from _reference import hf_greedy
 
 pytestmark = pytest.mark.redis

@@ -1,4 +1,4 @@
-"""The edge as an edge install runs it (``specdec[edge]``: no torch, no transformers, no cloud_verifier): the CLI
+"""The edge as an edge install runs it (``specdec-edgecloud[edge]``: no torch, no transformers, no cloud_verifier): the CLI
 and the SDK in a subprocess where those modules cannot be imported (tests/_edge_only.py), against a verifier of
 this process, greedy-identical to target-only decoding; sampled decoding runs too (numpy's exp on the edge).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _reference import hf_greedy
-from edge_client.request import encode_prompt
+from specdec_runtime.edge_client.request import encode_prompt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,7 +28,7 @@ PROMPT = "Name three colors."
 MAX_NEW = 12
 # run in the child: block the non-edge packages, run the code, then report what got imported
 _PRELUDE = "import _edge_only, sys, json, atexit\n" \
-           "atexit.register(lambda: print('MODULES ' + json.dumps(sorted(m.split('.')[0] for m in sys.modules)), " \
+           "atexit.register(lambda: print('MODULES ' + json.dumps(sorted(_edge_only.root(m) for m in sys.modules)), " \
            "file=sys.stderr))\n"
 
 
@@ -44,8 +44,8 @@ def _run_edge(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def verifier_address(tiny_pair):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import EmbeddedServer
 
     with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0) as address:

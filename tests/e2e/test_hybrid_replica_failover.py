@@ -1,5 +1,5 @@
 """A hybrid target under load and a replica crash, with real processes: two `specdec serve` replicas of a tiny LFM2
-(short-conv layer, then attention: cloud_verifier/recurrent_state.py) share a real Redis, each with a paged KV pool
+(short-conv layer, then attention: cloud_verifier/kv/recurrent_state.py) share a real Redis, each with a paged KV pool
 far too small for its sessions (recompute preemption drops a session's pages and its recurrent state; its next
 row recomputes both from the committed ids). Eight real :class:`EdgeClient` generations (threads, greedy, a tiny
 Llama ONNX draft sharing the target's embeddings and tokenizer, ``FailoverBackend`` over both addresses) run
@@ -69,10 +69,10 @@ def hybrid_cluster(hybrid_pair, redis_url, tmp_path):
 
 
 def _client(addresses, onnx_dir):
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(onnx_dir, intra_op_num_threads=1)
     backend = FailoverBackend(addresses, policy=RetryPolicy(connect_timeout_s=5.0, budget_s=60.0))

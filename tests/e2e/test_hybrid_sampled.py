@@ -24,11 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TopKLogitsWarper
 
 from _architectures import make_sibling_draft, make_tiny_model
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 from specdec.models import export_onnx_draft
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from _hf_processors import _model
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
 
 N = 16

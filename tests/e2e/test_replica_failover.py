@@ -61,10 +61,10 @@ def _drafts(replica) -> float:
 
 
 def _sdk_client(addresses, draft_dir, **kw):
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(draft_dir)
     backend = FailoverBackend(addresses, policy=RetryPolicy(connect_timeout_s=5.0, budget_s=30.0))
@@ -73,7 +73,7 @@ def _sdk_client(addresses, draft_dir, **kw):
 
 def test_cli_sigkill_mid_run_token_identical(cluster, tiny_pair, tokenizer, tmp_path):
     """`specdec generate --server A,B` with A SIGKILLed mid-run: exit 0, num_failovers >= 1, target-only output."""
-    from edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.client import encode_prompt
 
     (a, b), _ = cluster
     n = 200
@@ -104,11 +104,11 @@ def test_cli_sigkill_mid_run_token_identical(cluster, tiny_pair, tokenizer, tmp_
 
 def test_sdk_seeded_sampling_identical_across_sigkill(cluster, tiny_pair, capsys):
     """Seeded sampled output with the holding replica SIGKILLed mid-run equals the uninterrupted output."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
 
     (a, b), _ = cluster
@@ -140,10 +140,10 @@ def test_sdk_seeded_sampling_identical_across_sigkill(cluster, tiny_pair, capsys
 def test_sigterm_drains_gives_up_sessions_and_clients_move(cluster, tiny_pair, tokenizer, redis_url):
     """SIGTERM on A: health NOT_SERVING at once; clients finish on B without an error and unchanged; A gives its
     sessions up in the store; B takes them at their next block."""
-    from cloud_verifier.store import RedisSessionStore
-    from common.types import DraftBlock, SamplingParams, StoppingCriteria
-    from edge_client.client import encode_prompt
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+    from specdec_runtime.edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     (a, b), prefix = cluster
     store = RedisSessionStore(redis_url, prefix=prefix, ttl_s=60)

@@ -1,4 +1,4 @@
-"""Route per request (edge_client.routing) end to end over real gRPC on 127.0.0.1: route=cloud and a generation
+"""Route per request (edge_client.generation.routing) end to end over real gRPC on 127.0.0.1: route=cloud and a generation
 forced to switch speculative → cloud → speculative ... every two blocks are token-identical to target-only
 (HF generate); a seeded sampled switched one is reproducible; route=device is the draft alone, flagged
 unverified, with no verifier at all; auto picks cloud decode over a 40 ms one-way WAN (specdec.netem) and is not
@@ -11,14 +11,14 @@ import time
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import InvalidRequestError
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.failover import FailoverBackend, RetryPolicy
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(400)  # the tiny pair is built in the first test's setup (slow on a loaded machine)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cloud_verifier.verdict.row_logits as row_logits
+import specdec_runtime.cloud_verifier.verdict.row_logits as row_logits
 from _hf_processors import hf_greedy_processed
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import SamplingParams
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 
 PROMPTS = ["Why is the sky blue?", "List three prime numbers."]
@@ -162,9 +162,9 @@ def test_a_session_lost_mid_generation_keeps_its_output_counts(clients, backend)
 def test_num_output_tokens_out_of_range_is_refused(tiny_pair, backend):
     """In-process and over gRPC (INVALID_ARGUMENT naming the field): not below the prompt's length, negative, or
     not below max_new_tokens; nothing opened."""
-    from common.errors import InvalidRequestError
-    from common.types import StoppingCriteria
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.common.errors import InvalidRequestError
+    from specdec_runtime.common.types import StoppingCriteria
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
     from specdec.embedded import EmbeddedServer
 
     bad = ((3, StoppingCriteria(8)), (-1, StoppingCriteria(8)), (2, StoppingCriteria(2)))

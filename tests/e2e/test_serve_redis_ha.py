@@ -29,10 +29,10 @@ def redis_binaries():
 
 
 def _generate(address: str, tiny_pair):
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(tiny_pair.draft_dir)
     ids = encode_prompt(model.tokenizer, PROMPT)

@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import InvalidRequestError
-from common.paths import ModelNotFoundError
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.paths import ModelNotFoundError
 from _reference import hf_greedy  # noqa: E402
-from common.types import DraftBlock, FinishReason
+from specdec_runtime.common.types import DraftBlock, FinishReason
 from specdec.embedded import LocalBackend
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 PROMPTS = [
     "Why is the sky blue?",

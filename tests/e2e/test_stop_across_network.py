@@ -19,17 +19,17 @@ from dataclasses import dataclass
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.config import VerifierSettings
-from cloud_verifier.store import make_store
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.grpc_backend import GrpcBackend
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.config import VerifierSettings
+from specdec_runtime.cloud_verifier.store import make_store
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
-from common.v1 import verifier_pb2 as pb
+from specdec_runtime.common.v1 import verifier_pb2 as pb
 
 pytestmark = [pytest.mark.timeout(180)]
 

@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from _cluster import kill
-from common.grammar import GrammarSpec
-from common.types import FinishReason
-from edge_client.client import encode_prompt
+from specdec_runtime.common.grammar import GrammarSpec
+from specdec_runtime.common.types import FinishReason
+from specdec_runtime.edge_client.client import encode_prompt
 from test_replica_failover import _drafts, _sdk_client, cluster  # noqa: F401 - cluster: the two-replica fixture
 from test_structured_output import EOS, SCHEMAS, masked_greedy
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cloud_verifier.store import RedisSessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.grammar import GrammarSpec
-from common.types import FinishReason
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.failover import FailoverBackend, RetryPolicy
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.grammar import GrammarSpec
+from specdec_runtime.common.types import FinishReason
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 from test_structured_output import EOS, SCHEMAS, masked_greedy
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import InvalidRequestError
-from common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
-from common.types import DraftBlock, FinishReason
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
+from specdec_runtime.common.types import DraftBlock, FinishReason
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 
 EOS = 2
@@ -127,7 +127,7 @@ class ForbiddenDrafter:
         self.proposed += gamma
         if sampling.greedy:
             return DraftBlock([self.token_id] * gamma)
-        from common.types import SparseDraftProbs
+        from specdec_runtime.common.types import SparseDraftProbs
 
         return DraftBlock([self.token_id] * gamma, SparseDraftProbs(np.full((gamma, 1), self.token_id, np.int64),
                                                                    np.ones((gamma, 1), np.float32)))
@@ -186,7 +186,7 @@ def test_sampled_choice_distribution_equals_target_only_with_a_negative_control(
     assert len(ref) >= 2  # the grammar leaves a real choice to the target's distribution
     assert _tv(ref, got) < 0.15, (ref, got)
     # negative control: the verifier forgets the grammar (p unconstrained); the draft still masks its q
-    import cloud_verifier.verdict.row_logits as row_logits
+    import specdec_runtime.cloud_verifier.verdict.row_logits as row_logits
 
     monkeypatch.setattr(row_logits, "apply_session_grammar", lambda session, block, logits: logits)
     broken = _answer_counts(spec_client, tokenizer, range(20_000, 20_000 + n // 3), spec)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import PreconditionError
-from common.vocab import VocabMismatchError, check_vocab_compatible
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import PreconditionError
+from specdec_runtime.common.vocab import VocabMismatchError, check_vocab_compatible
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 from specdec.models import export_onnx_draft
 

@@ -22,12 +22,12 @@ import time
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.failover import FailoverBackend, RetryPolicy
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 from specdec.netem import LinkProfile, WanProxy
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from _reference import hf_greedy
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.errors import SessionNotFoundError
-from edge_client.client import EdgeClient
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import SessionNotFoundError
+from specdec_runtime.edge_client.client import EdgeClient
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer, LocalBackend
 
 N = 12  # tokens per reply
@@ -84,7 +84,7 @@ def test_draft_feeds_only_the_new_turn(tiny_pair, local):
 
 
 def test_turn2_over_grpc_and_closed_conversation(tiny_pair, runner):
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
         backend = GrpcBackend(address)

@@ -1,4 +1,4 @@
-"""The draft's concurrent, chunked prefill (edge_client.draft_prefill, ModelDrafter.prefill_step) on the tiny ONNX
+"""The draft's concurrent, chunked prefill (edge_client.drafting.prefill, ModelDrafter.prefill_step) on the tiny ONNX
 draft: stopped anywhere and resumed, it leaves the KV a prefill from scratch leaves (the next logits equal a fresh
 draft's); ``whole_chunks`` stops at the last chunk boundary; it follows tokens appended while it runs; it never
 feeds past the draft's context."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.draft_prefill import DraftPrefill, can_prefill
-from edge_client.drafter import PREFILL_CHUNK_TOKENS, ModelDrafter
-from edge_client.ngram import NgramDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.drafting.prefill import DraftPrefill, can_prefill
+from specdec_runtime.edge_client.drafting.drafter import PREFILL_CHUNK_TOKENS, ModelDrafter
+from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
-from common.types import DraftBlock, SamplingParams, StoppingCriteria
-from edge_client.policy import AdaptiveNumSpeculativeTokens
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens
 from specdec.embedded import LocalBackend
-from edge_client.client import EdgeClient, encode_prompt
-from edge_client.drafter import ModelDrafter
-from edge_client.netsim import DelayedBackend
-from edge_client.ngram import NgramDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.transport.netsim import DelayedBackend
+from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from _reference import hf_greedy
 
 
@@ -127,7 +127,7 @@ def test_delayed_backend_adds_round_trip(backend):
 def test_adaptive_num_speculative_tokens_ignores_the_draft_prefill(backend, tiny_pair, prompt_ids, monkeypatch):
     """The first block's draft time includes the draft's prefill of the prompt: it must not count as a per-token
     draft cost (it made the controller choose γ = 1 on long prompts)."""
-    import edge_client.speculative as speculative_mod
+    import specdec_runtime.edge_client.generation.speculative as speculative_mod
 
     seen: list = []
 

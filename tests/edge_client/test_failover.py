@@ -24,9 +24,9 @@ import pytest
 
 from _cluster import ROOT, ForwardGate, ServerOnPort, free_port, wait_until
 from _reference import hf_greedy
-from common.errors import InvalidRequestError, VerifierUnavailableError
-from common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
-from edge_client.failover import FailoverBackend, RetryPolicy, parse_addresses, verdict_from_store
+from specdec_runtime.common.errors import InvalidRequestError, VerifierUnavailableError
+from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy, parse_addresses, verdict_from_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,7 +79,7 @@ def test_chunks_never_pass_unverified_text_as_verified(smollm2_tokenizer_dir):
     """A character split across an unverified and a verified token is flagged unverified."""
     from transformers import AutoTokenizer
 
-    from edge_client.output import TextOutput
+    from specdec_runtime.edge_client.output import TextOutput
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     ids = tok("日本 ok", add_special_tokens=False)["input_ids"]
@@ -98,15 +98,15 @@ def test_chunks_never_pass_unverified_text_as_verified(smollm2_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def runners(tiny_pair):
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     return TargetRunner(tiny_pair.target_dir), TargetRunner(tiny_pair.target_dir)
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(tiny_pair):
-    from edge_client.client import encode_prompt
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import encode_prompt
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     return encode_prompt(OnnxDraftModel(tiny_pair.draft_dir).tokenizer, PROMPT)
 
@@ -119,8 +119,8 @@ def expected(tiny_pair, prompt_ids):
 @pytest.fixture()
 def replicas(runners, redis_url):
     """Two embedded verifier servers (replica-a, replica-b) sharing Redis under a private prefix."""
-    from cloud_verifier.store import RedisSessionStore
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.store import RedisSessionStore
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import EmbeddedServer
 
     prefix = f"specdec-test:{uuid.uuid4().hex}:"
@@ -143,8 +143,8 @@ def replicas(runners, redis_url):
 def test_block_committed_before_the_failure_is_reconciled_once(replicas, prompt_ids, expected):
     """Replica A commits a block and goes away before its verdict reaches the client: the retry on B (same seq,
     same committed length) is refused, and the verdict is rebuilt from the store — not committed twice."""
-    from common.wire import block_to_proto
-    from common.v1 import verifier_pb2_grpc as pb_grpc
+    from specdec_runtime.common.wire import block_to_proto
+    from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
     (addr_a, addr_b), _, (server_a, _), store = replicas
     backend = FailoverBackend([addr_a, addr_b], policy=RetryPolicy(connect_timeout_s=2.0, budget_s=20.0))
@@ -202,9 +202,9 @@ def test_late_verdict_of_a_replica_that_lost_the_session_is_refused_and_ignored(
 
 
 def _client(backend, draft_dir, **kw):
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(draft_dir)
     return EdgeClient(backend, ModelDrafter(model, draft_top_k=4), model.tokenizer, **kw)
@@ -242,7 +242,7 @@ def test_unreachable_cloud_device_fallback_is_unverified(tiny_pair, prompt_ids, 
 def test_device_fallback_returns_to_the_cloud_when_it_answers(tiny_pair, runners, prompt_ids, expected):
     """Unverified tokens while nothing listens; a verifier appears on the address; a new session (prompt =
     everything committed) goes on verified; the output is the target's greedy output."""
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.verifier import Verifier
 
     port = free_port()
     server = None

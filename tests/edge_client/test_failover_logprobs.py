@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from cloud_verifier.store import RedisSessionStore
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -44,18 +44,18 @@ class _HangAfterCommit(RedisSessionStore):
 
 
 def _client(backend, draft_dir):
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(draft_dir)
     return EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=3)
 
 
 def test_logprobs_of_a_block_settled_from_the_store(tiny_pair, redis_url, caplog):
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
     from specdec.embedded import EmbeddedServer, LocalBackend
 
     local = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir)))
@@ -74,7 +74,7 @@ def test_logprobs_of_a_block_settled_from_the_store(tiny_pair, redis_url, caplog
     try:
         addresses = [s.start(timeout_s=WAIT_S) for s in servers]
         policy = RetryPolicy(connect_timeout_s=2.0, budget_s=30.0, attempt_timeout_s=2.0)
-        with caplog.at_level(logging.INFO, logger="edge_client.failover"), \
+        with caplog.at_level(logging.INFO, logger="specdec_runtime.edge_client.transport.failover"), \
                 _client(FailoverBackend(addresses, policy=policy), tiny_pair.draft_dir) as client:
             result = client.generate(PROMPT, **OPTIONS)
         assert store_a.hung.is_set()

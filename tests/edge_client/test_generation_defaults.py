@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
-from common.types import SamplingParams, StoppingCriteria
-from edge_client.request import generation_params
+from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.request import generation_params
 from specdec.openai_server.request import DEFAULT_MAX_TOKENS
 
 

@@ -1,4 +1,4 @@
-"""edge_client.grammar_drafting: the draft masks its own logits with the session's grammar and drafts forced
+"""edge_client.drafting.grammar: the draft masks its own logits with the session's grammar and drafts forced
 tokens without a forward pass (the tiny ONNX draft, the real SmolLM2 tokenizer)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
-from common.types import SamplingParams
-from edge_client.drafter import ModelDrafter
-from edge_client.grammar_drafting import DraftGrammar, propose_constrained
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
+from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.grammar import DraftGrammar, propose_constrained
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0, "maximum": 99},

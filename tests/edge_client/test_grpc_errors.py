@@ -1,4 +1,4 @@
-"""Which failed calls the SDK retries (edge_client.grpc_errors): statuses from a real gRPC server on 127.0.0.1.
+"""Which failed calls the SDK retries (edge_client.transport.errors): statuses from a real gRPC server on 127.0.0.1.
 
 A CANCELLED status the client did not ask for (a replica's transport cancels its streams while it shuts down:
 "CANCELLED", nothing else) is a broken path, retried like UNAVAILABLE; a call the client cancelled itself is not.
@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.errors import SpecdecError, VerifierUnavailableError
-from edge_client.grpc_errors import map_rpc_error
-from edge_client.retry import is_retryable
+from specdec_runtime.common.errors import SpecdecError, VerifierUnavailableError
+from specdec_runtime.edge_client.transport.errors import map_rpc_error
+from specdec_runtime.edge_client.transport.retry import is_retryable
 
 pytestmark = pytest.mark.timeout(60)
 

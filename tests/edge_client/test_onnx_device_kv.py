@@ -9,7 +9,7 @@ import logging
 
 import numpy as np
 
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 
 def _on_ort_memory(model: OnnxDraftModel, device: str = "cpu") -> OnnxDraftModel:
@@ -50,7 +50,7 @@ def test_kv_buffers_in_ort_memory_give_identical_logits(tiny_pair):
 def test_kv_buffers_a_provider_cannot_run_fall_back_to_host_arrays(tiny_pair, caplog):
     model = _on_ort_memory(OnnxDraftModel(tiny_pair.draft_dir), device="no-such-device")
     reference = OnnxDraftModel(tiny_pair.draft_dir, share_kv_buffer=False)
-    with caplog.at_level(logging.WARNING, logger="edge_client.onnx_draft"):
+    with caplog.at_level(logging.WARNING, logger="specdec_runtime.edge_client.drafting.onnx_draft"):
         got = _script(model)
     assert not model.share_kv_buffer
     assert any("falling back to host KV arrays" in r.message for r in caplog.records)

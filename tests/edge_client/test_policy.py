@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.types import DraftBlock, SparseDraftProbs, Verdict
-from edge_client.policy import ProactiveBet
-from edge_client.stats import GenerationStats
+from specdec_runtime.common.types import DraftBlock, SparseDraftProbs, Verdict
+from specdec_runtime.edge_client.generation.policy import ProactiveBet
+from specdec_runtime.edge_client.stats import GenerationStats
 
 
 def _block(ids, k=2):

@@ -3,10 +3,10 @@ bonus guess and prepares a bonus_drafted block; adaptive γ counts the extra dra
 
 from __future__ import annotations
 
-from common.types import DraftBlock
-from edge_client.ngram import NgramDrafter
-from common.types import SamplingParams
-from edge_client.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
+from specdec_runtime.common.types import DraftBlock
+from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens, ProactiveBet
 
 
 def test_proactive_bet_on_a_bonus_drafted_block():
@@ -81,7 +81,7 @@ def test_proactive_hit_cut_by_the_verdict_is_completed():
     early (the verdict not in yet) is sent as it is."""
     import numpy as np
 
-    from common.types import SparseDraftProbs
+    from specdec_runtime.common.types import SparseDraftProbs
 
     def propose(ids, n, should_stop):
         out = []

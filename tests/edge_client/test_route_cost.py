@@ -1,4 +1,4 @@
-"""The cost model behind route="auto" (edge_client/route_cost.py), as pure functions of its estimates: Leviathan et
+"""The cost model behind route="auto" (edge_client/generation/route_cost.py), as pure functions of its estimates: Leviathan et
 al.'s expected tokens per step, the α estimate from truncated blocks, the choice of speculative at a short round
 trip vs cloud at a long one (with the draft cost that decides between them), and the start-up each route pays (the
 draft's catch-up, a Decode call's first token) deciding short generations and switches."""
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from common.types import DraftBlock, Verdict
-from edge_client.route_cost import RouteEstimates, expected_tokens_per_step
+from specdec_runtime.common.types import DraftBlock, Verdict
+from specdec_runtime.edge_client.generation.route_cost import RouteEstimates, expected_tokens_per_step
 
 
 class _Client:
@@ -105,8 +105,8 @@ def test_switching_back_to_speculative_pays_the_draft_catch_up():
     """Between cloud chunks with 100 tokens left (cloud: ~2.65 s), speculative is expected to finish ~23 % sooner
     when the draft is caught up (~2.05 s), but only ~3 % when it must first ingest the 128 tokens cloud decode
     committed (+0.51 s): below the switch margin, auto stays on cloud (a rate-only model switched: 50 vs 39 tok/s)."""
-    from edge_client.drafter import ModelDrafter
-    from edge_client.routing import RouteRun, after_chunk
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.generation.routing import RouteRun, after_chunk
 
     class _Drafter:  # ModelDrafter's record of its cache, without a model
         _cached_ids: list[int] = []
@@ -182,7 +182,7 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
     """Cloud expected far faster (RTT 200 ms, slow draft): auto leaves speculative after a block — unless fewer than
     MIN_TOKENS_LEFT_TO_SWITCH tokens are left, where the switch's round trip and the estimates' noise outweigh the
     gain."""
-    from edge_client.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, after_block
+    from specdec_runtime.edge_client.generation.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, after_block
 
     class _AutoClient(_Client):
         route_estimates = _estimates(rtt_ms=200, draft_ms=60)
@@ -218,7 +218,7 @@ def test_auto_explores_a_close_thin_or_stale_speculative_estimate_only():
     win, or a close one on a fresh, well-measured rate, is taken as it is."""
     from types import SimpleNamespace
 
-    from edge_client.route_cost import EXPLORE_AFTER_GENERATIONS, EXPLORE_MARGIN, MIN_RATE_SAMPLES
+    from specdec_runtime.edge_client.generation.route_cost import EXPLORE_AFTER_GENERATIONS, EXPLORE_MARGIN, MIN_RATE_SAMPLES
 
     est, opened = RouteEstimates(), SimpleNamespace(load=0.0, forward_ms=20.0)
     close, far = (1.1 * 4000, 4000.0), (1.01 * EXPLORE_MARGIN * 4000, 4000.0)

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from _pki import make_pki
-from common.errors import VerifierUnavailableError
-from edge_client.grpc_backend import GrpcBackend
+from specdec_runtime.common.errors import VerifierUnavailableError
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
 pytestmark = pytest.mark.timeout(120)
 

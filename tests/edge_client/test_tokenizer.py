@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from common.chat import continuation_ids, render_chat_ids, turn_end_ids
-from common.vocab import tokenizer_fingerprint
-from edge_client.request import encode_prompt
-from edge_client.tokenizer import EdgeTokenizer
+from specdec_runtime.common.chat import continuation_ids, render_chat_ids, turn_end_ids
+from specdec_runtime.common.vocab import tokenizer_fingerprint
+from specdec_runtime.edge_client.request import encode_prompt
+from specdec_runtime.edge_client.drafting.tokenizer import EdgeTokenizer
 
 TEXTS = [
     "Hello world", "  leading spaces,\ttabs\n\nand blank lines  ", "émoji 🎉 中文 Ünïcödé", "don't . , ? !",

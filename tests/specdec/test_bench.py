@@ -110,7 +110,7 @@ def test_load_prompts_round_robin(tmp_path):
 
 
 def test_load_prompts_errors(tmp_path):
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     with pytest.raises(FileNotFoundError):
         bench.load_prompts(tmp_path / "missing.jsonl")
@@ -171,7 +171,7 @@ SWEEP_M_KEYS = {
 
 
 def test_parse_sweep_and_delays():
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     assert bench.parse_gamma_sweep("1-8") == list(range(1, 9))
     assert bench.parse_gamma_sweep("4,1-2, 8") == [1, 2, 4, 8]

@@ -26,7 +26,7 @@ def _chat(stdin: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def target_only(real_pair):
     """Target-only greedy decoding over the chat-templated messages: messages → reply text."""
-    from common.chat import render_chat_ids
+    from specdec_runtime.common.chat import render_chat_ids
     from specdec.cli import build_pipeline
 
     edge, close = build_pipeline(None, None, server=None, in_process=True, target_only=True, draft_top_k=1,

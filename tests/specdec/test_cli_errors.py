@@ -135,8 +135,8 @@ def test_tls_mismatches_are_named(tls_servers, tiny_pair):
 
 def test_verifier_lost_mid_run(tiny_pair):
     """The verifier stops mid-generation: the documented `error: cannot reach verifier at ...`, exit 2."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import EmbeddedServer
 
     embedded = EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=0.5)
@@ -160,10 +160,10 @@ def test_verifier_lost_mid_run(tiny_pair):
 
 def test_wrong_api_key(tiny_pair, tmp_path):
     """A verifier with API keys: a wrong or missing key is one line that names the key, exit 2."""
-    from cloud_verifier.auth import ApiKeyStore, append_api_key
-    from cloud_verifier.security import ServerSecurity
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.security.auth import ApiKeyStore, append_api_key
+    from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import EmbeddedServer
 
     keys = tmp_path / "keys"
@@ -178,7 +178,7 @@ def test_wrong_api_key(tiny_pair, tmp_path):
 
 
 def _edge_only(tmp_path: Path) -> dict:
-    """The environment of an edge-only install (`pip install 'specdec[edge]'`): the verifier's packages hidden
+    """The environment of an edge-only install (`pip install 'specdec-edgecloud[edge]'`): the verifier's packages hidden
     from the subprocess (a sitecustomize that marks them absent)."""
     (tmp_path / "sitecustomize.py").write_text(
         "import sys\nfor m in ('torch', 'transformers', 'pydantic_settings'):\n    sys.modules[m] = None\n")
@@ -192,8 +192,8 @@ def test_edge_only_install_names_the_missing_extra(tmp_path, tiny_pair):
     for args, extra in ((["generate", "--draft", str(tiny_pair.draft_dir), "--target", str(tiny_pair.target_dir),
                           "hi"], "verifier"), (["serve", "--target", str(tiny_pair.target_dir)], "verifier"),
                         (["bench", "--limit", "1"], "tools"), (["models", "prepare"], "tools")):
-        line = _one_error(args, f"needs specdec[{extra}] (torch, transformers", env=env)
-        assert "pip install 'specdec[all]'" in line, line
+        line = _one_error(args, f"needs specdec-edgecloud[{extra}] (torch, transformers", env=env)
+        assert "pip install 'specdec-edgecloud[all]'" in line, line
     _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "hi"],
                "cannot reach verifier at 127.0.0.1:1: connection refused", bound_s=30.0, env=env)
 
@@ -210,7 +210,7 @@ def test_min_tokens_above_max_new_tokens(tiny_pair):
 def test_speculative_tokens_and_max_new_tokens_have_limits(command):
     """-g 1000 and a max_new_tokens no context holds were accepted silently (and the verifier cut γ to its own
     maximum); the message names the limit (common.types)."""
-    from common.types import MAX_NEW_TOKENS, MAX_NUM_SPECULATIVE_TOKENS
+    from specdec_runtime.common.types import MAX_NEW_TOKENS, MAX_NUM_SPECULATIVE_TOKENS
 
     prompt = ["hi"] if command == "generate" else []
     _one_error([command, "--server", "127.0.0.1:1", "-g", "1000", *prompt],

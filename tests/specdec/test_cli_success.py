@@ -23,8 +23,8 @@ import pytest
 from typer.testing import CliRunner
 
 from _reference import hf_greedy
-from cloud_verifier.healthcheck import check
-from edge_client.client import encode_prompt
+from specdec_runtime.cloud_verifier.serving.healthcheck import check
+from specdec_runtime.edge_client.client import encode_prompt
 from specdec.cli import app
 
 pytestmark = pytest.mark.timeout(300)
@@ -139,8 +139,8 @@ def test_serve_then_generate_against_it_then_sigterm(tiny_pair, expected):
 
 def test_generate_against_an_embedded_server(tiny_pair, expected):
     """--server HOST:PORT against an EmbeddedServer of this process (the same code path as a remote verifier)."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import EmbeddedServer
 
     verifier = Verifier(TargetRunner(tiny_pair.target_dir))

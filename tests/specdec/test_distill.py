@@ -191,7 +191,7 @@ def test_artefact_install_reproduces_the_draft_and_onnx_matches(tiny, tmp_path):
     outside[head] = False
     assert (logits[..., outside] <= DISTILLED_MASKED_LOGIT / 2).all()
     # the edge runner accepts it and drafts only inside the head vocabulary
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     m = OnnxDraftModel(onnx_dir, providers=["CPUExecutionProvider"])
     row = m.forward([1, 30, 400])[-1]

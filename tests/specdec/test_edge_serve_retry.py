@@ -1,7 +1,7 @@
 """`specdec edge-serve --retry-max-attempts N --retry-budget-s S`: the flags are the endpoint's failover retry
 policy. A real edge-serve subprocess (tiny pair) in front of an address nothing listens on: every attempt fails
 at once (connection refused), so the 503's message says how many attempts the policy allowed and for how long
-(``gave up after N attempts in T s``, edge_client.retry.exhausted_error). Out-of-range values are one error line.
+(``gave up after N attempts in T s``, edge_client.transport.retry.exhausted_error). Out-of-range values are one error line.
 """
 
 from __future__ import annotations

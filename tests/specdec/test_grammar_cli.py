@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.grammar import GrammarSpec
+from specdec_runtime.common.grammar import GrammarSpec
 from specdec.cli.grammar_flags import grammar_options
 
 

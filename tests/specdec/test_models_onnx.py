@@ -26,10 +26,10 @@ from specdec.models import (
     resolve_draft_dir,
     resolve_target_dir,
 )
-from common.types import SamplingParams
-from common.vocab import VocabMismatchError, check_vocab_compatible, tokenizer_fingerprint
-from edge_client.drafter import ModelDrafter
-from edge_client.onnx_draft import OnnxDraftModel
+from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.common.vocab import VocabMismatchError, check_vocab_compatible, tokenizer_fingerprint
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -421,7 +421,7 @@ def test_topk_drafting_samples_inside_q(tiny_draft):
 def test_topk_drafting_uses_the_shared_sampling_maths(tiny_draft):
     """The first draft token is exactly ids[sample_from(normalize_sparse(q), uniform(seed, pos, DRAFT))] with q
     = draft_topk_distribution of the draft's logits: the reference composition's ids, its q up to rounding."""
-    from common.sampling import (Stream, draft_topk_distribution, logits_to_probs, normalize_sparse, sample_from,
+    from specdec_runtime.common.sampling import (Stream, draft_topk_distribution, logits_to_probs, normalize_sparse, sample_from,
                                  draft_topk_from_probs, uniform)
 
     params = SamplingParams(temperature=1.0, seed=3)

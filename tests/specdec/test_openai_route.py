@@ -13,12 +13,12 @@ pytestmark = pytest.mark.timeout(400)  # the tiny pair is built in setup (slow o
 def app_client(tiny_pair):
     from fastapi.testclient import TestClient
 
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.grpc_backend import GrpcBackend
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
     from specdec.openai_server import Engine, create_app
 

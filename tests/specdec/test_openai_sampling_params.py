@@ -29,10 +29,10 @@ def client(tiny_pair):
 @pytest.fixture(scope="module")
 def target_only(tiny_pair):
     """Target-only greedy decoding in-process over the same chat ids: options → GenerationResult."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
     from specdec.openai_server import render_chat_ids
 

@@ -111,7 +111,7 @@ def tokenizer(real_pair):
 
 
 def _chat_ids(tokenizer, messages):
-    from common.chat import render_chat_ids
+    from specdec_runtime.common.chat import render_chat_ids
 
     return render_chat_ids(tokenizer, messages)
 
@@ -256,7 +256,7 @@ def test_two_turns_reuse_the_conversation(client, model_id, target_only, tokeniz
 
 def test_error_mapping():
     """Verifier errors → OpenAI error JSON statuses (429 with Retry-After, 503 unreachable, 400 bad request)."""
-    from common.errors import (CapacityError, DeadlineError, InvalidRequestError, RateLimitedError,
+    from specdec_runtime.common.errors import (CapacityError, DeadlineError, InvalidRequestError, RateLimitedError,
                                VerifierUnavailableError)
     from specdec.openai_server import api_error_for
 
@@ -291,10 +291,10 @@ def test_verifier_session_limit(tiny_pair, tokenizer):
     """A verifier that allows one session (`specdec serve` with SPECDEC_TENANT_MAX_SESSIONS=1): held by someone
     else, the endpoint answers 429 with Retry-After; held by a conversation the endpoint keeps, the endpoint
     closes its kept conversations and serves the new one."""
-    from cloud_verifier.healthcheck import check
-    from common.types import SamplingParams, StoppingCriteria
-    from common.vocab import tokenizer_fingerprint
-    from edge_client.grpc_backend import GrpcBackend
+    from specdec_runtime.cloud_verifier.serving.healthcheck import check
+    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.common.vocab import tokenizer_fingerprint
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     port = _free_port()
     env = dict(os.environ, SPECDEC_TARGET=str(tiny_pair.target_dir), SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(port),

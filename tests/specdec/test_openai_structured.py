@@ -45,10 +45,10 @@ def client(tiny_pair):
 @pytest.fixture(scope="module")
 def target_only(tiny_pair):
     """Target-only greedy decoding in-process over the same chat ids, with a grammar."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
     from specdec.openai_server import render_chat_ids
 
@@ -79,7 +79,7 @@ def _streamed_calls(client, **kw):
 
 
 def test_json_schema_is_valid_and_equals_target_only(client, target_only):
-    from common.grammar import GrammarSpec
+    from specdec_runtime.common.grammar import GrammarSpec
 
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
     out = _chat(client, max_tokens=60, response_format=rf)

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec.bench.prompts import load_prompts
 from specdec.bench.replay import load_or_record, measure_kernel_limit, recording_key, replay_sessions
 from specdec.bench.replay.kernel import kernel_kv_tokens

@@ -10,10 +10,10 @@ import socket
 
 import pytest
 
-from cloud_verifier import metrics
-from cloud_verifier.store import MemorySessionStore
-from cloud_verifier.target import TargetRunner
-from cloud_verifier.verifier import Verifier
+from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.store import MemorySessionStore
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec.bench.prompts import load_prompts
 from specdec.bench.replay import host_time_fields, load_or_record, read_step_times, replay_sessions
 from specdec.bench.replay.host_time import preemption_fields, read_preemptions

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from edge_client.credentials import ChannelSecurity
-from edge_client.probe import diagnose
+from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
+from specdec_runtime.edge_client.transport.probe import diagnose
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from common.grammar import compile_grammar, grammar_tokenizer
+from specdec_runtime.common.grammar import compile_grammar, grammar_tokenizer
 from specdec.openai_server.errors import ApiError
 from specdec.openai_server.tools import (ToolCallStreamer, parse_tool_calls, parse_tools, tool_grammar,
                                          tool_messages)

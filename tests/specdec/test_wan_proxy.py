@@ -277,12 +277,12 @@ def test_generation_through_a_lossy_wan_is_target_only(tiny_pair):
     """EdgeClient → WanProxy (10 ± 5 ms each way, 5 % stalls of 200 ms, one reset that loses a verdict) →
     verifier: the greedy output is token-identical to target-only, every token verified."""
     from _reference import hf_greedy
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     model = OnnxDraftModel(tiny_pair.draft_dir)
@@ -315,12 +315,12 @@ def test_the_lost_verdict_of_the_last_block_is_rebuilt(tiny_pair):
     """The verdict that finishes the session is lost with its connection: the retried block meets a finished
     session (refused as such), and the SDK rebuilds the verdict from the store instead of failing; output
     identical to the same generation without the loss."""
-    from cloud_verifier.target import TargetRunner
-    from cloud_verifier.verifier import Verifier
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
 
     model = OnnxDraftModel(tiny_pair.draft_dir)

@@ -38,11 +38,11 @@ class References:
     """The reference outcome of each distinct request (computed on first use)."""
 
     def __init__(self, target_dir, draft_dir):
-        from cloud_verifier.target import TargetRunner
-        from cloud_verifier.verifier import Verifier
-        from edge_client.client import EdgeClient
-        from edge_client.drafter import ModelDrafter
-        from edge_client.onnx_draft import OnnxDraftModel
+        from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+        from specdec_runtime.cloud_verifier.verifier import Verifier
+        from specdec_runtime.edge_client.client import EdgeClient
+        from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+        from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
         from specdec.embedded import LocalBackend
 
         self._backend = LocalBackend(Verifier(TargetRunner(target_dir)))

@@ -52,7 +52,7 @@ class Request:
         if self.kind == "sampled":
             return {**base, "temperature": 0.8, "top_p": 0.95, "seed": 1000 + self.prompt}
         if self.kind == "json_schema":
-            from common.grammar import GrammarSpec
+            from specdec_runtime.common.grammar import GrammarSpec
 
             return {"max_new_tokens": MAX_NEW_TOKENS, "grammar": GrammarSpec.json_schema(SCHEMA)}
         if self.kind == "penalties":
@@ -185,10 +185,10 @@ def session_worker(index: int, addresses: list[str], draft_dir, *, seed: int, en
     appended to ``outcomes`` (errors recorded in it, never raised). ``edge_serve_url``: the stack's edge-serve
     endpoint (``.../v1``), for ``openai`` requests."""
     from specdec.bench.chaos.openai_kind import EdgeServeClient
-    from edge_client.client import EdgeClient
-    from edge_client.drafter import ModelDrafter
-    from edge_client.failover import FailoverBackend, RetryPolicy
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     model = OnnxDraftModel(draft_dir, intra_op_num_threads=1)  # one per device: not shared across threads
     order = addresses[index % len(addresses):] + addresses[:index % len(addresses)]  # spread the sessions

@@ -51,7 +51,7 @@ PREEMPTION_COUNTERS = ("specdec_kv_preemptions_total", "specdec_kv_recomputed_to
 
 
 def read_preemptions(url: str | None) -> dict[str, float] | None:
-    """{counter: value} of the verifier's KV preemption counters (cloud_verifier/kv_scheduler.py) at ``url`` (a
+    """{counter: value} of the verifier's KV preemption counters (cloud_verifier/kv/scheduler.py) at ``url`` (a
     /metrics address); None when there is no URL or it does not answer (a counter it does not serve reads 0)."""
     served = _read_metrics(url)
     return None if served is None else {name: served.get(name, 0.0) for name in PREEMPTION_COUNTERS}

@@ -21,7 +21,7 @@ def measure_kernel_limit(runner, prompts: list[RecordedPrompt], n: int, num_spec
     """
     import numpy as np
 
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
     gamma = num_speculative_tokens
     repeats = repeats or (KERNEL_REPEATS if n > 16 else 2 * KERNEL_REPEATS - 1)
@@ -94,7 +94,7 @@ def measure_prefill_share(runner, rec: Recording, kernel: dict, v_cores, lg_core
     limit: prefill is compute-bound and gains nothing from batching)."""
     import torch
 
-    from cloud_verifier.forward_row import ForwardRow
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
     from ..edge_cloud import set_process_affinity
 
     lengths = sorted(len(p.prompt_token_ids) for p in rec.prompts)

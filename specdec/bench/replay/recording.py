@@ -105,7 +105,7 @@ def recording_key(prompts: Path, limit: int, target_dir: Path, draft_dir: Path, 
 
 
 def _replay_cache_dir(cache_dir: Path | None) -> Path:
-    from common.paths import default_cache_dir
+    from specdec_runtime.common.paths import default_cache_dir
 
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir() / "replay"
 
@@ -143,11 +143,11 @@ def record_blocks(runner, draft_dir: Path, questions: list[BenchPrompt], *, max_
                   num_speculative_tokens: int, progress: bool = False) -> tuple[str, list[RecordedPrompt]]:
     """Run a real edge client (ONNX draft, greedy, fixed γ) on every question against an in-process verifier
     over ``runner``; returns (tokenizer fingerprint, recorded prompts)."""
-    from cloud_verifier.verifier import Verifier
-    from common.vocab import check_vocab_compatible, tokenizer_fingerprint
-    from edge_client.client import EdgeClient, encode_prompt
-    from edge_client.drafter import ModelDrafter
-    from edge_client.onnx_draft import OnnxDraftModel
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.common.vocab import check_vocab_compatible, tokenizer_fingerprint
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import LocalBackend
 
     model = OnnxDraftModel(draft_dir)

@@ -71,7 +71,7 @@ def _core_plan(pin: bool, notes: list[str]) -> tuple[set[int] | None, set[int] |
 
 def _check_replay_args(client_counts, duration_s: float, max_new_tokens: int, num_speculative_tokens: int,
                        max_batch_size: int) -> list[int]:
-    from common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError
 
     counts = list(dict.fromkeys(int(c) for c in client_counts))
     if not counts or min(counts) < 1:
@@ -117,7 +117,7 @@ def run_replay_bench(
     ``verify_policies`` (e.g. ``["fixed", "adaptive"]``): a batched verifier per policy, replayed in turn for each N
     (:mod:`~specdec.bench.replay.policies`; top-level figures: the first's). None: the verifier's default.
     """
-    from cloud_verifier.target import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     counts = _check_replay_args(client_counts, duration_s, max_new_tokens, num_speculative_tokens, max_batch_size or 1)
     if max_batch_size is None:  # the batched verifier can take every session's block into one pass (kernel limit)
@@ -216,7 +216,7 @@ def _replay_config(prompts: Path, limit: int, rec: Recording, *, duration_s: flo
 
 def _resolve_placement(device: str | None, dtype: str | None):
     """(torch device, torch dtype, dtype name) of the target: the arguments, else the bench's placement."""
-    from cloud_verifier.target import resolve_device, resolve_dtype
+    from specdec_runtime.cloud_verifier.target.runner import resolve_device, resolve_dtype
 
     placement = current_target_placement()
     dev = resolve_device(device or placement["device"])

@@ -201,8 +201,8 @@ class _Slot:
     async def run(self) -> None:
         import grpc
 
-        from edge_client.grpc_backend import CHANNEL_OPTIONS
-        from common.v1 import verifier_pb2_grpc as pb_grpc
+        from specdec_runtime.edge_client.transport.grpc_backend import CHANNEL_OPTIONS
+        from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
         channel = grpc.aio.insecure_channel(self.r.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.VerifierStub(channel)
@@ -221,9 +221,9 @@ class _Slot:
         """Open a session for ``p``, replay its blocks, close it; errors are counted, not raised."""
         import grpc
 
-        from common.types import SamplingParams, StoppingCriteria
-        from common.wire import open_request_to_proto
-        from common.v1 import verifier_pb2 as pb
+        from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+        from specdec_runtime.common.wire import open_request_to_proto
+        from specdec_runtime.common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         request = open_request_to_proto(p.prompt_token_ids, SamplingParams(),
@@ -266,7 +266,7 @@ class _Slot:
         equal the recorded verdict."""
         import grpc
 
-        from common.v1 import verifier_pb2 as pb
+        from specdec_runtime.common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         full = p.prompt_token_ids + p.output_token_ids
@@ -321,7 +321,7 @@ class _Slot:
     async def _decode(self, p: RecordedPrompt, sid: str) -> bool:
         """Cloud decode of the session (one Decode stream from the prompt): True when the whole recorded output
         came and matched, False when the window ended first (the call is cancelled) or a token differs."""
-        from common.v1 import verifier_pb2 as pb
+        from specdec_runtime.common.v1 import verifier_pb2 as pb
 
         r, tally = self.r, self.r.tally
         call = self.stub.Decode(pb.DecodeRequest(session_id=sid, seq=1, committed_length=len(p.prompt_token_ids)))
