@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from specdec_runtime.cloud_verifier.store import (
+from specdec_runtime.cloud_verifier.store.base import (
     SessionRecord,
     SessionStore,
     check_tokens,

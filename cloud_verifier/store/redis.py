@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from specdec_runtime.cloud_verifier.store import (
+from specdec_runtime.cloud_verifier.store.base import (
     SessionRecord,
     SessionStore,
     check_tokens,

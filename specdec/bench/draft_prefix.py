@@ -40,7 +40,7 @@ def run_draft_prefix_bench(system_tokens: int = 500, runs: int = 8, max_new_toke
     from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
     from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
-    from specdec.cli.pipeline import _embedded_backend
+    from specdec.cli.pipeline import embedded_backend
 
     paths = default_model_paths()
     model = OnnxDraftModel(paths.draft_dir)
@@ -51,7 +51,7 @@ def run_draft_prefix_bench(system_tokens: int = 500, runs: int = 8, max_new_toke
                                add_generation_prompt=True) for i in range(runs)]
     cleanup: list = []
     try:
-        backend, _, _ = _embedded_backend(paths.target_dir, model, in_process=False, device="cpu", dtype="float32",
+        backend, _, _ = embedded_backend(paths.target_dir, model, in_process=False, device="cpu", dtype="float32",
                                           cleanup=cleanup)
         assert isinstance(backend, GrpcBackend)
         client = EdgeClient(backend, drafter, model.tokenizer, num_speculative_tokens=4)

@@ -52,7 +52,7 @@ def _check_pipeline_args(num_speculative_tokens: int, drafter: str) -> None:
         raise InvalidRequestError(f"--drafter must be 'model' or 'ngram', got {drafter!r}")
 
 
-def _embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device: str, dtype: str, cleanup: list):
+def embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device: str, dtype: str, cleanup: list):
     """(backend, target tokenizer, valid vocabulary size of the draft or None) of a verifier in this process:
     called directly (``in_process``) or over loopback gRPC (its stop appended to ``cleanup``)."""
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
@@ -159,7 +159,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                                   security=security)
     else:
         quiet_transformers()
-        backend, target_tokenizer, valid = _embedded_backend(
+        backend, target_tokenizer, valid = embedded_backend(
             resolve_target_dir(target or defaults.target_dir), draft_model, in_process=in_process, device=device,
             dtype=dtype, cleanup=cleanup)
         if draft_model is None:
