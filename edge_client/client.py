@@ -67,7 +67,9 @@ class EdgeClient:
             None (default, "auto"): only where block ends depend on timing, i.e. a seeded sampled session with
             adaptive γ or proactive drafting on; other sessions use the classic bonus token. True: every
             sampled session. False: never; a seeded sampled session then turns adaptive γ and proactive
-            drafting off. Greedy sessions always use the classic bonus token.
+            drafting off. Greedy and drafter-invariant sessions always use the classic bonus token (their
+            tokens depend on no schedule). Decided once per generation:
+            :class:`edge_client.generation.plan.SessionPlan`.
         timeout_s: deadline of each verify step, s (at least the backend's ``max_call_s``: its retries).
         open_timeout_s: deadline of opening a session (includes the prefill of a long prompt), s.
         fallback: "none" (an unreachable cloud ends the generation with VerifierUnavailableError) or "device":

@@ -68,7 +68,7 @@ def generation_params(
             Lark/GBNF grammar) or its JSON; None = none. Checked by compiling it on the verifier at OpenSession.
         drafter_invariant: sampled tokens that do not depend on the draft or the route's switch points (the
             target-only draws of the seed; fewer accepted tokens); None = on for seeded ``auto``, ``cloud`` and
-            ``cloud-first`` generations (:func:`edge_client.generation.routing.with_drafter_invariance`).
+            ``cloud-first`` generations (:func:`edge_client.generation.plan.plan_generation`).
 
     Raises:
         InvalidRequestError: a parameter out of range, naming it (:meth:`SamplingParams.validate`,

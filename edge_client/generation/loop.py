@@ -23,12 +23,15 @@ from typing import Iterator
 
 from specdec_runtime.common.errors import (ConflictError, DeadlineError, PreconditionError, SessionNotFoundError,
                            VerifierUnavailableError)
-from specdec_runtime.common.types import SamplingParams, SessionOpened, StoppingCriteria
+from specdec_runtime.common.types import ExtendRequest, OpenRequest, SamplingParams, SessionOpened, StoppingCriteria
+from specdec_runtime.edge_client.drafting.contract import Resettable, TurnAware, check_request
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.generation.fallback import decode_on_device
 from specdec_runtime.edge_client.generation.run import Run, with_seed
 from specdec_runtime.edge_client.output import Chunk, TextOutput
-from specdec_runtime.edge_client.generation.routing import decode_device, run_session, start_route, with_drafter_invariance
+from specdec_runtime.edge_client.transport.backend import CountsWire, failovers_of
+from specdec_runtime.edge_client.generation.plan import plan_generation
+from specdec_runtime.edge_client.generation.routing import decode_device, run_session, start_route
 
 __all__ = ["KeptSession", "close_session", "generate"]
 
@@ -56,12 +59,17 @@ def close_session(client: GenerationContext, session_id: str) -> None:
 
 def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
            route: str | None) -> Run:
-    """The generation's Run, with the drafter readied for it."""
+    """The generation's Run, with the drafter readied for it.
+
+    Raises:
+        InvalidRequestError: an unknown route. UnsupportedByDrafterError: the drafter lacks a capability the
+            request needs (:func:`edge_client.drafting.contract.check_request`), before anything is sent."""
     run = Run(list(prompt_ids), stopping, TextOutput(client.tokenizer, stopping.stop_strings),
               committed=list(prompt_ids), route=start_route(client, route))
-    if hasattr(client.drafter, "begin_turn"):  # the history-dependent processors count the output from here
+    check_request(client.drafter, sampling, run.route.requested, client.fallback)
+    if isinstance(client.drafter, TurnAware):  # the history-dependent processors count the output from here
         client.drafter.begin_turn(len(prompt_ids), stopping)
-    if not sampling.greedy and sampling.seed is not None and hasattr(client.drafter, "reset"):
+    if not sampling.greedy and sampling.seed is not None and isinstance(client.drafter, Resettable):
         # a seeded sampled generation starts from a fresh draft KV cache: an int8 draft's logits depend on
         # how many tokens one forward pass feeds (a 53-token prompt fed whole vs 52 + 1: logits up to 1.1
         # apart), so KV reused from another generation would change q and the seeded draws. Within one
@@ -89,10 +97,9 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
         device fallback, or more than MAX_SESSIONS sessions), DeadlineError (common.errors).
     """
     t0 = time.perf_counter()
-    failovers_before = getattr(client.backend, "num_failovers", 0)
-    requested_seed = sampling.seed
+    failovers_before = failovers_of(client.backend)
     run = _start(client, prompt_ids, sampling, stopping, route)
-    sampling = with_drafter_invariance(sampling, run.route.requested)
+    sampling, plan = plan_generation(client, sampling, run.route.requested)  # before the verifier picks a seed
     yield from decode_device(client, run, sampling)  # route=device only: the draft alone, to the end
     while run.finish_reason is None:
         if len(run.session_ids) >= MAX_SESSIONS:
@@ -106,7 +113,7 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
         if sampling.seed is None:  # the first session picks it; a re-opened one keeps it (same draws)
             sampling = dataclasses.replace(sampling, seed=opened.seed)
         try:
-            yield from run_session(client, run, opened, sampling, requested_seed)
+            yield from run_session(client, run, opened, sampling, plan)
         except SessionNotFoundError as e:  # the record vanished (store restarted empty, expired): re-open
             log.info("session %s: %s; re-opening it from the %d committed tokens", opened.session_id, e,
                      len(run.committed))
@@ -124,8 +131,8 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
         else:
             close_session(client, opened.session_id)
     yield from run.out.finish(run.finish_reason)
-    client.last_result = run.result(client.tokenizer, getattr(client.backend, "wire_stats", None), t0,
-                                    getattr(client.backend, "num_failovers", 0) - failovers_before)
+    wire_stats = client.backend.wire_stats if isinstance(client.backend, CountsWire) else None
+    client.last_result = run.result(client.tokenizer, wire_stats, t0, failovers_of(client.backend) - failovers_before)
 
 
 def _extend_kept(client: GenerationContext, run: Run, sampling: SamplingParams, keep: KeptSession,
@@ -135,9 +142,9 @@ def _extend_kept(client: GenerationContext, run: Run, sampling: SamplingParams, 
     session's seed (same output), counted in ``run.num_reopens``."""
     prev, keep.opened = keep.opened, None  # consumed: whatever happens now, a later turn does not reuse it
     try:
-        opened = client.backend.extend_session(prev.session_id, keep.committed_length,
-                                               run.committed[keep.committed_length:], sampling, rest,
-                                               timeout_s=client.open_timeout_s)
+        request = ExtendRequest(prev.session_id, keep.committed_length, run.committed[keep.committed_length:],
+                                sampling, rest)
+        opened = client.backend.extend_session(request, timeout_s=client.open_timeout_s)
     except (SessionNotFoundError, ConflictError, PreconditionError) as e:
         log.info("session %s cannot be extended (%s); re-opening it over the %d committed tokens",
                  prev.session_id, e, len(run.committed))
@@ -162,12 +169,11 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
     if opened is None:
         if run.num_generated:  # a re-open mid-turn: the verifier counts the output so far as generated
             # (penalties, min_tokens and the turn's max_new_tokens), as the lost session did
-            opened = client.backend.open_session(run.committed, sampling, run.stopping, client.fingerprint,
-                                                 timeout_s=client.open_timeout_s,
-                                                 num_output_tokens=run.num_generated)
+            request = OpenRequest(list(run.committed), sampling, run.stopping, client.fingerprint,
+                                  num_output_tokens=run.num_generated)
         else:
-            opened = client.backend.open_session(run.committed, sampling, rest, client.fingerprint,
-                                                 timeout_s=client.open_timeout_s)
+            request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint)
+        opened = client.backend.open_session(request, timeout_s=client.open_timeout_s)
         run.first_seq = 1
     run.session_ids.append(opened.session_id)
     run.max_context_tokens = opened.max_context_tokens

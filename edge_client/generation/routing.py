@@ -28,7 +28,6 @@ The choice and each switch are reported in :attr:`GenerationResult.route <edge_c
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
@@ -41,6 +40,7 @@ from specdec_runtime.edge_client.transport.cloud_decode import can_stop, cloud_v
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.drafting.prefill import DraftPrefill, can_prefill
 from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified
+from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.run import with_seed
 from specdec_runtime.edge_client.generation.route_cost import RouteEstimates, draft_unseen, route_reason
 from specdec_runtime.edge_client.generation.speculative import verify_session
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from specdec_runtime.edge_client.output import Chunk
 
 __all__ = ["ROUTES", "CostModelSwitcher", "RouteEstimates", "RouteRun", "RouteSwitcher", "check_route", "decode_device",
-           "run_session", "start_route", "stop_prefill", "with_drafter_invariance"]
+           "run_session", "start_route", "stop_prefill"]
 
 ROUTES = ("speculative", "cloud", "device", "auto", "cloud-first")
 MIN_BLOCKS_BEFORE_SWITCH = 3  # blocks (or cloud chunks) in a mode before auto may leave it: no flapping
@@ -207,17 +207,6 @@ def _chunk_until_ready(rr: RouteRun) -> int:
     return int(min(FIRST_CLOUD_CHUNK, max(MIN_CLOUD_FIRST_CHUNK, math.ceil(1000 * left_s / step_ms) + 1)))
 
 
-def with_drafter_invariance(sampling: SamplingParams, requested: str) -> SamplingParams:
-    """``sampling`` with ``drafter_invariant`` decided when it is None: on for a seeded sampled ``auto`` or
-    ``cloud-first`` generation, whose switch points between cloud decode and speculation timing decides (its
-    tokens are then those of a cloud decode with the seed, whatever the switches: :mod:`common.rejection`), and
-    for ``cloud``, so that those are its tokens; off otherwise (Algorithm 1 accepts more)."""
-    if sampling.drafter_invariant is not None:
-        return sampling
-    on = requested in ("auto", "cloud-first", "cloud") and not sampling.greedy and sampling.seed is not None
-    return dataclasses.replace(sampling, drafter_invariant=on)
-
-
 def start_route(client: GenerationContext, route: str | None) -> RouteRun:
     """The RouteRun of a generation (``route`` None: the client's ``route``; its switches decided by the
     client's ``route_switcher``, None = :class:`CostModelSwitcher`).
@@ -232,7 +221,7 @@ def start_route(client: GenerationContext, route: str | None) -> RouteRun:
 
 
 def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
-                requested_seed: int | None) -> Iterator["Chunk"]:
+                plan: SessionPlan) -> Iterator["Chunk"]:
     """One verifier session of a generation, on its route: speculative blocks, cloud decode, or (auto,
     cloud-first) both in turn, until the generation finishes or a call fails (raised, as
     :func:`edge_client.generation.speculative.verify_session`). Each segment starts at the session's next seq and its
@@ -242,7 +231,7 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
     if rr.requested in ("auto", "cloud-first"):
         client.route_estimates.begin(client, opened)
         if not rr.initial:
-            _choose_start(client, run, not sampling.greedy and requested_seed is not None)
+            _choose_start(client, run, plan.timing_free)
     if client.drafter is None and rr.mode == "speculative" and rr.requested == "auto":
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
@@ -261,7 +250,7 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
                 before, rr.last_verdict_t = len(run.committed), None
                 client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
                 try:
-                    yield from verify_session(client, run, opened, sampling, requested_seed)
+                    yield from verify_session(client, run, opened, sampling, plan)
                 finally:
                     rr.tokens["speculative"] += len(run.committed) - before
     finally:
@@ -277,7 +266,8 @@ def _choose_start(client: GenerationContext, run: "Run", timing_free: bool) -> N
     cost model's pick — unless that pick is the cloud by a small margin while the speculative estimates are thin
     or stale (:meth:`RouteEstimates.explore_reason`): then it speculates anyway (cloud-first when it can, handing
     over once the draft is ready) so that fresh blocks correct them.
-    ``timing_free``: a seeded sampled generation (the prefill feeds whole chunks only)."""
+    ``timing_free``: the plan's timing-free schedule (:class:`edge_client.generation.plan.SessionPlan`): the
+    prefill feeds whole chunks only."""
     rr: RouteRun = run.route
     est, unseen = client.route_estimates, draft_unseen(client.drafter, run.committed)
     prefill = can_prefill(client.drafter) and unseen >= MIN_UNSEEN_FOR_CLOUD_FIRST and not _few_left(run)

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from specdec_runtime.common.types import DraftBlock, SamplingParams, SessionOpened
 from specdec_runtime.edge_client.transport.backend import SentBlock
 from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens, ProactiveBet, concat_blocks, slice_block
 
 if TYPE_CHECKING:
     from specdec_runtime.edge_client.generation.run import Run
     from specdec_runtime.edge_client.output import Chunk
 
-__all__ = ["draft_block", "unjudged_tail", "uses_bonus_drafted", "verify_session"]
+__all__ = ["draft_block", "unjudged_tail", "verify_session"]
 
 
 def draft_block(client: GenerationContext, committed: list[int], num_speculative_tokens: int,
@@ -76,45 +77,29 @@ def unjudged_tail(block: DraftBlock, tokens: list[int], verdict) -> DraftBlock |
     return tail
 
 
-def _session_policy(client: GenerationContext, sampling: SamplingParams, requested_seed: int | None,
+def _session_policy(client: GenerationContext, sampling: SamplingParams, plan: SessionPlan,
                     max_num_speculative_tokens: int) -> tuple[AdaptiveNumSpeculativeTokens | None, ProactiveBet | None]:
-    """The session's adaptive controller and proactive bet (None when off). With bonus_drafted blocks
-    (:func:`uses_bonus_drafted`) both stay on: the output does not depend on the schedule. Without them, a
-    seeded sampled session turns both off: it keeps a timing-independent schedule (EdgeClient's docstring)."""
-    bonus_drafted = uses_bonus_drafted(client, sampling, requested_seed)
-    timing_free = not sampling.greedy and requested_seed is not None and not bonus_drafted
+    """The session's adaptive controller and proactive bet, as the plan says (None when off)."""
     adaptive = None
-    if client.adaptive and not timing_free:
-        adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens, bonus_drafted=bonus_drafted)
+    if plan.adaptive:
+        adaptive = AdaptiveNumSpeculativeTokens(max_num_speculative_tokens, bonus_drafted=plan.bonus_drafted)
     bet = None
-    if client.proactive and client.drafter is not None and not timing_free:
+    if plan.proactive:
         bet = ProactiveBet(lambda ids, n, should_stop: draft_block(client, ids, n, sampling, should_stop))
     return adaptive, bet
 
 
-def uses_bonus_drafted(client: GenerationContext, sampling: SamplingParams, requested_seed: int | None) -> bool:
-    """Blocks of this session are bonus_drafted blocks: a sampled session with a drafter, when
-    ``bonus_drafted`` is True, or when it is None (auto) and the user fixed the seed and the schedule
-    depends on timing (adaptive γ or proactive drafting): elsewhere the classic bonus token is as
-    reproducible and saves a draft forward pass per block."""
-    if sampling.greedy or client.drafter is None or client.bonus_drafted is False:
-        return False
-    if client.bonus_drafted is None:
-        return requested_seed is not None and (client.adaptive or client.proactive)
-    return True
-
-
 def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
-                   requested_seed: int | None) -> Iterator["Chunk"]:
+                   plan: SessionPlan) -> Iterator["Chunk"]:
     """Draft, verify, commit and stream in one session until the generation finishes (``run.finish_reason``
     set), ``run.switch_check`` asks for a route switch at a block boundary, or a call fails (raised: the
     errors of :meth:`edge_client.transport.backend.SentBlock.wait`)."""
     committed, stats = run.committed, run.stats
     capacity = min(opened.max_context_tokens, len(run.prompt_ids) + run.stopping.max_new_tokens)
     max_num_speculative_tokens = min(client.num_speculative_tokens, opened.max_num_speculative_tokens)
-    adaptive, bet = _session_policy(client, sampling, requested_seed, max_num_speculative_tokens)
+    adaptive, bet = _session_policy(client, sampling, plan, max_num_speculative_tokens)
     # bonus_drafted: γ speculative tokens + one for the bonus position (common.rejection)
-    bonus_drafted = uses_bonus_drafted(client, sampling, requested_seed)
+    bonus_drafted = plan.bonus_drafted
     tail = None  # the unjudged draft tokens of the last block (adaptive verification), sent again
     for seq in itertools.count(run.first_seq):
         room = capacity - len(committed) - 1  # the verdict always adds one token of its own

@@ -260,3 +260,35 @@ def test_seeded_sampled_tokens_are_the_same_at_any_switch_point(served, draft):
     print(f"\nacceptance rate: drafter-invariant {accepted:.2f}, Algorithm 1 {classic:.2f}")
     assert accepted > 0.2  # the draft's coupled draws match the target's often: blocks are accepted in part
     assert algorithm_1[2] != algorithm_1[20]
+
+
+class CountingDrafter(ModelDrafter):
+    """The ONNX drafter, recording the draft tokens each ``propose`` was asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def propose(self, committed_token_ids, num_speculative_tokens, *args, **kwargs):
+        self.asked.append(num_speculative_tokens)
+        return super().propose(committed_token_ids, num_speculative_tokens, *args, **kwargs)
+
+
+def test_drafter_invariant_sessions_draft_no_bonus_position(served, draft):
+    """A seeded sampled drafter-invariant session with adaptive γ sends classic blocks (γ draft tokens, not γ + 1:
+    its tokens depend on no schedule, so a draft token at the bonus position would buy nothing) and keeps the
+    cloud route's tokens. Control: the same session under Algorithm 1 drafts γ + 1 (bonus_drafted blocks)."""
+    ids = encode_prompt(draft.tokenizer, PROMPT)
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=20, ignore_eos=True, seed=5)
+    with GrpcBackend(served) as backend:
+        cloud = _client(backend, None, draft.tokenizer, route="cloud").generate(ids, **kw).token_ids
+        asked = {}
+        for invariant in (True, False):
+            drafter = CountingDrafter(draft, draft_top_k=5)
+            client = _client(backend, drafter, draft.tokenizer, route="speculative", adaptive=True)
+            result = client.generate(ids, **kw, drafter_invariant=invariant)
+            asked[invariant] = drafter.asked
+            if invariant:
+                assert result.token_ids == cloud
+    assert asked[True] and max(asked[True]) == 3, asked  # num_speculative_tokens=3 (_client)
+    assert max(asked[False]) == 4, asked
