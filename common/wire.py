@@ -59,8 +59,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
-        seed=params.seed if params.seed is not None else 0,
-        has_seed=params.seed is not None,
+        seed=params.seed,  # None: unset
+        has_seed=params.seed is not None,  # for peers that read has_seed only (the proto's comment)
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
@@ -79,13 +79,14 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """The proto's one meaning per sentinel: top_p unset = 1.0 (off), present 0 = the most likely token only;
-    repetition_penalty unset = 1.0 (off; a present 0 stays 0 and is refused by validation); has_seed false
-    gives seed None; every other field's proto3 default is its neutral value."""
+    repetition_penalty unset = 1.0 (off; a present 0 stays 0 and is refused by validation); seed unset gives
+    None unless an older peer's has_seed says it is 0; every other field's proto3 default is its neutral
+    value."""
     return SamplingParams(
         temperature=float(msg.temperature),
         top_k=int(msg.top_k),
         top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
-        seed=int(msg.seed) if msg.has_seed else None,
+        seed=int(msg.seed) if msg.HasField("seed") or msg.has_seed else None,
         repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=float(msg.presence_penalty),
         frequency_penalty=float(msg.frequency_penalty),

@@ -182,7 +182,8 @@ def open_requests(draw):
     prompt = draw(st.one_of(st.lists(token_id, max_size=24), st.sampled_from(PROMPTS),
                             st.just([1] * (CONTEXT + 3)), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)))
     sampling = pb.SamplingParams(temperature=draw(weird_float), top_k=draw(int32), top_p=draw(weird_float),
-                                 seed=draw(st.integers(0, 2**64 - 1)), has_seed=draw(st.booleans()))
+                                 seed=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+                                 has_seed=draw(st.booleans()))
     stopping = pb.StoppingCriteria(
         max_new_tokens=draw(st.one_of(st.integers(-3, 40), int32)),
         stop_token_ids=draw(st.lists(int32, max_size=3)),
