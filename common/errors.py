@@ -20,6 +20,17 @@ class InvalidRequestError(SpecdecError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class UnsupportedByDrafterError(InvalidRequestError):
+    """The request needs something the edge's drafter cannot do (decoding alone for route=device or device
+    fallback, a grammar or penalties while decoding alone, a fresh state for a seeded sampled generation):
+    raised on the edge before anything is sent. ``capability`` names the missing one (the protocol's name in
+    edge_client.drafting.contract). INVALID_ARGUMENT, as any request the client's setup cannot serve."""
+
+    def __init__(self, message: str, capability: str = "") -> None:
+        super().__init__(message)
+        self.capability = capability
+
+
 class SessionNotFoundError(SpecdecError, KeyError):
     """Unknown, closed or expired session."""
 

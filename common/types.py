@@ -271,3 +271,41 @@ class SessionOpened(ServedInfo):
     @classmethod
     def of(cls, info: ServedInfo, session_id: str, committed_length: int, seed: int) -> "SessionOpened":
         return cls(**dataclasses.asdict(info), session_id=session_id, committed_length=committed_length, seed=seed)
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """An OpenSession request (specdec.v1.OpenSessionRequest) as both sides pass it whole: the edge's backends
+    (``VerifierBackend.open_session``) and the verifier's servicer (``common.wire.open_request_from_proto``).
+
+    Attributes:
+        prompt_token_ids: the session's prompt, token ids (non-empty; a re-open: everything committed so far).
+        sampling, stopping: the session's parameters.
+        tokenizer_fingerprint: the edge tokenizer's fingerprint (``common.vocab``); "" = not sent (unchecked).
+        num_output_tokens: how many of the last prompt ids are output already generated (a re-open after the
+            verifier lost a session: it counts them for penalties, min_tokens and max_new_tokens); 0 = none.
+    """
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    tokenizer_fingerprint: str = ""
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ExtendRequest:
+    """An ExtendSession request (specdec.v1.ExtendSessionRequest), passed whole like :class:`OpenRequest`.
+
+    Attributes:
+        session_id: the finished session to continue.
+        committed_length: the committed length (tokens) the session must have (else ConflictError).
+        appended_token_ids: the next turn's token ids, appended after them (prefilled on the verifier).
+        sampling, stopping: the next turn's parameters; None = keep the session's.
+    """
+
+    session_id: str
+    committed_length: int
+    appended_token_ids: list[int]
+    sampling: SamplingParams | None = None
+    stopping: StoppingCriteria | None = None

@@ -18,8 +18,8 @@ import numpy as np
 
 from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import (
-    DraftBlock, FinishReason, SamplingParams, SessionOpened, SparseDraftProbs, StoppingCriteria, TokenLogprobs,
-    Verdict,
+    DraftBlock, ExtendRequest, FinishReason, OpenRequest, SamplingParams, SessionOpened, SparseDraftProbs,
+    StoppingCriteria, TokenLogprobs, Verdict,
 )
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 
@@ -119,31 +119,6 @@ def stopping_from_proto(msg: pb.StoppingCriteria) -> StoppingCriteria:
 
 
 # ---------------------------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class OpenRequest:
-    """An OpenSession request (:func:`open_request_from_proto`): prompt token ids, the session's sampling and
-    stopping parameters, the edge tokenizer's fingerprint ("" = not sent), and how many of the last prompt ids
-    are output already generated (a re-open after failover; 0 = none)."""
-
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    stopping: StoppingCriteria
-    tokenizer_fingerprint: str
-    num_output_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class ExtendRequest:
-    """An ExtendSession request (:func:`extend_request_from_proto`): the session, the committed length (tokens)
-    it must have, the token ids to append; ``sampling``/``stopping`` None = keep the session's."""
-
-    session_id: str
-    committed_length: int
-    appended_token_ids: list[int]
-    sampling: SamplingParams | None
-    stopping: StoppingCriteria | None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from specdec_runtime.cloud_verifier.serving.server import VerifierServer
+from specdec_runtime.common.types import ExtendRequest, OpenRequest, SessionOpened
 from specdec_runtime.edge_client.transport.backend import VerifierBackend
 
 if TYPE_CHECKING:
@@ -141,19 +142,19 @@ class LocalBackend(VerifierBackend):
     def _call(self, coro, timeout_s: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def open_session(self, prompt_token_ids, sampling, stopping, tokenizer_fingerprint="", timeout_s=None,
-                     num_output_tokens=0):
+    def open_session(self, request: OpenRequest, timeout_s: float | None = None) -> SessionOpened:
+        """The verifier's OpenSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
-            self.verifier.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
-                                       num_output_tokens=num_output_tokens), timeout_s
-        )
+            self.verifier.open_session(request.prompt_token_ids, request.sampling, request.stopping,
+                                       request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens),
+            timeout_s)
 
-    def extend_session(self, session_id, committed_length, appended_token_ids, sampling=None, stopping=None,
-                       timeout_s=None):
+    def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:
+        """The verifier's ExtendSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
-            self.verifier.extend_session(session_id, committed_length, appended_token_ids, sampling, stopping),
-            timeout_s,
-        )
+            self.verifier.extend_session(request.session_id, request.committed_length, request.appended_token_ids,
+                                         request.sampling, request.stopping),
+            timeout_s)
 
     def submit(self, session_id, seq, committed_length, block):
         return asyncio.run_coroutine_threadsafe(

@@ -1,5 +1,6 @@
-"""Drafters: what proposes draft blocks on the edge. The :class:`Drafter` protocol, and :class:`ModelDrafter`
-(the ONNX draft model). :class:`edge_client.drafting.ngram.NgramDrafter` (prompt lookup, no model) is the other one.
+"""Drafters: what proposes draft blocks on the edge. :class:`ModelDrafter` (the ONNX draft model) has every
+optional capability of :mod:`edge_client.drafting.contract`, whose :class:`Drafter` protocol is re-exported here;
+:class:`edge_client.drafting.ngram.NgramDrafter` (prompt lookup, no model) is the other one.
 
 Drafting modes of :class:`ModelDrafter` (both lossless under the verifier's rejection rule,
 docs/architecture.md "Lossless verification"):
@@ -26,12 +27,13 @@ tokens; when it is accepted whole, the KV of its tokens is kept for the next blo
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
 from specdec_runtime.common.logits_processors import TokenHistory
 from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.drafting.contract import Drafter
 from specdec_runtime.edge_client.drafting.prefix_cache import DraftPrefixCache
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
 from specdec_runtime.edge_client.drafting.grammar import draft_grammar_for, propose_constrained
@@ -45,55 +47,6 @@ __all__ = ["Drafter", "ModelDrafter", "PREFILL_CHUNK_TOKENS"]
 # change with how many tokens one forward pass feeds), so a prefill cut short anywhere and resumed, or a prefix
 # restored from the draft's prefix cache at a chunk boundary, holds the same KV as one fed from scratch
 PREFILL_CHUNK_TOKENS = 32
-
-
-class Drafter(Protocol):
-    """Anything that proposes draft blocks for :class:`edge_client.client.EdgeClient` (:class:`ModelDrafter`,
-    :class:`edge_client.drafting.ngram.NgramDrafter`). One drafter serves one session at a time.
-
-    The losslessness contract: the verifier accepts draft token x_i with probability min(1, p(x_i) / q(x_i))
-    and resamples from norm(max(0, p − q)) at the first rejection (Leviathan et al. 2023, Algorithm 1). Its
-    output has exactly the target's distribution only when q is EXACTLY the distribution x_i was drawn from.
-    So ``draft_probs`` row i must be the very distribution the drafter sampled token i from (after any
-    truncation to k tokens and renormalisation), not an approximation of the draft model's distribution; and
-    ``draft_probs = None`` declares greedy drafting: q_i is one-hot on x_i (a deterministic choice of token,
-    e.g. argmax or prompt lookup). Greedy sessions are exact with any draft tokens; sampled sessions rely on
-    this contract.
-    """
-
-    def propose(
-        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
-        min_confidence: float = 0.0, should_stop: Callable[[], bool] | None = None,
-    ) -> DraftBlock:
-        """Draft up to ``num_speculative_tokens`` (γ) tokens after the committed prefix.
-
-        Args:
-            committed_token_ids: prompt + committed output ids (non-empty); the block continues them. Proactive
-                drafting passes committed ids + a block still in flight (+ a bonus guess after a classic
-                block; none after a bonus_drafted block, whose last token is that guess).
-            num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block); for a
-                bonus_drafted block the client asks for its γ + 1 tokens.
-            sampling: the session's SamplingParams (a sampling drafter applies the same logits processing
-                the verifier applies to p: ``common.sampling.logits_to_probs``).
-            seed: the session seed (a sampling drafter draws with ``common.sampling.uniform(seed, position,
-                Stream.DRAFT_SAMPLE)``, ``position`` the absolute index of the drafted token).
-            min_confidence: confidence truncation (llama.cpp's ``--draft-p-min``): stop the block, after at least
-                one token, when the draft's most likely next token has probability below it; 0 disables it.
-                A drafter without probabilities ignores it.
-            should_stop: checked before each token after the first; True ends the block there (proactive
-                drafting stops drafting ahead once the verdict it bets on has arrived). None: never.
-
-        Returns:
-            DraftBlock: ``draft_token_ids`` [n] with 0 <= n <= γ (fewer than γ after truncation, or when the
-            drafter has nothing to propose); ``draft_probs`` None for greedy drafting (q one-hot), else
-            SparseDraftProbs with ids int64 [n, k] and probs float32 [n, k], row i the exact q token i was
-            sampled from (zero-probability padding ids allowed, the draft token in its row's support);
-            ``draft_ms`` the wall time of the call, ms.
-
-        Raises:
-            ValueError: empty ``committed_token_ids`` or γ < 0 (drafters that check).
-        """
-        ...
 
 
 class ModelDrafter:

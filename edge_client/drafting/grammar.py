@@ -25,6 +25,7 @@ from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.grammar import (CompiledGrammar, GrammarMatcher, GrammarSpec, apply_mask, compile_grammar,
                             grammar_tokenizer)
 from specdec_runtime.common.types import DraftBlock, SamplingParams
+from specdec_runtime.edge_client.drafting.contract import HistoryProcessing
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
 
 __all__ = ["DraftGrammar", "draft_grammar_for", "propose_constrained"]
@@ -85,7 +86,8 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
         return _empty(t0)
     valid = drafter.valid_vocab_size
     rows = DraftRows(sampling, drafter.draft_top_k, valid, seed, len(committed_token_ids))
-    processor = getattr(drafter, "processor", None)  # the history-dependent processors, when the drafter has them
+    # the history-dependent processors, when the drafter has them
+    processor = drafter.processor if isinstance(drafter, HistoryProcessing) else None
     history = None
     num_forced = 0
     for i in range(num_tokens):

@@ -39,6 +39,10 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_lookback = max_lookback
 
+    def reset(self) -> None:
+        """Nothing to forget: a proposal is a function of the committed ids alone
+        (:class:`edge_client.drafting.contract.Resettable`, asked by seeded sampled generations)."""
+
     def lookup(self, context: list[int], num_tokens: int) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the latest earlier occurrence of the longest matching
         suffix n-gram of ``context`` (empty if none)."""

@@ -18,13 +18,16 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from specdec_runtime.edge_client.drafting.contract import PrefillsConcurrently
+
 __all__ = ["DraftPrefill", "can_prefill"]
 
 
 def can_prefill(drafter) -> bool:
-    """True when ``drafter`` has a KV cache to prefill concurrently (ModelDrafter's ``prefill_step``; a
-    wrapper's ``__getattr__`` passes it on); n-gram drafting and target-only decoding have nothing to prefill."""
-    return drafter is not None and callable(getattr(drafter, "prefill_step", None))
+    """True when ``drafter`` has a KV cache to prefill concurrently
+    (:class:`edge_client.drafting.contract.PrefillsConcurrently`: ModelDrafter); n-gram drafting and target-only
+    decoding have nothing to prefill."""
+    return isinstance(drafter, PrefillsConcurrently)
 
 
 class DraftPrefill:

@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.errors import InvalidRequestError, UnsupportedByDrafterError
 from specdec_runtime.common.grammar import apply_mask
 from specdec_runtime.common.sampling import Stream, logits_to_probs, sample_from, uniform
 from specdec_runtime.common.stopping import StopChecker
 from specdec_runtime.common.types import FinishReason, SamplingParams
+from specdec_runtime.edge_client.drafting.contract import ConstrainsGrammar, DecodesAlone, HistoryProcessing
 from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.transport.backend import Probes, answers
 
 if TYPE_CHECKING:
     from specdec_runtime.edge_client.generation.run import Run
@@ -56,24 +58,28 @@ class DeviceDecoder:
     """Plain decoding with the draft model of a :class:`edge_client.drafting.drafter.ModelDrafter` (no verification).
 
     Args:
-        drafter: the client's drafter; it must have ``next_token_logits`` (the ONNX draft model) —
-            :meth:`supports` tells.
+        drafter: the client's drafter; it must decode alone
+            (:class:`edge_client.drafting.contract.DecodesAlone`: the ONNX draft model) — :meth:`supports` tells.
+            A grammar needs it :class:`~edge_client.drafting.contract.ConstrainsGrammar`, penalties
+            :class:`~edge_client.drafting.contract.HistoryProcessing` (checked per request before anything is
+            sent: :func:`edge_client.drafting.contract.check_request`).
 
     Raises:
-        ValueError: the drafter cannot decode alone (n-gram drafting, target-only decoding).
+        UnsupportedByDrafterError: the drafter cannot decode alone (n-gram drafting, target-only decoding).
     """
 
-    def __init__(self, drafter) -> None:
+    def __init__(self, drafter: DecodesAlone) -> None:
         if not self.supports(drafter):
-            raise ValueError("device fallback needs a draft model (not n-gram drafting or target-only decoding)")
+            raise UnsupportedByDrafterError("device decoding needs a draft model (not n-gram drafting or "
+                                            "target-only decoding)", DecodesAlone.__name__)
         self.drafter = drafter
         self.model = drafter.model
         self.valid_vocab_size = int(drafter.valid_vocab_size)
 
     @staticmethod
     def supports(drafter) -> bool:
-        """True when ``drafter`` can decode alone (it exposes the draft model's logits)."""
-        return drafter is not None and callable(getattr(drafter, "next_token_logits", None))
+        """True when ``drafter`` can decode alone (:class:`edge_client.drafting.contract.DecodesAlone`)."""
+        return isinstance(drafter, DecodesAlone)
 
     def eos_token_ids(self) -> set[int]:
         """The draft's end-of-sequence ids: its config.json / generation_config.json and its tokenizer's."""
@@ -119,8 +125,9 @@ class DeviceDecoder:
             allowed[self.valid_vocab_size:] = False
             if not allowed.any():
                 raise InvalidRequestError("the grammar allows no token the draft can produce here")
-        processor = getattr(self.drafter, "processor", None)  # penalties, bias, min_tokens: as the verifier does
-        history = processor(sampling, committed_token_ids, len(logits)) if processor is not None else None
+        history = None  # penalties, bias, min_tokens: as the verifier does (check_request refused them without)
+        if isinstance(self.drafter, HistoryProcessing):
+            history = self.drafter.processor(sampling, committed_token_ids, len(logits))
         if history is not None:
             logits = history.apply(logits, allowed)
         elif allowed is not None:
@@ -139,7 +146,11 @@ class DeviceDecoder:
         ``committed_token_ids``.
 
         Raises:
-            InvalidRequestError: a spec the engine refuses, or an output the grammar does not match."""
+            InvalidRequestError: a spec the engine refuses, or an output the grammar does not match.
+            UnsupportedByDrafterError: the drafter cannot constrain to a grammar."""
+        if not isinstance(self.drafter, ConstrainsGrammar):
+            raise UnsupportedByDrafterError("device decoding with a grammar needs a drafter that constrains to it",
+                                            ConstrainsGrammar.__name__)
         grammar = self.drafter.draft_grammar(sampling)
         try:
             grammar.matcher.sync(committed_token_ids[grammar.start:])
@@ -249,12 +260,8 @@ def decode_on_device(client: GenerationContext, run: Run, sampling: SamplingPara
 
 
 def cloud_probe_fn(backend, reconnect_interval_s: float) -> Callable[[], bool]:
-    """A probe for :class:`CloudProbe`: True when the cloud behind ``backend`` answers (the backend's
-    ``probe``, or its health check; always True for a backend that has neither)."""
-    probe = getattr(backend, "probe", None)
-    if probe is not None:
-        return lambda: probe(min(2.0, reconnect_interval_s))
-    check = getattr(backend, "check_health", None)
-    if check is not None:
-        return lambda: check(2.0)
-    return lambda: True
+    """A probe for :class:`CloudProbe`: True when the cloud behind ``backend`` answers (the backend's ``probe``
+    within min(2, ``reconnect_interval_s``) s, or its 2 s health check; always True for a backend that has
+    neither: :func:`edge_client.transport.backend.answers`)."""
+    timeout_s = min(2.0, reconnect_interval_s) if isinstance(backend, Probes) else 2.0
+    return lambda: answers(backend, timeout_s)

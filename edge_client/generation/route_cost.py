@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specdec_runtime.common.types import DraftBlock, SessionOpened, Verdict
+from specdec_runtime.edge_client.drafting.contract import TracksContext
 from specdec_runtime.edge_client.generation.context import GenerationContext
 
 __all__ = ["RouteEstimates", "draft_unseen", "expected_tokens_per_step", "route_reason"]
@@ -83,8 +84,7 @@ def draft_unseen(drafter, token_ids: Sequence[int]) -> int:
     prefill, e.g. prompt lookup, is then measured at ~0 ms per token)."""
     if drafter is None or not token_ids:
         return 0
-    uncached = getattr(drafter, "uncached", None)  # ModelDrafter's (a wrapper's __getattr__ passes it on)
-    return len(token_ids) - 1 if uncached is None else uncached(token_ids)
+    return drafter.uncached(token_ids) if isinstance(drafter, TracksContext) else len(token_ids) - 1
 
 
 @dataclass

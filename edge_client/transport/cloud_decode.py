@@ -24,10 +24,10 @@ import random
 import time
 from typing import Callable, Iterator
 
-from specdec_runtime.common.errors import InvalidRequestError, SpecdecError
+from specdec_runtime.common.errors import InvalidRequestError, PreconditionError, SpecdecError
 from specdec_runtime.common.types import DraftBlock, Verdict
 from specdec_runtime.common.wire import finish_reason_from_proto, session_logprobs, verdict_from_proto
-from specdec_runtime.edge_client.transport.backend import SentBlock, VerifierBackend
+from specdec_runtime.edge_client.transport.backend import Reconnects, SentBlock, StreamsDecode, VerifierBackend
 from specdec_runtime.edge_client.transport.retry import RetryPolicy, exhausted_error, is_retryable
 
 __all__ = ["CloudStream", "can_stop", "cloud_verdicts", "supports_stream"]
@@ -36,14 +36,14 @@ __all__ = ["CloudStream", "can_stop", "cloud_verdicts", "supports_stream"]
 def supports_stream(backend: VerifierBackend) -> bool:
     """True when ``backend`` reaches a verifier over gRPC (the ``Decode`` stream), False for the per-token
     fallback."""
-    return hasattr(backend, "connection") or hasattr(backend, "decode")
+    return isinstance(backend, (Reconnects, StreamsDecode))
 
 
 def can_stop(backend: VerifierBackend) -> bool:
     """True when a :class:`CloudStream` on ``backend`` can be stopped at a token boundary: the per-token
     fallback always can; a gRPC connection unless its verifier answered StopDecode UNIMPLEMENTED."""
-    conn = backend.connection() if hasattr(backend, "connection") else backend
-    return not hasattr(conn, "decode") or bool(getattr(conn, "can_stop_decode", False))
+    conn = backend.connection() if isinstance(backend, Reconnects) else backend
+    return not isinstance(conn, StreamsDecode) or bool(conn.can_stop_decode)
 
 
 def cloud_verdicts(backend: VerifierBackend, session_id: str, seq: int, committed_length: int,
@@ -73,10 +73,10 @@ class CloudStream:
         self.session_id = session_id
         self._on_call = on_call
         self.stopping = False
-        self._live: tuple[object, int, bool] | None = None  # the Decode call in progress (_one_stream)
-        if hasattr(backend, "connection"):
+        self._live: tuple[StreamsDecode, int, bool] | None = None  # the Decode call in progress (_one_stream)
+        if isinstance(backend, Reconnects):
             self._it = self._with_failover(backend, seq, committed_length, max_tokens)
-        elif hasattr(backend, "decode"):
+        elif isinstance(backend, StreamsDecode):
             self._it = self._one_stream(backend, seq, committed_length, max_tokens)
         else:
             self._it = self._per_token(backend, seq, committed_length, max_tokens, timeout_s)
@@ -105,9 +105,7 @@ class CloudStream:
         overtake its start); before that, its first verdict sends it."""
         live = self._live
         if live is not None and live[2]:
-            stop = getattr(live[0], "stop_decode", None)
-            if stop is not None:
-                stop(self.session_id, live[1])
+            live[0].stop_decode(self.session_id, live[1])
 
     def _called(self) -> None:
         """The first request is on its way: run ``on_call`` once."""
@@ -115,7 +113,7 @@ class CloudStream:
         if on_call is not None:
             on_call()
 
-    def _one_stream(self, conn, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
+    def _one_stream(self, conn: StreamsDecode, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
         """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.transport.errors)."""
         import grpc
 
@@ -139,16 +137,18 @@ class CloudStream:
             self._live = None
             call.cancel()  # no-op once the stream ended; stops the verifier's loop when the consumer stopped early
 
-    def _with_failover(self, backend, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
+    def _with_failover(self, backend: Reconnects, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
         """:meth:`_one_stream` on the failover backend's connection; a retryable failure is recovered from the
         store (tokens committed without their verdict) and the stream resumed on the next connection, unless it
         was stopped."""
-        policy: RetryPolicy = getattr(backend, "policy", None) or RetryPolicy()
+        policy: RetryPolicy = backend.policy
         rng, failures, first_failure, made = random.Random(0), 0, None, 0
         while max_tokens == 0 or made < max_tokens:
             conn = None
             try:
                 conn = backend.connection()
+                if not isinstance(conn, StreamsDecode):
+                    raise PreconditionError(f"{type(conn).__name__} cannot stream cloud decode (no decode())")
                 left = 0 if max_tokens == 0 else max_tokens - made
                 for verdict in self._one_stream(conn, seq, committed_length, left):
                     seq, committed_length, made = seq + 1, verdict.committed_length, made + 1

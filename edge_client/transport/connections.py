@@ -14,7 +14,7 @@ import threading
 from typing import Callable, Sequence
 
 from specdec_runtime.common.errors import InvalidRequestError, SpecdecError, VerifierUnavailableError
-from specdec_runtime.edge_client.transport.backend import VerifierBackend
+from specdec_runtime.edge_client.transport.backend import ChecksHealth, CountsWire, VerifierBackend, WireLedger
 from specdec_runtime.edge_client.stats import WireStats
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,9 @@ class PickFirstConnections:
             log.debug("closing a failed connection", exc_info=True)
 
     def _save_stats(self, backend: VerifierBackend) -> None:
-        stats = getattr(backend, "_stats", None)
+        if not isinstance(backend, WireLedger):  # a connection that counts nothing leaves nothing to keep
+            return
+        stats = backend.wire_stats_by_session()
         if not stats:
             return
         with self._lock:
@@ -160,9 +162,8 @@ class PickFirstConnections:
         with self._lock:
             acc = list(self._saved_stats.get(session_id, [0, 0, 0, 0]))
             backend = self._backend
-        fn = getattr(backend, "wire_stats", None)
-        if fn is not None:
-            st = fn(session_id)
+        if isinstance(backend, CountsWire):
+            st = backend.wire_stats(session_id)
             acc = [acc[0] + st.bytes_sent, acc[1] + st.bytes_received, acc[2] + st.messages_sent,
                    acc[3] + st.messages_received]
         return WireStats(*acc)
@@ -174,9 +175,8 @@ class PickFirstConnections:
             backend = self.current()
         except SpecdecError:
             return False
-        check = getattr(backend, "check_health", None)
-        if check is None or check(timeout_s):
-            return True
+        if not isinstance(backend, ChecksHealth) or backend.check_health(timeout_s):
+            return True  # a connection without a health check: the next call is the test
         self.drop(backend)
         return False
 

@@ -46,8 +46,9 @@ from specdec_runtime.common.errors import (
     SpecdecError,
     VerifierUnavailableError,
 )
-from specdec_runtime.common.types import NO_TOKEN, DraftBlock, FinishReason, SamplingParams, SessionOpened, StoppingCriteria, Verdict
-from specdec_runtime.edge_client.transport.backend import VerifierBackend
+from specdec_runtime.common.types import (NO_TOKEN, DraftBlock, ExtendRequest, FinishReason, OpenRequest, SessionOpened,
+                                          Verdict)
+from specdec_runtime.edge_client.transport.backend import Addressed, VerifierBackend
 from specdec_runtime.edge_client.transport.connections import PickFirstConnections, parse_addresses
 from specdec_runtime.edge_client.transport.retry import RetryPolicy, Timers, exhausted_error, is_retryable
 
@@ -215,26 +216,19 @@ class FailoverBackend(VerifierBackend):
                     self.num_failovers += 1
             return result
 
-    def open_session(self, prompt_token_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                     tokenizer_fingerprint: str = "", timeout_s: float | None = None,
-                     num_output_tokens: int = 0) -> SessionOpened:
+    def open_session(self, request: OpenRequest, timeout_s: float | None = None) -> SessionOpened:
         """OpenSession on the current address, retried on the next ones (a session half-opened on a replica
-        that died expires there by TTL).
+        that died expires there by TTL); each attempt waits ``timeout_s`` (default ``open_timeout_s``).
 
         Raises:
             VerifierUnavailableError: no address answered within the retry budget; the verifier's errors.
         """
-        opened = self._with_retries(
-            lambda b: b.open_session(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
-                                     timeout_s=timeout_s or self.open_timeout_s,
-                                     **({"num_output_tokens": num_output_tokens} if num_output_tokens else {})),
-            "OpenSession")
+        opened = self._with_retries(lambda b: b.open_session(request, timeout_s=timeout_s or self.open_timeout_s),
+                                    "OpenSession")
         self._remember(opened)
         return opened
 
-    def extend_session(self, session_id: str, committed_length: int, appended_token_ids: list[int],
-                       sampling: SamplingParams | None = None, stopping: StoppingCriteria | None = None,
-                       timeout_s: float | None = None) -> SessionOpened:
+    def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:
         """ExtendSession on the current address, retried on the next ones (the replica that gets the retry
         resumes the session from the store). Reconciliation: when an attempt failed after the verifier applied
         the extension (its answer lost), the retry is refused with ConflictError (the committed length moved);
@@ -245,14 +239,15 @@ class FailoverBackend(VerifierBackend):
             VerifierUnavailableError: no address answered within the retry budget; the verifier's errors
             (SessionNotFoundError, ConflictError, PreconditionError, ContextLengthError, ...).
         """
-        appended = [int(t) for t in appended_token_ids]
+        request = dataclasses.replace(request, appended_token_ids=[int(t) for t in request.appended_token_ids])
+        session_id, committed_length, appended = request.session_id, request.committed_length, \
+            request.appended_token_ids
         attempts = [0]
 
         def call(b: VerifierBackend) -> SessionOpened:
             attempts[0] += 1
             try:
-                return b.extend_session(session_id, committed_length, appended, sampling, stopping,
-                                        timeout_s=timeout_s or self.open_timeout_s)
+                return b.extend_session(request, timeout_s=timeout_s or self.open_timeout_s)
             except ConflictError:
                 if attempts[0] == 1:
                     raise
@@ -264,6 +259,7 @@ class FailoverBackend(VerifierBackend):
                     raise
                 log.info("session %s: the extension was applied before a failure; reconciled from the store",
                          session_id)
+                sampling = request.sampling
                 seed = sampling.seed if sampling is not None and sampling.seed is not None else known.seed
                 return dataclasses.replace(known, committed_length=new_length, verifier_id=info.verifier_id,
                                            seed=seed)
@@ -356,7 +352,8 @@ class FailoverBackend(VerifierBackend):
 
     def _timed_out(self, call: _Call, attempt: int, backend: VerifierBackend, timeout_s: float) -> None:
         if self._take(call, attempt):
-            err = DeadlineError(f"no verdict from {getattr(backend, 'address', '?')} within {timeout_s:.1f} s")
+            where = backend.address if isinstance(backend, Addressed) else "?"
+            err = DeadlineError(f"no verdict from {where} within {timeout_s:.1f} s")
             self._pool.submit(self._failed, call, attempt, backend, err)
 
     def _failed(self, call: _Call, attempt: int, backend: VerifierBackend | None, err: BaseException,

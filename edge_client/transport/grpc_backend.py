@@ -35,7 +35,7 @@ import grpc
 
 from specdec_runtime.common.errors import SpecdecError, VerifierUnavailableError
 from specdec_runtime.common.keepalive import client_keepalive_options
-from specdec_runtime.common.types import DraftBlock, SamplingParams, SessionOpened, StoppingCriteria, Verdict
+from specdec_runtime.common.types import DraftBlock, ExtendRequest, OpenRequest, SessionOpened, Verdict
 from specdec_runtime.common.wire import (
     MAX_MESSAGE_BYTES,
     block_to_proto,
@@ -191,6 +191,11 @@ class GrpcBackend(VerifierBackend):
             st = self._stats.get(session_id)
             return WireStats(**vars(st)) if st is not None else WireStats()
 
+    def wire_stats_by_session(self) -> dict[str, WireStats]:
+        """A copy of the counts of every session tracked (the most recent ``_MAX_TRACKED_SESSIONS``)."""
+        with self._stats_lock:
+            return {sid: WireStats(**vars(st)) for sid, st in self._stats.items()}
+
     # ------------------------------------------------------------------ errors
     def map_error(self, err: grpc.RpcError) -> SpecdecError:
         """The SDK error of a failed call to this verifier (edge_client.transport.errors.map_rpc_error)."""
@@ -215,48 +220,35 @@ class GrpcBackend(VerifierBackend):
             raise VerifierUnavailableError(f"backend to {self.address} is closed")
 
     # ------------------------------------------------------------------ API
-    def open_session(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        stopping: StoppingCriteria,
-        tokenizer_fingerprint: str = "",
-        timeout_s: float | None = None,
-        num_output_tokens: int = 0,
-    ) -> SessionOpened:
+    def open_session(self, request: OpenRequest, timeout_s: float | None = None) -> SessionOpened:
+        """OpenSession (see :meth:`VerifierBackend.open_session`); deadline ``timeout_s`` (default
+        ``open_timeout_s``: it prefills)."""
         self._check_open()
-        request = open_request_to_proto(prompt_token_ids, sampling, stopping, tokenizer_fingerprint,
-                                        num_output_tokens=num_output_tokens)
+        message = open_request_to_proto(request.prompt_token_ids, request.sampling, request.stopping,
+                                        request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens)
         try:
-            response = self._stub.OpenSession(request, timeout=timeout_s or self.open_timeout_s,
+            response = self._stub.OpenSession(message, timeout=timeout_s or self.open_timeout_s,
                                              metadata=self._metadata)
         except grpc.RpcError as e:
             raise self.map_error(e) from None
         opened = session_opened_from_proto(response)
-        self.count_sent(opened.session_id, request.ByteSize())
+        self.count_sent(opened.session_id, message.ByteSize())
         self.count_received(opened.session_id, response.ByteSize())
         return opened
 
-    def extend_session(
-        self,
-        session_id: str,
-        committed_length: int,
-        appended_token_ids: list[int],
-        sampling: SamplingParams | None = None,
-        stopping: StoppingCriteria | None = None,
-        timeout_s: float | None = None,
-    ) -> SessionOpened:
+    def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:
         """ExtendSession (see :meth:`VerifierBackend.extend_session`); deadline ``timeout_s`` (default
         ``open_timeout_s``: it prefills)."""
         self._check_open()
-        request = extend_request_to_proto(session_id, committed_length, appended_token_ids, sampling, stopping)
+        message = extend_request_to_proto(request.session_id, request.committed_length, request.appended_token_ids,
+                                          request.sampling, request.stopping)
         try:
-            response = self._stub.ExtendSession(request, timeout=timeout_s or self.open_timeout_s,
+            response = self._stub.ExtendSession(message, timeout=timeout_s or self.open_timeout_s,
                                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise self.map_error(e) from None
-        self.count_sent(session_id, request.ByteSize())
-        self.count_received(session_id, response.ByteSize())
+        self.count_sent(request.session_id, message.ByteSize())
+        self.count_received(request.session_id, response.ByteSize())
         return session_opened_from_proto(response)
 
     def submit(self, session_id: str, seq: int, committed_length: int, block: DraftBlock) -> Future[Verdict]:

@@ -6,7 +6,10 @@ import threading
 import time
 from concurrent.futures import Future
 
-from specdec_runtime.edge_client.transport.backend import VerifierBackend
+from specdec_runtime.common.types import ExtendRequest, OpenRequest, SessionOpened
+from specdec_runtime.edge_client.stats import WireStats
+from specdec_runtime.edge_client.transport.backend import (CountsWire, VerifierBackend, answers, failovers_of,
+                                                           max_call_s_of)
 
 
 class DelayedBackend(VerifierBackend):
@@ -25,21 +28,39 @@ class DelayedBackend(VerifierBackend):
         self.uplink_s = uplink_ms / 1000.0
         self.downlink_s = (uplink_ms if downlink_ms is None else downlink_ms) / 1000.0
 
-    def __getattr__(self, name):  # wire_stats, verifier, ... of the inner backend
-        return getattr(self.inner, name)
+    # what the edge reads of the backend besides its calls, passed on explicitly; cloud decode is not (no
+    # ``decode``/``connection``): over the simulated network it goes one block per token, each through the delays
+    @property
+    def max_call_s(self) -> float:
+        """The inner backend's ``max_call_s`` (its retries), 0.0 when it has none, s."""
+        return max_call_s_of(self.inner)
 
-    def open_session(self, *args, **kwargs):
+    @property
+    def num_failovers(self) -> int:
+        """The inner backend's failover count (0 when it counts none)."""
+        return failovers_of(self.inner)
+
+    def wire_stats(self, session_id: str) -> WireStats:
+        """The inner backend's counts for ``session_id`` (zeros when it counts none)."""
+        return self.inner.wire_stats(session_id) if isinstance(self.inner, CountsWire) else WireStats()
+
+    def probe(self, timeout_s: float = 2.0) -> bool:
+        """Whether the cloud behind the inner backend answers (:func:`edge_client.transport.backend.answers`)."""
+        return answers(self.inner, timeout_s)
+
+    def open_session(self, request: OpenRequest, timeout_s: float | None = None) -> SessionOpened:
+        """The inner backend's OpenSession behind one uplink and one downlink delay."""
         time.sleep(self.uplink_s)
         try:
-            return self.inner.open_session(*args, **kwargs)
+            return self.inner.open_session(request, timeout_s=timeout_s)
         finally:
             time.sleep(self.downlink_s)
 
-    def extend_session(self, *args, **kwargs):
+    def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:
         """The inner backend's ExtendSession behind the same delays as :meth:`open_session`."""
         time.sleep(self.uplink_s)
         try:
-            return self.inner.extend_session(*args, **kwargs)
+            return self.inner.extend_session(request, timeout_s=timeout_s)
         finally:
             time.sleep(self.downlink_s)
 

@@ -64,7 +64,7 @@ def _decode(backend, opened, max_new_tokens: int) -> list[int]:
 
 def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bool) -> dict:
     """Open every prompt in turn (timed), count KV pages in use, decode, close; the report of one mode."""
-    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import OpenRequest, SamplingParams, StoppingCriteria
     from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec.embedded import LocalBackend
 
@@ -72,13 +72,13 @@ def _run_mode(runner, prompts: list[list[int]], max_new_tokens: int, caching: bo
     try:
         runner.prefix_cache.evict_all()  # every mode starts cold
         greedy = SamplingParams(), StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
-        warm = backend.open_session(prompts[0][-8:], *greedy)  # first forward passes are slower: not timed
+        warm = backend.open_session(OpenRequest(prompts[0][-8:], *greedy))  # first forward passes are slower: not timed
         backend.close_session(warm.session_id)
         open_s, opened = [], []
         before = _batch_tokens()
         for prompt in prompts:
             t0 = time.perf_counter()
-            opened.append(backend.open_session(prompt, *greedy))
+            opened.append(backend.open_session(OpenRequest(prompt, *greedy)))
             open_s.append(time.perf_counter() - t0)
         prefilled = _batch_tokens() - before
         pages_in_use = runner.kv_pool.pages.num_used

@@ -97,14 +97,14 @@ def test_kv_budget_refuses_and_reuses(tiny_pair):
     try:
         model = OnnxDraftModel(tiny_pair.draft_dir)
         client = EdgeClient(backend, ModelDrafter(model), model.tokenizer)
-        from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+        from specdec_runtime.common.types import OpenRequest, SamplingParams, StoppingCriteria
 
         # 7 KV pages of 16 tokens; a 30-token prompt holds 2 (its first 29 tokens), not prompt + max_new_tokens
         prompt, stopping = list(range(10, 40)), StoppingCriteria(max_new_tokens=50)
-        opened = [backend.open_session(prompt, SamplingParams(), stopping) for _ in range(3)]
+        opened = [backend.open_session(OpenRequest(prompt, SamplingParams(), stopping)) for _ in range(3)]
         assert small.kv_reserved_tokens == 3 * 32
         with pytest.raises(CapacityError, match="KV cache full"):
-            backend.open_session(prompt, SamplingParams(), stopping)
+            backend.open_session(OpenRequest(prompt, SamplingParams(), stopping))
         for o in opened:
             backend.close_session(o.session_id)
         assert small.kv_reserved_tokens == 0
@@ -164,9 +164,9 @@ def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
         while not any(v for _, v in batches) and time.monotonic() < deadline:  # wait until A is decoding
             time.sleep(0.001)
         long_prompt = np.random.default_rng(1).integers(3, 5000, size=32 * 12 + 1).tolist()
-        from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+        from specdec_runtime.common.types import OpenRequest, SamplingParams, StoppingCriteria
 
-        opened = backend.open_session(long_prompt, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+        opened = backend.open_session(OpenRequest(long_prompt, SamplingParams(), StoppingCriteria(max_new_tokens=4)))
         t.join(timeout=300)
         backend.close_session(opened.session_id)
     finally:
@@ -184,13 +184,13 @@ def test_chunked_prefill_interleaves_with_running_sessions(tiny_pair, runner):
 def test_closing_a_session_with_a_block_in_flight_spares_the_batch(tiny_pair, runner):
     """A client that goes away mid-block (Ctrl-C) must not break the other sessions batched with it."""
     from specdec_runtime.common.errors import SessionNotFoundError
-    from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 
     backend = LocalBackend(Verifier(runner, max_batch_size=8, max_batch_wait_ms=50))
     try:
         prompt = list(range(10, 300))
-        a = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64))
-        b = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64))
+        a = backend.open_session(OpenRequest(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64)))
+        b = backend.open_session(OpenRequest(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=64)))
         fa = backend.submit(a.session_id, 1, len(prompt), DraftBlock([5, 6, 7, 8]))
         fb = backend.submit(b.session_id, 1, len(prompt), DraftBlock([5, 6]))
         backend.close_session(a.session_id)  # while a's block is queued or in the forward pass

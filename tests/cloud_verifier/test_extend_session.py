@@ -22,7 +22,7 @@ from specdec_runtime.common.errors import (
     PreconditionError,
     SessionNotFoundError,
 )
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, ExtendRequest, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.client import EdgeClient
 from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
@@ -89,12 +89,12 @@ def _verify_to_end(backend, session_id, committed_length, first_seq, draft_token
 
 def test_extend_prefills_only_the_appended_tokens_and_matches_target_only(local, turns):
     prompt, reply1, appended, reply2 = turns
-    opened = local.open_session(prompt, *_greedy(N1))
+    opened = local.open_session(OpenRequest(prompt, *_greedy(N1)))
     out1, last_seq = _verify_to_end(local, opened.session_id, len(prompt), 1)
     assert out1 == reply1
     history = prompt + reply1
     before, passes = _batch_tokens(), REGISTRY.get_sample_value("specdec_target_forward_passes_total")
-    ext = local.extend_session(opened.session_id, len(history), appended, *_greedy(N2))
+    ext = local.extend_session(ExtendRequest(opened.session_id, len(history), appended, *_greedy(N2)))
     # the last committed token + the appended ones but the last (fed with the first block): nothing else,
     # in chunks of prefill_chunk_tokens (16)
     assert _batch_tokens() - before == len(appended)
@@ -114,11 +114,11 @@ def test_extend_grows_the_kv_cache_past_the_first_turns_capacity(local, turns):
     """Turn 1 reserved prompt + N1 tokens; turn 2 needs more: the cache is moved to a larger buffer, the
     conversation's keys/values copied (the output would differ if they were not)."""
     prompt, reply1, appended, reply2 = turns
-    opened = local.open_session(prompt, *_greedy(N1))
+    opened = local.open_session(OpenRequest(prompt, *_greedy(N1)))
     session = local.verifier.sessions.held(opened.session_id)
     assert session.kv.capacity == len(prompt) + N1
     _, last_seq = _verify_to_end(local, opened.session_id, len(prompt), 1)
-    ext = local.extend_session(opened.session_id, len(prompt) + N1, appended, *_greedy(N2))
+    ext = local.extend_session(ExtendRequest(opened.session_id, len(prompt) + N1, appended, *_greedy(N2)))
     assert session.kv.capacity == ext.committed_length + N2
     out2, _ = _verify_to_end(local, opened.session_id, ext.committed_length, last_seq + 1)
     assert out2 == reply2
@@ -128,12 +128,12 @@ def test_extend_grows_the_kv_cache_past_the_first_turns_capacity(local, turns):
 def test_errors_leave_the_session_unchanged(local, runner, turns):
     prompt, reply1, appended, _ = turns
     v = local.verifier
-    opened = local.open_session(prompt, *_greedy(N1))
+    opened = local.open_session(OpenRequest(prompt, *_greedy(N1)))
     sid = opened.session_id
     # mid-generation (output committed, not finished): FAILED_PRECONDITION
     v1 = local.submit(sid, 1, len(prompt), DraftBlock([])).result(WAIT_S)
     with pytest.raises(PreconditionError, match="generating"):
-        local.extend_session(sid, v1.committed_length, appended, *_greedy(N2))
+        local.extend_session(ExtendRequest(sid, v1.committed_length, appended, *_greedy(N2)))
     _verify_to_end(local, sid, v1.committed_length, 2)
     history = prompt + reply1
     snapshot = v.get_session(sid)
@@ -151,7 +151,7 @@ def test_errors_leave_the_session_unchanged(local, runner, turns):
                     sampling=SamplingParams(), stopping=StoppingCriteria(max_new_tokens=N2, ignore_eos=True))
         args.update(override)
         with pytest.raises(error):
-            local.extend_session(**args)
+            local.extend_session(ExtendRequest(**args))
         after = v.get_session(sid)
         assert (after.committed_token_ids, after.prompt_length, after.finished) == \
             (snapshot.committed_token_ids, snapshot.prompt_length, snapshot.finished), (error, override)
@@ -160,7 +160,7 @@ def test_errors_leave_the_session_unchanged(local, runner, turns):
         local._call(v.extend_session(sid, len(history), appended, tenant_id="other-tenant"), WAIT_S)
     local.close_session(sid)
     with pytest.raises(SessionNotFoundError):  # closed
-        local.extend_session(sid, len(history), appended, *_greedy(N2))
+        local.extend_session(ExtendRequest(sid, len(history), appended, *_greedy(N2)))
 
 
 def test_grpc_status_codes(runner, turns):
@@ -174,7 +174,7 @@ def test_grpc_status_codes(runner, turns):
     with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
         backend = GrpcBackend(address)
         try:
-            opened = backend.open_session(prompt, *_greedy(N1))
+            opened = backend.open_session(OpenRequest(prompt, *_greedy(N1)))
             _, last_seq = _verify_to_end(backend, opened.session_id, len(prompt), 1)
             with grpc.insecure_channel(address) as ch:
                 stub = pb_grpc.VerifierStub(ch)
@@ -193,8 +193,8 @@ def test_grpc_status_codes(runner, turns):
                 assert code(appended_token_ids=[1] * runner.max_context_tokens) == grpc.StatusCode.OUT_OF_RANGE
             # over gRPC, turn 2 equals target-only decoding of the whole history (unset sampling/stopping would
             # keep the session's: max_new_tokens N1 then)
-            ext = backend.extend_session(opened.session_id, len(history), appended, None,
-                                         StoppingCriteria(max_new_tokens=N2, ignore_eos=True))
+            ext = backend.extend_session(ExtendRequest(opened.session_id, len(history), appended, None,
+                                                       StoppingCriteria(max_new_tokens=N2, ignore_eos=True)))
             out2, _ = _verify_to_end(backend, opened.session_id, ext.committed_length, last_seq + 1)
             assert out2 == reply2
             info = backend.get_session(opened.session_id)
@@ -216,10 +216,10 @@ def test_conversation_resumes_on_another_replica_from_redis(tiny_pair, runner, r
     a = LocalBackend(Verifier(runner, stores[0], verifier_id="replica-a"))
     b = LocalBackend(Verifier(TargetRunner(tiny_pair.target_dir), stores[1], verifier_id="replica-b"))
     try:
-        opened = a.open_session(prompt, *_greedy(N1))
+        opened = a.open_session(OpenRequest(prompt, *_greedy(N1)))
         _, last_seq = _verify_to_end(a, opened.session_id, len(prompt), 1)
         history = prompt + reply1
-        ext = a.extend_session(opened.session_id, len(history), appended, *_greedy(N2))
+        ext = a.extend_session(ExtendRequest(opened.session_id, len(history), appended, *_greedy(N2)))
         rec = stores[1].get(opened.session_id)
         assert rec.committed_token_ids == history + appended and rec.prompt_length == len(history + appended)
         assert not rec.finished and rec.stopping.max_new_tokens == N2
@@ -229,10 +229,10 @@ def test_conversation_resumes_on_another_replica_from_redis(tiny_pair, runner, r
         # turn 3 on B; A's stale copy cannot extend it any more (the store is the truth)
         history2 = history + appended + reply2
         more = [198, 1]
-        ext3 = b.extend_session(opened.session_id, len(history2), more, *_greedy(4))
+        ext3 = b.extend_session(ExtendRequest(opened.session_id, len(history2), more, *_greedy(4)))
         assert ext3.committed_length == len(history2) + 2
         with pytest.raises(ConflictError):  # answered from the store: the session stays on B
-            a.extend_session(opened.session_id, len(history2), more, *_greedy(4))
+            a.extend_session(ExtendRequest(opened.session_id, len(history2), more, *_greedy(4)))
         rec = stores[0].get(opened.session_id)
         assert rec.committed_token_ids == history2 + more and rec.verifier_id == "replica-b"
         out3, _ = _verify_to_end(b, opened.session_id, ext3.committed_length, last_seq + 1)
@@ -265,7 +265,7 @@ def test_failover_retry_of_an_applied_extension_is_reconciled(tiny_pair, runner,
     addr_a, addr_b = (s.start(timeout_s=WAIT_S) for s in servers)
     backend = FailoverBackend([addr_a, addr_b], policy=RetryPolicy(connect_timeout_s=2.0, budget_s=20.0))
     try:
-        opened = backend.open_session(prompt, *_greedy(N1))
+        opened = backend.open_session(OpenRequest(prompt, *_greedy(N1)))
         _, last_seq = _verify_to_end(backend, opened.session_id, len(prompt), 1)
         history = prompt + reply1
         stopping = StoppingCriteria(max_new_tokens=N2, ignore_eos=True)
@@ -274,7 +274,8 @@ def test_failover_retry_of_an_applied_extension_is_reconciled(tiny_pair, runner,
                 extend_request_to_proto(opened.session_id, len(history), appended, SamplingParams(), stopping),
                 timeout=WAIT_S)
         servers[0].stop(timeout_s=WAIT_S)
-        ext = backend.extend_session(opened.session_id, len(history), appended, SamplingParams(), stopping)
+        ext = backend.extend_session(ExtendRequest(opened.session_id, len(history), appended, SamplingParams(),
+                                                   stopping))
         assert ext.committed_length == len(history + appended) and ext.seed == opened.seed
         assert backend.num_failovers == 1
         assert stores[1].get(opened.session_id).committed_token_ids == history + appended  # appended once

@@ -26,7 +26,7 @@ from _cluster import ForwardGate, PrivateRedis, ServerOnPort, free_port, health_
 from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.store import MemorySessionStore, RedisSessionStore, SessionRecord
 from specdec_runtime.common.errors import StaleSessionError
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.common.wire import block_to_proto, open_request_to_proto
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
@@ -312,7 +312,8 @@ def test_redis_script_flush_and_restart_empty(tiny_pair, runner, prompt_ids, exp
                 assert again.token_ids == expected[:30] and again.num_sessions == 1
             # a record that vanished: NOT_FOUND for its blocks and GetSession, the replica's copy dropped
             with GrpcBackend(address) as raw:
-                sid = raw.open_session(prompt_ids, SamplingParams(), StoppingCriteria(8, ignore_eos=True)).session_id
+                sid = raw.open_session(OpenRequest(prompt_ids, SamplingParams(),
+                                                   StoppingCriteria(8, ignore_eos=True))).session_id
                 held = verifier.num_sessions
                 redis_py.Redis(port=rd.port).flushall()
                 with grpc.insecure_channel(address) as ch:

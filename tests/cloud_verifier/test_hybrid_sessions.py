@@ -21,7 +21,7 @@ from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 from specdec_runtime.cloud_verifier.kv.recurrent_state import RecurrentStateError
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, ExtendRequest, OpenRequest, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(600)
@@ -141,16 +141,18 @@ def test_hybrid_conversation_extends_and_resumes_on_another_replica(tmp_path, sm
             for store, name in zip(stores, "ab"))
     stopping = lambda n: StoppingCriteria(max_new_tokens=n, ignore_eos=True)  # noqa: E731
     try:
-        opened = a.open_session(prompt, SamplingParams(), stopping(10))
+        opened = a.open_session(OpenRequest(prompt, SamplingParams(), stopping(10)))
         out1, seq = _verify_to_end(a, opened.session_id, len(prompt), 1, greedy(prompt, 10), rng)
         assert out1 == greedy(prompt, 10)
         history = prompt + out1 + appended
-        ext = a.extend_session(opened.session_id, len(prompt + out1), appended, SamplingParams(), stopping(12))
+        ext = a.extend_session(ExtendRequest(opened.session_id, len(prompt + out1), appended, SamplingParams(),
+                                             stopping(12)))
         out2, seq = _verify_to_end(b, opened.session_id, ext.committed_length, seq + 1, greedy(history, 12), rng)
         assert out2 == greedy(history, 12)
         assert stores[0].get(opened.session_id).verifier_id == "replica-b"  # resumed on B
         history += out2 + more
-        ext = b.extend_session(opened.session_id, len(history) - len(more), more, SamplingParams(), stopping(8))
+        ext = b.extend_session(ExtendRequest(opened.session_id, len(history) - len(more), more, SamplingParams(),
+                                             stopping(8)))
         out3, _ = _verify_to_end(b, opened.session_id, ext.committed_length, seq + 1, greedy(history, 8), rng)
         assert out3 == greedy(history, 8)
     finally:

@@ -33,7 +33,7 @@ from prometheus_client import REGISTRY
 
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(180)
@@ -105,8 +105,8 @@ def held_bytes(runner, sid: str) -> int:
 def run_session(backend, prompt_len: int, max_new_tokens: int, seed: int) -> str:
     """Open a session, verify two blocks, leave it open; returns its id (its committed length in LENGTHS)."""
     prompt = [(seed * 7919 + 13 * i) % 1000 + 3 for i in range(prompt_len)]
-    opened = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens, ignore_eos=True),
-                                  timeout_s=WAIT_S)
+    opened = backend.open_session(OpenRequest(prompt, SamplingParams(),
+                                              StoppingCriteria(max_new_tokens, ignore_eos=True)), timeout_s=WAIT_S)
     length = opened.committed_length
     for seq in (1, 2):
         verdict = backend.submit(opened.session_id, seq, length, DraftBlock([5, 6, 7])).result(timeout=WAIT_S)
@@ -159,7 +159,7 @@ import gc, json, sys
 import psutil
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 target_dir, prompt_len, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -173,8 +173,8 @@ def rss():
 
 def session(seed):
     prompt = [(seed * 7919 + 13 * i) % 1000 + 3 for i in range(prompt_len)]
-    opened = backend.open_session(prompt, SamplingParams(), StoppingCriteria(context - prompt_len, ignore_eos=True),
-                                  timeout_s=60)
+    opened = backend.open_session(OpenRequest(prompt, SamplingParams(),
+                                              StoppingCriteria(context - prompt_len, ignore_eos=True)), timeout_s=60)
     length = opened.committed_length
     for seq in (1, 2):
         length = backend.submit(opened.session_id, seq, length, DraftBlock([5, 6, 7])).result(60).committed_length

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec_runtime.common.errors import CapacityError
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, ExtendRequest, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 
 pytestmark = pytest.mark.timeout(300)
@@ -223,7 +223,7 @@ def test_an_extension_takes_the_pages_another_session_cached_for_the_same_histor
         s, _ = _open(backend, prompt)
         assert _decode_with_rejections(backend, s, reply1, rng) == reply1
         before = _batch_tokens()
-        ext = backend.extend_session(s.session_id, len(prompt) + NEW, appended, *GREEDY)
+        ext = backend.extend_session(ExtendRequest(s.session_id, len(prompt) + NEW, appended, *GREEDY))
         # the old length is 98: its page 6 (positions 96..111) is prefilled from 97; pages 7..12 (112..207) are
         # taken (13 = (218 - 1) // 16 full pages cached by the other session); 208..216 prefilled
         assert _batch_tokens() - before == (112 - 97) + (217 - 13 * BS)

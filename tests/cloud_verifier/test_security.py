@@ -31,7 +31,7 @@ from specdec_runtime.cloud_verifier.security.limits import TenantLimits
 from specdec_runtime.cloud_verifier.security.transport import InsecureBindError, ServerSecurity, check_bind, redact_url, server_credentials
 from specdec_runtime.cloud_verifier.store import MemorySessionStore
 from specdec_runtime.common.errors import CapacityError, RateLimitedError, UnauthenticatedError, VerifierUnavailableError
-from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, SparseDraftProbs, StoppingCriteria
 from specdec_runtime.common.wire import MAX_MESSAGE_BYTES, block_to_proto, open_request_to_proto
 from specdec_runtime.edge_client.transport.grpc_backend import CHANNEL_OPTIONS, GrpcBackend
 from specdec.embedded import EmbeddedServer
@@ -191,7 +191,7 @@ def test_sdk_errors(secure, pki):
     """The SDK maps UNAUTHENTICATED to UnauthenticatedError (no retry helps)."""
     with GrpcBackend(secure.address, root_certificates=pki.ca_cert, api_key="", connect_timeout_s=WAIT_S) as b:
         with pytest.raises(UnauthenticatedError, match=re.escape(GENERIC_MESSAGE)):
-            b.open_session(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+            b.open_session(OpenRequest(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4)))
 
 
 def test_tls_key_greedy_identical_to_target_only(secure, pki, keys, tiny_pair):
@@ -330,7 +330,7 @@ def test_mutual_tls(runner, pki, keys):
             GrpcBackend(served.address, root_certificates=pki.ca_cert, api_key=keys[1]["acme"], connect_timeout_s=1.5)
         with GrpcBackend(served.address, root_certificates=pki.ca_cert, api_key=keys[1]["acme"],
                          certificate_chain=pki.client_cert, private_key=pki.client_key, connect_timeout_s=WAIT_S) as b:
-            opened = b.open_session(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+            opened = b.open_session(OpenRequest(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4)))
             assert opened.committed_length == 4
     finally:
         served.embedded.stop(timeout_s=WAIT_S)
@@ -342,7 +342,7 @@ def test_plaintext_loopback_with_keys_uses_per_call_metadata(runner, keys):
     try:
         with GrpcBackend(served.address, api_key=keys[1]["globex"], connect_timeout_s=WAIT_S) as b:
             assert b.security.call_metadata() == (("authorization", f"Bearer {keys[1]['globex']}"),)
-            opened = b.open_session(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+            opened = b.open_session(OpenRequest(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4)))
             verdict = b.submit(opened.session_id, 1, 4, DraftBlock([5, 6])).result(WAIT_S)
             assert verdict.committed_length >= 5
             assert served.verifier.store.get(opened.session_id).tenant_id == "globex"
@@ -532,7 +532,8 @@ def test_oversized_message_refused_others_unaffected(runner, tiny_pair):
         # the SDK refuses to send an over-limit message itself (RESOURCE_EXHAUSTED -> CapacityError)
         with GrpcBackend(served.address, connect_timeout_s=WAIT_S) as b:
             with pytest.raises(CapacityError, match=str(MAX_MESSAGE_BYTES)):
-                b.open_session(list(range(1, 9_000_000)), SamplingParams(), StoppingCriteria(max_new_tokens=1))
+                b.open_session(OpenRequest(list(range(1, 9_000_000)), SamplingParams(),
+                                           StoppingCriteria(max_new_tokens=1)))
     finally:
         served.embedded.stop(timeout_s=WAIT_S)
 
@@ -591,7 +592,7 @@ def test_serve_with_tls_and_keys_end_to_end(tmp_path, pki, keys, tiny_pair):
     try:
         with GrpcBackend(f"127.0.0.1:{port}", root_certificates=pki.ca_cert, api_key=keys[1]["acme"],
                          connect_timeout_s=120) as b:
-            opened = b.open_session(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4))
+            opened = b.open_session(OpenRequest(PROMPT, SamplingParams(), StoppingCriteria(max_new_tokens=4)))
             assert b.submit(opened.session_id, 1, 4, DraftBlock([5])).result(WAIT_S).committed_length >= 5
     finally:
         proc.terminate()
@@ -742,7 +743,8 @@ def test_no_prompt_ids_text_or_key_in_logs(secure, pki, keys, tiny_pair, caplog)
         with GrpcBackend(secure.address, root_certificates=pki.ca_cert, api_key=keys[1]["acme"] + "x",
                          connect_timeout_s=WAIT_S) as b:
             with pytest.raises(UnauthenticatedError):
-                b.open_session(result.prompt_token_ids, SamplingParams(), StoppingCriteria(max_new_tokens=2))
+                b.open_session(OpenRequest(result.prompt_token_ids, SamplingParams(),
+                                           StoppingCriteria(max_new_tokens=2)))
     records = [r for r in caplog.records if r.levelno >= logging.INFO]
     text = "\n".join(r.getMessage() + (r.exc_text or "") for r in records)
     for secret in (prompt, "quokka", result.text.strip(), keys[1]["acme"], str(result.prompt_token_ids),

@@ -27,7 +27,7 @@ from specdec_runtime.common.errors import (
     SessionNotFoundError,
     VerifierUnavailableError,
 )
-from specdec_runtime.common.types import DraftBlock, SamplingParams, SparseDraftProbs, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, SparseDraftProbs, StoppingCriteria
 from specdec_runtime.common.wire import block_to_proto, open_request_to_proto
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
@@ -354,7 +354,8 @@ def test_grpc_backend_stream_isolates_sessions(server):
 
     address, _ = server
     with GrpcBackend(address, mode="stream") as backend:
-        a, c = (backend.open_session([1, 2, 3], SamplingParams(), StoppingCriteria(max_new_tokens=16)).session_id
+        a, c = (backend.open_session(OpenRequest([1, 2, 3], SamplingParams(),
+                                                 StoppingCriteria(max_new_tokens=16))).session_id
                 for _ in range(2))
         fa = backend.submit(a, 1, 3, DraftBlock([5, 6]))
         fb = backend.submit(a + "x", 1, 3, DraftBlock([5]))
@@ -460,8 +461,9 @@ def test_grpc_backend(server, stub, mode):
 
     address, verifier = server
     with GrpcBackend(address, mode=mode, connect_timeout_s=WAIT_S) as backend:
-        opened = backend.open_session([1, 504, 3458, 28], SamplingParams(seed=3), StoppingCriteria(max_new_tokens=6),
-                                      verifier.info.tokenizer_fingerprint, timeout_s=WAIT_S)
+        opened = backend.open_session(OpenRequest([1, 504, 3458, 28], SamplingParams(seed=3),
+                                                  StoppingCriteria(max_new_tokens=6),
+                                                  verifier.info.tokenizer_fingerprint), timeout_s=WAIT_S)
         sid, length, seq = opened.session_id, opened.committed_length, 0
         assert length == 4 and opened.seed == 3 and opened.max_num_speculative_tokens == MAX_BLOCK
         finished = False
@@ -478,7 +480,8 @@ def test_grpc_backend(server, stub, mode):
             ((sid, seq + 1, length, DraftBlock([5])), PreconditionError),
             (("nope", 1, 4, DraftBlock([5])), SessionNotFoundError),
         ]
-        sid2 = backend.open_session([1, 2, 3], SamplingParams(), StoppingCriteria(max_new_tokens=8)).session_id
+        sid2 = backend.open_session(OpenRequest([1, 2, 3], SamplingParams(),
+                                                StoppingCriteria(max_new_tokens=8))).session_id
         cases += [
             ((sid2, 1, 99, DraftBlock([5])), InvalidRequestError),
             ((sid2, 1, 3, DraftBlock([5] * (MAX_BLOCK + 1))), InvalidRequestError),
@@ -489,7 +492,7 @@ def test_grpc_backend(server, stub, mode):
         # the backend still works after errors (a stream is reopened)
         assert backend.submit(sid2, 1, 3, DraftBlock([5])).result(timeout=WAIT_S).committed_length >= 4
         with pytest.raises(PreconditionError, match="fingerprint"):
-            backend.open_session([1, 2], SamplingParams(), StoppingCriteria(), "f" * 16)
+            backend.open_session(OpenRequest([1, 2], SamplingParams(), StoppingCriteria(), "f" * 16))
         stats = backend.wire_stats(sid)
         # open + seq blocks + the block refused (finished session); errors carry no message back
         assert stats.messages_sent == seq + 2 and stats.messages_received == seq + 1

@@ -19,7 +19,7 @@ from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.store import MemorySessionStore
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, FinishReason, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 from specdec.embedded import EmbeddedServer
 from specdec_runtime.common.v1 import verifier_pb2 as pb
@@ -131,12 +131,12 @@ def test_edge_decodes_minus_one_and_bonus(server, ref, mode):
     accepted + bonus for a full block."""
     prompt, tokens = ref
     with GrpcBackend(server, mode=mode) as backend:
-        sid = backend.open_session(prompt, SamplingParams(), StoppingCriteria(max_new_tokens=32, ignore_eos=True)
-                                   ).session_id
+        sid = backend.open_session(OpenRequest(prompt, SamplingParams(),
+                                               StoppingCriteria(max_new_tokens=32, ignore_eos=True))).session_id
         v = backend.submit(sid, 1, len(prompt), DraftBlock(tokens[:4])).result(timeout=WAIT_S)
         assert v.is_bonus and v.next_token_id == tokens[4] and v.committed_token_ids == tokens[:5]
         stopping = StoppingCriteria(max_new_tokens=32, stop_token_ids=(tokens[1],), ignore_eos=True)
-        sid = backend.open_session(prompt, SamplingParams(), stopping).session_id
+        sid = backend.open_session(OpenRequest(prompt, SamplingParams(), stopping)).session_id
         v = backend.submit(sid, 1, len(prompt), DraftBlock(tokens[:4])).result(timeout=WAIT_S)
         assert v.next_token_id == -1 and not v.is_bonus and v.num_accepted == 2
         assert v.committed_token_ids == tokens[:2] and v.finished and v.finish_reason == FinishReason.EOS

@@ -14,7 +14,7 @@ import pytest
 from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
 from specdec_runtime.edge_client.transport.cloud_decode import cloud_verdicts
 from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
@@ -34,7 +34,7 @@ def served(tiny_pair):
 
 
 def _open(backend, ids, n, sampling=SamplingParams()):
-    return backend.open_session(ids, sampling, StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+    return backend.open_session(OpenRequest(ids, sampling, StoppingCriteria(max_new_tokens=n, ignore_eos=True)))
 
 
 def test_greedy_cloud_decode_is_target_only(tiny_pair, served):

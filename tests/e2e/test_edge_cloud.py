@@ -15,7 +15,7 @@ from specdec_runtime.cloud_verifier.store import RedisSessionStore
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec_runtime.common.errors import SessionNotFoundError
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 from specdec.embedded import LocalBackend
 from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
 from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
@@ -108,7 +108,8 @@ def test_idle_session_expires_from_redis_and_verifier(tiny_pair, runner, redis_u
     try:
         with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
             backend = GrpcBackend(address)
-            opened = backend.open_session([5, 6, 7, 8], SamplingParams(), StoppingCriteria(max_new_tokens=8))
+            opened = backend.open_session(OpenRequest([5, 6, 7, 8], SamplingParams(),
+                                                      StoppingCriteria(max_new_tokens=8)))
             assert verifier.num_sessions == 1 and runner.kv_reserved_tokens > 0
             assert list(store.client.scan_iter(match=f"{prefix}*"))
             deadline = time.monotonic() + 10

@@ -141,7 +141,7 @@ def test_sigterm_drains_gives_up_sessions_and_clients_move(cluster, tiny_pair, t
     """SIGTERM on A: health NOT_SERVING at once; clients finish on B without an error and unchanged; A gives its
     sessions up in the store; B takes them at their next block."""
     from specdec_runtime.cloud_verifier.store import RedisSessionStore
-    from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
     from specdec_runtime.edge_client.client import encode_prompt
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
@@ -151,7 +151,8 @@ def test_sigterm_drains_gives_up_sessions_and_clients_move(cluster, tiny_pair, t
     n = 160
     expected = hf_greedy(tiny_pair.target_dir, prompt_ids, n)
     idle_backend = GrpcBackend(a.address)  # a session opened on A and left idle
-    idle = idle_backend.open_session(prompt_ids, SamplingParams(), StoppingCriteria(max_new_tokens=8, ignore_eos=True))
+    idle = idle_backend.open_session(OpenRequest(prompt_ids, SamplingParams(),
+                                                 StoppingCriteria(max_new_tokens=8, ignore_eos=True)))
     assert store.get(idle.session_id).verifier_id == a.verifier_id
 
     results, errors = {}, []

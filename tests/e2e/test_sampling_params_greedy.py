@@ -13,7 +13,7 @@ import specdec_runtime.cloud_verifier.verdict.row_logits as row_logits
 from _hf_processors import hf_greedy_processed
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.common.types import OpenRequest, SamplingParams
 from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
 from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
@@ -170,14 +170,15 @@ def test_num_output_tokens_out_of_range_is_refused(tiny_pair, backend):
     bad = ((3, StoppingCriteria(8)), (-1, StoppingCriteria(8)), (2, StoppingCriteria(2)))
     for n, stopping in bad:
         with pytest.raises(InvalidRequestError, match="num_output_tokens"):
-            backend.open_session([5, 6, 7], SamplingParams(), stopping, num_output_tokens=n)
+            backend.open_session(OpenRequest([5, 6, 7], SamplingParams(), stopping, num_output_tokens=n))
     assert backend.verifier.sessions.num_sessions == 0  # nothing opened
     with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0) as address:
         remote = GrpcBackend(address)
         try:
             with pytest.raises(InvalidRequestError, match="num_output_tokens"):
-                remote.open_session([5, 6, 7], SamplingParams(), StoppingCriteria(8), num_output_tokens=3)
-            opened = remote.open_session([5, 6, 7], SamplingParams(), StoppingCriteria(8), num_output_tokens=2)
+                remote.open_session(OpenRequest([5, 6, 7], SamplingParams(), StoppingCriteria(8), num_output_tokens=3))
+            opened = remote.open_session(OpenRequest([5, 6, 7], SamplingParams(), StoppingCriteria(8),
+                                                     num_output_tokens=2))
             assert opened.committed_length == 3
         finally:
             remote.close()

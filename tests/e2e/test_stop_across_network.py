@@ -23,7 +23,7 @@ from specdec_runtime.cloud_verifier.config import VerifierSettings
 from specdec_runtime.cloud_verifier.store import make_store
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, FinishReason, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
 from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
@@ -147,7 +147,7 @@ def test_stop_string_after_resume_on_another_replica(tiny_pair, runner, case, re
                 EmbeddedServer(verifier=verifiers[1], grace_s=1.0) as addr_b, \
                 GrpcBackend(addr_a) as a, GrpcBackend(addr_b) as b:
             drafter = ModelDrafter(OnnxDraftModel(tiny_pair.draft_dir))
-            opened = a.open_session(case.prompt_ids, sampling, stopping, timeout_s=WAIT_S)
+            opened = a.open_session(OpenRequest(case.prompt_ids, sampling, stopping), timeout_s=WAIT_S)
             assert opened.verifier_id == "replica-a"
             sid, committed, seq = opened.session_id, list(case.prompt_ids), 0
             capacity = len(case.prompt_ids) + MAX_NEW

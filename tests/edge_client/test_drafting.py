@@ -9,7 +9,7 @@ import pytest
 
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
-from specdec_runtime.common.types import DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens
 from specdec.embedded import LocalBackend
 from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
@@ -114,7 +114,7 @@ def test_proactive_drafting_same_sampled_tokens_and_hits(backend, tiny_pair, pro
 
 def test_delayed_backend_adds_round_trip(backend):
     delayed = DelayedBackend(backend, 30, 20)
-    opened = delayed.open_session([5, 6, 7], SamplingParams(), StoppingCriteria(max_new_tokens=4))
+    opened = delayed.open_session(OpenRequest([5, 6, 7], SamplingParams(), StoppingCriteria(max_new_tokens=4)))
     t = time.perf_counter()
     verdict = delayed.submit(opened.session_id, 1, 3, DraftBlock([9])).result(timeout=30)
     assert (time.perf_counter() - t) * 1000 >= 50

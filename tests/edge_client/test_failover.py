@@ -25,7 +25,7 @@ import pytest
 from _cluster import ROOT, ForwardGate, ServerOnPort, free_port, wait_until
 from _reference import hf_greedy
 from specdec_runtime.common.errors import InvalidRequestError, VerifierUnavailableError
-from specdec_runtime.common.types import DraftBlock, FinishReason, SamplingParams, StoppingCriteria
+from specdec_runtime.common.types import DraftBlock, FinishReason, OpenRequest, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy, parse_addresses, verdict_from_store
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,7 +149,8 @@ def test_block_committed_before_the_failure_is_reconciled_once(replicas, prompt_
     (addr_a, addr_b), _, (server_a, _), store = replicas
     backend = FailoverBackend([addr_a, addr_b], policy=RetryPolicy(connect_timeout_s=2.0, budget_s=20.0))
     try:
-        opened = backend.open_session(prompt_ids, SamplingParams(), StoppingCriteria(max_new_tokens=30, ignore_eos=True))
+        opened = backend.open_session(OpenRequest(prompt_ids, SamplingParams(),
+                                                  StoppingCriteria(max_new_tokens=30, ignore_eos=True)))
         length = opened.committed_length
         block = DraftBlock([expected[0], expected[1], (expected[2] + 1) % 1000])  # 2 accepted, then a rejection
         with grpc.insecure_channel(addr_a) as ch:  # A commits; the verdict is "lost" (never given to the backend)
@@ -178,7 +179,8 @@ def test_late_verdict_of_a_replica_that_lost_the_session_is_refused_and_ignored(
     policy = RetryPolicy(connect_timeout_s=2.0, attempt_timeout_s=0.5, budget_s=20.0)
     backend = FailoverBackend([addr_a, addr_b], policy=policy)
     try:
-        opened = backend.open_session(prompt_ids, SamplingParams(), StoppingCriteria(max_new_tokens=30, ignore_eos=True))
+        opened = backend.open_session(OpenRequest(prompt_ids, SamplingParams(),
+                                                  StoppingCriteria(max_new_tokens=30, ignore_eos=True)))
         length = opened.committed_length
         block = DraftBlock(expected[:3])
         with ForwardGate(runners[0]) as gate:  # A's forward pass holds the block
@@ -234,9 +236,10 @@ def test_unreachable_cloud_device_fallback_is_unverified(tiny_pair, prompt_ids, 
         with pytest.raises(VerifierUnavailableError, match=f"127.0.0.1:{port}"):
             client.generate(PROMPT, max_new_tokens=8)
     with _client(_unreachable(port), tiny_pair.draft_dir, fallback="device") as client:
-        client.drafter = None  # target-only decoding cannot fall back: the error stands
-        with pytest.raises(VerifierUnavailableError):
+        client.drafter = None  # target-only decoding cannot fall back: refused before anything is sent
+        with pytest.raises(UnsupportedByDrafterError, match="fallback='device'") as e:
             client.generate(PROMPT, max_new_tokens=8)
+        assert e.value.capability == "DecodesAlone"
 
 
 def test_device_fallback_returns_to_the_cloud_when_it_answers(tiny_pair, runners, prompt_ids, expected):

@@ -292,7 +292,7 @@ def test_verifier_session_limit(tiny_pair, tokenizer):
     else, the endpoint answers 429 with Retry-After; held by a conversation the endpoint keeps, the endpoint
     closes its kept conversations and serves the new one."""
     from specdec_runtime.cloud_verifier.serving.healthcheck import check
-    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
+    from specdec_runtime.common.types import OpenRequest, SamplingParams, StoppingCriteria
     from specdec_runtime.common.vocab import tokenizer_fingerprint
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
@@ -314,8 +314,8 @@ def test_verifier_session_limit(tiny_pair, tokenizer):
             assert verifier.poll() is None and time.monotonic() < deadline, "specdec serve did not start"
             time.sleep(0.3)
         other = GrpcBackend(address)  # another client of the same tenant holds the only session
-        held = other.open_session(_chat_ids(tokenizer, MESSAGES), SamplingParams(), StoppingCriteria(4),
-                                  tokenizer_fingerprint(tokenizer))
+        held = other.open_session(OpenRequest(_chat_ids(tokenizer, MESSAGES), SamplingParams(), StoppingCriteria(4),
+                                              tokenizer_fingerprint(tokenizer)))
         with _edge_serve("--server", address) as url:
             c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             model = c.models.list().data[0].id
