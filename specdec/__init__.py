@@ -7,8 +7,8 @@
             print(client.generate("Why is the sky blue?", max_new_tokens=64).text)
 
 Names are imported on first use (PEP 562 module ``__getattr__``), so ``import specdec`` and the edge names work on
-the slim ``pip install 'specdec-edgecloud[edge]'`` (no torch, no transformers); a cloud name there raises ImportError naming
-the extra to install. Each name's own docstring is its reference (``help(specdec.EdgeClient)``).
+the slim edge install (``specdec-edgecloud[edge]``: no torch, no transformers); a cloud name there raises ImportError
+naming the extra and how to install it (from a clone or a built wheel: :mod:`specdec.distribution`). Each name's own docstring is its reference (``help(specdec.EdgeClient)``).
 
 Edge (the core install):
 
@@ -87,12 +87,9 @@ def __getattr__(name: str):
     ImportError naming specdec-edgecloud[verifier] for a cloud name where the verifier's packages are not installed.
     ``__version__``: the installed distribution's version."""
     if name == "__version__":
-        from importlib.metadata import PackageNotFoundError, version
+        from specdec.distribution import version
 
-        try:
-            return version("specdec")
-        except PackageNotFoundError:  # a source tree that is not installed
-            return "0+unknown"
+        return version() or "0+unknown"  # a source tree that is not installed
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'specdec' has no attribute {name!r}")
@@ -101,8 +98,10 @@ def __getattr__(name: str):
     except ModuleNotFoundError as e:
         if name not in _CLOUD:
             raise
+        from specdec.distribution import install_command
+
         raise ImportError(f"specdec.{name} needs specdec-edgecloud[verifier] ({e.name} not installed): "
-                          f"pip install 'specdec-edgecloud[verifier]'", name=e.name) from e
+                          f"{install_command('verifier')}", name=e.name) from e
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -30,12 +30,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="specdec: edg
 def _print_version(value: bool) -> None:
     if not value:
         return
-    from importlib.metadata import PackageNotFoundError, version
+    from specdec.distribution import version
 
-    try:
-        typer.echo(f"specdec {version('specdec')}")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        typer.echo("specdec (not installed)")
+    typer.echo(f"specdec {version() or '(not installed)'}")  # None: a source tree that is not installed
     raise typer.Exit()
 
 
@@ -99,8 +96,10 @@ def require_extra(extra: str, what: str) -> None:
     missing = [m for m in _EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
     if missing:
         elsewhere = ", or use a verifier elsewhere with --server HOST:PORT" if extra == "verifier" else ""
+        from specdec.distribution import install_command
+
         fail(f"{what} needs specdec-edgecloud[{extra}] ({', '.join(missing)} not installed): "
-              f"pip install 'specdec-edgecloud[all]'{elsewhere}")
+             f"{install_command('all')}{elsewhere}")
 
 
 def check_device(device: str, dtype: str) -> tuple[str, str]:

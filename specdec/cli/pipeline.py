@@ -31,9 +31,11 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
 
         quiet_transformers()
     except ImportError as e:  # an edge install (specdec-edgecloud[edge]) prepares nothing: models come from elsewhere
-        fail(f"the default models are not prepared here and preparing them needs specdec-edgecloud[tools] ({e.name} is not "
-              "installed): run `specdec models prepare` where it is installed and copy the model cache "
-              "(~/.cache/specdec), or pass --draft DIR")
+        from specdec.distribution import install_command
+
+        fail(f"the default models are not prepared here and preparing them needs specdec-edgecloud[tools] ({e.name} "
+             f"is not installed): install it ({install_command('tools')}), or run `specdec models prepare` where it "
+             "is installed and copy the model cache (~/.cache/specdec), or pass --draft DIR")
     typer.echo("preparing the default models on first use (as `specdec models prepare`; about a minute) ...",
                err=True)
     try:

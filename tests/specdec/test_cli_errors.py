@@ -59,6 +59,9 @@ def test_help_and_version_are_fast():
     assert rc == 0 and "generate" in out and elapsed < FAST_S
     rc, out, _, elapsed = _specdec("--version")
     assert rc == 0 and out.startswith("specdec ") and elapsed < FAST_S
+    from importlib.metadata import version  # the distribution's name, not PyPI's unrelated "specdec"
+
+    assert out.strip() == f"specdec {version('specdec-edgecloud')}", out
 
 
 @pytest.mark.parametrize("server, expected", [
@@ -178,7 +181,7 @@ def test_wrong_api_key(tiny_pair, tmp_path):
 
 
 def _edge_only(tmp_path: Path) -> dict:
-    """The environment of an edge-only install (`pip install 'specdec-edgecloud[edge]'`): the verifier's packages hidden
+    """The environment of an edge-only install (`specdec-edgecloud[edge]`): the verifier's packages hidden
     from the subprocess (a sitecustomize that marks them absent)."""
     (tmp_path / "sitecustomize.py").write_text(
         "import sys\nfor m in ('torch', 'transformers', 'pydantic_settings'):\n    sys.modules[m] = None\n")
@@ -193,7 +196,9 @@ def test_edge_only_install_names_the_missing_extra(tmp_path, tiny_pair):
                           "hi"], "verifier"), (["serve", "--target", str(tiny_pair.target_dir)], "verifier"),
                         (["bench", "--limit", "1"], "tools"), (["models", "prepare"], "tools")):
         line = _one_error(args, f"needs specdec-edgecloud[{extra}] (torch, transformers", env=env)
-        assert "pip install 'specdec-edgecloud[all]'" in line, line
+        # installed from a clone or a built wheel: never a bare name, which an index resolves to another project
+        assert "pip install -e '.[all]' in a clone" in line and "specdec_edgecloud-" in line, line
+        assert "pip install 'specdec" not in line and "pip install specdec" not in line, line
     _one_error(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny_pair.draft_dir), "hi"],
                "cannot reach verifier at 127.0.0.1:1: connection refused", bound_s=30.0, env=env)
 

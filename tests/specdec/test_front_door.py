@@ -50,6 +50,7 @@ def test_cloud_name_on_edge_install_names_the_extra(name):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ") and "specdec-edgecloud[verifier]" in last, last
+    assert "pip install -e '.[verifier]' in a clone" in last and "pip install 'specdec" not in last, last
 
 
 @pytest.mark.parametrize("name", [n for n in specdec.__all__ if n != "__version__"])
@@ -63,4 +64,6 @@ def test_public_name_is_its_home_object_and_documented(name):
 def test_unknown_name_is_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         specdec.Nope  # noqa: B018
-    assert isinstance(specdec.__version__, str) and specdec.__version__
+    from importlib.metadata import version
+
+    assert specdec.__version__ == version("specdec-edgecloud")  # the distribution's, not PyPI's "specdec"
