@@ -36,6 +36,7 @@ import numpy as np
 
 from specdec_runtime.cloud_verifier.verify_policy.calibration import AcceptanceCalibration
 from specdec_runtime.cloud_verifier.verify_policy.cost import ForwardCostModel
+from specdec_runtime.common.acceptance import survival
 from specdec_runtime.common.types import DraftBlock, SparseDraftProbs
 
 __all__ = ["VERIFY_POLICIES", "AdaptiveVerifyPolicy", "VerifyPolicy", "draft_confidences", "make_verify_policy",
@@ -155,11 +156,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         if not blocks or not self.cost or all(s == 1 for s in full):
             return full
         gains = []  # (marginal gain of the row's j-th extra position, j, row)
-        for r, block in enumerate(blocks):
-            survive = 1.0
-            for j, alpha in enumerate(self.estimates(block)[: full[r] - 1], start=1):
-                survive *= alpha
-                gains.append((survive, j, r))
+        for r, block in enumerate(blocks):  # the j-th extra position gains its probability of acceptance
+            gains.extend((gain, j, r) for j, gain in enumerate(survival(self.estimates(block)[: full[r] - 1]), 1))
         gains.sort(key=lambda g: (-g[0], g[1]))
         base_tokens, rows = fixed_tokens + len(blocks), fixed_rows + len(blocks)
         cumulative = np.concatenate([[0.0], np.cumsum([g[0] for g in gains])])  # [len(gains) + 1]

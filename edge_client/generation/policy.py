@@ -50,7 +50,9 @@ from typing import Callable
 
 import numpy as np
 
+from specdec_runtime.common.acceptance import expected_tokens
 from specdec_runtime.common.types import DraftBlock, SparseDraftProbs
+from specdec_runtime.edge_client.generation.observation import BlockObservation
 
 __all__ = ["AdaptiveNumSpeculativeTokens", "ProactiveBet", "concat_blocks", "slice_block"]
 
@@ -126,7 +128,7 @@ class AdaptiveNumSpeculativeTokens:
         drafted = n + 1 if self.bonus_drafted else n
         if drafted > 0 and draft_ms is not None:
             self.draft_ms_per_token = self._avg(self.draft_ms_per_token, draft_ms / drafted, first)
-        self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)
+        self.rtt_ms = self._avg(self.rtt_ms, max(0.0, round_trip_ms - forward_ms), first)  # BlockObservation.overhead_ms
         self._fwd[n] = self._avg(self._fwd.get(n, forward_ms), forward_ms, n not in self._fwd)
         if len(self._fwd) >= 2:  # least-squares line through the per-length averages
             xs, ys = zip(*self._fwd.items())
@@ -138,13 +140,14 @@ class AdaptiveNumSpeculativeTokens:
         else:
             self.verify_base_ms = forward_ms
 
+    def observe_block(self, obs: BlockObservation) -> None:
+        """Record one verify step from its observation (:mod:`edge_client.generation.observation`)."""
+        self.observe(obs.num_speculative_tokens, obs.num_accepted, obs.draft_ms_per_block, obs.round_trip_ms,
+                     obs.verdict.forward_ms, obs.verdict.num_verified_positions)
+
     def expected_tokens(self, num_speculative_tokens: int) -> float:
         """E[tokens committed | γ] under the per-position acceptance estimates, tokens."""
-        total, survive = 1.0, 1.0
-        for i in range(num_speculative_tokens):
-            survive *= self.accept[i]
-            total += survive
-        return total
+        return expected_tokens(self.accept[:num_speculative_tokens])
 
     def expected_ms(self, num_speculative_tokens: int) -> float:
         """T(γ): expected wall time of a verify step with a block of γ tokens, ms."""

@@ -45,9 +45,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec_runtime.common.types import DraftBlock, SessionOpened, Verdict
+from specdec_runtime.common.acceptance import expected_tokens
+from specdec_runtime.common.types import SessionOpened, Verdict
 from specdec_runtime.edge_client.drafting.contract import TracksContext
 from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.generation.observation import BlockObservation
 
 __all__ = ["RouteEstimates", "draft_unseen", "expected_tokens_per_step", "route_reason"]
 
@@ -65,11 +67,9 @@ EXPLORE_AFTER_GENERATIONS = 16
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
-    """Leviathan et al. 2023 eq. 1: E[tokens per verify step] = (1 − α^(γ+1)) / (1 − α); γ + 1 at α = 1."""
-    alpha = min(max(alpha, 0.0), 1.0)
-    if alpha >= 1.0 - 1e-9:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    """E[tokens per verify step] with the same acceptance ``alpha`` at each of ``gamma`` positions (Leviathan et
+    al. 2023 eq. 1: (1 − α^(γ+1)) / (1 − α); γ + 1 at α = 1): :func:`common.acceptance.expected_tokens`."""
+    return expected_tokens([alpha] * gamma)
 
 
 def route_reason(mode: str, mode_ms: float, other: str, other_ms: float, tokens_left: int) -> str:
@@ -129,17 +129,18 @@ class RouteEstimates:
         (:func:`draft_unseen`), not a per-token drafting cost."""
         self._unseen = max(0, int(unseen))
 
-    def observe_block(self, block: DraftBlock, verdict: Verdict, round_trip_ms: float, draft_s: float,
-                      wall_ms: float | None = None) -> None:
-        """One speculative block and its verdict. ``draft_s``: edge time spent drafting for it (the draft's
-        cost per token is the block's own ``draft_ms`` when set). ``wall_ms``: the block's wall time since the
-        previous verdict (None for the first block of a segment: it carries the draft's catch-up; the block that
-        finishes a generation is no rate sample either: it is cut to the tokens left)."""
-        gamma = block.num_speculative_tokens
+    def observe_block(self, obs: BlockObservation, wall_ms: float | None = None) -> None:
+        """One speculative block and its verdict (:class:`edge_client.generation.observation.BlockObservation`;
+        the draft's cost per token is the block's own ``draft_ms`` when set, else the edge's ``draft_s``).
+        ``wall_ms``: the block's wall time since the previous verdict (None for the first block of a segment: it
+        carries the draft's catch-up; the block that finishes a generation is no rate sample either: it is cut
+        to the tokens left)."""
+        block, verdict = obs.block, obs.verdict
+        gamma = obs.num_speculative_tokens
         self.generations_since_blocks = 0
-        self._update("rtt_ms", max(0.0, round_trip_ms - verdict.forward_ms - verdict.queue_ms), _W)
+        self._update("rtt_ms", obs.network_ms, _W)
         self._update("verify_ms", verdict.forward_ms + verdict.queue_ms, _W)
-        draft_ms = block.draft_ms if block.draft_ms > 0 else draft_s * 1000
+        draft_ms = block.draft_ms if block.draft_ms > 0 else obs.draft_s * 1000
         if gamma > 0 and draft_ms > 0:
             if not self._unseen:  # a block after a verdict, or a segment's first with nothing to catch up
                 self._update("draft_ms_per_token", draft_ms / len(block), _W)
@@ -151,7 +152,7 @@ class RouteEstimates:
             self._pending = None
             self._update("catchup_ms_per_token", max(0.0, first_ms - n * self.draft_ms_per_token) / unseen, _W)
         if gamma > 0:
-            n = min(verdict.num_accepted, gamma)
+            n = obs.num_accepted
             self._update("accepted", float(n), _W)
             self._update("rejected", 1.0 if n < gamma else 0.0, _W)
         if wall_ms is not None and wall_ms > 0 and not verdict.finished:  # a last block is cut to the tokens left

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from specdec_runtime.common.errors import InvalidRequestError
-from specdec_runtime.common.types import DraftBlock, SamplingParams, SessionOpened, Verdict
+from specdec_runtime.common.types import SamplingParams, SessionOpened
 from specdec_runtime.edge_client.transport.cloud_decode import can_stop, cloud_verdicts
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.drafting.prefill import DraftPrefill, can_prefill
 from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified
+from specdec_runtime.edge_client.generation.observation import BlockObservation
 from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.run import with_seed
 from specdec_runtime.edge_client.generation.route_cost import RouteEstimates, draft_unseen, route_reason
@@ -236,7 +237,6 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
         rr.mode, rr.why = "cloud", "no drafter"
     rr.initial = rr.initial or rr.mode
     rr.can_stop = rr.prefill is not None and can_stop(client.backend)
-    run.switch_check = lambda *a: after_block(client, run, *a)
     run.last_seq = run.first_seq - 1  # this session's verdicts so far: none
     try:
         while run.finish_reason is None:
@@ -250,7 +250,7 @@ def run_session(client: GenerationContext, run: "Run", opened: SessionOpened, sa
                 before, rr.last_verdict_t = len(run.committed), None
                 client.route_estimates.begin_segment(draft_unseen(client.drafter, run.committed))
                 try:
-                    yield from verify_session(client, run, opened, sampling, plan)
+                    yield from verify_session(client, run, opened, sampling, plan, SpeculativeRoute(client, run))
                 finally:
                     rr.tokens["speculative"] += len(run.committed) - before
     finally:
@@ -367,21 +367,27 @@ def _ask_hand_over(client: GenerationContext, run: "Run", stream) -> None:
         stream.stop()
 
 
-def after_block(client: GenerationContext, run: "Run", verdict: Verdict, round_trip_ms: float, block: DraftBlock,
-                 draft_s: float) -> bool:
-    """Called by the speculative loop after each block: count it, learn from it, and tell whether to switch
-    to cloud decode now (True ends the speculative segment at this block boundary)."""
-    rr: RouteRun = run.route
-    rr.steps_in_mode += 1
-    est, now = client.route_estimates, time.perf_counter()
-    wall_ms = None if rr.last_verdict_t is None else (now - rr.last_verdict_t) * 1000
-    rr.last_verdict_t = now
-    est.observe_block(block, verdict, round_trip_ms, draft_s, wall_ms)
-    why = rr.switcher.to_cloud(client, run)
-    if why is not None:
-        rr.switch("cloud", run.num_generated, why)
-        return True
-    return False
+@dataclass
+class SpeculativeRoute:
+    """The route's side of a speculative segment (a :class:`edge_client.generation.observation.BlockObserver`):
+    after each block, count it, learn from it, and tell whether to switch to cloud decode now."""
+
+    client: GenerationContext
+    run: "Run"
+
+    def after_block(self, obs: BlockObservation) -> bool:
+        """True ends the speculative segment at this block boundary (a switch to cloud decode)."""
+        rr: RouteRun = self.run.route
+        rr.steps_in_mode += 1
+        now = time.perf_counter()
+        wall_ms = None if rr.last_verdict_t is None else (now - rr.last_verdict_t) * 1000
+        rr.last_verdict_t = now
+        self.client.route_estimates.observe_block(obs, wall_ms)
+        why = rr.switcher.to_cloud(self.client, self.run)
+        if why is not None:
+            rr.switch("cloud", self.run.num_generated, why)
+            return True
+        return False
 
 
 def _tokens_left(run: "Run") -> int:

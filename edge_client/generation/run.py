@@ -98,8 +98,6 @@ class Run:
     session_committed: int = 0  # the current session's committed length after its last verdict, tokens
     num_reopens: int = 0  # sessions re-opened over the committed ids because the verifier lost (or refused) one
     route: object = None  # edge_client.generation.routing.RouteRun: the generation's route, its mode and switches
-    # called after each speculative block (verdict, round trip ms, block, draft s): True = switch route now
-    switch_check: Callable[..., bool] = lambda *_: False
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed output token, when asked
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from specdec_runtime.common.types import DraftBlock, SamplingParams, SessionOpened
 from specdec_runtime.edge_client.transport.backend import SentBlock
 from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.generation.observation import BlockObservation, BlockObserver
 from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.policy import AdaptiveNumSpeculativeTokens, ProactiveBet, concat_blocks, slice_block
 
@@ -90,10 +91,12 @@ def _session_policy(client: GenerationContext, sampling: SamplingParams, plan: S
 
 
 def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened, sampling: SamplingParams,
-                   plan: SessionPlan) -> Iterator["Chunk"]:
+                   plan: SessionPlan, route: BlockObserver) -> Iterator["Chunk"]:
     """Draft, verify, commit and stream in one session until the generation finishes (``run.finish_reason``
-    set), ``run.switch_check`` asks for a route switch at a block boundary, or a call fails (raised: the
-    errors of :meth:`edge_client.transport.backend.SentBlock.wait`)."""
+    set), the route asks for a switch at a block boundary (``route.after_block`` True), or a call fails (raised:
+    the errors of :meth:`edge_client.transport.backend.SentBlock.wait`). Each verdict is observed once
+    (:class:`edge_client.generation.observation.BlockObservation`): statistics, adaptive γ and the route read
+    that one observation."""
     committed, stats = run.committed, run.stats
     capacity = min(opened.max_context_tokens, len(run.prompt_ids) + run.stopping.max_new_tokens)
     max_num_speculative_tokens = min(client.num_speculative_tokens, opened.max_num_speculative_tokens)
@@ -118,17 +121,14 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
         tail = unjudged_tail(block, tokens, verdict)
         run.logprobs.extend((verdict.logprobs or [])[: len(tokens)])  # when asked for
         run.last_seq, run.session_committed = seq, verdict.committed_length
-        spec = block.num_speculative_tokens
-        spec_verdict = dataclasses.replace(verdict, num_accepted=min(verdict.num_accepted, spec))
+        # the first block's drafting includes the draft's prefill of the whole prompt: no per-token cost
+        # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
+        obs = BlockObservation(block, verdict, round_trip_ms, draft_s, proactive_hit=hit, first=stats.num_drafts == 0)
         if adaptive is not None:
-            # a proactive hit was drafted while an earlier block travelled: its time is hidden, not a cost;
-            # the first block's time includes the draft's prefill of the whole prompt, not a per-token cost
-            # (counting it made γ collapse for long prompts: the estimate decays over ~20 steps)
-            hidden = hit or stats.num_drafts == 0
-            adaptive.observe(spec, spec_verdict.num_accepted, None if hidden else block.draft_ms,
-                             round_trip_ms, verdict.forward_ms, verdict.num_verified_positions)
-        stats.observe(spec, spec_verdict, draft_s=draft_s, proactive_hit=hit, num_forced=block.num_forced_tokens)
+            adaptive.observe_block(obs)
+        stats.observe(obs.num_speculative_tokens, dataclasses.replace(verdict, num_accepted=obs.num_accepted),
+                      draft_s=draft_s, proactive_hit=hit, num_forced=block.num_forced_tokens)
         yield from run.out.push(tokens, verified=True)
-        if reason is not None or run.switch_check(verdict, round_trip_ms, block, draft_s):  # or a route switch
-            run.finish_reason = reason  # (edge_client.generation.routing) at this block boundary
+        if reason is not None or route.after_block(obs):  # or a route switch at this block boundary
+            run.finish_reason = reason
             return

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from specdec_runtime.common.types import DraftBlock, Verdict
+from specdec_runtime.edge_client.generation.observation import BlockObservation
 from specdec_runtime.edge_client.generation.route_cost import RouteEstimates, expected_tokens_per_step
 
 
@@ -45,11 +46,16 @@ def test_alpha_estimate_from_blocks_recovers_the_acceptance():
         sums = []
         for _ in range(400):
             n = next((i for i in range(4) if rng.random() >= alpha), 4)
-            est.observe_block(DraftBlock([1, 2, 3, 4]), Verdict(n, 5, n == 4, [1] * (n + 1), 10), 5.0, 0.001)
+            _observe(est, DraftBlock([1, 2, 3, 4]), Verdict(n, 5, n == 4, [1] * (n + 1), 10), 5.0, 0.001)
             sums.append(est.alpha)
         assert sum(sums[-200:]) / 200 == pytest.approx(alpha, abs=0.08)
     # negative control: the naive accepted / drafted ratio is biased low (truncation at the first rejection)
     assert (0.8 * (1 - 0.8 ** 4) / (1 - 0.8)) / 4 < 0.7
+
+
+def _observe(est: RouteEstimates, block: DraftBlock, verdict: Verdict, round_trip_ms: float, draft_s: float,
+             wall_ms: float | None = None) -> None:
+    est.observe_block(BlockObservation(block, verdict, round_trip_ms, draft_s), wall_ms)
 
 
 def _estimates(rtt_ms: float, draft_ms: float) -> RouteEstimates:
@@ -132,9 +138,9 @@ def test_first_block_of_a_segment_measures_the_catch_up_not_the_draft_cost():
     verdict = Verdict(3, 5, False, [1, 2, 3, 4], 10, forward_ms=20.0)
     for unseen, first_ms in ((100, 430.0), (50, 235.0)):
         est.begin_segment(unseen)
-        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=first_ms), verdict, 25.0, first_ms / 1000)
+        _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=first_ms), verdict, 25.0, first_ms / 1000)
         for _ in range(5):
-            est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=40.0), verdict, 25.0, 0.04, 70.0)
+            _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=40.0), verdict, 25.0, 0.04, 70.0)
         assert est.draft_ms_per_token == pytest.approx(10.0)
         assert est.catchup_ms_per_token == pytest.approx(3.9)
 
@@ -156,7 +162,7 @@ def test_measured_block_rate_overrides_the_model_and_follows_the_rtt():
     client, est = _Client(), RouteEstimates()
     for i in range(30):
         block = DraftBlock([1, 2, 3, 4], draft_ms=8.0)
-        est.observe_block(block, Verdict(3, 5, False, [1, 2, 3, 4], 10, forward_ms=20.0), 25.0, 0.5,
+        _observe(est, block, Verdict(3, 5, False, [1, 2, 3, 4], 10, forward_ms=20.0), 25.0, 0.5,
                           None if i == 0 else 200.0)
     model = RouteEstimates(rtt_ms=est.rtt_ms, draft_ms_per_token=est.draft_ms_per_token, verify_ms=est.verify_ms,
                            accepted=est.accepted, rejected=est.rejected)
@@ -182,7 +188,7 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
     """Cloud expected far faster (RTT 200 ms, slow draft): auto leaves speculative after a block — unless fewer than
     MIN_TOKENS_LEFT_TO_SWITCH tokens are left, where the switch's round trip and the estimates' noise outweigh the
     gain."""
-    from specdec_runtime.edge_client.generation.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, after_block
+    from specdec_runtime.edge_client.generation.routing import MIN_TOKENS_LEFT_TO_SWITCH, RouteRun, SpeculativeRoute
 
     class _AutoClient(_Client):
         route_estimates = _estimates(rtt_ms=200, draft_ms=60)
@@ -196,7 +202,7 @@ def test_auto_switches_at_a_block_boundary_only_with_enough_tokens_left():
     for left in (MIN_TOKENS_LEFT_TO_SWITCH + 8, MIN_TOKENS_LEFT_TO_SWITCH - 1):
         run = _AutoRun()
         run.num_generated, run.route = 64 - left, RouteRun("auto", steps_in_mode=5)
-        switched[left] = after_block(_AutoClient(), run, verdict, 220.0, block, 0.24)
+        switched[left] = SpeculativeRoute(_AutoClient(), run).after_block(BlockObservation(block, verdict, 220.0, 0.24))
         assert run.route.mode == ("cloud" if switched[left] else "speculative")
     assert switched == {MIN_TOKENS_LEFT_TO_SWITCH + 8: True, MIN_TOKENS_LEFT_TO_SWITCH - 1: False}
 
@@ -206,9 +212,9 @@ def test_a_generation_s_last_block_is_not_a_rate_sample():
     ms): the speculative rate stays 20 tok/s (counting it: 13 tokens per 720 ms, 18 tok/s)."""
     client, est = _Client(), RouteEstimates()
     for _ in range(3):
-        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+        _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
                           0.01, 200.0)
-    est.observe_block(DraftBlock([1], draft_ms=2.0), Verdict(0, 5, False, [1], 10, finished=True), 25.0, 0.002, 120.0)
+    _observe(est, DraftBlock([1], draft_ms=2.0), Verdict(0, 5, False, [1], 10, finished=True), 25.0, 0.002, 120.0)
     assert est.speculative_tokens_per_s(client) == pytest.approx(20.0)
 
 
@@ -225,12 +231,12 @@ def test_auto_explores_a_close_thin_or_stale_speculative_estimate_only():
     assert est.explore_reason(*close) and "from 0 blocks" in est.explore_reason(*close)
     assert est.explore_reason(*far) is None and est.explore_reason(None, 4000.0) is None
     for i in range(MIN_RATE_SAMPLES - 1):
-        est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+        _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
                           0.01, None if i == 0 else 200.0)
     assert est.explore_reason(*close) is not None  # one block short of MIN_RATE_SAMPLES rate samples
-    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+    _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
                       0.01, 200.0)
-    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+    _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
                       0.01, 200.0)
     assert est.explore_reason(*close) is None  # measured and fresh: exploit
     for _ in range(EXPLORE_AFTER_GENERATIONS):  # generations on the cloud, no block
@@ -239,6 +245,6 @@ def test_auto_explores_a_close_thin_or_stale_speculative_estimate_only():
     est.begin(None, opened)
     assert f"no block in {EXPLORE_AFTER_GENERATIONS} generations" in est.explore_reason(*close)
     assert est.explore_reason(*far) is None
-    est.observe_block(DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
+    _observe(est, DraftBlock([1, 2, 3, 4], draft_ms=8.0), Verdict(3, 5, False, [1, 2, 3, 4], 10), 25.0,
                       0.01, 200.0)
     assert est.explore_reason(*close) is None  # the explored generation's blocks refresh it
