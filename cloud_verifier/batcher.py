@@ -36,6 +36,7 @@ Sessions and the deferred KV release: :mod:`cloud_verifier.session.table`; block
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,7 @@ from specdec_runtime.cloud_verifier.session.table import SessionTable
 from specdec_runtime.cloud_verifier.store import SessionStore
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verdict import committed_logprobs, make_verdict, rejections
-from specdec_runtime.cloud_verifier.verify_policy import VerifyPolicy, profile_forward, set_verify_lengths
+from specdec_runtime.cloud_verifier.verify_policy import VerifyPolicy, set_verify_lengths
 from specdec_runtime.cloud_verifier.work import Work
 from specdec_runtime.common.errors import (InvalidRequestError, PreconditionError, SessionNotFoundError, SpecdecError,
                            StaleSessionError, VerifierUnavailableError)
@@ -76,8 +77,7 @@ class Batcher:
             whole step.
         heartbeat_interval_s: the batch loop beats :attr:`heartbeat` at least this often while idle, s.
         verify_policy: how much of each block a step verifies (:mod:`cloud_verifier.verify_policy`; default
-            :class:`~cloud_verifier.verify_policy.VerifyPolicy`, every position); its cost model is profiled on the
-            target thread when the batcher starts.
+            :class:`~cloud_verifier.verify_policy.VerifyPolicy`, every position); each step refines its cost model.
 
     Cancellation: a verify or prefill request cancelled while its item is queued is dropped (nothing of it is
     committed); one cancelled once its item is in a forward pass waits for that pass and its commit to end
@@ -111,6 +111,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-target")
         self._inflight = 0  # items submitted and not yet answered
+        self._idle_since = time.monotonic()  # when _inflight last fell to 0, monotonic s
         self._stopping = False
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat = time.monotonic()  # monotonic time, s, of the batch loop's last beat (health: stuck loop)
@@ -121,7 +122,6 @@ class Batcher:
         self._deferred: list[Work] = []  # items handed back for want of KV pages: first in the next batch
         self._ran = True  # the last step ran a forward pass (else the next one waits a little for blocks)
         self.verify_policy = verify_policy if verify_policy is not None else VerifyPolicy()
-        self._profiled = False
         self._steps = 0  # steps answered (the verify policy's gauges are exported every 16)
 
     # ------------------------------------------------------------------ lifecycle
@@ -137,14 +137,18 @@ class Batcher:
             return float("inf")  # the loop ended (crashed or cancelled)
         return time.monotonic() - self.heartbeat
 
-    async def profile(self) -> None:
-        """Once, when the verify policy reads a cost model: profile the target's forward time into it, on the target
-        thread (:func:`~cloud_verifier.verify_policy.profile_forward`; before sessions open: it borrows KV pages)."""
-        if self._profiled or self.target is None or not self.verify_policy.uses_cost_model:
-            return
-        self._profiled = True
-        await asyncio.get_running_loop().run_in_executor(self._executor, profile_forward, self.target,
-                                                         self.verify_policy.cost)
+    def run_on_target(self, fn, *args, **kwargs) -> asyncio.Future:
+        """``fn(*args, **kwargs)`` on the target thread, between two batch steps (never during one): e.g. a
+        profile pass (:mod:`cloud_verifier.verify_policy.profiler`). Call on the running event loop."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def busy(self) -> bool:
+        """Work submitted and not answered yet (queued, waiting for KV pages or in a forward pass)."""
+        return self._inflight > 0
+
+    def idle_s(self) -> float:
+        """Seconds since the batcher last had work (0.0 while it has some)."""
+        return 0.0 if self._inflight else time.monotonic() - self._idle_since
 
     def start(self) -> None:
         """Start the batch loop on the running event loop (no-op when already started)."""
@@ -179,7 +183,7 @@ class Batcher:
         Raises:
             VerifierUnavailableError: not running.
         """
-        await self._submit(Work(session, tokens, start_position, self._new_future()))
+        await self._submit(Work(session, tokens, start_position, asyncio.get_running_loop().create_future()))
 
     async def verify(self, session: Session, seq: int, committed_length: int, block: DraftBlock) -> Verdict:
         """Verify a validated block extending ``committed_length`` tokens; its verdict, once committed.
@@ -190,12 +194,9 @@ class Batcher:
                 replica committed first, the session expired or finished); this replica's copy is released.
         """
         tokens = [session.committed[-1], *block.scored_draft_token_ids]  # block.num_scored_positions rows
-        work = Work(session, tokens, committed_length - 1, self._new_future(), block=block, seq=seq,
-                    full_block=block)
+        future = asyncio.get_running_loop().create_future()
+        work = Work(session, tokens, committed_length - 1, future, block=block, seq=seq, full_block=block)
         return await self._submit(work)
-
-    def _new_future(self) -> asyncio.Future:
-        return asyncio.get_running_loop().create_future()
 
     async def _submit(self, work: Work):
         if self._queue is None:
@@ -217,6 +218,8 @@ class Batcher:
                 raise
         finally:
             self._inflight -= 1
+            if not self._inflight:
+                self._idle_since = time.monotonic()
 
     # ------------------------------------------------------------------ 2. collect, 3. forward
     async def _batch_loop(self) -> None:
@@ -280,8 +283,7 @@ class Batcher:
     async def _collect(self, queue: asyncio.Queue[Work], loop: asyncio.AbstractEventLoop) -> list[Work]:
         """The next batch: up to ``max_batch_size`` items, waiting at most ``max_batch_wait_s`` for more after
         the first; verify rows first, then prefill chunks up to ``prefill_chunk_tokens`` tokens in all (at least
-        one chunk; the others go back to the queue). Empty when
-        nothing arrived within ``heartbeat_interval_s`` (the loop beats and waits again)."""
+        one chunk; the others go back to the queue). Empty when nothing arrived within ``heartbeat_interval_s``."""
         batch = [w for w in self._deferred if not w.future.done()]  # handed back last step: first now
         self._deferred = []
         try:
@@ -311,11 +313,9 @@ class Batcher:
             else:
                 batch.append(queue.get_nowait())
             expected.discard(id(batch[-1].session))
-        # prefill: at most one chunk's worth of tokens per forward pass (one chunk, or several short prompts'
-        # chunks that fit together); the others wait for the next pass (interleaving). One at a time, 64 sessions
-        # opening together took 64 forward passes to start (bench --replay: OpenSession past 120 s under load).
-        # Earliest admitted sessions first (the KV scheduler's order: a session waiting for pages does not hold
-        # the prefill budget against those admitted before it)
+        # prefill: at most one chunk's worth of tokens per pass (one chunk, or short prompts' chunks that fit
+        # together; one at a time, 64 sessions opening together took 64 passes), earliest admitted first (the KV
+        # scheduler's order: a session waiting for pages does not hold the budget against those admitted before)
         prefills, budget = [], self.sessions.prefill_chunk_tokens
         for w in sorted(batch, key=lambda w: w.session.kv.order):
             if w.block is None:

@@ -20,7 +20,9 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 from pathlib import Path
+from typing import Literal
 
 from specdec_runtime.cloud_verifier.batcher import Batcher
 from specdec_runtime.cloud_verifier.security.limits import TenantLimits
@@ -32,6 +34,8 @@ from specdec_runtime.cloud_verifier.store import MemorySessionStore, SessionReco
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.session.validation import check_extend_request, check_open_request, validate_block
 from specdec_runtime.cloud_verifier.verify_policy import VerifyPolicy, make_verify_policy
+from specdec_runtime.cloud_verifier.verify_policy.cost_table import CostTableCache, target_key
+from specdec_runtime.cloud_verifier.verify_policy.profiler import QUIET_S, CostProfiler
 from specdec_runtime.common.errors import SessionNotFoundError, VerifierUnavailableError
 from specdec_runtime.common.types import DraftBlock, SamplingParams, ServedInfo, SessionOpened, StoppingCriteria, Verdict
 from specdec_runtime.common.vocab import tokenizer_fingerprint
@@ -63,6 +67,10 @@ class Verifier:
         verify_policy: how much of each block a batch step verifies: ``"adaptive"`` (the lengths that maximise the
             step's expected tokens/s; the default), ``"fixed"`` (every drafted position), or a
             :class:`~cloud_verifier.verify_policy.VerifyPolicy` (docs/verification.md).
+        cost_table_dir: where the adaptive policy's cost tables are saved and read
+            (:mod:`cloud_verifier.verify_policy.cost_table`): None = ``<specdec cache dir>/cost-tables``, False =
+            none (every start probes, and profiles in the background).
+        profile_quiet_s: the background profile runs a pass only after this long without work, s.
 
     Tenants: every session belongs to the tenant that opened it (``tenant_id``, "" without authentication);
     the methods taking a ``tenant_id`` answer another tenant's session exactly as an unknown one.
@@ -88,6 +96,8 @@ class Verifier:
         prefix_caching: bool = True,
         prefix_cache_salt: str = "none",
         verify_policy: str | VerifyPolicy = "adaptive",
+        cost_table_dir: str | os.PathLike | Literal[False] | None = None,
+        profile_quiet_s: float = QUIET_S,
     ):
         self.target = target
         self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)
@@ -126,6 +136,9 @@ class Verifier:
             verify_policy=make_verify_policy(verify_policy) if isinstance(verify_policy, str) else verify_policy,
         )
         self._reaper: asyncio.Task | None = None
+        self.cost_tables = None if cost_table_dir is False else CostTableCache(cost_table_dir)
+        self.profile_quiet_s = profile_quiet_s
+        self.profiler: CostProfiler | None = None  # the cost model's prior and background profile, once started
 
     @classmethod
     def from_settings(cls, settings) -> "Verifier":
@@ -187,16 +200,30 @@ class Verifier:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the batcher and the idle-session reaper on the running event loop."""
+        """Start the batcher and the idle-session reaper on the running event loop; the verifier serves once this
+        returns. A verify policy that reads a cost model gets its prior first (the saved cost table, or one probe
+        pass: milliseconds to a fraction of a second) and is profiled in the background, only while the verifier
+        holds no session and has no work (:mod:`cloud_verifier.verify_policy.profiler`)."""
         if self._reaper is not None:
             return
-        await self.batcher.profile()  # the adaptive verify policy's cost model, before any session opens
         self.batcher.start()
         self._reaper = asyncio.create_task(self.sessions.reap_loop(self.reap_interval_s))
+        policy = self.batcher.verify_policy
+        if policy.uses_cost_model and self.target is not None:
+            b = self.batcher
+            # a held session may send its next block at any moment: the background profile waits for none
+            self.profiler = CostProfiler(
+                self.target, policy.cost, run_on_target=b.run_on_target, idle_s=b.idle_s,
+                busy=lambda: b.busy() or self.sessions.num_sessions > 0,
+                pages_lock=self.sessions.lock, cache=self.cost_tables, quiet_s=self.profile_quiet_s,
+                key=target_key(self.target, self.info.model_id) if self.cost_tables is not None else None)
+            await self.profiler.start()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Refuse new work, let queued and running blocks finish (up to ``grace_s`` s), give up this replica's
         sessions in the store (another replica resumes each at its next block), then stop."""
+        if self.profiler is not None:
+            await self.profiler.stop()
         await self.batcher.stop(grace_s)
         if self._reaper is not None:
             self._reaper.cancel()

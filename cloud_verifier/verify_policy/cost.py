@@ -10,26 +10,30 @@ per-token term is the marginal cost of verifying one more position of a row, the
 trades. A table of tokens alone mixes the two: at 64 sessions of 500-token contexts it read 3.3 s for a step of
 512 tokens and 0.7 s for one of 290 measured at start-up, and the policy cut blocks whose cut saved far less.
 
-Profiled at start-up (:func:`profile_forward`: passes of several shapes, so rows and tokens are not collinear),
-then refreshed from every live step (:meth:`ForwardCostModel.observe`), so it follows load, context lengths and
-the hardware. On a CPU the per-token term is large from the first token; on a GPU it is near zero until the batch
-fills the device: the model holds whatever the target measures.
+Where its data comes from: a prior when the verifier starts (the last profile saved for this target and device,
+:mod:`~cloud_verifier.verify_policy.cost_table`, or one probe pass), a profile of several shapes measured in the
+background while the verifier is idle (:mod:`~cloud_verifier.verify_policy.profiler`, one pass at a time through
+:func:`measure_shape`: several shapes, so rows and tokens are not collinear), and every live step
+(:meth:`ForwardCostModel.observe`), so it follows load, context lengths and the hardware. On a CPU the per-token
+term is large from the first token; on a GPU it is near zero until the batch fills the device: the model holds
+whatever the target measures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-__all__ = ["FORGET", "PROFILE_SHAPES", "ForwardCostModel", "profile_forward"]
+__all__ = ["FORGET", "PROFILE_SHAPES", "PROFILE_WEIGHT", "ForwardCostModel", "measure_shape", "profile_forward"]
 
 # (rows, tokens per row) of the profiled passes: short and long rows, few and many
 PROFILE_SHAPES = ((1, 1), (1, 8), (1, 64), (8, 8), (8, 32), (32, 8), (16, 32), (64, 8))
 FORGET = 0.98  # weight of the past at each live step (an effective memory of ~50 steps)
-_PROFILE_WEIGHT = 5.0  # a profiled pass counts as this many live steps (it anchors the split rows/tokens)
+PROFILE_WEIGHT = 5.0  # a profiled pass counts as this many live steps (it anchors the split rows/tokens)
 
 
 class ForwardCostModel:
@@ -56,6 +60,17 @@ class ForwardCostModel:
             self._moment = forget * self._moment + weight * x * seconds
             self._count += 1
             self._coef = _nonnegative_fit(self._gram, self._moment)
+
+    def observe_profiled(self, rows: int, tokens: int, seconds: float) -> None:
+        """A profiled pass (measured apart from live steps, or read from a saved table): weighs
+        :data:`PROFILE_WEIGHT` live steps and never fades (it anchors the split of rows and tokens)."""
+        self.observe(rows, tokens, seconds, weight=PROFILE_WEIGHT, forget=1.0)
+
+    @property
+    def num_observations(self) -> int:
+        """Passes observed so far (profiled and live)."""
+        with self._lock:
+            return self._count
 
     def coefficients(self) -> dict[str, float]:
         """{"base": s, "per_row": s, "per_token": s} (zeros before two observations)."""
@@ -95,32 +110,53 @@ def _nonnegative_fit(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
     return best
 
 
-def profile_forward(runner: Any, model: ForwardCostModel, shapes=PROFILE_SHAPES, repeats: int = 2) -> None:
-    """Fill ``model`` with the forward time of ``runner`` (a :class:`cloud_verifier.target.runner.TargetRunner`) for
-    passes of each of ``shapes`` ((rows, tokens per row)): one warm-up pass, then the median of ``repeats``. Shapes
-    the KV pool cannot hold at once are left out (live steps fill the model). Runs forward passes: call it on the
-    target's thread, before sessions open."""
+def measure_shape(runner: Any, rows: int, per_row: int, repeats: int = 2, *,
+                  should_stop: Callable[[], bool] | None = None,
+                  pages_lock: ContextManager | None = None) -> float | None:
+    """The forward time, s, of ``runner`` (a :class:`cloud_verifier.target.runner.TargetRunner`) for one pass of
+    ``rows`` rows of ``per_row`` tokens: one warm-up pass, then the median of ``repeats``. Runs forward passes:
+    call it on the target's thread.
+
+    None when the shape was not measured: the KV pool has too few free pages for it (it never evicts a cached
+    page nor takes one a session may need next), or ``should_stop()`` turned true between two passes (real work
+    is waiting: the measure gives way). ``pages_lock``: held while KV pages are taken and given back (the session
+    table's lock, when sessions may be open); never during a forward pass."""
     from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
 
-    for rows, per_row in shapes:
-        ids = [(7919 * i + 11) % max(1, min(runner.vocab_size, 32000)) for i in range(per_row)]
-        kvs = []
-        try:
+    page = runner.kv_pool.page_size
+    ids = [(7919 * i + 11) % max(1, min(runner.vocab_size, 32000)) for i in range(per_row)]
+    lock = pages_lock if pages_lock is not None else contextlib.nullcontext()
+    kvs = []
+    try:
+        with lock:
+            if runner.kv_pool.pages.num_free < rows * -(-per_row // page):
+                return None
             for _ in range(rows):
                 kvs.append(runner.allocate(per_row))
-        except Exception:  # noqa: BLE001 - the pool is too small for this pass: skip it
-            for kv in kvs:
-                runner.free(kv)
-            continue
-        try:
-            batch = [ForwardRow(kv, ids, 0, "all") for kv in kvs]
-            runner.forward(batch)  # warm-up: allocator growth, first-call costs
-            times = []
-            for _ in range(max(1, repeats)):
-                t0 = time.perf_counter()
-                runner.forward(batch)
+        batch = [ForwardRow(kv, ids, 0, "all") for kv in kvs]
+        times = []
+        for i in range(1 + max(1, repeats)):  # the first pass is a warm-up: allocator growth, first-call costs
+            if should_stop is not None and should_stop():
+                return None
+            t0 = time.perf_counter()
+            runner.forward(batch)
+            if i:
                 times.append(time.perf_counter() - t0)
-            model.observe(rows, rows * per_row, sorted(times)[len(times) // 2], weight=_PROFILE_WEIGHT, forget=1.0)
-        finally:
+        return sorted(times)[len(times) // 2]
+    except Exception:  # noqa: BLE001 - the pool cannot hold this pass after all: not measured
+        return None
+    finally:
+        with lock:
             for kv in kvs:
                 runner.free(kv)
+
+
+def profile_forward(runner: Any, model: ForwardCostModel, shapes=PROFILE_SHAPES, repeats: int = 2) -> None:
+    """Fill ``model`` with the forward time of ``runner`` for passes of each of ``shapes`` ((rows, tokens per
+    row)), at once (:func:`measure_shape`; shapes the KV pool cannot hold are left out: live steps fill the
+    model). Runs forward passes: call it on the target's thread, while no session is open (benchmarks; a
+    verifier profiles in the background: :mod:`~cloud_verifier.verify_policy.profiler`)."""
+    for rows, per_row in shapes:
+        seconds = measure_shape(runner, rows, per_row, repeats)
+        if seconds is not None:
+            model.observe_profiled(rows, rows * per_row, seconds)
