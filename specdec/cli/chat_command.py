@@ -15,7 +15,8 @@ from specdec.cli._shared import (
 )
 from specdec.cli._shared import ROUTE_HELP, check_route
 from specdec.cli.checks import (
-    check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, fail_no_chat_input,
+    check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, check_prompt_fits,
+    fail_no_chat_input,
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import build_edge_client
@@ -176,6 +177,8 @@ def chat(
     check_min_tokens(min_tokens, max_new_tokens)
     check_num_speculative_tokens(num_speculative_tokens)
     check_logit_bias_vocabulary(processing, target, draft)
+    if system and not server:  # the one prompt known at start: a system message no context holds
+        check_prompt_fits([{"role": "system", "content": system}], raw=False, target=target, draft=draft)
     client, close = build_edge_client(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,

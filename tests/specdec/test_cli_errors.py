@@ -277,3 +277,36 @@ def test_logit_bias_and_regex_checked_before_the_model_loads(tiny_pair):
     assert line == "error: --regex: invalid regex: unclosed group", line
     line = _one_error(["generate", *models, "--regex", "[z-a]", "hi"], "--regex: invalid regex")
     assert ";" not in line and "start:" not in line, line
+
+
+def test_prompt_longer_than_the_context_refused_before_any_model_loads(tiny_pair):
+    """A prompt the target's context cannot hold was refused by the verifier once the models had loaded (26 s for
+    20k tokens with the default pair); now counted with the tokenizer alone, in one line within FAST_S."""
+    models = ["--target", str(tiny_pair.target_dir), "--draft", str(tiny_pair.draft_dir)]
+    long = "The quick brown fox jumps over the lazy dog. " * 60  # > 512 tokens, the tiny target's context
+    line = _one_error(["generate", *models, long], "the target's context is 512 tokens")
+    assert "shorten the prompt by at least" in line, line
+    _one_error(["generate", *models, "--raw", long], "the target's context is 512 tokens")
+    _one_error(["chat", *models, "--system", long], "the target's context is 512 tokens")
+
+
+def test_prompt_fits_check_is_the_verifiers_rule(tiny_pair, tmp_path):
+    """Refused exactly when prompt tokens >= context (the verifier's "no room" rule): at context = n it exits, at
+    n + 1 it passes; without a config.json to read it passes the decision on to the verifier."""
+    import typer
+
+    from specdec.cli.checks import check_prompt_fits
+    from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
+    from specdec_runtime.edge_client.request import encode_prompt
+
+    prompt = "Why is the sky blue? " * 5
+    n = len(encode_prompt(load_tokenizer(tiny_pair.draft_dir), prompt))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(f'{{"max_position_embeddings": {n}}}')
+    with pytest.raises(typer.Exit):
+        check_prompt_fits(prompt, raw=False, target=target, draft=tiny_pair.draft_dir)
+    (target / "config.json").write_text(f'{{"max_position_embeddings": {n + 1}}}')
+    assert check_prompt_fits(prompt, raw=False, target=target, draft=tiny_pair.draft_dir) is True
+    (target / "config.json").unlink()
+    assert check_prompt_fits(prompt, raw=False, target=target, draft=tiny_pair.draft_dir) is False
