@@ -7,6 +7,7 @@ tokens a generation commits into chunks (incremental detokenization with stop st
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from specdec_runtime.common.detok import IncrementalDetokenizer
@@ -52,9 +53,14 @@ class TextOutput:
         self.logprobs: list = []
         self._handed_logprobs = 0
         self._pending_ids: list[int] = []
+        # every route commits through push: its first tokens mark the end of the prefill (time to first token)
+        self.first_token_t: float | None = None  # time.perf_counter() when the first token was committed
+        self.first_token_count = 0  # tokens committed with it (a first block may commit several)
 
     def push(self, token_ids: list[int], verified: bool) -> list[Chunk]:
         """Chunks of the new text ``token_ids`` make streamable (possibly none: text held back)."""
+        if token_ids and self.first_token_t is None:
+            self.first_token_t, self.first_token_count = time.perf_counter(), len(token_ids)
         start = len(self.detok.text)
         delta = self.detok.push(token_ids)
         if not verified:  # their text, and a character they may have begun

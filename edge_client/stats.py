@@ -19,8 +19,9 @@ __all__ = ["GenerationStats", "WireStats"]
 class GenerationStats:
     """Counters of one generation (field names = the ``--json`` output of ``specdec generate``).
 
-    ``num_generated_tokens`` and ``elapsed_s`` are set by the client when the generation ends; every other
-    field is updated by :meth:`observe`, once per verify step.
+    ``num_generated_tokens``, ``elapsed_s`` and the two phases (``ttft_s``; ``num_decode_tokens`` over
+    ``decode_s``) are set by the client when the generation ends; every other field is updated by
+    :meth:`observe`, once per verify step.
     """
 
     num_generated_tokens: int = 0  # tokens committed after the prompt
@@ -28,6 +29,11 @@ class GenerationStats:
     num_draft_tokens: int = 0  # draft tokens the verifier judged, all blocks together (a cut block: its judged part)
     num_accepted_tokens: int = 0  # draft tokens the verifier accepted (recovered/bonus tokens not counted)
     elapsed_s: float = 0.0  # wall time of the whole generation (session open to close), s
+    # time to first token, s: the generation's start to its first committed token (both prefills and the first
+    # block or cloud step); None when no token was committed
+    ttft_s: float | None = None
+    num_decode_tokens: int = 0  # tokens committed after the first commit (the decode phase)
+    decode_s: float = 0.0  # the decode phase, s: the first commit to the end (elapsed_s - ttft_s)
     draft_s: float = 0.0  # edge time spent in the draft model, s (drafting ahead while a block travels included)
     target_forward_s: float = 0.0  # verifier time in target forward passes, s (a batched pass split per row)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
@@ -74,6 +80,12 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / drafted tokens, in [0, 1] (0 when nothing was drafted)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode speed, tokens/s: ``num_decode_tokens / decode_s``, the prefill left out (it is ``ttft_s``);
+        0 when there was no decode phase (no token, or all of them in the first commit)."""
+        return self.num_decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def mean_accepted_length(self) -> float:

@@ -61,6 +61,10 @@ class GenerationResult:
             "acceptance_rate": s.acceptance_rate if s.num_draft_tokens else None,  # null: nothing was drafted
             "mean_accepted_length": s.mean_accepted_length,
             "elapsed_s": s.elapsed_s,
+            "ttft_s": s.ttft_s,  # null: no token was committed
+            "num_decode_tokens": s.num_decode_tokens,
+            "decode_s": s.decode_s,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
             "num_failovers": self.num_failovers,
             "num_unverified_tokens": self.num_unverified_tokens,
             "route": self.route,
@@ -141,7 +145,12 @@ class Run:
                 sent, received = sent + st.bytes_sent, received + st.bytes_received
         stats = self.stats
         stats.num_generated_tokens = len(generated)
-        stats.elapsed_s = time.perf_counter() - t0
+        end = time.perf_counter()
+        stats.elapsed_s = end - t0
+        first = self.out.first_token_t  # every commit goes through self.out: the prefill ends at its first
+        stats.ttft_s = None if first is None else first - t0
+        stats.decode_s = 0.0 if first is None else end - first
+        stats.num_decode_tokens = max(0, len(generated) - self.out.first_token_count) if first is not None else 0
         return GenerationResult(
             text=generated_text_for_output(tokenizer, generated, self.finish_reason, self.stopping.stop_strings),
             token_ids=generated,

@@ -20,18 +20,18 @@ from specdec.cli.checks import (
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import build_edge_client
+from specdec.cli.progress import PrefillStatus, timing_summary
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
 )
 
 
 def _stats_footer(result) -> str:
-    """One line of statistics of a reply: tokens, tokens/s, acceptance rate, mean accepted length."""
+    """One line of statistics of a reply: tokens, time to first token, decode tokens/s, acceptance rate, mean
+    accepted length."""
     s = result.stats
     rate = f"{s.acceptance_rate:.2f}" if s.num_draft_tokens else "n/a"
-    line = (f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
-            f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, acceptance {rate}, "
-            f"mean accepted length {s.mean_accepted_length:.2f}]")
+    line = f"[{timing_summary(s)}, acceptance {rate}, mean accepted length {s.mean_accepted_length:.2f}]"
     if result.num_unverified_tokens:
         line += f" ({result.num_unverified_tokens} tokens unverified: decoded by the draft alone)"
     return line
@@ -73,10 +73,13 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     from specdec_runtime.common.errors import InvalidRequestError
 
     chunks = conv.send(message, **kwargs)
+    status = PrefillStatus()  # the turn's new tokens (a kept session prefills only those), on a terminal
     try:
-        for chunk in chunks:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+        with status:
+            for chunk in chunks:
+                status.stop()
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C stops this reply only; the conversation goes on as it was before the turn
         chunks.close()
         sys.stdout.write("\n")

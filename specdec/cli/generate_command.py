@@ -20,6 +20,7 @@ from specdec.cli.checks import (
 )
 from specdec.cli._shared import ROUTE_HELP, check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
+from specdec.cli.progress import PrefillStatus, timing_summary
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, LOGPROBS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, format_logprobs,
@@ -99,12 +100,8 @@ def _print_result(result, as_json: bool) -> None:
     if route.get("requested", "speculative") != "speculative":  # the route chosen and its switches
         drafting += (f"route {route['requested']}: {route['initial']}"
                      + "".join(f" -> {sw['to']}@{sw['at_token']}" for sw in route["switches"]) + ", ")
-    typer.echo(
-        f"[{s.num_generated_tokens} tokens, {s.elapsed_s:.2f} s, "
-        f"{s.num_generated_tokens / max(s.elapsed_s, 1e-9):.1f} tok/s, {drafting}"
-        f"finish {result.finish_reason.value if result.finish_reason else None}]",
-        err=True,
-    )
+    finish = result.finish_reason.value if result.finish_reason else None
+    typer.echo(f"[{timing_summary(s)}, {drafting}finish {finish}]", err=True)
 
 
 # The connection options of `generate` (one group: the verifier's address, the fallback, the channel security),
@@ -208,12 +205,18 @@ def generate(
 
 def _stream(client, close, prompt: str, as_json: bool, kwargs: dict) -> None:
     """Generate ``prompt`` with ``kwargs``, the text to stdout as it is committed (not with ``as_json``), then the
-    statistics (and with --logprobs one line per token) or the JSON object; ``close`` the pipeline after."""
+    statistics (and with --logprobs one line per token) or the JSON object; ``close`` the pipeline after. A
+    status line counts the prefill's seconds on a terminal until the first text comes."""
+    from specdec_runtime.edge_client.request import encode_prompt
+
+    status = PrefillStatus(len(encode_prompt(client.tokenizer, prompt, chat=kwargs.get("chat", True))))
     try:
-        for delta in client.stream(prompt, **kwargs):
-            if not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+        with status:
+            for delta in client.stream(prompt, **kwargs):
+                status.stop()  # the first text ends the prefill's line
+                if not as_json:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
         result = client.last_result
     except user_errors() as e:
         fail(explain(e))

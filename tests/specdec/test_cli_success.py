@@ -4,8 +4,8 @@ health and exiting on SIGTERM, and `models prepare` being idempotent on the prep
 
 Greedy output must be token-identical to target-only greedy decoding with plain HF ``generate``; the JSON keys are
 the documented ones (docs/cli.md, "generate --json": text, token_ids, finish_reason, num_generated_tokens,
-num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_rate, mean_accepted_length, elapsed_s) and their
-values consistent.
+num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_rate, mean_accepted_length, elapsed_s, and the two
+phases: ttft_s, num_decode_tokens, decode_s, decode_tokens_per_s) and their values consistent (never their size).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ pytestmark = pytest.mark.timeout(300)
 PROMPT = "Name three colors."
 MAX_NEW = 12
 JSON_KEYS = {"text", "token_ids", "finish_reason", "num_generated_tokens", "num_drafts", "num_draft_tokens",
-             "num_accepted_tokens", "acceptance_rate", "mean_accepted_length", "elapsed_s"}
+             "num_accepted_tokens", "acceptance_rate", "mean_accepted_length", "elapsed_s", "ttft_s",
+             "num_decode_tokens", "decode_s", "decode_tokens_per_s"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -68,6 +69,12 @@ def _check(out: dict, expected, *, drafted: bool) -> None:
     # every verify step commits its accepted tokens plus one token of the target's
     assert out["num_accepted_tokens"] + out["num_drafts"] == MAX_NEW
     assert out["mean_accepted_length"] == pytest.approx(1 + out["num_accepted_tokens"] / out["num_drafts"])
+    # the two phases: the prefill up to the first commit (one verify step: at most γ + 1 = 5 tokens), then decode
+    assert 0 < out["ttft_s"] <= out["elapsed_s"]
+    assert out["decode_s"] == pytest.approx(out["elapsed_s"] - out["ttft_s"])
+    first = out["num_generated_tokens"] - out["num_decode_tokens"]
+    assert 1 <= first <= (5 if drafted else 1)
+    assert out["decode_tokens_per_s"] == pytest.approx(out["num_decode_tokens"] / out["decode_s"])
     if drafted:
         assert out["num_draft_tokens"] > 0
         assert out["acceptance_rate"] == pytest.approx(out["num_accepted_tokens"] / out["num_draft_tokens"])
@@ -180,3 +187,5 @@ def test_statistics_line_on_its_own_and_no_acceptance_without_drafting(tiny_pair
     assert result.stdout.endswith("\n")  # the text ends its line: the statistics are on their own
     stats = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert len(stats) == 1 and "4 tokens" in stats[0] and "acceptance" not in stats[0], result.stderr
+    assert "TTFT " in stats[0] and " tok/s decode" in stats[0], stats[0]  # the prefill apart from the decode speed
+    assert "prefill:" not in result.stderr  # no status line where stderr is not a terminal
