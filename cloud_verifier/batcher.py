@@ -24,13 +24,17 @@ The verifier batches that step across sessions: continuous batching at verify-st
    pages dropped, their KV recomputed at their next row) and a row that still finds none waits for the next step
    (:mod:`cloud_verifier.kv.scheduler`).
 4. **Forward**: ONE ragged target forward pass over all rows (:meth:`~cloud_verifier.target.runner.TargetRunner.forward`).
-5. **Verdict**, per verify row: the rejection rule (:func:`common.rejection.verify_block`: greedy at temperature 0,
-   speculative sampling otherwise, each session with its own counter-based random stream, so its output does not
-   depend on which sessions share its batches); stopping over the candidate tokens (EOS, stop strings, length,
-   context: nothing after the earliest stop is committed); the commit to the store, a compare-and-append on the
-   committed length (a stale replica cannot commit: its copy is dropped, the next block resumes from the store).
+5. **Verdict**, every verify row of the pass at once: the rejection rule (:func:`cloud_verifier.verdict.rejections`:
+   the per-session logits processors, the guards on bad logits, then one batched rejection sampler over all rows;
+   greedy at temperature 0, speculative sampling otherwise, each session with its own counter-based random
+   stream, so its output does not depend on which sessions share its batches; :func:`common.rejection.verify_block`
+   is the per-row reference it is tested against); then per row, stopping over the candidate tokens (EOS, stop
+   strings, length, context: nothing after the earliest stop is committed) and the commit to the store, a
+   compare-and-append on the committed length (a stale replica cannot commit: its copy is dropped, the next block
+   resumes from the store).
 
-Sessions and the deferred KV release: :mod:`cloud_verifier.session.table`; block validation: :mod:`~.validation`.
+Sessions and the deferred KV release: :mod:`cloud_verifier.session.table`; block validation:
+:mod:`cloud_verifier.session.validation`.
 """
 
 from __future__ import annotations

@@ -39,8 +39,11 @@ Departures from the paper:
   speculation. The draft draws its tokens from its own q with the same noise (:func:`common.sampling.draft_token`),
   so x_t = y_t with probability at least (1 − TV)/(1 + TV) (the paper's bound; Algorithm 1 accepts 1 − TV).
 
-The verifier calls :func:`verify_block` once per verify row (one session's block); :func:`verify_greedy` and
-:func:`verify_sampled` are its two cases.
+:func:`verify_block` is the rule for one verify row (one session's block) in numpy; :func:`verify_greedy` and
+:func:`verify_sampled` are its two cases. It is the reference, not what the verifier runs: a batch step's
+verdicts come from :class:`cloud_verifier.verdict.sampler.BatchedRejectionSampler` (every row of a forward pass
+at once, as tensor ops where the logits are), tested against :func:`verify_block` row for row
+(:func:`cloud_verifier.verdict.numerics.verify_row` is its guarded per-row form).
 """
 
 from __future__ import annotations

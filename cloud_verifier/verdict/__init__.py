@@ -8,9 +8,10 @@ and then the :class:`~common.types.Verdict` out. The batcher calls only these th
 
 Inside: ``stage`` (the entry), ``row_logits`` (per-session logits processors and logprobs), ``numerics`` (the
 guards; the per-row reference ``verify_row`` on :func:`common.rejection.verify_block`), ``sampler`` (the batched
-rejection sampler), ``warpers`` (batched top-k/top-p/min-p), ``scan`` with its ``scan_numpy`` / ``scan_native``
-backends (the one pass over the full logits; ``scan_native.c`` is compiled on first use) and ``draws`` (the
-counter-based uniforms). Rejection rule: Leviathan, Kalman & Matias 2023, Algorithm 1.
+rejection sampler), ``warpers`` (batched top-k/top-p/min-p), and ``scan`` with its ``scan_numpy`` / ``scan_native``
+backends (the one pass over the full logits; ``scan_native.c`` is compiled on first use). The counter-based draws
+(uniforms, Gumbel-max) live in :mod:`common.draws`: the edge draws the same noise. Rejection rule: Leviathan,
+Kalman & Matias 2023, Algorithm 1.
 """
 
 from specdec_runtime.cloud_verifier.verdict.row_logits import committed_logprobs
