@@ -20,7 +20,6 @@ options are :mod:`edge_client.request`; device fallback is :mod:`edge_client.gen
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -41,7 +40,6 @@ if TYPE_CHECKING:  # the protocol only; edge_client.drafting.drafter loads the O
 
 __all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
 
-log = logging.getLogger(__name__)
 
 class EdgeClient:
     """Speculative decoding client: a drafter on the device, a verifier behind ``backend``.

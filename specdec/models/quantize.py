@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 INT8_METHODS = ("matmul_nbits", "dynamic")
 # MatMulNBits block size of the int8 draft. Measured on SmolLM2-135M (GenAI graph, one core, 100 cached
 # tokens, 40 held-out answers): block 32: 11.4 ms per token, greedy agreement with the fp32 target 0.973;

@@ -5,7 +5,6 @@ grammar a required tool call puts on the answer (:mod:`.tools`), checked on the 
 
 from __future__ import annotations
 
-import json
 
 from specdec_runtime.common.grammar import GrammarSpec, compile_grammar, grammar_tokenizer
 
@@ -102,8 +101,3 @@ class ChoiceDeltas:
         if self._parallel:
             return deltas
         return [d for d in deltas if all(tc["index"] == 0 for tc in d.get("tool_calls", []))]
-
-
-def tool_arguments(call: dict) -> dict:
-    """A tool call's arguments as an object (tests and callers)."""
-    return json.loads(call["function"]["arguments"])
