@@ -33,6 +33,18 @@ MAX_NEW_TOKENS = 131_072
 # γ any verifier may be configured to accept at most (VerifierSettings.max_num_speculative_tokens, default 16);
 # past a few dozen the acceptance of a whole block is ~0 and the block only costs draft and verify time.
 MAX_NUM_SPECULATIVE_TOKENS = 64
+# Token ids and counts travel as int32 (the wire's fields) and sit in the session store as little-endian int32.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def check_int32(values, what: str) -> None:
+    """Raises InvalidRequestError (INVALID_ARGUMENT; a ValueError) naming ``what`` at the first of ``values`` that
+    does not fit in int32: the one check of the wire's and the session store's token ids."""
+    for v in values:
+        if not INT32_MIN <= int(v) <= INT32_MAX:
+            from specdec_runtime.common.errors import InvalidRequestError  # here: types itself stays free of grpc
+
+            raise InvalidRequestError(f"{what} {v} does not fit in int32")
 
 
 @dataclass(frozen=True)
@@ -230,6 +242,21 @@ class Verdict:
     # one per committed token when the session asked for logprobs (SamplingParams.logprobs), else None
     logprobs: list["TokenLogprobs"] | None = None
     num_verified_positions: int | None = None
+
+
+def check_verdict_counts(num_accepted: int, num_verified_positions: int | None, block_len: int) -> None:
+    """Raises InvalidRequestError (a protocol error; a ValueError) unless a verdict's counts fit a block of
+    ``block_len`` draft tokens: ``0 <= num_accepted <= block_len`` and, when the verifier verified a prefix only
+    (``num_verified_positions`` not None), ``num_accepted <= num_verified_positions <= block_len``, at least 1.
+    The one guard of the edge's reading of a verdict (the wire) and of its statistics."""
+    from specdec_runtime.common.errors import InvalidRequestError  # here: types itself stays free of grpc
+
+    if not 0 <= num_accepted <= block_len:
+        raise InvalidRequestError(f"verdict accepts {num_accepted} tokens of a {block_len}-token block")
+    verified = num_verified_positions
+    if verified is not None and not (1 <= verified <= block_len and num_accepted <= verified):
+        raise InvalidRequestError(f"verdict verifies {verified} positions of a {block_len}-token block and "
+                                  f"accepts {num_accepted}")
 
 
 @dataclass(frozen=True)

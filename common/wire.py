@@ -19,11 +19,9 @@ import numpy as np
 from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import (
     DraftBlock, ExtendRequest, FinishReason, OpenRequest, SamplingParams, SessionOpened, SparseDraftProbs,
-    StoppingCriteria, TokenLogprobs, Verdict,
+    StoppingCriteria, TokenLogprobs, Verdict, check_int32, check_verdict_counts,
 )
 from specdec_runtime.common.v1 import verifier_pb2 as pb
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 # Largest gRPC message either side sends or accepts, bytes. The largest legitimate one is a top-k draft block:
 # γ ≤ 16 rows × k ≤ vocab (49152 for SmolLM2) × ~10 bytes ≈ 8 MiB; prompts and session info are far smaller.
@@ -143,8 +141,8 @@ def open_request_to_proto(
     client_id: str = "",
     num_output_tokens: int = 0,
 ) -> pb.OpenSessionRequest:
-    _check_int32(prompt_token_ids, "prompt token id")
-    _check_int32([num_output_tokens], "num_output_tokens")
+    check_int32(prompt_token_ids, "prompt token id")
+    check_int32([num_output_tokens], "num_output_tokens")
     return pb.OpenSessionRequest(
         prompt_token_ids=[int(t) for t in prompt_token_ids],
         sampling=sampling_to_proto(sampling),
@@ -179,7 +177,7 @@ def extend_request_to_proto(
     stopping: StoppingCriteria | None = None,
 ) -> pb.ExtendSessionRequest:
     """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept)."""
-    _check_int32(appended_token_ids, "appended token id")
+    check_int32(appended_token_ids, "appended token id")
     msg = pb.ExtendSessionRequest(session_id=session_id, committed_length=int(committed_length),
                                   appended_token_ids=[int(t) for t in appended_token_ids])
     if sampling is not None:
@@ -197,12 +195,6 @@ def extend_request_from_proto(msg: pb.ExtendSessionRequest) -> ExtendRequest:
 
 
 # ---------------------------------------------------------------------------------------------- blocks
-
-
-def _check_int32(values, what: str) -> None:
-    for v in values:
-        if not (_INT32_MIN <= int(v) <= _INT32_MAX):
-            raise InvalidRequestError(f"{what} {v} does not fit in int32")
 
 
 def block_to_proto(session_id: str, seq: int, committed_length: int, block: DraftBlock) -> pb.DraftBlock:
@@ -323,12 +315,8 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
         InvalidRequestError: a verdict inconsistent with its block (protocol error).
     """
     n = int(msg.num_accepted)
-    if not (0 <= n <= len(draft_token_ids)):
-        raise InvalidRequestError(f"verdict accepts {n} tokens of a {len(draft_token_ids)}-token block")
     verified = int(msg.num_verified_positions) if msg.HasField("num_verified_positions") else None
-    if verified is not None and not (1 <= verified <= len(draft_token_ids) and n <= verified):
-        raise InvalidRequestError(f"verdict verifies {verified} positions of a {len(draft_token_ids)}-token block "
-                                  f"and accepts {n}")
+    check_verdict_counts(n, verified, len(draft_token_ids))
     tokens = [int(t) for t in draft_token_ids[:n]]
     if msg.next_token_id >= 0:
         tokens.append(int(msg.next_token_id))

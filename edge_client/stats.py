@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec_runtime.common.types import Verdict
+from specdec_runtime.common.types import Verdict, check_verdict_counts
 
 __all__ = ["GenerationStats", "WireStats"]
 
@@ -57,10 +57,10 @@ class GenerationStats:
             num_forced: draft tokens of the block a grammar forced (``DraftBlock.num_forced_tokens``).
 
         Raises:
-            ValueError: ``verdict.num_accepted`` outside [0, block_len].
+            InvalidRequestError (a ValueError): ``verdict.num_accepted`` outside [0, block_len]
+                (:func:`common.types.check_verdict_counts`).
         """
-        if not 0 <= verdict.num_accepted <= block_len:
-            raise ValueError(f"num_accepted must be in [0, {block_len}], got {verdict.num_accepted}")
+        check_verdict_counts(verdict.num_accepted, None, block_len)
         self.num_drafts += 1
         # a cut block (adaptive verification) counts the draft tokens judged; the others are sent again next block
         judged = block_len if verdict.num_verified_positions is None else min(block_len, verdict.num_verified_positions)

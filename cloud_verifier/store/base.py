@@ -14,10 +14,7 @@ from specdec_runtime.common.errors import (
     SessionNotFoundError,
     StaleSessionError,
 )
-from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
-
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs, check_int32
 
 
 @dataclass
@@ -168,9 +165,7 @@ class SessionStore(abc.ABC):
 
 def check_tokens(token_ids: list[int]) -> None:
     """Raises InvalidRequestError when a token id does not fit in int32 (the stored format)."""
-    for t in token_ids:
-        if not (_INT32_MIN <= int(t) <= _INT32_MAX):
-            raise InvalidRequestError(f"token id {t} does not fit in int32")
+    check_int32(token_ids, "token id")
 
 
 def copy_record(record: SessionRecord) -> SessionRecord:
