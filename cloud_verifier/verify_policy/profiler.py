@@ -70,6 +70,7 @@ class CostProfiler:
         self.done = asyncio.Event()  # set once the background profile has ended (or was not needed)
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._pass: asyncio.Future | None = None  # the latest profile pass sent to the target's thread
 
     async def start(self) -> None:
         """Give the model its prior (a saved table, or one probe pass on the target's thread), then start the
@@ -93,19 +94,24 @@ class CostProfiler:
         self._task = asyncio.create_task(self._profile(), name="specdec-cost-profile")
 
     async def stop(self) -> None:
-        """End the background profile (a pass running on the target's thread ends at its next pass boundary)."""
+        """End the background profile; returns once no profile pass runs on the target's thread (one running ends
+        at its next forward pass: the runner may serve another verifier next)."""
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._pass is not None:  # not cancelled with the task (shielded): it sees _stopping at once
+            await asyncio.gather(self._pass, return_exceptions=True)
+        self.done.set()
 
     def _should_stop(self) -> bool:
         return self._stopping or self._busy()
 
     async def _measure(self, rows: int, per_row: int, repeats: int = 2) -> float | None:
-        return await self._run_on_target(measure_shape, self.runner, rows, per_row, repeats,
+        self._pass = self._run_on_target(measure_shape, self.runner, rows, per_row, repeats,
                                          should_stop=self._should_stop, pages_lock=self._pages_lock)
+        return await asyncio.shield(self._pass)
 
     async def _wait_quiet(self, poll_s: float = 0.1) -> None:
         """Until the verifier has been idle for ``quiet_s`` s: no work for that long (the batcher's clock) and not
