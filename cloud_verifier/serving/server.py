@@ -10,10 +10,12 @@
   arrived after it are not verified (they fail fast: the verifier validates a block before it joins a batch).
   Only an error raised inside a batch (e.g. the session store failing) can leave a later block of another
   session, already in that batch, committed without its verdict; a client can resynchronize with GetSession.
-- Health (``grpc.health.v1``): "" and "specdec.v1.Verifier" are SERVING while the replica can serve: NOT_SERVING
-  while the session store does not answer or the batch loop is stuck (a health task checks every
-  ``health_interval_s``), and from the start of a graceful shutdown on; "liveness" is NOT_SERVING only while the
-  batch loop is stuck (Kubernetes liveness probe). Reflection lists the services.
+- Health (``grpc.health.v1``): "" and "specdec.v1.Verifier" are SERVING exactly while the replica can take a
+  session: NOT_SERVING from the start until the first health check passes, while the session store cannot take
+  a session (down; a Redis Cluster with a slot not served) or the batch loop is stuck (a health task checks every
+  ``health_interval_s``, every :data:`READY_POLL_S` at most while NOT_SERVING, so a replica turns SERVING soon
+  after it can), and from the start of a graceful shutdown on; "liveness" is NOT_SERVING only while the batch
+  loop is stuck (Kubernetes liveness probe). Reflection lists the services.
 - Graceful shutdown (SIGTERM/SIGINT, :meth:`VerifierServer.stop`): health NOT_SERVING at once, new blocks on
   open streams answered UNAVAILABLE (the SDK retries them on another replica), in-flight blocks finish and are
   answered, then ``server.stop(grace)`` and ``verifier.stop(grace)``, which gives the replica's sessions up in
@@ -65,8 +67,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specdec.
 # the process makes progress (liveness probes: NOT_SERVING only when the batch loop is stuck, not while Redis is
 # down, which a restart would not fix).
 LIVENESS_SERVICE = "liveness"
+READY_POLL_S = 0.2  # the health task's longest period while NOT_SERVING (not ready yet, or no more), s
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
-__all__ = ["LIVENESS_SERVICE", "SERVER_OPTIONS", "SERVICE_NAME", "STREAM_WINDOW", "ErrorMappingInterceptor",
+__all__ = ["LIVENESS_SERVICE", "READY_POLL_S", "SERVER_OPTIONS", "SERVICE_NAME", "STREAM_WINDOW", "ErrorMappingInterceptor",
            "VerifierServer", "VerifierServicer", "serve", "session_info_to_proto", "status_of"]
 
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -163,8 +166,9 @@ class VerifierServer:
     health task, s (0 = no health task); ``stuck_after_s``: a batch loop silent for this long is stuck, s.
 
     Health (``grpc.health.v1``, services "" and "specdec.v1.Verifier") tells the truth: SERVING while the batch
-    loop beats and the session store answers, NOT_SERVING otherwise (checked every ``health_interval_s``) and
-    from the first moment of a graceful shutdown on.
+    loop beats and the session store can take a session, NOT_SERVING otherwise (checked every
+    ``health_interval_s``, every :data:`READY_POLL_S` at most while NOT_SERVING), until the first check has passed,
+    and from the first moment of a graceful shutdown on.
     """
 
     def __init__(self, verifier: "Verifier", *, host: str = "127.0.0.1", port: int = 50051, grace_s: float = 10.0,
@@ -175,8 +179,9 @@ class VerifierServer:
         self.options = list(SERVER_OPTIONS if options is None else options)
         self.health_interval_s = health_interval_s
         self.stuck_after_s = stuck_after_s
-        self.not_serving_reason: str | None = None  # why health says NOT_SERVING (None while SERVING)
+        self.not_serving_reason: str | None = "starting"  # why health says NOT_SERVING (None while SERVING)
         self._health_task: asyncio.Task | None = None
+        self._live = True  # what "liveness" says
         self.verifier = verifier
         self.host = host
         self.requested_port = port
@@ -226,10 +231,16 @@ class VerifierServer:
         await self.verifier.start()
         await server.start()
         self.server = server
-        for service in ("", SERVICE_NAME, LIVENESS_SERVICE):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.health_interval_s and hasattr(self.verifier, "check_health"):
+            # ready only once a check passed (a store still forming is not announced as ready); the first check
+            # before start returns, so a caller that dials the port at once reads the truth
+            await self._set_ready(self.not_serving_reason)
+            await self._apply_check(first=True)
             self._health_task = asyncio.create_task(self._health_loop())
+        else:  # nothing to check: ready now
+            self.not_serving_reason = None
+            await self._set_ready(None)
         log.info("verifier %s serving %s on %s (model %s)", self.verifier.info.verifier_id, SERVICE_NAME,
                  bind.replace(f":{self.requested_port}", f":{port}"), self.verifier.info.model_id)
         sec = self.security
@@ -240,34 +251,44 @@ class VerifierServer:
             log.info("target on %s, %s", target.device, str(target.dtype).replace("torch.", ""))
         return port
 
+    async def _set_ready(self, reason: str | None) -> None:
+        """Readiness ("" and SERVICE_NAME): SERVING when ``reason`` is None, else NOT_SERVING."""
+        status = (health_pb2.HealthCheckResponse.SERVING if reason is None
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
     async def _health_loop(self) -> None:
-        """Every ``health_interval_s``: NOT_SERVING while the store does not answer or the batch loop is stuck
-        (:meth:`cloud_verifier.verifier.Verifier.check_health`, in a worker thread), SERVING again once both are
-        fine. Ends at shutdown (which sets NOT_SERVING for good)."""
-        live = True
+        """Every ``health_interval_s`` (every :data:`READY_POLL_S` at most while NOT_SERVING): :meth:`_apply_check`.
+        Ends at shutdown (which sets NOT_SERVING for good)."""
         while not self._stopping:
-            try:
-                stuck = self.verifier.stuck_reason(self.stuck_after_s)
-                reason = stuck or await asyncio.to_thread(self.verifier.check_health, self.stuck_after_s)
-            except Exception as e:  # noqa: BLE001 - a failing check is a failing replica
-                stuck, reason = None, f"health check failed: {e}"
-            if self._stopping:
-                return
-            if (stuck is None) != live:
-                live = stuck is None
-                await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING if live
-                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
-            if reason != self.not_serving_reason:
-                if reason is None:
-                    log.info("health: SERVING again")
-                else:
-                    log.warning("health: NOT_SERVING: %s", reason)
-                self.not_serving_reason = reason
-                status = (health_pb2.HealthCheckResponse.SERVING if reason is None
-                          else health_pb2.HealthCheckResponse.NOT_SERVING)
-                for service in ("", SERVICE_NAME):
-                    await self.health.set(service, status)
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(self.health_interval_s if self.not_serving_reason is None
+                                else min(self.health_interval_s, READY_POLL_S))
+            if not self._stopping:
+                await self._apply_check()
+
+    async def _apply_check(self, first: bool = False) -> None:
+        """One health check: NOT_SERVING while the store cannot take a session or the batch loop is stuck
+        (:meth:`cloud_verifier.verifier.Verifier.check_health`, in a worker thread), SERVING once both are fine;
+        "liveness" NOT_SERVING only while the loop is stuck. A change is logged."""
+        try:
+            stuck = self.verifier.stuck_reason(self.stuck_after_s)
+            reason = stuck or await asyncio.to_thread(self.verifier.check_health, self.stuck_after_s)
+        except Exception as e:  # noqa: BLE001 - a failing check is a failing replica
+            stuck, reason = None, f"health check failed: {e}"
+        if self._stopping:
+            return
+        if (stuck is None) != self._live:
+            self._live = stuck is None
+            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING if self._live
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if reason != self.not_serving_reason or first:
+            if reason is None:
+                log.info("health: SERVING" if first else "health: SERVING again")
+            else:
+                log.warning("health: NOT_SERVING: %s", reason)
+            self.not_serving_reason = reason
+            await self._set_ready(reason)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, drain streams, let in-flight blocks finish (``grace_s`` s), give up the

@@ -49,7 +49,8 @@ from specdec_runtime.cloud_verifier.store.base import (
     not_owner,
 )
 from specdec_runtime.cloud_verifier.store import redis_lua as lua
-from specdec_runtime.cloud_verifier.store.redis_connect import CLUSTER, StoreCaller, connect, parse_redis_url
+from specdec_runtime.cloud_verifier.store.redis_connect import (CLUSTER, StoreCaller, cluster_serves_every_slot, connect,
+                                                              parse_redis_url)
 from specdec_runtime.common.errors import VerifierUnavailableError
 from specdec_runtime.common.types import FinishReason, SamplingParams, StoppingCriteria, TokenLogprobs
 
@@ -376,12 +377,13 @@ class RedisSessionStore(SessionStore):
         return live
 
     def ping(self) -> bool:
-        """True when the store (the master, under Sentinel; every master, on a Cluster) answers, and, with
-        ``wait_replicas`` on standalone/Sentinel, when the master has that many replicas connected (else every
-        commit would be unconfirmed). No retry: the health task asks again at its next tick."""
+        """True when the store can take a session: the master answers (under Sentinel), every slot of a Cluster is
+        served (:func:`~cloud_verifier.store.redis_connect.cluster_serves_every_slot`: a PING would pass while
+        the cluster is still forming), and, with ``wait_replicas`` on standalone/Sentinel, the master has that many
+        replicas connected (else every commit would be unconfirmed). No retry: the health task asks again."""
         try:
-            if self.target.kind == CLUSTER:  # PING goes to one node by default: ask every master
-                return bool(self.client.ping(target_nodes=self.client.PRIMARIES))
+            if self.target.kind == CLUSTER:
+                return cluster_serves_every_slot(self.client)
             if self.wait_replicas:
                 return int(self.client.info("replication").get("connected_slaves", 0)) >= self.wait_replicas
             return bool(self.client.ping())

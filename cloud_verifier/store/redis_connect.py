@@ -205,6 +205,30 @@ class LazyCluster:
         return getattr(self.built(), name)
 
 
+CLUSTER_HASH_SLOTS = 16384
+
+
+def cluster_serves_every_slot(client) -> bool:
+    """True when a Redis Cluster can take any key: every master ``client`` (a ``RedisCluster`` or
+    :class:`LazyCluster`) knows answers ``CLUSTER INFO`` with ``cluster_state:ok`` and all 16384 slots assigned.
+
+    A PING is no such test: a node answers it as soon as it runs, and while ``redis-cli --cluster create`` runs,
+    each master has its slots (ADDSLOTS) before the masters know each other, so a client reading the slot map
+    from every node at once sees all of them covered while each node still says ``cluster_state:fail`` and
+    refuses every key (CLUSTERDOWN) for seconds more.
+
+    Raises:
+        redis.exceptions.RedisError: a master did not answer (or the slot map cannot be read yet).
+    """
+    infos = client.cluster_info(target_nodes=client.PRIMARIES)
+    if isinstance(infos, dict) and "cluster_state" in infos:  # one master: its answer, not a dict by node
+        infos = {"": infos}
+    if not infos:
+        return False
+    return all(str(info.get("cluster_state")) == "ok"
+               and int(info.get("cluster_slots_assigned", 0)) == CLUSTER_HASH_SLOTS for info in infos.values())
+
+
 def _retryable() -> tuple[type[BaseException], ...]:
     import redis.exceptions as rex
 
