@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 from specdec_runtime.cloud_verifier.serving.server import VerifierServer
 from specdec_runtime.common.types import ExtendRequest, OpenRequest, SessionOpened
@@ -56,9 +57,19 @@ class EmbeddedServer:
         self._started = threading.Event()
         self._error: BaseException | None = None
 
-    def start(self, timeout_s: float = 60.0) -> str:
-        """Start serving; returns "127.0.0.1:PORT". Raises the startup error, or TimeoutError after
-        ``timeout_s`` s."""
+    def start(self, timeout_s: float | None = None, *, progress: Callable[[float], None] | None = None,
+              progress_every_s: float = 5.0) -> str:
+        """Start serving; returns "127.0.0.1:PORT" once the server answers RPCs (health tells whether the verifier
+        can take a session). Waits as long as the start takes: its end (ready, or failed) is what is waited for,
+        not a fixed time, so a loaded machine starts late instead of failing. ``timeout_s``: a bound all the same
+        (None: none); ``progress(elapsed_s)``: called every ``progress_every_s`` s while it waits (a CLI's
+        "still starting" line).
+
+        Raises:
+            the start's own error (e.g. RuntimeError: the address cannot be bound);
+            common.errors.VerifierUnavailableError: the server thread ended without starting, or ``timeout_s``
+                passed (the start is abandoned).
+        """
         if self._thread is not None:
             return self.address
         owns = self.verifier is None
@@ -70,13 +81,30 @@ class EmbeddedServer:
         self._thread = threading.Thread(target=self._run, args=(owns,), name="specdec-embedded-verifier",
                                         daemon=True)
         self._thread.start()
-        if not self._started.wait(timeout_s):
-            raise TimeoutError(f"embedded verifier did not start within {timeout_s:.0f} s")
+        self._wait_started(timeout_s, progress, progress_every_s)
         if self._error is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
             raise self._error
         return self.address
+
+    def _wait_started(self, timeout_s: float | None, progress, progress_every_s: float) -> None:
+        """Until the server thread says it started or failed (or ended, or ``timeout_s`` passed: raised)."""
+        from specdec_runtime.common.errors import VerifierUnavailableError
+
+        begin = time.monotonic()
+        next_progress = begin + progress_every_s
+        while not self._started.wait(0.2):
+            now = time.monotonic()
+            if not self._thread.is_alive():
+                self._thread = None
+                raise VerifierUnavailableError("the embedded verifier stopped before it started serving")
+            if timeout_s is not None and now - begin > timeout_s:
+                self.stop(timeout_s=5.0)
+                raise VerifierUnavailableError(f"the embedded verifier did not start within {timeout_s:g} s")
+            if progress is not None and now >= next_progress:
+                progress(now - begin)
+                next_progress = now + progress_every_s
 
     def _run(self, owns: bool) -> None:
         async def main():
@@ -132,7 +160,9 @@ class LocalBackend(VerifierBackend):
     The verifier's batcher runs on an asyncio loop in a background thread, as it would inside the server.
     """
 
-    def __init__(self, verifier, start_timeout_s: float = 30.0):
+    def __init__(self, verifier, start_timeout_s: float | None = None):
+        """Start ``verifier`` on the backend's loop, waiting for its start to end (``start_timeout_s``: a bound
+        all the same, s; None: none, so a loaded machine starts late instead of failing)."""
         self.verifier = verifier
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specdec-local-verifier", daemon=True)
