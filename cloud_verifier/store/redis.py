@@ -261,7 +261,7 @@ class RedisSessionStore(SessionStore):
             flat += [k, str(v)]
         packed = _pack(record.committed_token_ids)
         args = [record.verifier_id, fields["created_at"], len(flat), *flat, packed, self._ttl_ms]
-        if not self._run("create", record.session_id, args, durable=True):
+        if self._run("create", record.session_id, args, durable=True) != lua.DONE:
             raise ValueError(f"session {record.session_id!r} exists")
         self._index(record.session_id, add=record.verifier_id)
 
@@ -300,14 +300,14 @@ class RedisSessionStore(SessionStore):
                 "1" if finished else "0", reason, repr(float(now)), self._ttl_ms, pack_logprobs(logprobs)]
         result = self._run("append", session_id, args, durable=True)
         status, value = int(result[0]), result[1]
-        if status == 0:
+        if status == lua.COMMITTED:
             self._refresh_index(session_id, result[2])
             return int(value) // 4
-        if status == -3:
+        if status == lua.NOT_HOLDER:
             raise not_owner(session_id, verifier_id)
-        if status == -2:
+        if status == lua.LENGTH_MISMATCH:
             raise length_mismatch(session_id, expected_length, int(value) // 4)
-        if status == -4:
+        if status == lua.FINISHED:
             raise finished_error(session_id)
         raise not_found(session_id)
 
@@ -317,33 +317,33 @@ class RedisSessionStore(SessionStore):
                 json.dumps(dataclasses.asdict(stopping)), int(seed), repr(float(now)), self._ttl_ms]
         result = self._run("extend", session_id, args, durable=True)
         status, value = int(result[0]), result[1]
-        if status == 0:
+        if status == lua.COMMITTED:
             self._refresh_index(session_id, verifier_id)
             return int(value) // 4
-        if status == -3:
+        if status == lua.NOT_HOLDER:
             raise not_owner(session_id, verifier_id)
-        if status == -2:
+        if status == lua.LENGTH_MISMATCH:
             raise extend_conflict(session_id, expected_length, int(value) // 4)
-        if status == -5:
+        if status == lua.GENERATING:
             raise generating_error(session_id)
         raise not_found(session_id)
 
     def touch(self, session_id: str, now: float) -> bool:
         status, holder = self._run("touch", session_id, [lua.ANY_HOLDER, repr(float(now)), self._ttl_ms])
-        if int(status) == 1:
+        if int(status) == lua.DONE:
             self._refresh_index(session_id, holder)
-        return int(status) == 1
+        return int(status) == lua.DONE
 
     def delete(self, session_id: str, verifier_id: str | None = None) -> bool:
         status, holder = self._run("delete", session_id, [lua.ANY_HOLDER if verifier_id is None else verifier_id])
-        if int(status) == 1:
+        if int(status) == lua.DONE:
             self._index(session_id, remove=holder.decode())
-        return int(status) == 1
+        return int(status) == lua.DONE
 
     def claim(self, session_id: str, verifier_id: str, now: float) -> bool:
         status, old = self._run("claim", session_id, [lua.ANY_HOLDER, verifier_id, repr(float(now)), self._ttl_ms],
                                 durable=True)
-        if int(status) != 1:
+        if int(status) != lua.DONE:
             return False
         old = old.decode() if isinstance(old, bytes) else None
         self._index(session_id, add=verifier_id, remove=old or None)
@@ -351,9 +351,9 @@ class RedisSessionStore(SessionStore):
 
     def disown(self, session_id: str, verifier_id: str) -> bool:
         status, _ = self._run("disown", session_id, [verifier_id], tokens=False)
-        if int(status) == 1:
+        if int(status) == lua.DONE:
             self._index(session_id, remove=verifier_id)
-        return int(status) == 1
+        return int(status) == lua.DONE
 
     def session_ids_of(self, verifier_id: str) -> list[str]:
         """Ids of the live sessions held by ``verifier_id``: the index's members whose record names that
