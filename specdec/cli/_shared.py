@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -19,6 +20,13 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # confidence truncation threshold of `generate` (0.3 cut τ from 4.7 to 3.3 with the int8 draft)
 DEFAULT_MIN_CONFIDENCE = 0.1
+
+# γ, `-g`: one declaration for every command that drafts (generate, chat, edge-serve, bench); the range is checked
+# by checks.check_num_speculative_tokens before anything loads. Use: `num_speculative_tokens: NumSpeculativeTokens
+# = DEFAULT_NUM_SPECULATIVE_TOKENS`.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+NumSpeculativeTokens = Annotated[int, typer.Option(
+    "--num-speculative-tokens", "-g", help="γ: draft tokens per block (with adaptive γ: the most a block may have)")]
 
 # Plain (click-style) help: typer's rich panels print a "<bool>" type column for every on/off flag (--help
 # included), where click's layout shows a flag by its name alone.

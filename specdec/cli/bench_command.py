@@ -11,8 +11,8 @@ from typing import Optional
 import typer
 
 from specdec.cli._shared import (
-    DEFAULT_MIN_CONFIDENCE, DEFAULT_PROMPTS, DEVICE_HELP, DTYPE_HELP, check_device, fail, user_errors, app,
-    require_extra,
+    DEFAULT_MIN_CONFIDENCE, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROMPTS, DEVICE_HELP, DTYPE_HELP,
+    NumSpeculativeTokens, check_device, fail, user_errors, app, require_extra,
 )
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
@@ -173,8 +173,7 @@ def bench(
         DEFAULT_PROMPTS, help="Spec-Bench-style jsonl (default: the shipped Spec-Bench development half)"),
     limit: Optional[int] = typer.Option(None, help="N questions, round-robin across categories"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g",
-                                               help="γ (the largest γ with adaptive γ in --edge-cloud)"),
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     clients: Optional[str] = typer.Option(None, help="Comma-separated concurrent client counts, e.g. 1,4,16"),
     gamma_sweep: Optional[str] = typer.Option(
         None, "--gamma-sweep", help="γ sweep, e.g. 1-8 or 1,2,4,8: fixed γ each, adaptive (≤ max) with and without "

@@ -13,7 +13,7 @@ from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
-from specdec.cli._shared import ROUTE_HELP, check_route
+from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
 from specdec.cli.checks import (
     check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, check_prompt_fits,
     fail_no_chat_input,
@@ -134,7 +134,7 @@ def chat(
     top_k: int = typer.Option(SamplingParams.top_k, help="0 = off"),
     top_p: float = typer.Option(SamplingParams.top_p, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of each reply's random streams (sampling)"),
-    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     server: Optional[str] = typer.Option(None, help=SERVER_HELP),
     fallback: str = typer.Option("none", help=FALLBACK_HELP),
     reconnect_interval_s: float = typer.Option(5.0, help="--fallback device: probe the cloud this often, s"),

@@ -18,7 +18,7 @@ from specdec.cli.checks import (
     check_device_names, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs, check_num_speculative_tokens,
     check_prompt_fits, check_server,
 )
-from specdec.cli._shared import ROUTE_HELP, check_route
+from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 from specdec.cli.progress import PrefillStatus, timing_summary
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
@@ -130,7 +130,7 @@ def generate(
     top_k: int = typer.Option(SamplingParams.top_k, help="0 = off"),
     top_p: float = typer.Option(SamplingParams.top_p, help="1.0 = off; 0 = the most likely token only"),
     seed: Optional[int] = typer.Option(None, help="Seed of the session's random streams (sampling)"),
-    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     draft_top_k: int = typer.Option(DEFAULT_DRAFT_TOP_K, help="k of top-k drafting for sampled sessions (1 = greedy "
                                     "drafting)"),
     drafter: str = typer.Option("model", help="'model' (ONNX draft) or 'ngram' (prompt lookup, no model)"),

@@ -13,7 +13,7 @@ from specdec.cli._shared import (
     app,
 )
 from specdec.cli.checks import check_device_names, check_port_free, check_readable
-from specdec.cli._shared import ROUTE_HELP, check_route
+from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
 from specdec.cli.pipeline import build_edge_client, retry_policy
 
 
@@ -38,7 +38,7 @@ def edge_serve(
     ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="--server: PEM CA of the verifier (implies --tls)"),
     model_name: Optional[str] = typer.Option(None, help="Model id served (default: the target directory's name)"),
     max_conversations: int = typer.Option(8, help="Conversations kept for reuse (LRU); 0 = off"),
-    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", "-g", help="γ: draft tokens per block"),
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),

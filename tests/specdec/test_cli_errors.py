@@ -310,3 +310,21 @@ def test_prompt_fits_check_is_the_verifiers_rule(tiny_pair, tmp_path):
     assert check_prompt_fits(prompt, raw=False, target=target, draft=tiny_pair.draft_dir) is True
     (target / "config.json").unlink()
     assert check_prompt_fits(prompt, raw=False, target=target, draft=tiny_pair.draft_dir) is False
+
+
+def test_gamma_option_has_one_declaration():
+    """`-g/--num-speculative-tokens` was declared in four commands with two helps; now one Annotated alias
+    (specdec/cli/_shared.py): every command that drafts shows the same option, default and help."""
+    import typer.main
+
+    from specdec.cli import app
+    from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    declared = [p for p in (ROOT / "specdec" / "cli").glob("*.py") if '"-g"' in p.read_text()]
+    assert [p.name for p in declared] == ["_shared.py"], declared
+    commands = typer.main.get_command(app).commands
+    options = {name: next(p for p in commands[name].params if "-g" in p.opts)
+               for name in ("generate", "chat", "edge-serve", "bench")}
+    assert {o.default for o in options.values()} == {DEFAULT_NUM_SPECULATIVE_TOKENS}
+    assert len({o.help for o in options.values()}) == 1
+    assert all(o.opts == ["--num-speculative-tokens", "-g"] for o in options.values()), options
