@@ -59,7 +59,7 @@ class Drafter(Protocol):
     """
 
     def propose(
-        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
+        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams,
         min_confidence: float = 0.0, should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock:
         """Draft up to ``num_speculative_tokens`` (γ) tokens after the committed prefix.
@@ -71,9 +71,9 @@ class Drafter(Protocol):
             num_speculative_tokens: γ >= 0, the most draft tokens to return (0: an empty block); for a
                 bonus_drafted block the client asks for its γ + 1 tokens.
             sampling: the session's SamplingParams (a sampling drafter applies the same logits processing
-                the verifier applies to p: ``common.sampling.logits_to_probs``).
-            seed: the session seed (a sampling drafter draws with ``common.sampling.uniform(seed, position,
-                Stream.DRAFT_SAMPLE)``, ``position`` the absolute index of the drafted token).
+                the verifier applies to p: ``common.sampling.logits_to_probs``, and draws with
+                ``common.sampling.uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``, ``position`` the
+                absolute index of the drafted token; a sampled session's seed is always set by then).
             min_confidence: confidence truncation (llama.cpp's ``--draft-p-min``): stop the block, after at least
                 one token, when the draft's most likely next token has probability below it; 0 disables it.
                 A drafter without probabilities ignores it.

@@ -236,7 +236,6 @@ class ModelDrafter:
         committed_token_ids: list[int],
         num_speculative_tokens: int,
         sampling: SamplingParams,
-        seed: int,
         min_confidence: float = 0.0,
         should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock:
@@ -251,8 +250,8 @@ class ModelDrafter:
         Args:
             committed_token_ids: prompt + committed output ids (non-empty).
             num_speculative_tokens: γ >= 0 (0 returns an empty block).
-            sampling: the session's SamplingParams (the same processing the verifier applies to p).
-            seed: the session seed (key of the DRAFT_SAMPLE stream); unused for greedy drafting.
+            sampling: the session's SamplingParams (the same processing the verifier applies to p; its seed keys
+                the DRAFT_SAMPLE stream, unused for greedy drafting).
 
         Returns:
             DraftBlock with γ draft ids (fewer when truncated or stopped); ``draft_probs`` None for greedy
@@ -262,7 +261,7 @@ class ModelDrafter:
             wall time of the call, ms.
 
         Raises:
-            ValueError: empty ``committed_token_ids`` or negative γ.
+            ValueError: empty ``committed_token_ids``, negative γ, or sampled drafting without a seed.
         """
         t0 = time.perf_counter()
         if not committed_token_ids:
@@ -275,8 +274,8 @@ class ModelDrafter:
             return DraftBlock(draft_token_ids=[], draft_probs=None, draft_ms=(time.perf_counter() - t0) * 1e3)
         if sampling.grammar:  # structured output: masked drafting, forced tokens for free
             return propose_constrained(self, self.draft_grammar(sampling), committed_token_ids, num_tokens, sampling,
-                                       seed, min_confidence, should_stop, t0)
-        rows = DraftRows(sampling, self.draft_top_k, self.valid_vocab_size, seed, len(committed_token_ids))
+                                       min_confidence, should_stop, t0)
+        rows = DraftRows(sampling, self.draft_top_k, self.valid_vocab_size, len(committed_token_ids))
         logits = self._sync(committed_token_ids)
         history = self.processor(sampling, committed_token_ids, len(logits))
         for i in range(num_tokens):

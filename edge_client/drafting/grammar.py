@@ -70,7 +70,7 @@ def _empty(t0: float) -> DraftBlock:
 
 
 def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: list[int], num_tokens: int,
-                        sampling: SamplingParams, seed: int, min_confidence: float, should_stop,
+                        sampling: SamplingParams, min_confidence: float, should_stop,
                         t0: float) -> DraftBlock:
     """:meth:`ModelDrafter.propose` under ``grammar`` (γ = ``num_tokens`` > 0 already capped to the draft's
     room). Same contract and return value (draft ids [n] with n <= γ, sparse q rows for top-k drafting, a forced
@@ -85,7 +85,7 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
     except ValueError:
         return _empty(t0)
     valid = drafter.valid_vocab_size
-    rows = DraftRows(sampling, drafter.draft_top_k, valid, seed, len(committed_token_ids))
+    rows = DraftRows(sampling, drafter.draft_top_k, valid, len(committed_token_ids))
     # the history-dependent processors, when the drafter has them
     processor = drafter.processor if isinstance(drafter, HistoryProcessing) else None
     history = None

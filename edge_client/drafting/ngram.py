@@ -59,7 +59,7 @@ class NgramDrafter:
         return []
 
     def propose(
-        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams, seed: int,
+        self, committed_token_ids: list[int], num_speculative_tokens: int, sampling: SamplingParams,
         min_confidence: float = 0.0, should_stop=None,
     ) -> DraftBlock:
         """Draft up to ``num_speculative_tokens`` (γ) tokens by prompt lookup (the
@@ -67,7 +67,7 @@ class NgramDrafter:
 
         Greedy drafting: ``draft_probs`` is None (q one-hot). A greedy ``sampling`` copies the continuation of
         one match; a sampled one looks up each token after the prefix so far (module docstring: the token at
-        each position is a function of the prefix before it). ``seed`` is unused; so are ``min_confidence``
+        each position is a function of the prefix before it): the seed is unused; so are ``min_confidence``
         (no probabilities to truncate on) and ``should_stop`` (a lookup takes microseconds).
         ``draft_ms``: the wall time of the call, ms.
         """

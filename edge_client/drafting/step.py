@@ -39,14 +39,20 @@ class DraftRows:
     Args:
         sampling: the session's parameters; draft_top_k: k of top-k drafting (1 = greedy drafting).
         valid_vocab_size: ids the draft may propose (its tokenizer's), < the logits' width when padded.
-        seed, start: the session's seed and the absolute position of the block's first token (the draws of
-            :func:`common.sampling.draft_token` are keyed by both: timing-independent).
+        start: the absolute position of the block's first token (the draws of :func:`common.sampling.draft_token`
+            are keyed by it and ``sampling.seed``: timing-independent).
+
+    Raises:
+        ValueError: sampled drafting (not greedy, k > 1) with ``sampling.seed`` None.
     """
 
-    def __init__(self, sampling: SamplingParams, draft_top_k: int, valid_vocab_size: int, seed: int, start: int):
+    def __init__(self, sampling: SamplingParams, draft_top_k: int, valid_vocab_size: int, start: int):
         self.sampling, self.draft_top_k, self.valid = sampling, draft_top_k, valid_vocab_size
-        self.seed, self.start = seed, start
+        self.start = start
         self.greedy = sampling.greedy or draft_top_k <= 1
+        if not self.greedy and sampling.seed is None:
+            raise ValueError("sampled drafting needs sampling.seed (the verifier picks one at session open)")
+        self.seed = 0 if sampling.seed is None else int(sampling.seed)  # greedy drafting draws nothing
         self.tokens: list[int] = []
         self.rows_ids: list[np.ndarray] = []
         self.rows_q: list[np.ndarray] = []

@@ -35,7 +35,7 @@ def draft_block(client: GenerationContext, committed: list[int], num_speculative
     if client.drafter is None or num_speculative_tokens <= 0:
         return DraftBlock([])
     kwargs = {"should_stop": should_stop} if should_stop is not None else {}
-    return client.drafter.propose(committed, num_speculative_tokens, sampling, sampling.seed,
+    return client.drafter.propose(committed, num_speculative_tokens, sampling,
                                   min_confidence=client.min_confidence, **kwargs)
 
 

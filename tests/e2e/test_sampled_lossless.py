@@ -143,8 +143,8 @@ class RecordingDrafter:
         self.inner = inner
         self.blocks: list = []
 
-    def propose(self, committed_token_ids, num_speculative_tokens, sampling, seed, min_confidence=0.0, **kw):
-        block = self.inner.propose(committed_token_ids, num_speculative_tokens, sampling, seed,
+    def propose(self, committed_token_ids, num_speculative_tokens, sampling, min_confidence=0.0, **kw):
+        block = self.inner.propose(committed_token_ids, num_speculative_tokens, sampling,
                                    min_confidence=min_confidence, **kw)
         self.blocks.append((list(committed_token_ids), block))
         return block

@@ -122,7 +122,7 @@ class EosDrafter:
     def __init__(self, eos):
         self.eos = eos
 
-    def propose(self, committed, gamma, sampling, seed, min_confidence=0.0):
+    def propose(self, committed, gamma, sampling, min_confidence=0.0):
         return DraftBlock([self.eos] * gamma)
 
 

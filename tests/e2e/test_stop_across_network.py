@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -155,7 +156,8 @@ def test_stop_string_after_resume_on_another_replica(tiny_pair, runner, case, re
             def step(backend, gamma):
                 nonlocal seq
                 seq += 1
-                block = drafter.propose(committed, gamma, sampling, opened.seed) if gamma else DraftBlock([])
+                seeded = dataclasses.replace(sampling, seed=opened.seed)
+                block = drafter.propose(committed, gamma, seeded) if gamma else DraftBlock([])
                 verdict = backend.submit(sid, seq, len(committed), block).result(timeout=WAIT_S)
                 committed.extend(verdict.committed_token_ids)
                 return verdict

@@ -123,7 +123,7 @@ class ForbiddenDrafter:
         self.token_id = token_id
         self.proposed = 0
 
-    def propose(self, committed, gamma, sampling, seed, min_confidence=0.0, should_stop=None):
+    def propose(self, committed, gamma, sampling, min_confidence=0.0, should_stop=None):
         self.proposed += gamma
         if sampling.greedy:
             return DraftBlock([self.token_id] * gamma)

@@ -25,7 +25,7 @@ CAPABILITIES = ("Resettable", "TurnAware", "HistoryProcessing", "ConstrainsGramm
 class RepeatLast:
     """The required protocol only: proposes the last committed token γ times (greedy drafting: q one-hot)."""
 
-    def propose(self, committed_token_ids, num_speculative_tokens, sampling, seed, min_confidence=0.0,
+    def propose(self, committed_token_ids, num_speculative_tokens, sampling, min_confidence=0.0,
                 should_stop=None):
         return DraftBlock([int(committed_token_ids[-1])] * num_speculative_tokens)
 

@@ -4,6 +4,7 @@ the drawn token, the same draw for the same (seed, position); forced tokens are 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specdec_runtime.common.types import SamplingParams
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence, stack_rows, top_probability
@@ -14,7 +15,7 @@ def _logits(seed: int, n: int = 50) -> np.ndarray:
 
 
 def test_greedy_rows():
-    rows = DraftRows(SamplingParams(), 4, 50, seed=1, start=10)
+    rows = DraftRows(SamplingParams(), 4, 50, start=10)
     logits = _logits(0)
     assert rows.draw(logits) == int(np.argmax(logits))
     rows.force(7)
@@ -27,7 +28,7 @@ def test_sampled_rows_are_q_and_keyed_by_seed_and_position():
     sampling = SamplingParams(temperature=1.0, seed=5)
     draws = []
     for _ in range(2):
-        rows = DraftRows(sampling, 4, 40, seed=5, start=3)  # valid vocab 40 of 50 logits: padded ids never drafted
+        rows = DraftRows(sampling, 4, 40, start=3)  # valid vocab 40 of 50 logits: padded ids never drafted
         tokens = [rows.draw(_logits(i)) for i in range(3)]
         rows.force(2)
         block = rows.block(0.0)
@@ -39,7 +40,7 @@ def test_sampled_rows_are_q_and_keyed_by_seed_and_position():
         assert list(q.token_ids[3][q.probs[3] > 0]) == [2]
         draws.append(tokens)
     assert draws[0] == draws[1]
-    assert DraftRows(sampling, 1, 40, seed=5, start=3).greedy  # k <= 1: greedy drafting
+    assert DraftRows(sampling, 1, 40, start=3).greedy  # k <= 1: greedy drafting
 
 
 def test_confidence_and_stacking():
@@ -48,3 +49,9 @@ def test_confidence_and_stacking():
     assert below_confidence(flat, 0.5) and not below_confidence(flat, 0.0)
     stacked = stack_rows([np.array([3, 4]), np.array([9])], [np.array([0.5, 0.5]), np.array([1.0])])
     assert stacked.token_ids.shape == (2, 2) and stacked.probs[1, 1] == 0.0 and stacked.token_ids[1, 1] != 9
+
+
+def test_sampled_rows_need_the_session_seed():
+    with pytest.raises(ValueError, match="needs sampling.seed"):
+        DraftRows(SamplingParams(temperature=1.0), 4, 40, start=0)
+    assert DraftRows(SamplingParams(temperature=1.0), 1, 40, start=0).greedy  # k = 1 draws nothing

@@ -3,6 +3,7 @@ tokens without a forward pass (the tiny ONNX draft, the real SmolLM2 tokenizer).
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -63,7 +64,8 @@ def _reference_greedy(draft, compiled, prompt, n):
 def _run(drafter, grammar, prompt, total, gamma, sampling, seed=0):
     committed, forced, blocks = list(prompt), 0, []
     while len(committed) - len(prompt) < total:
-        block = propose_constrained(drafter, grammar, committed, gamma, sampling, seed, 0.0, None, 0.0)
+        seeded = dataclasses.replace(sampling, seed=seed)
+        block = propose_constrained(drafter, grammar, committed, gamma, seeded, 0.0, None, 0.0)
         if not block.draft_token_ids:
             break
         blocks.append(block)
@@ -117,7 +119,7 @@ def test_prefix_the_grammar_forbids_gives_an_empty_block(draft, compiled):
     prompt = draft.tokenizer.encode("x", add_special_tokens=False)
     grammar = DraftGrammar(compiled, len(prompt))
     bad = prompt + draft.tokenizer.encode("nope", add_special_tokens=False)
-    block = propose_constrained(ModelDrafter(draft), grammar, bad, 4, SamplingParams(), 0, 0.0, None, 0.0)
+    block = propose_constrained(ModelDrafter(draft), grammar, bad, 4, SamplingParams(), 0.0, None, 0.0)
     assert block.draft_token_ids == []
 
 
@@ -127,7 +129,7 @@ def test_nothing_is_drafted_after_eos(draft):
     prompt = draft.tokenizer.encode("x", add_special_tokens=False)
     done = prompt + draft.tokenizer.encode("yes", add_special_tokens=False) + [2]
     block = propose_constrained(ModelDrafter(draft), DraftGrammar(compiled, len(prompt)), done, 4, SamplingParams(),
-                                0, 0.0, None, 0.0)
+                                0.0, None, 0.0)
     assert block.draft_token_ids == []
 
 
@@ -137,9 +139,9 @@ def test_constrained_draft_applies_the_history_processors(draft):
     compiled = compile_grammar(GrammarSpec.choice(["yes", "no"]), grammar_tokenizer(draft.tokenizer, [2]))
     prompt = draft.tokenizer.encode("Answer:", add_special_tokens=False)
     drafter = ModelDrafter(draft)
-    plain = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1, SamplingParams(), 0, 0.0,
+    plain = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1, SamplingParams(), 0.0,
                                 None, 0.0).draft_token_ids
     biased = propose_constrained(drafter, DraftGrammar(compiled, len(prompt)), prompt, 1,
-                                 SamplingParams(logit_bias={plain[0]: -100.0}), 0, 0.0, None, 0.0).draft_token_ids
+                                 SamplingParams(logit_bias={plain[0]: -100.0}), 0.0, None, 0.0).draft_token_ids
     assert len(plain) == len(biased) == 1 and biased != plain
     assert compiled.matcher().mask()[biased[0]]  # still an id the grammar allows

@@ -64,13 +64,13 @@ def test_ngram_sampled_proposals_depend_on_the_prefix_only():
     started later proposes the same tokens for the positions it shares (greedy copies one match)."""
     d = NgramDrafter(max_ngram=1)  # unigram lookup: the latest earlier occurrence of the last token
     ctx = [1, 2, 3, 2, 4, 1]
-    sampled = SamplingParams(temperature=1.0)
-    first = d.propose(ctx, 4, sampled, 0).draft_token_ids
+    sampled = SamplingParams(temperature=1.0, seed=0)
+    first = d.propose(ctx, 4, sampled).draft_token_ids
     assert first[:1] == d.lookup(ctx, 1)
     for k in range(1, len(first)):
-        later = d.propose(ctx + first[:k], 4 - k, sampled, 0).draft_token_ids
+        later = d.propose(ctx + first[:k], 4 - k, sampled).draft_token_ids
         assert later == first[k:], (k, first, later)
-    greedy = d.propose(ctx, 4, SamplingParams(), 0).draft_token_ids
+    greedy = d.propose(ctx, 4, SamplingParams()).draft_token_ids
     assert greedy == d.lookup(ctx, 4) == [2, 3, 2, 4]  # the continuation of the match at 0
     assert first != greedy  # the two rules differ on this context (the test can tell them apart)
 

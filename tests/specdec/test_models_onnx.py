@@ -6,6 +6,7 @@ SmolLM2-135M pair (``real_pair``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -369,27 +370,27 @@ def test_greedy_drafter_matches_hf_greedy(tiny_draft, tiny_target):
     drafter = ModelDrafter(tiny_draft)
     greedy = SamplingParams(temperature=0.0)
     prompt = _ids(12, seed=4)
-    block = drafter.propose(prompt, 6, greedy, seed=0)
+    block = drafter.propose(prompt, 6, greedy)
     assert block.draft_probs is None and block.draft_ms > 0
     assert block.draft_token_ids == _hf_greedy(tiny_target, prompt, 6)
 
     # Verifier accepts 2 and sends a different token: the drafter resyncs by rolling back.
     committed = prompt + block.draft_token_ids[:2] + [7]
-    block = drafter.propose(committed, 5, greedy, seed=0)
+    block = drafter.propose(committed, 5, greedy)
     assert block.draft_token_ids == _hf_greedy(tiny_target, committed, 5)
     assert tiny_draft.num_cached == len(committed) + 4  # committed + the first γ-1 draft tokens
 
     # Full block accepted + bonus (the proactive-drafting bet), then a completely different prompt.
     committed = committed + block.draft_token_ids + [11]
-    assert drafter.propose(committed, 4, greedy, seed=0).draft_token_ids == _hf_greedy(tiny_target, committed, 4)
+    assert drafter.propose(committed, 4, greedy).draft_token_ids == _hf_greedy(tiny_target, committed, 4)
     other = _ids(5, seed=5)
-    assert drafter.propose(other, 3, greedy, seed=0).draft_token_ids == _hf_greedy(tiny_target, other, 3)
-    assert drafter.propose([42], 2, greedy, seed=0).draft_token_ids == _hf_greedy(tiny_target, [42], 2)
-    assert drafter.propose([42], 0, greedy, seed=0).draft_token_ids == []
+    assert drafter.propose(other, 3, greedy).draft_token_ids == _hf_greedy(tiny_target, other, 3)
+    assert drafter.propose([42], 2, greedy).draft_token_ids == _hf_greedy(tiny_target, [42], 2)
+    assert drafter.propose([42], 0, greedy).draft_token_ids == []
 
     # draft_top_k <= 1 means greedy drafting even for sampled sessions.
     sampled = SamplingParams(temperature=0.8, seed=1)
-    block = ModelDrafter(tiny_draft, draft_top_k=1).propose(prompt, 4, sampled, seed=1)
+    block = ModelDrafter(tiny_draft, draft_top_k=1).propose(prompt, 4, sampled)
     assert block.draft_probs is None and block.draft_token_ids == _hf_greedy(tiny_target, prompt, 4)
 
 
@@ -402,7 +403,7 @@ def test_topk_drafting_samples_inside_q(tiny_draft):
         SamplingParams(temperature=1.3, top_p=0.3),
     ):
         for seed in range(4):
-            block = drafter.propose(prompt, 5, params, seed=seed)
+            block = drafter.propose(prompt, 5, dataclasses.replace(params, seed=seed))
             q = block.draft_probs
             assert q is not None and q.token_ids.dtype == np.int64 and q.probs.dtype == np.float32
             assert q.token_ids.shape == q.probs.shape and q.token_ids.shape[0] == 5
@@ -413,7 +414,7 @@ def test_topk_drafting_samples_inside_q(tiny_draft):
                 assert len(set(row.tolist())) == len(row)  # distinct ids (padding included)
                 assert tok in row and q.probs[i][row.tolist().index(tok)] > 0
             # Reproducible: same seed, same block.
-            again = drafter.propose(prompt, 5, params, seed=seed)
+            again = drafter.propose(prompt, 5, dataclasses.replace(params, seed=seed))
             assert again.draft_token_ids == block.draft_token_ids
             np.testing.assert_array_equal(again.draft_probs.token_ids, q.token_ids)
 
@@ -433,7 +434,7 @@ def test_topk_drafting_uses_the_shared_sampling_maths(tiny_draft):
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(q, ref_q, rtol=1e-6)
     expected = int(ids[sample_from(normalize_sparse(q), uniform(3, len(prompt), Stream.DRAFT_SAMPLE))])
-    block = ModelDrafter(tiny_draft, draft_top_k=4).propose(prompt, 1, params, seed=3)
+    block = ModelDrafter(tiny_draft, draft_top_k=4).propose(prompt, 1, params)
     assert block.draft_token_ids == [expected]
     np.testing.assert_array_equal(block.draft_probs.token_ids[0], ids)
     np.testing.assert_array_equal(block.draft_probs.probs[0], q)
@@ -442,9 +443,9 @@ def test_topk_drafting_uses_the_shared_sampling_maths(tiny_draft):
 def test_valid_vocab_size_masks_padded_ids(tiny_draft):
     drafter = ModelDrafter(tiny_draft, draft_top_k=8, valid_vocab_size=100)
     assert drafter.valid_vocab_size == 100
-    block = drafter.propose(_ids(5, seed=8), 4, SamplingParams(temperature=2.0), seed=0)
+    block = drafter.propose(_ids(5, seed=8), 4, SamplingParams(temperature=2.0, seed=0))
     assert (block.draft_probs.token_ids < 100).all() and max(block.draft_token_ids) < 100
-    assert max(drafter.propose(_ids(5, seed=8), 4, SamplingParams(), seed=0).draft_token_ids) < 100
+    assert max(drafter.propose(_ids(5, seed=8), 4, SamplingParams()).draft_token_ids) < 100
     with pytest.raises(ValueError):
         ModelDrafter(tiny_draft, valid_vocab_size=49153)
 
@@ -452,7 +453,7 @@ def test_valid_vocab_size_masks_padded_ids(tiny_draft):
 def test_bad_draft_disagrees(tiny_pair, tiny_target):
     bad = ModelDrafter(OnnxDraftModel(tiny_pair.other_draft_dir, intra_op_num_threads=1))
     prompt = _ids(8, seed=9)
-    block = bad.propose(prompt, 8, SamplingParams(), seed=0)
+    block = bad.propose(prompt, 8, SamplingParams())
     assert block.draft_token_ids != _hf_greedy(tiny_target, prompt, 8)
 
 
@@ -562,11 +563,11 @@ def test_real_pair_export_report_and_int8_agreement(real_pair):
     # Teacher-forced along the target's greedy continuation: one greedy draft token per committed prefix.
     drafter = ModelDrafter(draft)
     agree = [
-        drafter.propose(prompt + target_tokens[:i], 1, SamplingParams(), seed=0).draft_token_ids[0] == target_tokens[i]
+        drafter.propose(prompt + target_tokens[:i], 1, SamplingParams()).draft_token_ids[0] == target_tokens[i]
         for i in range(len(target_tokens))
     ]
     assert np.mean(agree) >= 0.75, (np.mean(agree), target_tokens)
     # A 4-token greedy block from the prompt follows the target's continuation for at least its first token.
-    block = drafter.propose(prompt, 4, SamplingParams(), seed=0)
+    block = drafter.propose(prompt, 4, SamplingParams())
     assert block.draft_token_ids[0] == target_tokens[0]
 
