@@ -60,7 +60,8 @@ VERIFY_POSITIONS = Counter(
     "specdec_verify_positions", "Draft tokens of verify rows: drafted (whole blocks as sent) and verified (judged by "
     "the rejection rule; fewer when adaptive verification verified a prefix)", ["kind"])
 VERIFY_COST = Gauge("specdec_verify_cost_seconds", "The verify policy's cost model: target forward s = base + per_row "
-                    "· rows + per_token · tokens (profiled at start-up, refreshed from live steps)", ["term"])
+                    "· rows + per_token · tokens (a saved table or a probe at start, profiled in the background, "
+                    "refreshed from live steps)", ["term"])
 VERIFY_CALIBRATION_ERROR = Gauge(
     "specdec_verify_calibration_error", "Expected calibration error of the acceptance estimate over the verdicts "
     "so far: of the raw draft confidence, and of the calibrated estimate", ["estimate"])

@@ -87,7 +87,7 @@ class VerifyPolicy:
     reports read it elsewhere)."""
 
     name = "fixed"
-    uses_cost_model = False  # its choice does not read the cost model (not profiled at start-up)
+    uses_cost_model = False  # its choice does not read the cost model (no prior, no background profile)
 
     def __init__(self, cost: ForwardCostModel | None = None, calibration: AcceptanceCalibration | None = None):
         self.cost = cost if cost is not None else ForwardCostModel()

@@ -57,7 +57,7 @@ def steep_adaptive() -> AdaptiveVerifyPolicy:
     for rows, t in ((1, 1), (1, 16), (4, 16), (4, 64)):
         cost.observe(rows, t, 0.01 * t, forget=1.0)
     policy = AdaptiveVerifyPolicy(cost)
-    policy.uses_cost_model = False  # keep the table above (no start-up profile over it)
+    policy.uses_cost_model = False  # keep the table above (no prior or background profile over it)
     return policy
 
 
