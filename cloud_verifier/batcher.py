@@ -142,8 +142,7 @@ class Batcher:
         return time.monotonic() - self.heartbeat
 
     def run_on_target(self, fn, *args, **kwargs) -> asyncio.Future:
-        """``fn(*args, **kwargs)`` on the target thread, between two batch steps (never during one): e.g. a
-        profile pass (:mod:`cloud_verifier.verify_policy.profiler`). Call on the running event loop."""
+        """``fn(*args, **kwargs)`` on the target thread between two batch steps (a profile pass), from the loop."""
         return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def busy(self) -> bool:
@@ -166,9 +165,7 @@ class Batcher:
         """Refuse new work, let queued and running items finish (up to ``grace_s`` s), then stop the loop."""
         self._stopping = True
         deadline = time.monotonic() + grace_s
-        while self._queue is not None and (self._inflight or not self._queue.empty()):
-            if time.monotonic() > deadline:
-                break
+        while self._queue is not None and (self._inflight or not self._queue.empty()) and time.monotonic() <= deadline:
             await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
@@ -222,8 +219,7 @@ class Batcher:
                 raise
         finally:
             self._inflight -= 1
-            if not self._inflight:
-                self._idle_since = time.monotonic()
+            self._idle_since = self._idle_since if self._inflight else time.monotonic()
 
     # ------------------------------------------------------------------ 2. collect, 3. forward
     async def _batch_loop(self) -> None:
