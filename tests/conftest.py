@@ -7,6 +7,9 @@ import os as _os_env
 
 _os_env.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 _os_env.environ.setdefault("HF_HUB_OFFLINE", "1")
+# no background cost profile in tests (cloud_verifier/verify_policy/profiler.py): a pass in an idle second would
+# land between a test's steps (counters, KV pages, forward hooks); tests of the profile pass profile_quiet_s
+_os_env.environ.setdefault("SPECDEC_PROFILE_QUIET_S", "inf")
 
 
 # ---------------------------------------------------------------------------------------------- Redis

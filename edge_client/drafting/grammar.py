@@ -25,7 +25,6 @@ from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.grammar import (CompiledGrammar, GrammarMatcher, GrammarSpec, apply_mask, compile_grammar,
                             grammar_tokenizer)
 from specdec_runtime.common.types import DraftBlock, SamplingParams
-from specdec_runtime.edge_client.drafting.contract import HistoryProcessing
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
 
 __all__ = ["DraftGrammar", "draft_grammar_for", "propose_constrained"]
@@ -77,7 +76,9 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
     position's row one-hot on its id; the per-position step: :mod:`edge_client.drafting.step`); the block ends early
     at an EOS, when the grammar allows nothing, at confidence truncation or ``should_stop``.
 
-    Returns an empty block when the committed prefix does not match the grammar (the verifier decides then)."""
+    ``drafter``: the :class:`edge_client.drafting.drafter.ModelDrafter` that drafts (its model, ``processor``,
+    ``draft_top_k`` and ``valid_vocab_size``). Returns an empty block when the committed prefix does not match the
+    grammar (the verifier decides then)."""
     m = grammar.matcher
     grammar.last_num_forced = 0
     try:
@@ -86,8 +87,7 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
         return _empty(t0)
     valid = drafter.valid_vocab_size
     rows = DraftRows(sampling, drafter.draft_top_k, valid, len(committed_token_ids))
-    # the history-dependent processors, when the drafter has them
-    processor = drafter.processor if isinstance(drafter, HistoryProcessing) else None
+    processor = drafter.processor  # the history-dependent processors (a ModelDrafter always has them)
     history = None
     num_forced = 0
     for i in range(num_tokens):
