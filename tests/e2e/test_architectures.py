@@ -10,11 +10,11 @@ model (tests/_architectures.py), end to end. Per architecture:
 
 Hybrid families (conv / SSM / linear-attention layers beside attention, tests/_architectures.py ``HYBRIDS``): the
 ragged forward equals the HF reference; greedy speculative decoding with a tiny Llama draft on the same tokenizer
-(sharing the target's embeddings: drafts are rejected often; exported by torch.onnx) is token-identical to target-only decoding and to HF
-``generate``; exporting a hybrid as the draft is refused in one line.
+(sharing the target's embeddings: drafts are rejected often; exported by torch.onnx) is token-identical to
+target-only decoding and to HF ``generate``; exporting a hybrid as the draft is refused in one line.
 
 Architectures the verifier cannot run are refused at load time with one line naming what is missing. Each model
-is built and exported once per test session.
+is built and exported once per test session (tests/e2e/conftest.py ``arch_models``, shared with other modules).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from _architectures import ARCHITECTURES, HYBRIDS, REFUSED, make_sibling_draft, make_tiny_model
+from _architectures import ARCHITECTURES, HYBRIDS, REFUSED
 from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.target.architectures import UnsupportedArchitectureError
 from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
@@ -44,35 +44,6 @@ EXPECTED_BUILDER = {arch: "genai" for arch in ARCHITECTURES}
 EXPECTED_BUILDER["gemma3"] = "torch"  # GenAI 0.18's builder reads a flat rope_parameters (KeyError 'rope_type')
 PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 357, 4564, 2517, 28, 2145, 2016, 260]  # 14 ids, BOS first
 NEW_TOKENS = 40  # prompt + output = 54 positions: past the 16-token windows
-
-
-@pytest.fixture(scope="session")
-def arch_models(tmp_path_factory, smollm2_tokenizer_dir):
-    """arch -> (HF dir, ONNX fp32 draft dir), built on first use (cached for the session)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    root = tmp_path_factory.mktemp("architectures")
-    built: dict[str, tuple] = {}
-
-    def get(arch: str, export: bool = True):
-        """(HF dir, ONNX draft dir): the model's own export, or for a hybrid a sibling Llama's (None: export
-        False)."""
-        if arch not in built:
-            built[arch] = (make_tiny_model(arch, root / arch, tokenizer), None)
-        hf_dir, onnx_dir = built[arch]
-        if export and onnx_dir is None:
-            source, builder = hf_dir, "auto"
-            if arch in HYBRIDS:
-                # the sibling is a plain Llama: GenAI's Llama graph is covered by the llama case, and its builder
-                # subprocess costs ~16 s per export against ~3 s for torch.onnx (7 hybrids)
-                source, builder = make_sibling_draft(hf_dir, root / f"{arch}-draft", tokenizer), "torch"
-            onnx_dir = export_onnx_draft(source, root / f"{arch}-onnx", quantize_int8=False, progress=False,
-                                         builder=builder)
-            built[arch] = (hf_dir, onnx_dir)
-        return hf_dir, onnx_dir if export else None
-
-    return get
 
 
 @pytest.fixture(scope="module")

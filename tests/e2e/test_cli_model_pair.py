@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from _architectures import REFUSED, make_sibling_draft, make_tiny_model
+from _architectures import REFUSED
 from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.serving.healthcheck import check
 from specdec_runtime.edge_client.client import encode_prompt
-from specdec.models import export_onnx_draft
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,15 +35,10 @@ ARCH = "qwen2"
 
 
 @pytest.fixture(scope="module")
-def qwen2_pair(tmp_path_factory, smollm2_tokenizer_dir):
-    """(target HF dir, ONNX fp32 draft dir) of the tiny Qwen2 model; the draft is the target's own export."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    root = tmp_path_factory.mktemp("cli_pair")
-    hf_dir = make_tiny_model(ARCH, root / ARCH, tokenizer)
-    onnx_dir = export_onnx_draft(hf_dir, root / f"{ARCH}-onnx", quantize_int8=False, progress=False)
-    return hf_dir, onnx_dir
+def qwen2_pair(arch_models):
+    """(target HF dir, ONNX fp32 draft dir) of the tiny Qwen2 model; the draft is the target's own export
+    (tests/e2e/conftest.py: the same pair test_architectures.py checks)."""
+    return arch_models(ARCH)
 
 
 @pytest.fixture(scope="module")
@@ -118,23 +112,17 @@ def test_serve_a_qwen2_target_then_generate_over_grpc(qwen2_pair, expected_ids):
 
 
 @pytest.fixture(scope="module")
-def mamba2_dir(tmp_path_factory, smollm2_tokenizer_dir):
+def mamba2_dir(arch_models):
+    return arch_models("mamba2", export=False)[0]
+
+
+def test_generate_with_a_hybrid_lfm2_target_equals_target_only(arch_models):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    return make_tiny_model("mamba2", tmp_path_factory.mktemp("cli_mamba2") / "mamba2", tokenizer)
-
-
-def test_generate_with_a_hybrid_lfm2_target_equals_target_only(tmp_path, smollm2_tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    hf_dir = make_tiny_model("lfm2", tmp_path / "lfm2", tokenizer)
-    draft = make_sibling_draft(hf_dir, tmp_path / "draft", tokenizer)
-    onnx_dir = export_onnx_draft(draft, tmp_path / "draft-onnx", quantize_int8=False, progress=False)
+    hf_dir, onnx_dir = arch_models("lfm2")  # the draft: a sibling Llama sharing the target's embeddings
     spec = _cli_generate("--target", str(hf_dir), "--draft", str(onnx_dir))
     plain = _cli_generate("--target", str(hf_dir), "--target-only")
-    expected = hf_greedy(hf_dir, encode_prompt(tokenizer, PROMPT), MAX_NEW)
+    expected = hf_greedy(hf_dir, encode_prompt(AutoTokenizer.from_pretrained(hf_dir), PROMPT), MAX_NEW)
     assert spec["token_ids"] == plain["token_ids"] == expected
     assert spec["num_draft_tokens"] > spec["num_accepted_tokens"] > 0  # drafts accepted and rejected
 

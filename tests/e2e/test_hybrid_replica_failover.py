@@ -21,7 +21,6 @@ import threading
 import uuid
 
 import pytest
-from _architectures import make_sibling_draft, make_tiny_model
 from _cluster import kill, start_replicas, stop_process, wait_until
 from _reference import hf_greedy
 
@@ -36,17 +35,9 @@ WAIT_S = 240.0
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(tmp_path_factory, smollm2_tokenizer_dir):
-    """(tiny LFM2 target dir, its sibling Llama draft exported to ONNX)."""
-    from transformers import AutoTokenizer
-
-    from specdec.models import export_onnx_draft
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    root = tmp_path_factory.mktemp("hybrid_failover")
-    target = make_tiny_model("lfm2", root / "lfm2", tokenizer)
-    draft = make_sibling_draft(target, root / "draft", tokenizer)
-    return target, export_onnx_draft(draft, root / "draft-onnx", quantize_int8=False, progress=False)
+def hybrid_pair(arch_models):
+    """(tiny LFM2 target dir, its sibling Llama draft exported to ONNX): tests/e2e/conftest.py."""
+    return arch_models("lfm2")
 
 
 @pytest.fixture()

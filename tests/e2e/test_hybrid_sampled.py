@@ -21,16 +21,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TopKLogitsWarper
+from transformers import AutoModelForCausalLM, TopKLogitsWarper
 
-from _architectures import make_sibling_draft, make_tiny_model
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 from specdec_runtime.cloud_verifier.verifier import Verifier
 from specdec_runtime.edge_client.client import EdgeClient
 from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
-from specdec.models import export_onnx_draft
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,12 +46,10 @@ def chi2_critical(df: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, smollm2_tokenizer_dir):
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-    root = tmp_path_factory.mktemp("hybrid_sampled")
-    target = make_tiny_model("lfm2", root / "lfm2", tokenizer)
-    draft = make_sibling_draft(target, root / "draft", tokenizer)
-    return target, draft, export_onnx_draft(draft, root / "draft-onnx", quantize_int8=False, progress=False)
+def pair(arch_models):
+    """(tiny LFM2 target dir, its sibling Llama draft's HF dir, that draft in ONNX): tests/e2e/conftest.py."""
+    target, onnx_dir = arch_models("lfm2")
+    return target, arch_models.sibling("lfm2"), onnx_dir
 
 
 @pytest.fixture(scope="module")
