@@ -32,7 +32,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 
 from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import SamplingParams, SessionOpened
@@ -136,12 +136,18 @@ class RouteSwitcher(Protocol):
     def to_speculative(self, client: GenerationContext, run: "Run") -> str | None:
         """After a cloud chunk."""
 
-    # optional: ``hand_over(client, run) -> str | None``, asked mid-chunk the moment a cloud-first prefill is
-    # ready (from its thread) and at each later cloud token; a reason ends the Decode stream there (a switcher
-    # without it hands over at chunk ends only)
-
     def cloud_chunk_tokens(self, run: "Run") -> int:
         """Tokens of the next cloud decode chunk (a switch back is considered after it); 0 = the whole rest."""
+
+
+@runtime_checkable
+class HandsOver(Protocol):
+    """A :class:`RouteSwitcher` that may hand a cloud-first start over mid-chunk: asked the moment the draft's
+    prefill is ready (from its thread) and at each later cloud token; a reason ends the Decode stream there. A
+    switcher without it hands over at chunk ends only."""
+
+    def hand_over(self, client: GenerationContext, run: "Run") -> str | None:
+        """The reason to hand over now, or None to stay on the cloud for this token."""
 
 
 class CostModelSwitcher:
@@ -326,7 +332,7 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
             now = time.perf_counter()
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             run.committed.extend(tokens)
-            if getattr(verdict, "logprobs", None) is not None and hasattr(run, "logprobs"):  # asked for
+            if verdict.logprobs is not None:  # asked for
                 run.logprobs.extend(verdict.logprobs[: len(tokens)])
             run.last_seq, run.session_committed = seq + i, verdict.committed_length
             run.stats.observe(0, verdict)
@@ -354,7 +360,7 @@ def _ask_hand_over(client: GenerationContext, run: "Run", stream) -> None:
     boundary and remember why (``rr.hand_over``, applied by :func:`after_chunk` once the stream has ended); when it
     says stay, it is asked again at the next token, and the chunk's end decides as without a stop."""
     rr: RouteRun = run.route
-    ask = getattr(rr.switcher, "hand_over", None)
+    ask = rr.switcher.hand_over if isinstance(rr.switcher, HandsOver) else None
     with rr.hand_over_lock:
         prefill = rr.prefill
         if not rr.can_stop or ask is None or prefill is None or not prefill.ready or rr.hand_over is not None:
