@@ -259,8 +259,8 @@ class SessionAdmission:
                 for pos in range(begin, end, chunk):
                     await self.table.prefill_chunk(session, history[pos : min(pos + chunk, end)], pos)
             now = time.time()
-            self.table.store.extend(sid, expected_length, appended, sampling, stopping, int(sampling.seed), now,
-                              self.table.info.verifier_id)
+            self.table.store.extend(sid, expected_length, appended, sampling, stopping, now,
+                                    self.table.info.verifier_id)
             record.committed_token_ids.extend(appended)
             record.prompt_length = new_length
             record.sampling, record.stopping, record.seed = sampling, stopping, int(sampling.seed)

@@ -107,7 +107,6 @@ class SessionStore(abc.ABC):
         token_ids: list[int],
         sampling: SamplingParams,
         stopping: StoppingCriteria,
-        seed: int,
         now: float,
         verifier_id: str,
     ) -> int:
@@ -117,7 +116,8 @@ class SessionStore(abc.ABC):
         Only if the stored committed length equals ``expected_length`` (tokens), replica ``verifier_id`` holds
         the session, and the session is finished or has no output in its current turn (committed length =
         ``prompt_length``): appends ``token_ids``, makes the new committed length the ``prompt_length`` (the new
-        turn's output starts there), replaces ``sampling``, ``stopping`` and ``seed``, clears the finish state
+        turn's output starts there), replaces ``sampling``, ``stopping`` and the seed (``sampling.seed``, set: the
+        verifier fills it before the store sees a turn), clears the finish state
         and the output logprobs, keeps ``last_seq`` (block seqs go on), records ``now`` (unix s) as last-seen
         and refreshes the TTL.
 

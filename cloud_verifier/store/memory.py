@@ -94,7 +94,7 @@ class MemorySessionStore(SessionStore):
             self._refresh(session_id)
             return record.committed_length
 
-    def extend(self, session_id, expected_length, token_ids, sampling, stopping, seed, now, verifier_id) -> int:
+    def extend(self, session_id, expected_length, token_ids, sampling, stopping, now, verifier_id) -> int:
         check_tokens(token_ids)
         with self._lock:
             record = self._live(session_id)
@@ -108,7 +108,7 @@ class MemorySessionStore(SessionStore):
                 raise generating_error(session_id)
             record.committed_token_ids.extend(int(t) for t in token_ids)
             record.prompt_length = record.committed_length
-            record.sampling, record.stopping, record.seed = sampling, stopping, int(seed)
+            record.sampling, record.stopping, record.seed = sampling, stopping, int(sampling.seed)
             record.finished, record.finish_reason, record.output_logprobs = False, None, []
             record.last_seen_at = now
             self._refresh(session_id)

@@ -311,10 +311,10 @@ class RedisSessionStore(SessionStore):
             raise finished_error(session_id)
         raise not_found(session_id)
 
-    def extend(self, session_id, expected_length, token_ids, sampling, stopping, seed, now, verifier_id) -> int:
+    def extend(self, session_id, expected_length, token_ids, sampling, stopping, now, verifier_id) -> int:
         packed = _pack(token_ids)
         args = [verifier_id, 4 * int(expected_length), packed, json.dumps(dataclasses.asdict(sampling)),
-                json.dumps(dataclasses.asdict(stopping)), int(seed), repr(float(now)), self._ttl_ms]
+                json.dumps(dataclasses.asdict(stopping)), int(sampling.seed), repr(float(now)), self._ttl_ms]
         result = self._run("extend", session_id, args, durable=True)
         status, value = int(result[0]), result[1]
         if status == lua.COMMITTED:

@@ -51,7 +51,7 @@ def test_logprobs_committed_with_the_tokens(make):
     assert record.committed_token_ids == [1, 2, 3, 4, 5, 6]
     assert record.output_logprobs == [_lp(0), _lp(1), _lp(2)]
     # the next turn has no output yet: no logprobs either
-    store.extend("s1", 6, [7, 8], SamplingParams(logprobs=True), StoppingCriteria(4), seed=1, now=time.time(),
+    store.extend("s1", 6, [7, 8], SamplingParams(logprobs=True, seed=1), StoppingCriteria(4), now=time.time(),
                  verifier_id="v1")
     assert store.get("s1").output_logprobs == []
     store.append_committed("s1", 8, [10], seq=3, finished=False, finish_reason=None, now=time.time(),

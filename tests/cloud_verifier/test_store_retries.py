@@ -51,13 +51,13 @@ def test_extend_again_is_the_same_extend(store):
     store.create(_record())
     store.append_committed("s", 3, [4, 5, 6, 7], seq=1, finished=True, finish_reason=None, now=6.0,
                            verifier_id="v1")
-    args = ("s", 7, [8, 9], SamplingParams(), StoppingCriteria(max_new_tokens=4), 1, 7.0, "v1")
+    args = ("s", 7, [8, 9], SamplingParams(seed=1), StoppingCriteria(max_new_tokens=4), 7.0, "v1")
     assert store.extend(*args) == 9
     assert store.extend(*args) == 9  # the same turn again: answered as the first, nothing appended
     got = store.get("s")
     assert got.committed_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9] and got.prompt_length == 9
     with pytest.raises(ConflictError):  # another turn at the old length is still refused
-        store.extend("s", 7, [8, 9], SamplingParams(), StoppingCriteria(max_new_tokens=4), 1, 8.0, "v1")
+        store.extend("s", 7, [8, 9], SamplingParams(seed=1), StoppingCriteria(max_new_tokens=4), 8.0, "v1")
 
 
 def test_claim_again_is_the_same_claim(store):
