@@ -72,7 +72,6 @@ SEED_OFFSET = 1_000_000
 CHI2_Z = 3.719  # one-sided normal quantile of 1e-4
 Z_ACCEPT = 4.0  # acceptance calibration: |z| bound
 ACCEPT_BIAS = 0.03  # the acceptance bias the calibration check must see (negative control)
-MAX_RUN_S = 300.0  # sanity bound on the sampling loop's wall time
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -188,7 +187,6 @@ def runs(tiny_pair, request) -> Runs:
             client = EdgeClient(backend, drafter, model.tokenizer, num_speculative_tokens=GAMMA, timeout_s=60.0,
                                 bonus_drafted=bonus_drafted)
             for i in range(n):
-                assert time.monotonic() - t0 < MAX_RUN_S, f"sampling loop too slow: {len(sessions)} sessions"
                 drafter.blocks = []
                 res = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_k=TOP_K,
                                       top_p=TOP_P, seed=seed0 + i, ignore_eos=True, chat=False)

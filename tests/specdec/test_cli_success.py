@@ -130,11 +130,9 @@ def test_serve_then_generate_against_it_then_sigterm(tiny_pair, expected):
         assert status == "SERVING"
         assert check(address, service="", timeout_s=5.0) == "SERVING"
         _check(_generate("--server", address, "--draft", str(tiny_pair.draft_dir)), expected, drafted=True)
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=30)  # the bound: exits on SIGTERM, no timing asserted beyond it
         assert proc.returncode == 0, out[-3000:]
-        assert time.monotonic() - t0 < 20
         assert "shutting down" in out
     finally:
         if proc.poll() is None:
@@ -157,8 +155,8 @@ def test_generate_against_an_embedded_server(tiny_pair, expected):
 
 
 def test_models_prepare_is_idempotent_on_the_prepared_cache():
-    """On the prepared default cache `specdec models prepare` prints both paths, returns quickly and rewrites
-    nothing (no re-export)."""
+    """On the prepared default cache `specdec models prepare` prints both paths and rewrites nothing (no
+    re-export: every file's mtime unchanged)."""
     from specdec.models import default_model_paths, is_complete
 
     paths = default_model_paths()
@@ -167,15 +165,12 @@ def test_models_prepare_is_idempotent_on_the_prepared_cache():
                     "`specdec models prepare` first (CI does)")
     files = [p for d in (paths.target_dir, paths.draft_dir) for p in d.rglob("*") if p.is_file()]
     before = {p: p.stat().st_mtime_ns for p in files}
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "prepare"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert f"target: {paths.target_dir}" in lines
     assert any(line.startswith("draft:") and line.split(":", 1)[1].strip() == str(paths.draft_dir) for line in lines)
-    assert elapsed < 30, f"took {elapsed:.1f} s: re-exported?"
     after = {p: p.stat().st_mtime_ns for d in (paths.target_dir, paths.draft_dir) for p in d.rglob("*") if p.is_file()}
     assert after == before  # no file rewritten, added or removed
 

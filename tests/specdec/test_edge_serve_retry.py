@@ -48,8 +48,9 @@ def test_retry_flags_reach_the_failover_policy(tiny_pair):
     assert attempts == 3  # the default policy makes 8
     with _edge_serve("--server", down, *models, "--retry-max-attempts", "100000", "--retry-budget-s", "3") as url:
         attempts, retried_s, took = _gave_up(url)
-    # the budget ends it (the default 30 s would make the request take 30 s or more)
-    assert 3.0 <= retried_s < 6.0 and took < 25.0, (retried_s, took)
+    # the budget ends it: the policy reports at least the 3 s budget retried, and under the default budget (30 s)
+    # it would report 30 s or more (no bound tighter than that: the machine may be loaded)
+    assert 3.0 <= retried_s < 30.0, (retried_s, took)
     assert attempts > 3
 
 
