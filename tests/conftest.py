@@ -226,3 +226,14 @@ def pytest_configure(config):
     from _skip_policy import pytest_configure as register_skip_policy
 
     register_skip_policy(config)
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+# `pytest -m "not slow"` is the quick tier (docs/testing.md "Two tiers"): the slow marker is set on a module or a
+# test by measured duration, and here on every test of the real SmolLM2 pair (its load alone is ~17 s on 2 cores).
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("real_model") or "real_pair" in getattr(item, "fixturenames", ()):
+            item.add_marker(_pytest.mark.slow)

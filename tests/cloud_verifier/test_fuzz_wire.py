@@ -42,7 +42,7 @@ from specdec.embedded import EmbeddedServer
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 WAIT_S = 30.0
 MAX_BLOCK = 4

@@ -24,7 +24,7 @@ from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecord
 from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(240)]
 
 PROMPTS = ["Tell me a story about a robot who learns to paint.", "Why is the sky blue?",
            "Write a haiku about the sea.", "List three uses of copper."]

@@ -27,7 +27,7 @@ from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecor
 from specdec_runtime.common.errors import VerifierUnavailableError
 from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(180)]
 
 PROMPTS = ["Tell me a story about a robot who learns to paint.", "Why is the sky blue?",
            "Write a haiku about the sea.", "List three uses of copper.", "What is a prime number?",

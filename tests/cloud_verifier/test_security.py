@@ -560,6 +560,7 @@ def test_check_bind_rules(caplog):
     assert ServerSecurity.from_settings(VerifierSettings(host="0.0.0.0", insecure=True, metrics_port=0)).tls is False
 
 
+@pytest.mark.slow  # three `specdec serve` subprocesses: ~30 s measured on the loaded VM
 def test_serve_refuses_public_bind_in_one_line(tmp_path, pki, keys):
     """`specdec serve --host 0.0.0.0` without TLS and keys exits 2 with one line, before loading anything (nothing
     is bound). With TLS but no keys: the same."""

@@ -22,7 +22,7 @@ from specdec_runtime.cloud_verifier.store import RedisSessionStore, SessionRecor
 from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPT = "Tell me a story about a robot who learns to paint."
 

@@ -39,6 +39,8 @@ from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 from specdec.models import FP32_TOLERANCE, export_onnx_draft
 
+pytestmark = pytest.mark.slow
+
 # The graph builder each architecture's draft gets with builder="auto" (GenAI where its builder handles it).
 EXPECTED_BUILDER = {arch: "genai" for arch in ARCHITECTURES}
 EXPECTED_BUILDER["gemma3"] = "torch"  # GenAI 0.18's builder reads a flat rope_parameters (KeyError 'rope_type')

@@ -15,7 +15,7 @@ import pytest
 from _cluster import kill, nginx_binary, start_nginx, start_replicas, stop_process, wait_until
 from _reference import hf_greedy
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(600)]
 
 PROMPTS = [
     "Name a color.",

@@ -18,7 +18,7 @@ import pytest
 from _cluster import ROOT
 from _redis_ha import binaries
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(900)]
 
 DURATION_S = 75
 

@@ -26,7 +26,7 @@ from _reference import hf_greedy
 from specdec_runtime.cloud_verifier.serving.healthcheck import check
 from specdec_runtime.edge_client.client import encode_prompt
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three colors."

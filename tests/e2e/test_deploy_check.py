@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_DOCKER = "docker does not answer: no Docker daemon on this machine (scripts/deploy_check.sh needs one)"
 

@@ -24,7 +24,7 @@ import pytest
 from _cluster import kill, start_replicas, stop_process, wait_until
 from _reference import hf_greedy
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(600)]
 
 SESSIONS = 8
 PROMPT = 24  # tokens

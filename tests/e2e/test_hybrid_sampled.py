@@ -30,7 +30,7 @@ from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 357]
 N = 240  # sessions

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from _cluster import ROOT, kill, start_replicas, stop_process, wait_until
 from _reference import hf_greedy
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(600)]
 
 PROMPT = "Tell me a story about a robot who learns to paint."
 WAIT_S = 180.0

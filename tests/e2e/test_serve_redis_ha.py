@@ -14,7 +14,7 @@ from _cluster import health_status, start_replicas, stop_process, wait_until
 from _redis_ha import ClusterSet, SentinelSet, binaries
 from _reference import hf_greedy
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(300)]
 
 PROMPT = "Tell me a story about a robot who learns to paint."
 MAX_NEW_TOKENS = 24

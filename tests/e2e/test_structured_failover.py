@@ -23,7 +23,7 @@ from specdec_runtime.edge_client.client import encode_prompt
 from test_replica_failover import _drafts, _sdk_client, cluster  # noqa: F401 - cluster: the two-replica fixture
 from test_structured_output import EOS, SCHEMAS, masked_greedy
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(600)]
 
 SCHEMA = SCHEMAS[0]  # nested object: strings, an integer, required keys (~30 tokens of output)
 PROMPT = "Describe a city."
