@@ -60,7 +60,7 @@ from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import LocalBackend
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [504, 6376, 314]  # "The sky is" in the SmolLM2 tokenizer (no chat template)
 TEMPERATURE, TOP_K, TOP_P = 1.0, 30, 0.8  # the target's nucleus after the prompt: 20 tokens, top one 0.25
@@ -147,6 +147,9 @@ class RecordingDrafter:
                                    min_confidence=min_confidence, **kw)
         self.blocks.append((list(committed_token_ids), block))
         return block
+
+    def reset(self) -> None:  # Resettable: a seeded session starts from a fresh draft state
+        self.inner.reset()
 
 
 @dataclass
