@@ -163,8 +163,7 @@ def _verify_drafter_invariant(draft_token_ids, target_probs, seed, start_positio
 def verify_block(
     block: DraftBlock,  # γ draft token ids (+ sparse draft_probs [γ, k], or None for greedy drafting)
     target_logits: np.ndarray,  # [γ + 1, vocab_size] raw logits ([γ, vocab_size] when block.bonus_drafted)
-    sampling: SamplingParams,
-    seed: int,
+    sampling: SamplingParams,  # its seed keys the draws (set for a sampled session)
     start_position: int,  # absolute position of the first draft token (= committed length), tokens
     valid_vocab_size: int | None = None,  # logits columns at or past it (padding) are never chosen
 ) -> RejectionResult:
@@ -187,5 +186,7 @@ def verify_block(
     if sampling.greedy:
         return verify_greedy(block.draft_token_ids, target_logits, valid_vocab_size, block.bonus_drafted)
     target_probs = logits_to_probs(target_logits, sampling, valid_vocab_size)  # [rows, vocab_size]
-    return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, seed, start_position,
+    if sampling.seed is None:
+        raise ValueError("sampled verification needs sampling.seed (the verifier picks one at session open)")
+    return verify_sampled(block.draft_token_ids, block.draft_probs, target_probs, sampling.seed, start_position,
                           block.bonus_drafted, bool(sampling.drafter_invariant))

@@ -97,6 +97,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def seeded(self, seed: int) -> "SamplingParams":
+        """These parameters with ``seed`` (every other field kept)."""
+        return dataclasses.replace(self, seed=int(seed))
+
     @property
     def has_history_processors(self) -> bool:
         """True when a processor depends on the token history (bias, penalties, min_tokens): they run per

@@ -39,6 +39,12 @@ class SessionRecord:
     # prompt_length on), committed with them; empty otherwise. A client whose verdict was lost reads them here.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # the draws read sampling.seed: it is always the session's seed (the request's, or the one the verifier
+        # picked and stored beside it)
+        if self.sampling.seed != self.seed:
+            self.sampling = self.sampling.seeded(self.seed)
+
     @property
     def committed_length(self) -> int:
         """Prompt + committed output, tokens."""

@@ -46,7 +46,7 @@ def logits_fault(logits: np.ndarray, valid_vocab_size: int | None = None) -> str
     return None  # some -inf entries (masked tokens) and finite others: a valid distribution
 
 
-def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, seed: int, start_position: int,
+def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, start_position: int,
                valid_vocab_size: int, session_id: str = "") -> RejectionResult:
     """:func:`common.rejection.verify_block` on one row, guarded (see the module docstring).
 
@@ -63,7 +63,7 @@ def verify_row(block: DraftBlock, logits: np.ndarray, sampling: SamplingParams, 
     if reason is None:
         try:
             with np.errstate(all="ignore"):
-                result = verify_block(block, logits, sampling, seed, start_position, valid_vocab_size)
+                result = verify_block(block, logits, sampling, start_position, valid_vocab_size)
         except (ValueError, FloatingPointError, IndexError) as e:
             reason = f"no distribution to sample from after logits processing ({e})"
         else:

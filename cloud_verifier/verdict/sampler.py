@@ -31,8 +31,7 @@ class VerifyRow:
 
     block: DraftBlock
     logits: Any  # [block.num_scored_positions, vocab_size] float (numpy or torch, any device)
-    sampling: SamplingParams
-    seed: int
+    sampling: SamplingParams  # its seed keys the row's draws (a session's sampling always has one)
     start_position: int  # committed length: absolute position of the block's first draft token, tokens
 
 
@@ -243,7 +242,7 @@ class _SampledPart:
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)  # [n]
         top_p = torch.tensor([p.top_p for p in params], **f64)  # [n]
         min_p = torch.tensor([getattr(p, "min_p", 0.0) for p in params], **f64)  # [n]
-        seeds = [lay.rows[i].seed for i in row_of]
+        seeds = [lay.rows[i].sampling.seed for i in row_of]
         positions = lay.positions(tokens)
         u_accept = torch.from_numpy(uniform_many(seeds, positions, [Stream.ACCEPT] * len(tokens))).to(dev)
         self.seeds, self.positions = seeds, positions  # u_sample: drawn in sample(), for the chosen tokens only

@@ -44,7 +44,7 @@ def rejections(works: list, logits: list, valid_vocab_size: int, sessions) -> li
         except Exception as e:  # noqa: BLE001 - one row's fault is that row's answer
             outcomes[j] = e
             continue
-        rows.append(VerifyRow(work.block, prepared, record.sampling, record.seed, record.committed_length))
+        rows.append(VerifyRow(work.block, prepared, record.sampling, record.committed_length))
         at.append(j)
     # one batched verdict for all rows (tensor ops where the logits are); only ids and counts come back
     try:

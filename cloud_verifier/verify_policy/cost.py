@@ -44,10 +44,16 @@ class ForwardCostModel:
         self._moment = np.zeros(3)  # Σ w x y
         self._count = 0
         self._coef = np.zeros(3)
+        self._rows_seen: set[int] = set()
+        self._tokens_seen: set[int] = set()
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
-        return self._count >= 2
+        """Whether the fit can be trusted: passes of at least two row counts and two token counts. Before that
+        the base and the per-row cost are not separable (a one-session server's steps all have one row, and two
+        passes of one row fit a line through noise), so the policy verifies whole blocks until a saved table, the
+        background profile or steps of several sessions have spanned both."""
+        return self._count >= 2 and len(self._rows_seen) >= 2 and len(self._tokens_seen) >= 2
 
     def observe(self, rows: int, tokens: int, seconds: float, weight: float = 1.0, forget: float = FORGET) -> None:
         """A forward pass of ``rows`` rows and ``tokens`` tokens took ``seconds`` s (past observations weigh
@@ -59,6 +65,8 @@ class ForwardCostModel:
             self._gram = forget * self._gram + weight * np.outer(x, x)
             self._moment = forget * self._moment + weight * x * seconds
             self._count += 1
+            self._rows_seen.add(int(rows))
+            self._tokens_seen.add(int(tokens))
             self._coef = _nonnegative_fit(self._gram, self._moment)
 
     def observe_profiled(self, rows: int, tokens: int, seconds: float) -> None:

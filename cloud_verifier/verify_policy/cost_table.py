@@ -33,10 +33,12 @@ _VERSION = 1
 
 
 def default_cost_table_dir() -> Path:
-    """``<specdec cache dir>/cost-tables`` (``$SPECDEC_CACHE_DIR`` or ``~/.cache/specdec``)."""
+    """``$SPECDEC_COST_TABLE_DIR``, else ``<specdec cache dir>/cost-tables`` (``$SPECDEC_CACHE_DIR`` or
+    ``~/.cache/specdec``)."""
     from specdec_runtime.common.paths import default_cache_dir
 
-    return default_cache_dir() / "cost-tables"
+    override = os.environ.get("SPECDEC_COST_TABLE_DIR")
+    return Path(override).expanduser() if override else default_cache_dir() / "cost-tables"
 
 
 def _weights_signature(model_dir: Path) -> list[list]:

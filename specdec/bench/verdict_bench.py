@@ -63,7 +63,7 @@ def make_rows(logits: np.ndarray, num_rows: int, positions: int, sampling: Sampl
             q_ids.append(t_ids)
             q_probs.append(t_q)
         draft = None if sampling.greedy else SparseDraftProbs(np.stack(q_ids), np.stack(q_probs))
-        rows.append(VerifyRow(DraftBlock(ids, draft), block_logits, sampling, 1000 + r, 100))
+        rows.append(VerifyRow(DraftBlock(ids, draft), block_logits, sampling.seeded(1000 + r), 100))
     return rows
 
 
@@ -71,7 +71,7 @@ def _numpy_loop(rows: list[VerifyRow], vocab: int) -> list:
     out = []
     for r in rows:
         try:
-            out.append(verify_row(r.block, r.logits, r.sampling, r.seed, r.start_position, vocab))
+            out.append(verify_row(r.block, r.logits, r.sampling, r.start_position, vocab))
         except TargetOutputError as e:
             out.append(str(e))
     return out
@@ -117,7 +117,7 @@ def bench_verdicts(num_rows: int = 64, positions: int = 5, repeats: int = 20, de
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "repeats": repeats}
     for name, sampling in (("sampled_t0.7_top_p0.9", SAMPLED), ("greedy", GREEDY)):
         rows = make_rows(logits, num_rows, positions, sampling)
-        on_device = [VerifyRow(r.block, torch.from_numpy(r.logits).to(device), r.sampling, r.seed, r.start_position)
+        on_device = [VerifyRow(r.block, torch.from_numpy(r.logits).to(device), r.sampling, r.start_position)
                      for r in rows]
         if device != "cpu":
             torch.cuda.synchronize()

@@ -64,12 +64,12 @@ def make_row(rng: np.random.Generator, sampling: SamplingParams, ties: bool = Fa
         probs = rng.dirichlet(np.ones(k), gamma).astype(np.float32) + np.float32(1e-3)
         draft_probs = SparseDraftProbs(token_ids, probs)
     block = DraftBlock(ids, draft_probs, bonus_drafted=bonus_drafted)
-    return VerifyRow(block, logits, sampling, int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(1, 5000)))
+    return VerifyRow(block, logits, sampling.seeded(int(rng.integers(0, 2**64, dtype=np.uint64))), int(rng.integers(1, 5000)))
 
 
 def reference(row: VerifyRow, valid: int = VALID):
     try:
-        return verify_row(row.block, row.logits, row.sampling, row.seed, row.start_position, valid, "s")
+        return verify_row(row.block, row.logits, row.sampling, row.start_position, valid, "s")
     except TargetOutputError as e:
         return str(e)
 
@@ -145,7 +145,7 @@ def test_a_faulty_row_faults_alone_with_the_reference_message():
     nan.logits[-1, 7] = np.nan
     posinf.logits[0, 3] = np.inf
     neginf.logits[0, :] = -np.inf
-    overflow.sampling = SamplingParams(temperature=1e-310)
+    overflow.sampling = SamplingParams(temperature=1e-310, seed=overflow.sampling.seed)
     overflow.logits[:] = 1.0
     rows = [good[0], nan, good[1], posinf, neginf, overflow, good[2]]
     got = batched(rows)
@@ -160,7 +160,7 @@ def test_a_faulty_row_faults_alone_with_the_reference_message():
 def test_rows_as_torch_tensors_and_numpy_agree():
     rng = np.random.default_rng(8)
     rows = [make_row(rng, SAMPLED[i % 3]) for i in range(40)]
-    as_tensors = [VerifyRow(r.block, torch.from_numpy(r.logits), r.sampling, r.seed, r.start_position) for r in rows]
+    as_tensors = [VerifyRow(r.block, torch.from_numpy(r.logits), r.sampling, r.start_position) for r in rows]
     assert batched(as_tensors) == batched(rows)
 
 
@@ -172,7 +172,7 @@ def _first_token_distribution(p_logits, q, claimed_q, sampling, trials, rng) -> 
     for t in range(trials):
         x = int(rng.choice(vocab, p=q))
         draft = SparseDraftProbs(np.arange(vocab)[None, :], claimed_q[None, :].astype(np.float32))
-        rows.append(VerifyRow(DraftBlock([x], draft), np.tile(p_logits, (2, 1)), sampling, t, 10))
+        rows.append(VerifyRow(DraftBlock([x], draft), np.tile(p_logits, (2, 1)), sampling.seeded(t), 10))
     counts = np.zeros(vocab)
     for x_block, r in zip(rows, BatchedRejectionSampler()(rows, vocab)):
         first = x_block.block.draft_token_ids[0] if r.num_accepted >= 1 else r.next_token_id
@@ -201,7 +201,7 @@ def test_cuda_rows_match_the_reference():
     rng = np.random.default_rng(9)
     params = SAMPLED + [SamplingParams()]
     rows = [make_row(rng, params[i % len(params)]) for i in range(400)]
-    on_gpu = [VerifyRow(r.block, torch.from_numpy(r.logits).cuda(), r.sampling, r.seed, r.start_position)
+    on_gpu = [VerifyRow(r.block, torch.from_numpy(r.logits).cuda(), r.sampling, r.start_position)
               for r in rows]
     got, want = batched(on_gpu), [reference(r) for r in rows]
     differ = sum(g != w for g, w in zip(got, want))

@@ -180,9 +180,9 @@ def test_logits_fault_and_guarded_verify():
     assert logits_fault(bad) == "a position with no finite logit"
     # the residual with no mass (p == q: the draft distribution is the target's) falls back to p: a valid token
     logits = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
-    result = verify_row(DraftBlock([3, 4]), logits, SamplingParams(temperature=1.0), 11, 7, vocab)
+    result = verify_row(DraftBlock([3, 4]), logits, SamplingParams(temperature=1.0).seeded(11), 7, vocab)
     assert 0 <= result.next_token_id < vocab
     # finite logits that leave no distribution: logits / temperature overflows (a temperature validation refuses
     # at OpenSession, MIN_TEMPERATURE; the guard catches it anyway)
     with pytest.raises(TargetOutputError, match="no distribution"):
-        verify_row(DraftBlock([3, 4]), logits * 1e3, SamplingParams(temperature=1e-310), 11, 7, vocab)
+        verify_row(DraftBlock([3, 4]), logits * 1e3, SamplingParams(temperature=1e-310).seeded(11), 7, vocab)

@@ -53,8 +53,8 @@ def test_fine_logits_give_the_rejection_rules_verdict(sampling):
         logits = rng.normal(size=(3, V)).astype(np.float32)
         logits[:, V - 2:] = 50.0  # padding columns with the largest logits: never chosen
         block = DraftBlock([int(rng.integers(V - 2)), int(rng.integers(V - 2))])
-        got = verify_row(block, logits, sampling, 100 + trial, 9, V - 2)
-        assert got == verify_block(block, logits, sampling, 100 + trial, 9, V - 2)
+        got = verify_row(block, logits, sampling.seeded(100 + trial), 9, V - 2)
+        assert got == verify_block(block, logits, sampling.seeded(100 + trial), 9, V - 2)
         assert 0 <= got.next_token_id < V - 2
     assert nonfinite_count() == before
 
@@ -68,7 +68,7 @@ def test_fault_raises_and_counts(kind, reason):
     with pytest.raises(TargetOutputError, match=(
             rf"^the target produced unusable logits for session s-7: {reason}; nothing was committed, and the "
             r"session's KV cache is rebuilt before its next block$")):
-        verify_row(DraftBlock([1]), logits, SamplingParams(temperature=0.5), 1, 4, V, session_id="s-7")
+        verify_row(DraftBlock([1]), logits, SamplingParams(temperature=0.5).seeded(1), 4, V, session_id="s-7")
     assert nonfinite_count() == before + 1
 
 
@@ -76,7 +76,7 @@ def test_no_distribution_after_processing_is_a_fault():
     logits = np.random.default_rng(0).normal(size=(2, V)).astype(np.float32) * 1e3
     before = nonfinite_count()
     with pytest.raises(TargetOutputError, match=r"no distribution to sample from after logits processing \("):
-        verify_row(DraftBlock([3]), logits, SamplingParams(temperature=1e-310), 11, 7, V)
+        verify_row(DraftBlock([3]), logits, SamplingParams(temperature=1e-310).seeded(11), 7, V)
     assert nonfinite_count() == before + 1
 
 
@@ -87,10 +87,10 @@ def test_vocabulary_edges_are_tokens():
         logits = np.zeros((1, V), np.float32)
         logits[0, winner] = 1.0
         logits[0, 6:] = 9.0  # padding
-        assert verify_row(DraftBlock([]), logits, SamplingParams(), 0, 0, 6) == RejectionResult(0, winner)
+        assert verify_row(DraftBlock([]), logits, SamplingParams().seeded(0), 0, 6) == RejectionResult(0, winner)
         one_hot = np.full((1, V), -np.inf, np.float32)
         one_hot[0, winner] = 0.0
-        assert verify_row(DraftBlock([]), one_hot, SamplingParams(temperature=1.0), 3, 0, 6) == \
+        assert verify_row(DraftBlock([]), one_hot, SamplingParams(temperature=1.0).seeded(3), 0, 6) == \
             RejectionResult(0, winner)
 
 
@@ -98,11 +98,11 @@ def test_bonus_drafted_full_block_is_not_a_fault():
     """-1 is the verdict's token only after a bonus_drafted block accepted whole; anywhere else it is a fault."""
     logits = np.full((2, V), -5.0, np.float32)
     logits[0, 3] = logits[1, 4] = 5.0
-    assert verify_row(DraftBlock([3, 4], bonus_drafted=True), logits, SamplingParams(), 0, 0, V) == \
+    assert verify_row(DraftBlock([3, 4], bonus_drafted=True), logits, SamplingParams().seeded(0), 0, V) == \
         RejectionResult(2, -1)
-    assert verify_row(DraftBlock([3, 7], bonus_drafted=True), logits, SamplingParams(), 0, 0, V) == \
+    assert verify_row(DraftBlock([3, 7], bonus_drafted=True), logits, SamplingParams().seeded(0), 0, V) == \
         RejectionResult(1, 4)
-    assert verify_row(DraftBlock([3, 4], bonus_drafted=True), logits, SamplingParams(temperature=0.01), 0, 0, V) \
+    assert verify_row(DraftBlock([3, 4], bonus_drafted=True), logits, SamplingParams(temperature=0.01).seeded(0), 0, V) \
         == RejectionResult(2, -1)
 
 
@@ -112,9 +112,9 @@ def test_padding_faults_are_not_the_rows_faults():
     logits[0, 3] = 2.0
     logits[:, V - 2] = np.nan
     logits[:, V - 1] = np.inf
-    assert verify_row(DraftBlock([3]), logits, SamplingParams(), 0, 0, V - 2) == RejectionResult(1, 0)
+    assert verify_row(DraftBlock([3]), logits, SamplingParams().seeded(0), 0, V - 2) == RejectionResult(1, 0)
     with pytest.raises(TargetOutputError, match="NaN logits"):
-        verify_row(DraftBlock([3]), logits, SamplingParams(), 0, 0, V - 1)
+        verify_row(DraftBlock([3]), logits, SamplingParams().seeded(0), 0, V - 1)
 
 
 def test_guard_emits_no_numpy_warnings():
@@ -125,10 +125,10 @@ def test_guard_emits_no_numpy_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(TargetOutputError, match="no distribution"):
-            verify_row(DraftBlock([3]), logits, SamplingParams(temperature=1e-310), 11, 7, V)
+            verify_row(DraftBlock([3]), logits, SamplingParams(temperature=1e-310).seeded(11), 7, V)
 
 
 def test_fault_message_without_a_session_id():
     logits = np.full((1, V), np.nan, np.float32)
     with pytest.raises(TargetOutputError, match="^the target produced unusable logits for session : NaN logits;"):
-        verify_row(DraftBlock([]), logits, SamplingParams(), 0, 0, V)
+        verify_row(DraftBlock([]), logits, SamplingParams().seeded(0), 0, V)

@@ -46,7 +46,10 @@ def ref(tiny_pair) -> tuple[list[int], list[int]]:
 @pytest.fixture(scope="module")
 def server(tiny_pair):
     runner = TargetRunner(tiny_pair.target_dir)
-    verifier = Verifier(runner, MemorySessionStore(ttl_s=60), max_num_speculative_tokens=GAMMA, max_batch_wait_ms=1.0)
+    # fixed verification: each case is a whole block's verdict (an adaptive cut, decided by measured step cost,
+    # would verify a prefix of it)
+    verifier = Verifier(runner, MemorySessionStore(ttl_s=60), max_num_speculative_tokens=GAMMA, max_batch_wait_ms=1.0,
+                        verify_policy="fixed")
     with EmbeddedServer(verifier=verifier, grace_s=1.0) as address:
         yield address
 

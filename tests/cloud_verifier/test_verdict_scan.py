@@ -174,7 +174,7 @@ def test_native_scan_gives_the_numpy_scans_fields(temperature, flags, tmp_path):
 
 
 def _row(logits: np.ndarray, sampling: SamplingParams, seed: int, draft: list[int]) -> VerifyRow:
-    return VerifyRow(DraftBlock(draft, None), logits, sampling, seed, 100)
+    return VerifyRow(DraftBlock(draft, None), logits, sampling.seeded(seed), 100)
 
 
 def test_fast_decisions_and_their_fallbacks_give_the_reference_tokens():
@@ -205,7 +205,7 @@ def test_fast_decisions_and_their_fallbacks_give_the_reference_tokens():
     assert not decided[2] and not z_open[2]  # the wide nucleus: dense
     assert decided[6:].float().mean() > 0.7  # the ordinary rows: most decided by the fast path (85% here)
     got = BatchedRejectionSampler()(rows, V)
-    want = [verify_row(r.block, r.logits, r.sampling, r.seed, r.start_position, V) for r in rows]
+    want = [verify_row(r.block, r.logits, r.sampling, r.start_position, V) for r in rows]
     assert got == want
 
 
@@ -222,10 +222,10 @@ def test_without_the_compiled_scan_the_numpy_one_runs(env, tmp_path):
         "assert not available()\n"
         "rng = np.random.default_rng(0)\n"
         "x = (rng.standard_normal((3, 4096)) * 2).astype(np.float32)\n"
-        "row = VerifyRow(DraftBlock([int(x[0].argmax()), 5], None), x, SamplingParams(temperature=0.7, top_p=0.9),"
-        " 3, 10)\n"
+        "row = VerifyRow(DraftBlock([int(x[0].argmax()), 5], None), x,"
+        " SamplingParams(temperature=0.7, top_p=0.9, seed=3), 10)\n"
         "got = BatchedRejectionSampler()([row], 4096)\n"
-        "assert got == [verify_row(row.block, x, row.sampling, 3, 10, 4096)], got\n"
+        "assert got == [verify_row(row.block, x, row.sampling, 10, 4096)], got\n"
         "print('numpy scan ok')\n")
     run_env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path), "TMPDIR": str(tmp_path), **env}
     out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)

@@ -85,8 +85,10 @@ def run(runner, body, verifier_id="verdict-unit"):
 
     async def main():
         store = MemorySessionStore(ttl_s=60)
+        # fixed verification: each case is a whole block's verdict (an adaptive cut, decided by measured step
+        # cost, would verify a prefix of it)
         verifier = Verifier(runner, store, verifier_id=verifier_id, max_num_speculative_tokens=GAMMA,
-                            max_batch_wait_ms=0.5)
+                            max_batch_wait_ms=0.5, verify_policy="fixed")
         await verifier.start()
         try:
             return await body(verifier, store)
@@ -257,7 +259,7 @@ def test_sampled_verdict_is_the_rejection_rule_on_the_targets_logits(runner, tar
         block = DraftBlock(tokens[2:5])
         with torch.inference_mode():
             logits = model(torch.tensor([context + block.draft_token_ids])).logits[0, len(context) - 1:].numpy()
-        expect = verify_block(block, logits, sampling, seed, len(context), runner.vocab_size)
+        expect = verify_block(block, logits, sampling.seeded(seed), len(context), runner.vocab_size)
         assert (verdict.num_accepted, verdict.next_token_id) == (expect.num_accepted, expect.next_token_id), seed
     assert len({c[0] for c in outcomes}) == len(outcomes)  # distinct seeds
 

@@ -102,6 +102,23 @@ def test_adaptive_cuts_low_confidence_tails_on_a_steep_table():
     assert VerifyPolicy(_steep()).choose(blocks, 0) == [9] * 8  # fixed: every position
 
 
+def test_a_fit_of_one_row_count_verifies_whole_blocks():
+    """Steps of one session all have one row: base and per-row cost are not separable, and two passes fit a line
+    through noise. Until passes span two row counts and two token counts (a saved table, the background
+    profile, steps of several sessions) the policy verifies whole blocks; then it cuts as the table says."""
+    blocks = [_block([0.99, 0.05] + [0.9] * 6) for _ in range(4)]
+    cost = ForwardCostModel()
+    for t in (1, 8, 64, 9, 5):
+        cost.observe(1, t, 0.01 * t, forget=1.0)  # steep per token, but one row count only
+    policy = AdaptiveVerifyPolicy(cost)
+    for b in blocks:
+        for _ in range(50):
+            policy.observe_verdict(b, 8, 1)
+    assert not cost and policy.choose(blocks, 0) == [9] * 4
+    cost.observe(4, 32, 0.32, forget=1.0)  # a second row count: the fit is trusted
+    assert cost and max(policy.choose(blocks, 0)) <= 2
+
+
 def test_adaptive_keeps_whole_blocks_when_extra_tokens_are_free():
     blocks = [_block([0.5] * 8) for _ in range(8)]
     assert AdaptiveVerifyPolicy(_flat()).choose(blocks, 0) == [9] * 8

@@ -66,11 +66,11 @@ def test_verdicts_are_the_targets_own_draws_in_reference_and_batched_paths():
     rows = _corpus()
     from specdec_runtime.cloud_verifier.verdict.sampler import VerifyRow
 
-    batched = verify_rows([VerifyRow(b, lg, s, seed, st) for s, b, lg, seed, st in rows], V)
+    batched = verify_rows([VerifyRow(b, lg, s.seeded(seed), st) for s, b, lg, seed, st in rows], V)
     accepted = 0
     for (s, block, logits, seed, start), got in zip(rows, batched):
         own = _own_draws(logits, s, seed, start)
-        ref = verify_row(block, logits, s, seed, start, V)
+        ref = verify_row(block, logits, s.seeded(seed), start, V)
         assert got == ref
         tokens = _tokens(block, ref)
         assert tokens == own[:len(tokens)]  # every committed token is the target's own draw there
@@ -85,7 +85,7 @@ def test_negative_control_algorithm_1_on_the_same_rows_is_not_drafter_invariant(
     differ = 0
     for s, block, logits, seed, start in _corpus(200):
         s1 = dataclasses.replace(s, drafter_invariant=False)
-        tokens = _tokens(block, verify_row(block, logits, s1, seed, start, V))
+        tokens = _tokens(block, verify_row(block, logits, s1.seeded(seed), start, V))
         differ += tokens != _own_draws(logits, s, seed, start)[:len(tokens)]
     assert differ > 20
 

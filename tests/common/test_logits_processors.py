@@ -111,7 +111,7 @@ def _speculative(params, seed, in_block_history=True):
             for r in rows:
                 verifier.apply(r)
         sparse = SparseDraftProbs(np.tile(np.arange(V), (GAMMA, 1)), np.stack(qs).astype(np.float32))
-        res = verify_block(DraftBlock(draft, sparse), rows, params, seed, len(ids))
+        res = verify_block(DraftBlock(draft, sparse), rows, params.seeded(seed), len(ids))
         ids += draft[:res.num_accepted] + [res.next_token_id]
     return tuple(ids[len(PROMPT):len(PROMPT) + L])
 

@@ -70,8 +70,8 @@ def test_verify_block_checks_the_rows_of_a_bonus_drafted_block():
     assert DraftBlock([1, 2, 3], bonus_drafted=True).num_scored_positions == 3
     assert DraftBlock([1, 2, 3]).num_scored_positions == 4
     with pytest.raises(ValueError):
-        verify_block(block, np.zeros((4, 6), np.float32), sp, 0, 10)  # classic rows for a bonus_drafted block
-    res = verify_block(block, np.zeros((3, 6), np.float32), sp, 0, 10)
+        verify_block(block, np.zeros((4, 6), np.float32), sp.seeded(0), 10)  # classic rows for a bonus_drafted block
+    res = verify_block(block, np.zeros((3, 6), np.float32), sp.seeded(0), 10)
     assert 0 <= res.num_accepted <= 3
 
 
@@ -135,7 +135,7 @@ def generate(seed: int, mode: str, n_tokens: int, schedule, bonus_drafted: bool,
         gamma = schedule(step)
         block = draft(out, gamma + 1 if bonus_drafted else gamma, mode, seed)
         block.bonus_drafted = bonus_drafted
-        res = verify(block, scored_logits(out, block), sp, seed, len(out))
+        res = verify(block, scored_logits(out, block), sp, len(out))  # sp carries the seed
         out += list(block.draft_token_ids[: res.num_accepted]) + ([res.next_token_id] if res.next_token_id >= 0 else [])
         step += 1
     return out[:n_tokens]
@@ -190,29 +190,29 @@ def test_bonus_drafted_output_does_not_depend_on_block_boundaries(mode):
 N_SMALL, N_LARGE = 1_000, 16_000
 
 
-def verify_accept_all(block, logits, sp, seed, start):
+def verify_accept_all(block, logits, sp, start):
     """Negative control (a): every draft token accepted (output ~ q)."""
     return RejectionResult(len(block), -1)
 
 
-def verify_resample_from_p(block, logits, sp, seed, start):
+def verify_resample_from_p(block, logits, sp, start):
     """Negative control (b): the bonus_drafted rule, but after a rejection the token is drawn from p, not from
     the residual norm(max(0, p − q))."""
     probs = logits_to_probs(logits, sp)
     for i, x in enumerate(block.draft_token_ids):
         q = dense_draft_probs(block.draft_token_ids, block.draft_probs, i, probs.shape[-1])
-        if uniform(seed, start + i, Stream.ACCEPT) * q[x] < probs[i, x]:
+        if uniform(sp.seed, start + i, Stream.ACCEPT) * q[x] < probs[i, x]:
             continue
-        return RejectionResult(i, sample_from(probs[i], uniform(seed, start + i, Stream.TARGET_SAMPLE)))
+        return RejectionResult(i, sample_from(probs[i], uniform(sp.seed, start + i, Stream.TARGET_SAMPLE)))
     return RejectionResult(len(block), -1)
 
 
-def verify_last_unchecked(block, logits, sp, seed, start):
+def verify_last_unchecked(block, logits, sp, start):
     """Negative control (c): the bonus_drafted token committed without its acceptance test (as if it were a
     bonus token the target had sampled)."""
     n = len(block)
     res = verify_block(DraftBlock(block.draft_token_ids[:-1], _rows(block.draft_probs, n - 1), bonus_drafted=False),
-                       logits, sp, seed, start)
+                       logits, sp, start)
     if res.num_accepted == n - 1:
         return RejectionResult(n, -1)
     return res

@@ -71,10 +71,10 @@ def test_num_scored_positions_and_committed():
 def test_verify_block_rejects_logits_of_the_wrong_height():
     logits = np.zeros((3, V))
     with pytest.raises(ValueError, match="^target logits have 3 rows for a block scoring 4 positions$"):
-        verify_block(DraftBlock([1, 2, 3]), logits, SamplingParams(), 0, 5)
+        verify_block(DraftBlock([1, 2, 3]), logits, SamplingParams().seeded(0), 5)
     with pytest.raises(ValueError, match="^target logits have 3 rows for a block scoring 2 positions$"):
-        verify_block(DraftBlock([1, 2], bonus_drafted=True), logits, SamplingParams(), 0, 5)
-    verify_block(DraftBlock([1, 2, 3], bonus_drafted=True), logits, SamplingParams(), 0, 5)
+        verify_block(DraftBlock([1, 2], bonus_drafted=True), logits, SamplingParams().seeded(0), 5)
+    verify_block(DraftBlock([1, 2, 3], bonus_drafted=True), logits, SamplingParams().seeded(0), 5)
 
 
 def test_verify_block_greedy_and_padding():
@@ -83,20 +83,20 @@ def test_verify_block_greedy_and_padding():
     argmax = logits.argmax(-1)
     greedy = SamplingParams(temperature=0.0)
     draft = [int(argmax[0]), int(argmax[1]), (int(argmax[2]) + 1) % V]
-    assert verify_block(DraftBlock(draft), logits, greedy, 0, 9) == RejectionResult(2, int(argmax[2]))
+    assert verify_block(DraftBlock(draft), logits, greedy.seeded(0), 9) == RejectionResult(2, int(argmax[2]))
     full = [int(t) for t in argmax[:3]]
-    assert verify_block(DraftBlock(full), logits, greedy, 0, 9) == RejectionResult(3, int(argmax[3]))
-    assert verify_block(DraftBlock(full, bonus_drafted=True), logits[:3], greedy, 0, 9) == RejectionResult(3, -1)
+    assert verify_block(DraftBlock(full), logits, greedy.seeded(0), 9) == RejectionResult(3, int(argmax[3]))
+    assert verify_block(DraftBlock(full, bonus_drafted=True), logits[:3], greedy.seeded(0), 9) == RejectionResult(3, -1)
     # a padded column (id >= valid_vocab_size) with the largest logit is never the verdict's token
     padded = logits.copy()
     padded[:, V - 1] = 100.0
     valid = V - 1
     expect = padded[:, :valid].argmax(-1)
-    assert verify_block(DraftBlock([]), padded[:1], greedy, 0, 9, valid) == RejectionResult(0, int(expect[0]))
-    assert verify_block(DraftBlock([]), padded[:1], greedy, 0, 9) == RejectionResult(0, V - 1)
+    assert verify_block(DraftBlock([]), padded[:1], greedy.seeded(0), 9, valid) == RejectionResult(0, int(expect[0]))
+    assert verify_block(DraftBlock([]), padded[:1], greedy.seeded(0), 9) == RejectionResult(0, V - 1)
     assert verify_greedy([], padded[:1], valid) == RejectionResult(0, int(expect[0]))
     for seed in range(20):  # sampled: the padded column has probability 0 whatever the draws
-        r = verify_block(DraftBlock([]), padded[:1], SamplingParams(temperature=1.0), seed, 9, valid)
+        r = verify_block(DraftBlock([]), padded[:1], SamplingParams(temperature=1.0).seeded(seed), 9, valid)
         assert r.num_accepted == 0 and 0 <= r.next_token_id < valid
 
 
@@ -125,7 +125,7 @@ def test_verify_block_sampled_equals_algorithm_1(drafting, bonus_drafted):
         seed, start = 1000 + trial, 17 + trial % 5
         rows = gamma if bonus_drafted else gamma + 1
         block = DraftBlock(draft, draft_probs, bonus_drafted=bonus_drafted)
-        got = verify_block(block, logits[:rows], SamplingParams(temperature=temperature), seed, start)
+        got = verify_block(block, logits[:rows], SamplingParams(temperature=temperature).seeded(seed), start)
         assert got == reference_verdict(draft, q_rows, p_rows, seed, start, bonus_drafted), trial
         seen.add(got.num_accepted)
     assert seen == set(range(gamma + 1))  # every branch: rejections at each position, and full blocks
