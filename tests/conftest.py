@@ -155,8 +155,10 @@ def smollm2_tokenizer_dir() -> _Path:
 class TinyPair:
     """Tiny random Llama pair sharing the real SmolLM2 tokenizer (vocab 49152, hidden 64, 2 layers).
 
-    target_dir: HF directory (PyTorch target). draft_dir: the same weights exported to ONNX fp32 (greedy
-    acceptance ~100 %). other_draft_dir: a differently seeded tiny model in ONNX fp32 (low acceptance).
+    target_dir: HF directory (PyTorch target). draft_dir: the same weights exported to ONNX fp32 by the default
+    builder, GenAI's (greedy acceptance ~100 %). other_draft_dir: a differently seeded tiny model in ONNX fp32
+    (low acceptance), exported by torch.onnx: ~3 s against ~18 s for GenAI's builder subprocess on a loaded
+    machine, paid by every test session (the graph builders are tests/specdec/test_models_onnx.py's subject).
     """
 
     target_dir: _Path
@@ -202,11 +204,12 @@ def tiny_pair(tmp_path_factory, smollm2_tokenizer_dir) -> TinyPair:
     root = tmp_path_factory.mktemp("tiny_pair")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     dirs = {}
-    for name, seed in (("target", 0), ("other", 1)):
+    for name, seed, builder in (("target", 0, "auto"), ("other", 1, "torch")):
         hf_dir = root / f"{name}-hf"
         _make_tiny_llama(seed).save_pretrained(hf_dir)
         tokenizer.save_pretrained(hf_dir)
-        onnx_dir = export_onnx_draft(hf_dir, root / f"{name}-onnx", quantize_int8=False, progress=False)
+        onnx_dir = export_onnx_draft(hf_dir, root / f"{name}-onnx", quantize_int8=False, progress=False,
+                                     builder=builder)
         dirs[name] = (hf_dir, onnx_dir)
     return TinyPair(
         target_dir=dirs["target"][0],
@@ -235,3 +238,14 @@ def pytest_configure(config):
     from _skip_policy import pytest_configure as register_skip_policy
 
     register_skip_policy(config)
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+# `pytest -m "not slow"` is the quick tier (docs/testing.md "Two tiers"): the slow marker is set on a module or a
+# test by measured duration, and here on every test of the real SmolLM2 pair (its load alone is ~17 s on 2 cores).
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("real_model") or "real_pair" in getattr(item, "fixturenames", ()):
+            item.add_marker(_pytest.mark.slow)
