@@ -90,20 +90,20 @@ def dense_draft_probs(
 
 def draft_token(
     logits: np.ndarray,  # [vocab_size] the draft's logits at one position, history processors already applied
-    sampling,  # common.types.SamplingParams
+    sampling,  # common.types.SamplingParams; its seed keys the draw (set for a sampled session)
     draft_top_k: int,
     valid_vocab_size: int,
-    seed: int,
     position: int,  # absolute position of the drafted token, tokens
 ) -> tuple[int, np.ndarray | None, np.ndarray | None]:  # (token id, [k] ids, [k] float32 q) or (id, None, None)
     """The draft's token at one position: the argmax of the valid ids (greedy), or a draw from its top-k q
-    (:func:`draft_topk_distribution`) with ``uniform(seed, position, Stream.DRAFT_SAMPLE)``, returned with that
+    (:func:`draft_topk_distribution`) with ``uniform(sampling.seed, position, Stream.DRAFT_SAMPLE)``, returned with that
     q so it goes on the wire as exactly the distribution the token was drawn from. A drafter-invariant session
     (:mod:`common.rejection`) draws it from q with the verifier's own Gumbel noise (:func:`gumbel_argmax`,
     ``Stream.GUMBEL``): the coupling that makes it the target's draw as often as q is close to p."""
     if sampling.greedy:
         return int(np.argmax(logits[:valid_vocab_size])), None, None
     ids, q = draft_topk_distribution(logits, sampling, draft_top_k, valid_vocab_size)
+    seed = sampling.seed
     if sampling.drafter_invariant:
         return gumbel_argmax(ids, normalize_sparse(q), seed, position, Stream.GUMBEL), ids, q
     j = sample_from(normalize_sparse(q), uniform(seed, position, Stream.DRAFT_SAMPLE))

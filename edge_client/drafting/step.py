@@ -43,16 +43,15 @@ class DraftRows:
             are keyed by it and ``sampling.seed``: timing-independent).
 
     Raises:
-        ValueError: sampled drafting (not greedy, k > 1) with ``sampling.seed`` None.
+        ValueError: a sampled session's ``sampling`` without a seed.
     """
 
     def __init__(self, sampling: SamplingParams, draft_top_k: int, valid_vocab_size: int, start: int):
         self.sampling, self.draft_top_k, self.valid = sampling, draft_top_k, valid_vocab_size
         self.start = start
         self.greedy = sampling.greedy or draft_top_k <= 1
-        if not self.greedy and sampling.seed is None:
+        if not sampling.greedy and sampling.seed is None:
             raise ValueError("sampled drafting needs sampling.seed (the verifier picks one at session open)")
-        self.seed = 0 if sampling.seed is None else int(sampling.seed)  # greedy drafting draws nothing
         self.tokens: list[int] = []
         self.rows_ids: list[np.ndarray] = []
         self.rows_q: list[np.ndarray] = []
@@ -60,7 +59,7 @@ class DraftRows:
 
     def draw(self, logits: np.ndarray) -> int:
         """Draw the next position's token from the processed draft logits [>= valid_vocab_size]; record it."""
-        token, ids, q = draft_token(logits, self.sampling, self.draft_top_k, self.valid, self.seed,
+        token, ids, q = draft_token(logits, self.sampling, self.draft_top_k, self.valid,
                                     self.start + len(self.tokens))
         if not self.greedy:
             self.rows_ids.append(ids)

@@ -47,9 +47,9 @@ _DRAFT = SamplingParams(temperature=0.7)  # the draft's q: top-8 of its tempered
 
 
 def make_rows(logits: np.ndarray, num_rows: int, positions: int, sampling: SamplingParams,
-              seed: int = 0) -> list[VerifyRow]:
+              data_seed: int = 0) -> list[VerifyRow]:
     """``num_rows`` blocks of ``positions - 1`` draft tokens over rows of ``logits`` [n, vocab] (cycled)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(data_seed)  # the rows' content; each row's draws: its own session seed
     rows = []
     for r in range(num_rows):
         at = [(r * positions + i) % len(logits) for i in range(positions)]

@@ -97,10 +97,10 @@ def test_the_drafts_coupled_draw_is_the_targets_when_q_is_p():
     s = SamplingParams(temperature=1.0, top_k=5, seed=9, drafter_invariant=True)
     logits = _logits(rng, 300)
     own = _own_draws(logits, s, 9, 100)
-    coupled = [draft_token(logits[t], s, 5, V, 9, 100 + t)[0] for t in range(300)]
+    coupled = [draft_token(logits[t], s.seeded(9), 5, V, 100 + t)[0] for t in range(300)]
     assert coupled == own
     apart = dataclasses.replace(s, drafter_invariant=False)
-    independent = [draft_token(logits[t], apart, 5, V, 9, 100 + t)[0] for t in range(300)]
+    independent = [draft_token(logits[t], apart.seeded(9), 5, V, 100 + t)[0] for t in range(300)]
     assert sum(a == b for a, b in zip(independent, own)) < 0.8 * len(own)
 
 

@@ -54,4 +54,4 @@ def test_confidence_and_stacking():
 def test_sampled_rows_need_the_session_seed():
     with pytest.raises(ValueError, match="needs sampling.seed"):
         DraftRows(SamplingParams(temperature=1.0), 4, 40, start=0)
-    assert DraftRows(SamplingParams(temperature=1.0), 1, 40, start=0).greedy  # k = 1 draws nothing
+    assert DraftRows(SamplingParams(temperature=0.0), 4, 40, start=0).greedy  # greedy sampling draws nothing
