@@ -177,13 +177,15 @@ def set_verify_lengths(policy: VerifyPolicy, batch: list) -> None:
     """Apply ``policy`` to one batch step (``batch``: the step's :class:`cloud_verifier.work.Work` items): each
     verify row's ``block`` and ``tokens`` become the part of its queued ``full_block`` it verifies (all of it, or a
     prefix: :func:`truncate_block`; chosen again from the whole block when a row waits for KV pages). A classic
-    block of a seeded sampled session is always verified whole: a prefix of it would sample where the whole block
-    judges (its edge keeps a timing-independent schedule for such sessions; a bonus_drafted block's tokens do not
-    depend on the cut, nor do a drafter-invariant session's)."""
+    block of a sampled Algorithm-1 session is always verified whole: for a seeded one a prefix would sample where
+    the whole block judges (its edge keeps a timing-independent schedule: edge_client/generation/plan.py), and a
+    session's record always holds a seed (the request's, or the one this verifier picked and the edge re-sends
+    on a re-open), so a seed the user fixed is not told apart here. A bonus_drafted block's tokens do not depend
+    on the cut, nor do a greedy or drafter-invariant session's."""
     fixed, verify = 0, []
     for w in batch:
         sampling = w.session.record.sampling
-        if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy or sampling.seed is None
+        if w.full_block is not None and (w.full_block.bonus_drafted or sampling.greedy
                                          or sampling.drafter_invariant):
             verify.append(w)
         else:
