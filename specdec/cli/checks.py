@@ -46,9 +46,26 @@ def check_model_dirs(target: Path | None, draft: Path | None) -> None:
         if target is not None:
             resolve_target_dir(target)
         if draft is not None:
-            resolve_draft_dir(draft)
+            check_draft_tokenizer(resolve_draft_dir(draft))
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
+
+
+def check_draft_tokenizer(draft_dir: Path) -> None:
+    """Exit with one line when the draft's tokenizer does not load or its chat template does not parse (a
+    traceback from deep in the first generation otherwise). Parses the template; renders nothing."""
+    import jinja2
+
+    from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(draft_dir)
+        if tokenizer.chat_template:
+            jinja2.Environment().parse(tokenizer.chat_template)
+    except jinja2.TemplateSyntaxError as e:
+        fail(f"{draft_dir}: the chat template does not parse: {e.message} (line {e.lineno})")
+    except (ValueError, OSError) as e:
+        fail(str(e) if str(draft_dir) in str(e) else f"{draft_dir}: cannot read the tokenizer: {e}")
 
 
 def check_readable(path, flag: str) -> None:
@@ -166,11 +183,18 @@ def check_prompt_fits(messages: list[dict] | str, *, raw: bool, target: Path | N
     from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
     from specdec_runtime.edge_client.request import encode_prompt
 
-    tokenizer = load_tokenizer(where)
-    if isinstance(messages, str):
-        n = len(encode_prompt(tokenizer, messages, chat=not raw))
-    else:
-        n = len(render_chat_ids(tokenizer, messages, add_generation_prompt=True))
+    import jinja2
+
+    try:
+        tokenizer = load_tokenizer(where)
+        if isinstance(messages, str):
+            n = len(encode_prompt(tokenizer, messages, chat=not raw))
+        else:
+            n = len(render_chat_ids(tokenizer, messages, add_generation_prompt=True))
+    except jinja2.TemplateError as e:
+        fail(f"{where}: the chat template does not render: {e}")
+    except (ValueError, OSError) as e:
+        fail(str(e) if str(where) in str(e) else f"{where}: cannot read the tokenizer: {e}")
     if n >= context:
         over = n - context + 1
         fail(f"the prompt is {n} tokens and the target's context is {context} tokens (prompt and reply together): "

@@ -8,6 +8,7 @@ server of this process: the handshake is all the client reaches), the verifier l
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -328,3 +329,19 @@ def test_gamma_option_has_one_declaration():
     assert {o.default for o in options.values()} == {DEFAULT_NUM_SPECULATIVE_TOKENS}
     assert len({o.help for o in options.values()}) == 1
     assert all(o.opts == ["--num-speculative-tokens", "-g"] for o in options.values()), options
+
+
+def test_a_draft_with_a_broken_tokenizer_or_template_is_one_line(tiny_pair, tmp_path):
+    """A draft folder whose tokenizer.json does not parse, or whose chat template does not, gave a traceback
+    from the first generation; now one line naming the folder, before any model loads."""
+    broken_tokenizer, broken_template = tmp_path / "tok", tmp_path / "tpl"
+    shutil.copytree(tiny_pair.draft_dir, broken_tokenizer)
+    (broken_tokenizer / "tokenizer.json").write_text("{bad")
+    shutil.copytree(tiny_pair.draft_dir, broken_template)
+    (broken_template / "chat_template.jinja").write_text("{% if")
+    for command in (["generate", "hi"], ["chat"]):
+        server = ["--server", "127.0.0.1:1"]
+        _one_error([command[0], *server, "--draft", str(broken_tokenizer), *command[1:]],
+                   f"{broken_tokenizer}: cannot read the tokenizer", bound_s=60, stdin="hi\n")
+        _one_error([command[0], *server, "--draft", str(broken_template), *command[1:]],
+                   f"{broken_template}: the chat template does not parse", bound_s=60, stdin="hi\n")
