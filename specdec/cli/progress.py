@@ -98,7 +98,8 @@ def _is_terminal(stream) -> bool:
 def timing_summary(stats) -> str:
     """The timing part of a statistics line: tokens, wall time, then the two phases — time to first token (both
     prefills and the first step) and the decode speed over the tokens after it (``GenerationStats``'s
-    ``ttft_s`` and ``decode_tokens_per_s``; 0.0 tok/s when every token came with the first)."""
+    ``ttft_s`` and ``decode_tokens_per_s``; no decode speed when every token came with the first)."""
+    n = stats.num_generated_tokens
     ttft = "no token" if stats.ttft_s is None else f"TTFT {stats.ttft_s:.2f} s"
-    return (f"{stats.num_generated_tokens} tokens, {stats.elapsed_s:.2f} s, {ttft}, "
-            f"{stats.decode_tokens_per_s:.1f} tok/s decode")
+    decode = f"{stats.decode_tokens_per_s:.1f} tok/s decode" if stats.num_decode_tokens else "no decode step"
+    return f"{n} token{'' if n == 1 else 's'}, {stats.elapsed_s:.2f} s, {ttft}, {decode}"

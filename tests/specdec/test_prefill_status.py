@@ -42,3 +42,5 @@ def test_summary_reports_the_two_phases():
     assert line == "16 tokens, 10.00 s, TTFT 8.00 s, 6.0 tok/s decode", line  # 12 / 2, not 16 / 10
     assert "no token" in timing_summary(GenerationStats())
     assert GenerationStats(num_decode_tokens=0, decode_s=0.0).decode_tokens_per_s == 0.0
+    one = timing_summary(GenerationStats(num_generated_tokens=1, elapsed_s=2.0, ttft_s=2.0))
+    assert one == "1 token, 2.00 s, TTFT 2.00 s, no decode step", one  # not "1 tokens ... 0.0 tok/s decode"
