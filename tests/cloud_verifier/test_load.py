@@ -268,6 +268,9 @@ class _RecordingDrafter:
         self.proposed.extend(block.draft_token_ids)
         return block
 
+    def reset(self) -> None:  # Resettable: a seeded session starts from a fresh draft state
+        self.inner.reset()
+
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
     n = len(sub)

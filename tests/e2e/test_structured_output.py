@@ -132,6 +132,9 @@ class ForbiddenDrafter:
         return DraftBlock([self.token_id] * gamma, SparseDraftProbs(np.full((gamma, 1), self.token_id, np.int64),
                                                                    np.ones((gamma, 1), np.float32)))
 
+    def reset(self) -> None:  # Resettable (a seeded sampled session needs it): it keeps nothing to forget
+        pass
+
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_draft_token_the_grammar_forbids_is_rejected_by_the_rule(tiny_verifier, tokenizer, temperature):
