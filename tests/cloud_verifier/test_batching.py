@@ -45,6 +45,7 @@ def _run(backend, tiny_pair, spec):
     return client.generate(spec["prompt"], ignore_eos=True, **spec["kw"])
 
 
+@pytest.mark.slow  # 39-62 s measured
 def test_session_output_independent_of_batching(tiny_pair, runner):
     tokenizer = OnnxDraftModel(tiny_pair.draft_dir).tokenizer
     specs = _sessions(tokenizer)

@@ -90,6 +90,7 @@ def _check(runner, eager):
         assert got == want[: len(got)] and len(got) >= STEPS
 
 
+@pytest.mark.slow  # torch.compile: 41-104 s measured
 def test_torch_compile_equals_eager_and_target_only(target_dir):
     import torch._dynamo.utils as du
 

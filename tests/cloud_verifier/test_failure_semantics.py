@@ -261,6 +261,7 @@ def _keepalive_run(runner, prompt_ids, expected, client_ms: int, server_min_ms: 
     return outcomes
 
 
+@pytest.mark.slow  # 17 s measured
 def test_keepalive_idle_stream_and_long_prefill_are_not_closed(runner, prompt_ids, expected):
     """Scaled down 30x: the client pings every 1 s, the server allows one per 0.33 s (2 strikes): nothing is
     closed. Negative control: a client pinging every 0.3 s against a 3 s minimum gets its idle stream closed

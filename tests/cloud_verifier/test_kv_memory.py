@@ -196,6 +196,7 @@ backend.close()
 """
 
 
+@pytest.mark.slow  # 26-33 s measured
 def test_resident_memory_returns_after_close(wide_target_dir):
     prompt_len, n = 1800, 4
     root = Path(__file__).resolve().parents[2]

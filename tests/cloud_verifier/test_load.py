@@ -39,7 +39,7 @@ from specdec.embedded import EmbeddedServer
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 WAIT_S = 60.0  # bound of every wait, s
 

@@ -186,6 +186,7 @@ def _chi2_pvalue(samples: list[int], p: np.ndarray) -> float:
     return float(scipy_stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
+@pytest.mark.slow  # 22 s measured
 def test_cut_rows_keep_the_target_distribution(runner, model, tiny_pair):
     """Every row cut to its first position: the first output token follows p (temperature 0.7, top-k 20, from
     the plain HF model's logits); the drafted token at the cut, taken unjudged, does not."""

@@ -174,6 +174,7 @@ def _tv(a: dict, b: dict) -> float:
     return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
 
 
+@pytest.mark.slow  # 19-42 s measured
 def test_sampled_choice_distribution_equals_target_only_with_a_negative_control(tiny_pair, tiny_verifier, tokenizer,
                                                                                monkeypatch):
     """Seeded TV test: speculative sampled decoding (a low-acceptance draft, top-k drafting) under a choice grammar

@@ -31,7 +31,8 @@ from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 from specdec.embedded import EmbeddedServer
 from specdec.netem import LinkProfile, WanProxy
 
-pytestmark = pytest.mark.timeout(300)  # the tiny pair may be built in this test's setup (slow on a loaded machine)
+# the tiny pair may be built in this test's setup (slow on a loaded machine)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NUM_SESSIONS = 16
 NEW_TOKENS = 24

@@ -239,6 +239,7 @@ def test_gamma_sweep_plot_needs_matplotlib(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------------------------- edge–cloud
 
 
+@pytest.mark.slow  # 10-39 s measured
 def test_edge_cloud_bench(tiny_pair, tmp_path):
     import os
 
