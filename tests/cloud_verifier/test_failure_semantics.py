@@ -100,6 +100,9 @@ def _verifier(runner, store=None, **kw):
     from specdec_runtime.cloud_verifier.verifier import Verifier
 
     kw.setdefault("max_batch_wait_ms", 1.0)
+    # fixed verification: these cases state what a whole block commits (an adaptive cut, decided by the
+    # measured cost of a step, would verify a prefix of it)
+    kw.setdefault("verify_policy", "fixed")
     return Verifier(runner, store or MemorySessionStore(ttl_s=60), verifier_id="test-verifier", **kw)
 
 
