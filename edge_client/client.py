@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from specdec_runtime.common.errors import (InvalidRequestError)
 from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 from specdec_runtime.common.vocab import tokenizer_fingerprint
+from specdec_runtime.edge_client.drafting.contract import Drafter
 from specdec_runtime.edge_client.transport.backend import VerifierBackend
 from specdec_runtime.edge_client.generation.run import GenerationResult
 from specdec_runtime.edge_client.output import Chunk
@@ -34,9 +35,8 @@ from specdec_runtime.edge_client.generation.route_cost import RouteEstimates
 from specdec_runtime.edge_client.generation.routing import RouteSwitcher, check_route
 from specdec_runtime.edge_client.request import check_generation_options, encode_prompt, generation_params
 
-if TYPE_CHECKING:  # the protocol only; edge_client.drafting.drafter loads the ONNX draft runner
+if TYPE_CHECKING:
     from specdec_runtime.edge_client.conversation import Conversation
-    from specdec_runtime.edge_client.drafting.drafter import Drafter
 
 __all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
 
@@ -93,7 +93,7 @@ class EdgeClient:
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
-            reconnect_interval_s <= 0.
+            reconnect_interval_s <= 0. TypeError: ``drafter`` is not a :class:`Drafter` (no ``propose``).
     """
 
     def __init__(
@@ -124,6 +124,10 @@ class EdgeClient:
         self.reconnect_interval_s = reconnect_interval_s
         self.route, self.route_estimates = check_route(route), RouteEstimates()  # estimates outlive a generation
         self.route_switcher = route_switcher
+        if drafter is not None and not isinstance(drafter, Drafter):
+            # A draft model handed over bare would fail deep in the loop (no propose) on the first generation.
+            raise TypeError(f"drafter must be a Drafter (a propose() method), got {type(drafter).__name__}; "
+                            "wrap a draft model in edge_client.drafting.drafter.ModelDrafter")
         if num_speculative_tokens < 1:
             raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not 0.0 <= min_confidence < 1.0:

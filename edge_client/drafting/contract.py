@@ -43,6 +43,7 @@ __all__ = ["Drafter", "DraftModelInfo", "Resettable", "TurnAware", "HistoryProce
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """Anything that proposes draft blocks for :class:`edge_client.client.EdgeClient` (:class:`ModelDrafter
     <edge_client.drafting.drafter.ModelDrafter>`, :class:`NgramDrafter <edge_client.drafting.ngram.NgramDrafter>`).

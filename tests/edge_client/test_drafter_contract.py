@@ -122,3 +122,11 @@ def test_cloud_first_without_a_prefill_is_logged_once(room_local, room_draft, ro
     assert first.token_ids == second.token_ids == room_reference
     assert len([r for r in caplog.records if "PrefillsConcurrently" in r.getMessage()
                 or "no prefill to overlap" in r.getMessage()]) == 1
+
+
+def test_a_draft_model_handed_over_bare_is_refused_at_construction(room_local, room_draft):
+    from specdec_runtime.edge_client.client import EdgeClient
+
+    with pytest.raises(TypeError, match="wrap a draft model in .*ModelDrafter"):
+        EdgeClient(room_local, room_draft, room_draft.tokenizer)
+    assert EdgeClient(room_local, RepeatLast(), room_draft.tokenizer).drafter is not None  # propose alone suffices
