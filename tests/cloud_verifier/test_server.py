@@ -516,7 +516,9 @@ def test_grpc_backend_unreachable_fast():
     t0 = time.monotonic()
     with pytest.raises(VerifierUnavailableError, match=f"cannot reach verifier at 127.0.0.1:{port}"):
         GrpcBackend(f"127.0.0.1:{port}", connect_timeout_s=1.0)
-    assert time.monotonic() - t0 < 5.0
+    # gRPC retries a refused connect until the timeout: the 1 s timeout ends it (the bound only catches a wait
+    # that ignores it, e.g. the 60 s of a stuck channel, and is loose enough for a loaded machine)
+    assert time.monotonic() - t0 < 20.0
 
 
 class _EchoVerifier:
