@@ -202,6 +202,7 @@ def _one_run(tiny_pair, redis_bins, moment: float | None, target_only: list[int]
         cluster.stop()
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_serving_exactly_once_the_cluster_serves_every_slot(tiny_pair, redis_bins, load_s, target_only, tmp_path,
                                                             monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # the cost tables of these starts stay here

@@ -578,6 +578,7 @@ def test_serve_refuses_public_bind_in_one_line(tmp_path, pki, keys):
     assert proc.returncode == 2 and "refusing" in proc.stderr
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_serve_with_tls_and_keys_end_to_end(tmp_path, pki, keys, tiny_pair):
     """`specdec serve` from the environment (TLS + keys, loopback): a TLS client with a key is served."""
     with socket.socket() as s:
@@ -772,6 +773,7 @@ def test_logging_calls_never_format_tokens_or_prompts():
 # ---------------------------------------------------------------------------------------------- cost
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_tls_and_auth_cost_per_verify_round_trip(tiny_pair, pki, keys, capsys):
     """ms per VerifyBlock round trip on loopback: plaintext without keys vs TLS + API key (call credentials),
     same server kind (tiny target, each its own runner), the two interleaved block by block."""

@@ -24,6 +24,7 @@ def _start(tiny_pair) -> subprocess.Popen:
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tiny_pair):
     proc = _start(tiny_pair)
     try:

@@ -271,6 +271,7 @@ def test_chat_without_input_says_so():
         assert "specdec generate" in lines[0] and not runtimes, runtimes
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_chat_from_a_pipe_that_sends_nothing(tiny_pair):
     """A pipe cannot be known empty before reading it: the models load, then the same one line, exit 2."""
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--target", str(tiny_pair.target_dir),

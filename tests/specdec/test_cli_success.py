@@ -107,6 +107,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_serve_then_generate_against_it_then_sigterm(tiny_pair, expected):
     """`specdec serve` (subprocess) answers health, serves `generate --server`, and exits 0 on SIGTERM."""
     port = _free_port()

@@ -37,6 +37,7 @@ def _specdec(*args: str) -> list[str]:
     return [sys.executable, "-m", "specdec.cli", *args]
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_serve_device_cpu_serves(tiny_pair):
     port = _free_port()
     proc = subprocess.Popen(

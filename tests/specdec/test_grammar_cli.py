@@ -52,6 +52,7 @@ def test_chat_refuses_two_grammar_flags_in_one_line():
     assert r.returncode != 0 and "at most one" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_chat_json_schema_constrains_every_reply(tiny_pair, tmp_path):
     """Two turns of `specdec chat --json-schema` (tiny pair, embedded verifier): each reply is one JSON document
     that validates (the grammar restarts at each turn's prompt)."""
@@ -85,6 +86,7 @@ def test_bench_json_schema_refused_in_one_line(args, message):
     assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_bench_json_schema_reports_both_speedups_as_json(tiny_pair, tmp_path):
     """`specdec bench --json-schema FILE` (tiny pair, 2 prompts): one JSON object with the four arms, both
     speedups, forced tokens, equal constrained outputs and the grammar's cost per position."""

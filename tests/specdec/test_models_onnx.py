@@ -187,6 +187,7 @@ def test_export_is_idempotent(tiny_pair):
     assert (tiny_pair.draft_dir / "model.onnx").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 def test_export_check_failure_raises_and_leaves_nothing(tiny_pair, tmp_path, monkeypatch):
     from specdec.models import onnx_check  # the module whose code reads it
 
@@ -276,6 +277,7 @@ def test_feeding_past_the_draft_context_is_a_clear_error(draft_dirs):
     m.forward(_ids(1))  # exactly at the limit is fine
 
 
+@pytest.mark.slow  # > 10 s here (measured): the full suite runs it, the quick tier does not
 @pytest.mark.parametrize("builder", BUILDERS)
 def test_int8_export_runs_and_reports_agreement(tiny_pair, tmp_path, builder):
     out = export_onnx_draft(tiny_pair.target_dir, tmp_path / "int8", quantize_int8=True, progress=False,
