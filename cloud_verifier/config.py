@@ -63,6 +63,15 @@ class VerifierSettings(BaseSettings):
     tenant_tokens_burst: float | None = Field(None, gt=0)
     """Token-bucket capacity of ``tenant_tokens_per_s``, tokens; None = max(2 × rate, largest block + 1)."""
 
+    drafts_dir: str | None = None
+    """Folder of the drafts this verifier hands out to edges (ListDrafts / ResolveDraft / FetchDraft: a folder per
+    draft version with its manifest, ``specdec draft publish``; docs/security.md says what a device then holds).
+    None = no delivery (the calls answer NOT_FOUND / an empty list)."""
+
+    default_draft: str | None = None
+    """The draft name ResolveDraft answers when the edge names none; None = the first name (sorted) the caller's
+    tenant may fetch."""
+
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = pick a free port)."""
 
