@@ -63,15 +63,18 @@ class DraftSource:
         """The draft version to use now (``name`` "" = the verifier's default).
 
         Raises:
-            SpecdecError: the call's status (NOT_FOUND: none offered; UNAUTHENTICATED; UNAVAILABLE, ...).
-            ManifestError: the verifier's manifest is malformed.
+            SpecdecError: the call's status (NOT_FOUND: none offered; UNAUTHENTICATED; UNAVAILABLE, ...);
+                DraftIntegrityError: the verifier's manifest is malformed.
         """
         try:
             answer = self._stub.ResolveDraft(pb.DraftResolveRequest(name=name), timeout=self.timeout_s,
                                              metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as err:
             raise self._error(err) from None
-        return manifest_from_proto(answer)
+        try:
+            return manifest_from_proto(answer)
+        except ManifestError as e:  # what the verifier sent cannot be checked: nothing of it is kept
+            raise DraftIntegrityError(str(e)) from None
 
     def fetch_into(self, manifest: DraftManifest, entry: DraftFile, part: Path, progress: Progress | None) -> int:
         """Append ``entry``'s bytes from ``part``'s size on; returns the bytes written.
@@ -112,7 +115,6 @@ def ensure_draft(source: DraftSource, cache: DraftCache, *, name: str = "", mani
         DraftIntegrityError: a file still wrong after ``attempts`` downloads.
         VerifierUnavailableError: the stream kept breaking (``attempts`` times for one file).
         SpecdecError: the verifier's answer (NOT_FOUND: no draft offered; UNAUTHENTICATED: wrong key).
-        ManifestError: the verifier's manifest is malformed.
     """
     manifest = manifest or source.resolve(name)
     folder = cache.complete(manifest)
@@ -165,4 +167,4 @@ def _fetch_file(source: DraftSource, cache: DraftCache, manifest: DraftManifest,
         return
 
 
-__all__ = ["DraftSource", "FetchReport", "ManifestError", "Progress", "ensure_draft"]
+__all__ = ["DraftSource", "FetchReport", "Progress", "ensure_draft"]

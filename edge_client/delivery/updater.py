@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec_runtime.common.draft_manifest import TOKENIZER_FILES, DraftManifest, ManifestError
+from specdec_runtime.common.draft_manifest import TOKENIZER_FILES, DraftManifest
 from specdec_runtime.common.errors import SpecdecError
 from specdec_runtime.edge_client.delivery.cache import DraftCache
 from specdec_runtime.edge_client.delivery.fetch import DraftSource, FetchReport, Progress, ensure_draft
@@ -65,7 +65,7 @@ class DeliveredDraft:
 
         Raises:
             SpecdecError: the verifier's answer (NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE) or a file still wrong
-                after its retries (DraftIntegrityError). ManifestError: a malformed manifest.
+                after its retries or a malformed manifest (DraftIntegrityError).
             ModelNotFoundError: the delivered folder is not a loadable draft.
         """
         only = None
@@ -91,7 +91,7 @@ class DeliveredDraft:
             if self.manifest is not None and wanted.digest == self.manifest.digest:
                 return None
             parts = self.load(wanted)
-        except (SpecdecError, ManifestError, ValueError, OSError) as e:
+        except (SpecdecError, ValueError, OSError) as e:  # ModelNotFoundError is a ValueError
             log.warning("draft update check failed, keeping %s: %s",
                         self.manifest.label if self.manifest else "no draft", e)
             return None
