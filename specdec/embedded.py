@@ -178,7 +178,8 @@ class LocalBackend(VerifierBackend):
         """The verifier's OpenSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
             self.verifier.open_session(request.prompt_token_ids, request.sampling, request.stopping,
-                                       request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens),
+                                       request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens,
+                                       draft_name=request.draft_name, draft_version=request.draft_version),
             timeout_s)
 
     def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:

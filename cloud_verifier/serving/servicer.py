@@ -99,6 +99,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         r = open_request_from_proto(request)
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
                                                   r.tokenizer_fingerprint, num_output_tokens=r.num_output_tokens,
+                                                  draft_name=r.draft_name, draft_version=r.draft_version,
                                                   **_tenant_kw())
         return self._opened(opened)
 

@@ -35,10 +35,14 @@ def delivery(tiny_pair, tmp_path_factory):
         yield address, keys, root
 
 
-def _bytes_sent(label: str) -> float:
+def _counter(name: str, label: str) -> float:
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("specdec_draft_bytes_sent_total", {"draft_version": label}) or 0.0
+    return REGISTRY.get_sample_value(f"{name}_total", {"draft_version": label}) or 0.0
+
+
+def _bytes_sent(label: str) -> float:
+    return _counter("specdec_draft_bytes_sent", label)
 
 
 def _source(address, key):
@@ -62,9 +66,13 @@ def test_first_connect_downloads_second_fetches_nothing(delivery, room_reference
         assert {p for p, _, _ in seen} == {f.path for f in report.manifest.files if f.size}
         assert all(have == size for p, have, size in seen if (p, have, size) == max(x for x in seen if x[0] == p))
         assert client.draft_version == ("tiny", "v1")
+        steps_before = _counter("specdec_draft_num_drafts", "tiny@v1")
         ids = client.generate(PROMPT_IDS, max_new_tokens=24, ignore_eos=True).token_ids
         assert ids == room_reference
-        assert client.last_result.stats.num_accepted_tokens > 0  # the delivered draft did draft
+        stats = client.last_result.stats
+        assert stats.num_accepted_tokens > 0  # the delivered draft did draft
+        # the session said which version it drafts with: the verifier counted its steps under that label
+        assert _counter("specdec_draft_num_drafts", "tiny@v1") - steps_before == stats.num_drafts
     sent_before = _bytes_sent("tiny@v1")
     with EdgeClient.connect(address, delivery=True, draft_cache_dir=tmp_path, api_key=keys["globex"]) as again:
         assert again.delivered.last_report.bytes_downloaded == 0
