@@ -119,6 +119,18 @@ class DraftCatalog:
             return [v.manifest for name in sorted(self._versions) for v in self._versions[name]
                     if v.manifest.allows(tenant)]
 
+    def list_all(self) -> list[DraftManifest]:
+        """Every servable version, whoever may fetch it (the operator's view)."""
+        self._maybe_rescan()
+        with self._lock:
+            return [v.manifest for name in sorted(self._versions) for v in self._versions[name]]
+
+    def current(self, name: str) -> str | None:
+        """The version handed out for ``name`` now (None: no such draft)."""
+        self._maybe_rescan()
+        with self._lock:
+            return self._current.get(name)
+
     def resolve(self, tenant: str = "", name: str = "") -> DraftManifest:
         """The version ``tenant`` should draft with now: ``name``'s current version (``CURRENT``), or the newest
         one it may fetch when the current one is not its; ``name`` "" = :attr:`default_name` or the first
