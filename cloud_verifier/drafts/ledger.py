@@ -74,15 +74,35 @@ class DraftAcceptance:
 
 
 class DraftTally:
-    """The counters one labelled session adds to (``observe`` is called once per verdict by the batcher)."""
+    """One session's counters (``observe`` is called once per verdict by the batcher), added to its draft
+    version's when it named one (``label``; None = unlabelled); its log line reads them
+    (:mod:`cloud_verifier.session.request_log`). Times are unix s."""
 
-    def __init__(self, ledger: "AcceptanceLedger", label: str):
+    def __init__(self, ledger: "AcceptanceLedger", label: str | None):
         self.ledger = ledger
         self.label = label
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_decode_steps = 0  # steps without draft tokens (cloud decode, target-only)
+        self.num_committed = 0  # tokens committed (accepted + recovered/bonus)
+        self.first_commit_at: float | None = None
+        self.last_commit_at: float | None = None
+        self.first_committed = 0  # tokens the first committing step committed
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verdict: ``num_draft_tokens`` speculative tokens judged, ``num_accepted`` of them accepted."""
-        self.ledger.add(self.label, 1, num_draft_tokens, num_accepted)
+    def observe(self, num_draft_tokens: int, num_accepted: int, num_committed: int = 0) -> None:
+        """One verdict: ``num_draft_tokens`` speculative tokens judged, ``num_accepted`` of them accepted,
+        ``num_committed`` tokens committed."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_decode_steps += num_draft_tokens == 0
+        if num_committed:
+            now = time.time()
+            if self.first_commit_at is None:
+                self.first_commit_at, self.first_committed = now, num_committed
+            self.last_commit_at = now
+            self.num_committed += num_committed
+        if self.label is not None:
+            self.ledger.add(self.label, 1, num_draft_tokens, num_accepted)
 
 
 class AcceptanceLedger:
@@ -106,9 +126,10 @@ class AcceptanceLedger:
         self._next_flush = 0.0
         self._flushing = False
 
-    def tally(self, name: str, version: str) -> DraftTally | None:
-        """The tally of draft ``name`` at ``version``; None when the session named no version."""
-        return DraftTally(self, f"{name}@{version}") if name and version else None
+    def tally(self, name: str = "", version: str = "") -> DraftTally:
+        """A new session's tally, counted under draft ``name`` at ``version`` ("" = unlabelled: the session's
+        own counts only)."""
+        return DraftTally(self, f"{name}@{version}" if name and version else None)
 
     def key(self, label: str) -> str:
         """The shared record's Redis key of ``label`` (``name@version``)."""

@@ -45,7 +45,7 @@ def test_two_replicas_share_one_record_and_freeze_the_baseline(memory_or_redis_s
     assert after.acceptance_rate == pytest.approx(0.5)
     assert _sample("specdec_draft_num_draft_tokens", label) == 24
     assert _sample("specdec_draft_num_accepted_tokens", label) == 12
-    assert replicas[0].tally("", "") is None  # a session that names no draft is not labelled
+    assert replicas[0].tally("", "").label is None  # a session that names no draft is not labelled
     if shared:
         store.client.delete(replicas[0].key(label))
 

@@ -52,7 +52,9 @@ def _source(address, key):
     return DraftSource(address, ChannelSecurity.of(api_key=key, use_env=False))
 
 
-def test_first_connect_downloads_second_fetches_nothing(delivery, room_reference, tmp_path):
+def test_first_connect_downloads_second_fetches_nothing(delivery, room_reference, tmp_path, caplog):
+    import logging
+
     from specdec import EdgeClient
 
     address, keys, _ = delivery
@@ -67,8 +69,15 @@ def test_first_connect_downloads_second_fetches_nothing(delivery, room_reference
         assert all(have == size for p, have, size in seen if (p, have, size) == max(x for x in seen if x[0] == p))
         assert client.draft_version == ("tiny", "v1")
         steps_before = _counter("specdec_draft_num_drafts", "tiny@v1")
-        ids = client.generate(PROMPT_IDS, max_new_tokens=24, ignore_eos=True).token_ids
+        with caplog.at_level(logging.INFO, logger="specdec.requests"):
+            ids = client.generate(PROMPT_IDS, max_new_tokens=24, ignore_eos=True).token_ids
         assert ids == room_reference
+        # the verifier's one line for the session (closed by the SDK before generate returns)
+        lines = [r.getMessage() for r in caplog.records if r.name == "specdec.requests"
+                 and client.last_result.session_id in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert (f"tenant=globex route=speculative draft=tiny@v1 prompt_tokens={len(PROMPT_IDS)} output_tokens=24"
+                in lines[0] and lines[0].endswith("finish=length"))
         stats = client.last_result.stats
         assert stats.num_accepted_tokens > 0  # the delivered draft did draft
         # the session said which version it drafts with: the verifier counted its steps under that label
