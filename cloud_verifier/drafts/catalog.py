@@ -6,6 +6,10 @@ Layout under the catalog's root (``SPECDEC_DRAFTS_DIR``)::
     <root>/<name>/<version>/model.onnx ...         the files it lists (the tokenizer files among them)
     <root>/<name>/CURRENT                          the version handed out now (one line); absent = the
                                                    version published last (its manifest's mtime)
+    <root>/<name>/CANARY                           a version handed to a fraction of clients instead (JSON:
+                                                   version, fraction), until it is promoted or rolled back
+                                                   (:mod:`cloud_verifier.drafts.canary`)
+    <root>/<name>/ROLLED_BACK                      versions rolled back (one a line): never a canary again
 
 :func:`publish_draft` (``specdec draft publish``) writes a version there: files copied into a hidden temporary
 folder, hashed, the manifest written, then renamed into place and ``CURRENT`` replaced atomically, so a reader
@@ -18,8 +22,11 @@ to any other caller it does not exist (NOT_FOUND, as another tenant's session).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -34,6 +41,8 @@ from specdec_runtime.common.errors import DraftNotFoundError
 log = logging.getLogger(__name__)
 
 CURRENT_FILE = "CURRENT"
+CANARY_FILE = "CANARY"
+ROLLED_BACK_FILE = "ROLLED_BACK"
 
 
 @dataclass(frozen=True)
@@ -52,22 +61,26 @@ class DraftCatalog:
         root: the drafts folder.
         default_name: the draft :meth:`resolve` answers when the caller names none; None = the first name (sorted)
             the caller may fetch.
-        rescan_interval_s: the folder is re-read at most this often, s (0 = on every call).
+        rescan_interval_s: the folder is re-read at most this often, s (0 = on every call); canaries are judged
+            at most this often too (:mod:`cloud_verifier.drafts.canary`).
+        canary_min_blocks, canary_margin: a canary's decision rule (:class:`~cloud_verifier.drafts.canary.CanaryJudge`).
 
     Raises:
         ValueError: ``root`` is not a folder.
     """
 
     def __init__(self, root: str | os.PathLike, *, default_name: str | None = None,
-                 rescan_interval_s: float = 1.0):
+                 rescan_interval_s: float = 1.0, canary_min_blocks: int = 200, canary_margin: float = 0.05):
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
             raise ValueError(f"drafts folder {self.root} does not exist")
         self.default_name = default_name
         self.rescan_interval_s = rescan_interval_s
+        self.canary_min_blocks, self.canary_margin = canary_min_blocks, canary_margin
         self._lock = threading.Lock()
         self._versions: dict[str, list[DraftVersion]] = {}  # name -> versions, newest published first
         self._current: dict[str, str] = {}  # name -> version handed out now
+        self._canary: dict[str, tuple[str, float]] = {}  # name -> (canary version, fraction of clients)
         self._next_scan = 0.0
         self._warned: set[str] = set()
         self.rescan()
@@ -77,6 +90,7 @@ class DraftCatalog:
         """Re-read the folder now."""
         versions: dict[str, list[DraftVersion]] = {}
         current: dict[str, str] = {}
+        canary: dict[str, tuple[str, float]] = {}
         for name_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found = [v for v in (self._read_version(d) for d in name_dir.iterdir()
                                  if d.is_dir() and not d.name.startswith(".")) if v is not None]
@@ -88,8 +102,11 @@ class DraftCatalog:
             wanted = _read_current(name_dir)
             current[name_dir.name] = (wanted if any(v.manifest.version == wanted for v in found)
                                       else found[0].manifest.version)
+            trial = read_canary(name_dir)
+            if trial is not None and any(v.manifest.version == trial[0] for v in found):
+                canary[name_dir.name] = trial
         with self._lock:
-            self._versions, self._current = versions, current
+            self._versions, self._current, self._canary = versions, current, canary
             self._next_scan = time.monotonic() + self.rescan_interval_s
 
     def _read_version(self, folder: Path) -> DraftVersion | None:
@@ -131,10 +148,17 @@ class DraftCatalog:
         with self._lock:
             return self._current.get(name)
 
-    def resolve(self, tenant: str = "", name: str = "") -> DraftManifest:
+    def canaries(self) -> dict[str, tuple[str, float]]:
+        """name -> (canary version, fraction of clients) of every canary running."""
+        self._maybe_rescan()
+        with self._lock:
+            return dict(self._canary)
+
+    def resolve(self, tenant: str = "", name: str = "", client_id: str = "") -> DraftManifest:
         """The version ``tenant`` should draft with now: ``name``'s current version (``CURRENT``), or the newest
-        one it may fetch when the current one is not its; ``name`` "" = :attr:`default_name` or the first
-        name it may fetch.
+        one it may fetch when the current one is not its; a running canary instead for the clients its fraction
+        covers (:func:`in_canary`: sticky per ``client_id``; "" = drawn at random); ``name`` "" =
+        :attr:`default_name` or the first name it may fetch.
 
         Raises:
             DraftNotFoundError: nothing offered to ``tenant`` (under that name).
@@ -146,6 +170,9 @@ class DraftCatalog:
                 allowed = [v for v in self._versions.get(n, ()) if v.manifest.allows(tenant)]
                 if allowed:
                     current = self._current.get(n)
+                    trial = self._canary.get(n)
+                    if trial is not None and trial[0] != current and in_canary(client_id, n, *trial):
+                        current = trial[0]
                     return next((v.manifest for v in allowed if v.manifest.version == current),
                                 allowed[0].manifest)
         raise DraftNotFoundError(f"no draft named {name} is offered here" if name else "no draft is offered here")
@@ -206,6 +233,72 @@ def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str,
     return manifest
 
 
+def in_canary(client_id: str, name: str, version: str, fraction: float) -> bool:
+    """Whether the client ``client_id`` gets canary ``version`` of ``name``: SHA-256 of the three, as a number in
+    [0, 1), below ``fraction`` (sticky: the same client gets the same answer for the canary's whole run; another
+    canary draws anew); no ``client_id``: a random draw."""
+    if not client_id:
+        return random.random() < fraction
+    digest = hashlib.sha256(f"{client_id}\0{name}\0{version}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64 < fraction
+
+
+def read_canary(name_dir: Path) -> tuple[str, float] | None:
+    """``(version, fraction)`` of the canary running for a draft's folder, None when none (or unreadable, or a
+    version rolled back)."""
+    try:
+        raw = json.loads((name_dir / CANARY_FILE).read_text())
+        version, fraction = str(raw["version"]), float(raw["fraction"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None if version in rolled_back(name_dir) or not 0 < fraction <= 1 else (version, fraction)
+
+
+def rolled_back(name_dir: Path) -> set[str]:
+    """The versions of a draft's folder that were rolled back."""
+    try:
+        return {line.strip() for line in (name_dir / ROLLED_BACK_FILE).read_text().splitlines() if line.strip()}
+    except OSError:
+        return set()
+
+
+def start_canary(root: str | os.PathLike, name: str, version: str, fraction: float) -> None:
+    """Hand ``version`` to ``fraction`` (0 < f <= 1) of the clients that resolve ``name`` (``CANARY``, atomic).
+
+    Raises:
+        DraftNotFoundError: no such version. ValueError: a fraction outside (0, 1].
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"canary fraction must be in (0, 1], got {fraction}")
+    name_dir = Path(root) / check_id(name, "name")
+    if not (name_dir / check_id(version, "version") / MANIFEST_FILE).is_file():
+        raise DraftNotFoundError(f"no draft {name}@{version} in {root}")
+    _write_atomic(name_dir, CANARY_FILE, json.dumps({"version": version, "fraction": fraction}) + "\n")
+
+
+def end_canary(root: str | os.PathLike, name: str, promote: bool) -> str | None:
+    """End ``name``'s canary: promoted (made ``CURRENT``) or rolled back (listed in ``ROLLED_BACK``, never a
+    canary again). Returns its version, None when none was running."""
+    name_dir = Path(root) / check_id(name, "name")
+    trial = read_canary(name_dir)
+    if trial is None:
+        return None
+    if promote:
+        set_current(root, name, trial[0])
+    else:
+        with open(name_dir / ROLLED_BACK_FILE, "a") as f:
+            f.write(trial[0] + "\n")
+    (name_dir / CANARY_FILE).unlink(missing_ok=True)
+    return trial[0]
+
+
+def _write_atomic(folder: Path, name: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name.lower()}-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, folder / name)
+
+
 def set_current(root: str | os.PathLike, name: str, version: str) -> None:
     """Make ``version`` the one handed out for ``name`` (``CURRENT`` replaced atomically).
 
@@ -215,7 +308,4 @@ def set_current(root: str | os.PathLike, name: str, version: str) -> None:
     name_dir = Path(root) / check_id(name, "name")
     if not (name_dir / check_id(version, "version") / MANIFEST_FILE).is_file():
         raise DraftNotFoundError(f"no draft {name}@{version} in {root}")
-    fd, tmp = tempfile.mkstemp(prefix=".current-", dir=name_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(version + "\n")
-    os.replace(tmp, name_dir / CURRENT_FILE)
+    _write_atomic(name_dir, CURRENT_FILE, version + "\n")

@@ -33,10 +33,18 @@ class DraftOutOfRangeError(SpecdecError):
 
 
 class DraftDelivery:
-    """The delivery RPCs over a :class:`DraftCatalog` (None: no delivery configured, every call NOT_FOUND)."""
+    """The delivery RPCs over a :class:`DraftCatalog` (None: no delivery configured, every call NOT_FOUND);
+    with ``ledger`` (the verifier's :class:`~cloud_verifier.drafts.ledger.AcceptanceLedger`) its canaries are
+    judged as clients resolve (:class:`~cloud_verifier.drafts.canary.CanaryJudge`)."""
 
-    def __init__(self, catalog: DraftCatalog | None):
+    def __init__(self, catalog: DraftCatalog | None, ledger=None):
         self.catalog = catalog
+        self.judge = None
+        if catalog is not None and ledger is not None:
+            from specdec_runtime.cloud_verifier.drafts.canary import CanaryJudge
+
+            self.judge = CanaryJudge(catalog, ledger, min_blocks=catalog.canary_min_blocks,
+                                     margin=catalog.canary_margin, check_interval_s=catalog.rescan_interval_s)
 
     def _catalog(self) -> DraftCatalog:
         if self.catalog is None:
@@ -48,13 +56,17 @@ class DraftDelivery:
         manifests = self.catalog.list(tenant) if self.catalog is not None else []
         return pb.DraftListResponse(drafts=[manifest_to_proto(m) for m in manifests])
 
-    def resolve(self, tenant: str, name: str) -> pb.DraftManifest:
-        """The version ``tenant`` should draft with now.
+    def resolve(self, tenant: str, name: str, client_id: str = "") -> pb.DraftManifest:
+        """The version ``tenant`` should draft with now (a canary's for the clients it covers), after judging the
+        canaries due (blocking: reads the shared records; call it from a worker thread).
 
         Raises:
             DraftNotFoundError: none offered.
         """
-        return manifest_to_proto(self._catalog().resolve(tenant, name))
+        catalog = self._catalog()
+        if self.judge is not None:
+            self.judge.maybe_check()
+        return manifest_to_proto(catalog.resolve(tenant, name, client_id))
 
     async def fetch(self, request: pb.FetchDraftRequest, tenant: str) -> AsyncIterator[pb.FetchDraftChunk]:
         """One file of a version from ``request.offset``, in :data:`CHUNK_BYTES` pieces; an offset equal to the

@@ -66,7 +66,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, verifier: "Verifier", drafts: "DraftCatalog | None" = None):
         self.verifier = verifier
-        self.drafts = DraftDelivery(drafts)  # ListDrafts / ResolveDraft / FetchDraft (cloud_verifier.drafts)
+        # ListDrafts / ResolveDraft / FetchDraft, canaries judged from the acceptance ledger (cloud_verifier.drafts)
+        self.drafts = DraftDelivery(drafts, getattr(verifier, "ledger", None))
         self._drain = asyncio.Event()
         self._background: set[asyncio.Task] = set()  # block tasks that outlive an aborted stream
         self._decode_stops = DecodeStops()  # the Decode calls running here, for StopDecode
@@ -157,7 +158,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def ResolveDraft(self, request: pb.DraftResolveRequest, context) -> pb.DraftManifest:
         """The draft version the caller should draft with now; NOT_FOUND when none is offered to it."""
-        return self.drafts.resolve(current_tenant(), request.name)
+        return await asyncio.to_thread(self.drafts.resolve, current_tenant(), request.name, request.client_id)
 
     async def FetchDraft(self, request: pb.FetchDraftRequest, context):
         """One file of a draft version from an offset, in chunks (cloud_verifier.drafts.delivery)."""

@@ -10,6 +10,7 @@ the bytes written. ``only`` limits the files (the tokenizer files alone, for the
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -46,8 +47,10 @@ class FetchReport:
 class DraftSource:
     """The delivery RPCs of one verifier address (TLS and API key as every other call: ``security``)."""
 
-    def __init__(self, address: str, security: ChannelSecurity | None = None, *, timeout_s: float = 10.0):
+    def __init__(self, address: str, security: ChannelSecurity | None = None, *, timeout_s: float = 10.0,
+                 client_id: str | None = None):
         self.address = address
+        self.client_id = client_id or uuid.uuid4().hex  # sticky canary assignment for this client
         self.security = security or ChannelSecurity.of()
         self.timeout_s = timeout_s
         self._channel = self.security.channel(address)
@@ -67,7 +70,8 @@ class DraftSource:
                 DraftIntegrityError: the verifier's manifest is malformed.
         """
         try:
-            answer = self._stub.ResolveDraft(pb.DraftResolveRequest(name=name), timeout=self.timeout_s,
+            answer = self._stub.ResolveDraft(pb.DraftResolveRequest(name=name, client_id=self.client_id),
+                                             timeout=self.timeout_s,
                                              metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as err:
             raise self._error(err) from None

@@ -88,8 +88,9 @@ class DeliveredDraft:
         self._next_check = now + self.check_interval_s
         try:
             wanted = self.source.resolve(self.name)
-            if self.manifest is not None and wanted.digest == self.manifest.digest:
-                return None
+            if self.manifest is not None and (wanted.label, wanted.digest) == (self.manifest.label,
+                                                                               self.manifest.digest):
+                return None  # (another version of the same files is still another version: its own counts)
             parts = self.load(wanted)
         except (SpecdecError, ValueError, OSError) as e:  # ModelNotFoundError is a ValueError
             log.warning("draft update check failed, keeping %s: %s",
