@@ -15,6 +15,7 @@ digest, so an edge can tell two versions of the same name and version string apa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,6 +57,8 @@ class DraftManifest:
     kind: str
     files: tuple[DraftFile, ...]
     tenants: tuple[str, ...] = field(default=())
+    # ResolveDraft's answer only: why the version handed out is quarantined ("" = it is not); not its identity
+    quarantine_reason: str = field(default="", compare=False)
 
     @property
     def size(self) -> int:
@@ -178,7 +181,8 @@ def manifest_to_proto(manifest: DraftManifest):
 
     return pb.DraftManifest(name=manifest.name, version=manifest.version, kind=manifest.kind,
                             files=[pb.DraftFile(path=f.path, size=f.size, sha256=f.sha256) for f in manifest.files],
-                            size=manifest.size, digest=manifest.digest)
+                            size=manifest.size, digest=manifest.digest,
+                            quarantine_reason=manifest.quarantine_reason)
 
 
 def manifest_from_proto(message) -> DraftManifest:
@@ -193,4 +197,4 @@ def manifest_from_proto(message) -> DraftManifest:
         "draft manifest from the verifier")
     if message.digest and message.digest != manifest.digest:
         raise ManifestError("draft manifest from the verifier: its digest does not match its files")
-    return manifest
+    return dataclasses.replace(manifest, quarantine_reason=message.quarantine_reason)

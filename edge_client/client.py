@@ -270,6 +270,8 @@ class EdgeClient:
         ``self.last_result.logprobs``)."""
         check_generation_options(options)
         self._take_new_draft()
+        if self.delivered is not None and self.delivered.quarantine_reason and (route or self.route) != "device":
+            route = "cloud"  # the verifier quarantined the draft: its acceptance fell below its baseline
         sampling, stopping = generation_params(**options)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:

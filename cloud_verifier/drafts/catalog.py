@@ -10,6 +10,9 @@ Layout under the catalog's root (``SPECDEC_DRAFTS_DIR``)::
                                                    version, fraction), until it is promoted or rolled back
                                                    (:mod:`cloud_verifier.drafts.canary`)
     <root>/<name>/ROLLED_BACK                      versions rolled back (one a line): never a canary again
+    <root>/<name>/QUARANTINED                      versions quarantined by the watchdog (JSON: version -> why):
+                                                   clients get the previous good version, or the current one
+                                                   with the reason (they run on the cloud route)
 
 :func:`publish_draft` (``specdec draft publish``) writes a version there: files copied into a hidden temporary
 folder, hashed, the manifest written, then renamed into place and ``CURRENT`` replaced atomically, so a reader
@@ -22,6 +25,7 @@ to any other caller it does not exist (NOT_FOUND, as another tenant's session).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 
 CURRENT_FILE = "CURRENT"
 CANARY_FILE = "CANARY"
+QUARANTINE_FILE = "QUARANTINED"
 ROLLED_BACK_FILE = "ROLLED_BACK"
 
 
@@ -64,23 +69,28 @@ class DraftCatalog:
         rescan_interval_s: the folder is re-read at most this often, s (0 = on every call); canaries are judged
             at most this often too (:mod:`cloud_verifier.drafts.canary`).
         canary_min_blocks, canary_margin: a canary's decision rule (:class:`~cloud_verifier.drafts.canary.CanaryJudge`).
+        watchdog_margin: acceptance below a version's baseline by more than this quarantines it
+            (:class:`~cloud_verifier.drafts.watchdog.Watchdog`).
 
     Raises:
         ValueError: ``root`` is not a folder.
     """
 
     def __init__(self, root: str | os.PathLike, *, default_name: str | None = None,
-                 rescan_interval_s: float = 1.0, canary_min_blocks: int = 200, canary_margin: float = 0.05):
+                 rescan_interval_s: float = 1.0, canary_min_blocks: int = 200, canary_margin: float = 0.05,
+                 watchdog_margin: float = 0.2):
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
             raise ValueError(f"drafts folder {self.root} does not exist")
         self.default_name = default_name
         self.rescan_interval_s = rescan_interval_s
         self.canary_min_blocks, self.canary_margin = canary_min_blocks, canary_margin
+        self.watchdog_margin = watchdog_margin
         self._lock = threading.Lock()
         self._versions: dict[str, list[DraftVersion]] = {}  # name -> versions, newest published first
         self._current: dict[str, str] = {}  # name -> version handed out now
         self._canary: dict[str, tuple[str, float]] = {}  # name -> (canary version, fraction of clients)
+        self._quarantined: dict[str, dict[str, str]] = {}  # name -> {version: why}
         self._next_scan = 0.0
         self._warned: set[str] = set()
         self.rescan()
@@ -91,6 +101,7 @@ class DraftCatalog:
         versions: dict[str, list[DraftVersion]] = {}
         current: dict[str, str] = {}
         canary: dict[str, tuple[str, float]] = {}
+        quarantined: dict[str, dict[str, str]] = {}
         for name_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found = [v for v in (self._read_version(d) for d in name_dir.iterdir()
                                  if d.is_dir() and not d.name.startswith(".")) if v is not None]
@@ -102,11 +113,13 @@ class DraftCatalog:
             wanted = _read_current(name_dir)
             current[name_dir.name] = (wanted if any(v.manifest.version == wanted for v in found)
                                       else found[0].manifest.version)
+            quarantined[name_dir.name] = read_quarantined(name_dir)
             trial = read_canary(name_dir)
             if trial is not None and any(v.manifest.version == trial[0] for v in found):
                 canary[name_dir.name] = trial
         with self._lock:
             self._versions, self._current, self._canary = versions, current, canary
+            self._quarantined = quarantined
             self._next_scan = time.monotonic() + self.rescan_interval_s
 
     def _read_version(self, folder: Path) -> DraftVersion | None:
@@ -148,6 +161,12 @@ class DraftCatalog:
         with self._lock:
             return self._current.get(name)
 
+    def quarantined(self, name: str) -> dict[str, str]:
+        """``name``'s quarantined versions and why."""
+        self._maybe_rescan()
+        with self._lock:
+            return dict(self._quarantined.get(name, {}))
+
     def canaries(self) -> dict[str, tuple[str, float]]:
         """name -> (canary version, fraction of clients) of every canary running."""
         self._maybe_rescan()
@@ -171,11 +190,23 @@ class DraftCatalog:
                 if allowed:
                     current = self._current.get(n)
                     trial = self._canary.get(n)
-                    if trial is not None and trial[0] != current and in_canary(client_id, n, *trial):
+                    bad = self._quarantined.get(n, {})
+                    if (trial is not None and trial[0] != current and trial[0] not in bad
+                            and in_canary(client_id, n, *trial)):
                         current = trial[0]
-                    return next((v.manifest for v in allowed if v.manifest.version == current),
-                                allowed[0].manifest)
+                    return self._good(allowed, current, bad)
         raise DraftNotFoundError(f"no draft named {name} is offered here" if name else "no draft is offered here")
+
+    @staticmethod
+    def _good(allowed: list[DraftVersion], wanted: str | None, bad: dict[str, str]) -> DraftManifest:
+        """``wanted`` among ``allowed`` (newest first); when it is quarantined, the newest version published
+        before it that is not, else ``wanted`` with its quarantine reason."""
+        at = next((i for i, v in enumerate(allowed) if v.manifest.version == wanted), 0)
+        chosen = allowed[at].manifest
+        if chosen.version not in bad:
+            return chosen
+        fallback = next((v.manifest for v in allowed[at + 1:] if v.manifest.version not in bad), None)
+        return fallback or dataclasses.replace(chosen, quarantine_reason=bad[chosen.version])
 
     def version(self, name: str, version: str, tenant: str = "") -> DraftVersion:
         """A version ``tenant`` may fetch.
@@ -290,6 +321,26 @@ def end_canary(root: str | os.PathLike, name: str, promote: bool) -> str | None:
             f.write(trial[0] + "\n")
     (name_dir / CANARY_FILE).unlink(missing_ok=True)
     return trial[0]
+
+
+def read_quarantined(name_dir: Path) -> dict[str, str]:
+    """The quarantined versions of a draft's folder and why ({} when none or unreadable)."""
+    try:
+        raw = json.loads((name_dir / QUARANTINE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def set_quarantine(root: str | os.PathLike, name: str, version: str, reason: str | None) -> None:
+    """Quarantine ``version`` of ``name`` with ``reason``, or clear it (``reason`` None). Atomic."""
+    name_dir = Path(root) / check_id(name, "name")
+    states = read_quarantined(name_dir)
+    if reason is None:
+        states.pop(version, None)
+    else:
+        states[check_id(version, "version")] = reason
+    _write_atomic(name_dir, QUARANTINE_FILE, json.dumps(states, indent=1) + "\n")
 
 
 def _write_atomic(folder: Path, name: str, text: str) -> None:

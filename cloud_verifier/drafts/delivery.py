@@ -35,16 +35,20 @@ class DraftOutOfRangeError(SpecdecError):
 class DraftDelivery:
     """The delivery RPCs over a :class:`DraftCatalog` (None: no delivery configured, every call NOT_FOUND);
     with ``ledger`` (the verifier's :class:`~cloud_verifier.drafts.ledger.AcceptanceLedger`) its canaries are
-    judged as clients resolve (:class:`~cloud_verifier.drafts.canary.CanaryJudge`)."""
+    judged as clients resolve (:class:`~cloud_verifier.drafts.canary.CanaryJudge`), and so is every version's
+    acceptance against its baseline (:class:`~cloud_verifier.drafts.watchdog.Watchdog`)."""
 
     def __init__(self, catalog: DraftCatalog | None, ledger=None):
         self.catalog = catalog
-        self.judge = None
+        self.judge = self.watchdog = None
         if catalog is not None and ledger is not None:
             from specdec_runtime.cloud_verifier.drafts.canary import CanaryJudge
+            from specdec_runtime.cloud_verifier.drafts.watchdog import Watchdog
 
             self.judge = CanaryJudge(catalog, ledger, min_blocks=catalog.canary_min_blocks,
                                      margin=catalog.canary_margin, check_interval_s=catalog.rescan_interval_s)
+            self.watchdog = Watchdog(catalog, ledger, margin=catalog.watchdog_margin,
+                                     check_interval_s=catalog.rescan_interval_s)
 
     def _catalog(self) -> DraftCatalog:
         if self.catalog is None:
@@ -65,7 +69,8 @@ class DraftDelivery:
         """
         catalog = self._catalog()
         if self.judge is not None:
-            self.judge.maybe_check()
+            self.judge.maybe_check()  # flushes this replica's counts first
+            self.watchdog.maybe_check()
         return manifest_to_proto(catalog.resolve(tenant, name, client_id))
 
     async def fetch(self, request: pb.FetchDraftRequest, tenant: str) -> AsyncIterator[pb.FetchDraftChunk]:

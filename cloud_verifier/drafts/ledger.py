@@ -20,6 +20,7 @@ store record): its later blocks count in the unlabelled totals only.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -114,8 +115,11 @@ class AcceptanceLedger:
         flush_interval_s: how often counts go to the shared record, at most, s.
     """
 
-    def __init__(self, store=None, *, baseline_blocks: int = 200, flush_interval_s: float = 1.0):
+    def __init__(self, store=None, *, baseline_blocks: int = 200, flush_interval_s: float = 1.0,
+                 window_blocks: int = 200):
         self.baseline_blocks = baseline_blocks
+        self.window_blocks = window_blocks  # the watchdog's window: this replica's last verify steps per version
+        self._windows: dict[str, collections.deque] = {}
         self.flush_interval_s = flush_interval_s
         self._redis = _redis_of(store)
         self._prefix = getattr(store, "prefix", "")
@@ -141,6 +145,10 @@ class AcceptanceLedger:
         DRAFT_NUM_DRAFT_TOKENS.labels(label).inc(num_draft_tokens)
         DRAFT_NUM_ACCEPTED_TOKENS.labels(label).inc(num_accepted)
         with self._lock:
+            window = self._windows.get(label)
+            if window is None or window.maxlen != self.window_blocks:
+                window = self._windows[label] = collections.deque(window or (), maxlen=self.window_blocks)
+            window.append((num_draft_tokens, num_accepted))
             pending = self._pending.setdefault(label, [0, 0, 0])
             pending[0] += num_drafts
             pending[1] += num_draft_tokens
@@ -179,6 +187,17 @@ class AcceptanceLedger:
         d, t, a = old.num_drafts + counts[0], old.num_draft_tokens + counts[1], old.num_accepted_tokens + counts[2]
         baseline = old.baseline if old.baseline is not None or d < self.baseline_blocks else (d, t, a)
         self._local[label] = DraftAcceptance(d, t, a, baseline)
+
+    def window(self, label: str) -> tuple[int, int, int]:
+        """(verify steps, draft tokens, accepted tokens) of ``label``'s last ``window_blocks`` steps here."""
+        with self._lock:
+            steps = list(self._windows.get(label, ()))
+        return len(steps), sum(d for d, _ in steps), sum(a for _, a in steps)
+
+    def reset_window(self, label: str) -> None:
+        """Forget ``label``'s window (a version cleared from quarantine starts a fresh one)."""
+        with self._lock:
+            self._windows.pop(label, None)
 
     def record(self, label: str) -> DraftAcceptance:
         """``label``'s shared record (every replica's flushed counts and the baseline)."""

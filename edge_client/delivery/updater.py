@@ -58,6 +58,9 @@ class DeliveredDraft:
     progress: Progress | None = None
     manifest: DraftManifest | None = None
     last_report: FetchReport | None = None
+    # the verifier's last word on the version in use: why it is quarantined ("" = it is not); while set, the
+    # client runs new generations on the cloud route
+    quarantine_reason: str = ""
     _next_check: float = field(default=0.0, repr=False)
 
     def load(self, manifest: DraftManifest | None = None) -> DraftParts:
@@ -74,6 +77,7 @@ class DeliveredDraft:
             only = [f.path for f in manifest.files if Path(f.path).name in TOKENIZER_FILES]
         report = ensure_draft(self.source, self.cache, name=self.name, manifest=manifest, only=only,
                               progress=self.progress)
+        self.quarantine_reason = report.manifest.quarantine_reason
         parts = _load_parts(report, self.tokenizer_only, self.draft_top_k, self.prefix_cache_mb)
         self.manifest, self.last_report = report.manifest, report
         self._next_check = time.monotonic() + self.check_interval_s
@@ -90,6 +94,11 @@ class DeliveredDraft:
             wanted = self.source.resolve(self.name)
             if self.manifest is not None and (wanted.label, wanted.digest) == (self.manifest.label,
                                                                                self.manifest.digest):
+                if wanted.quarantine_reason != self.quarantine_reason:
+                    why = wanted.quarantine_reason
+                    log.warning("draft %s %s", wanted.label, f"quarantined by the verifier ({why}): new generations "
+                                "on the cloud route" if why else "out of quarantine")
+                self.quarantine_reason = wanted.quarantine_reason
                 return None  # (another version of the same files is still another version: its own counts)
             parts = self.load(wanted)
         except (SpecdecError, ValueError, OSError) as e:  # ModelNotFoundError is a ValueError

@@ -1,4 +1,4 @@
-"""`specdec draft publish|current|list` (and ``publish --canary``): the drafts a verifier hands out to devices (``SPECDEC_DRAFTS_DIR``,
+"""`specdec draft publish|current|clear|list` (and ``publish --canary``): the drafts a verifier hands out to devices (``SPECDEC_DRAFTS_DIR``,
 :mod:`cloud_verifier.drafts.catalog`; docs/security.md says what a device then holds)."""
 
 from __future__ import annotations
@@ -88,6 +88,26 @@ def draft_current(
     typer.echo(f"{name}: handing out {version}")
 
 
+@draft_app.command("clear")
+def draft_clear(
+    name: str = typer.Argument(..., help="Draft name"),
+    version: str = typer.Argument(..., help="The quarantined version to hand out again"),
+    drafts_dir: Optional[Path] = typer.Option(None, "--drafts-dir", help=DRAFTS_DIR_HELP),
+):
+    """Take a version out of the watchdog's quarantine (clients take it again at their next generation)."""
+    from specdec_runtime.cloud_verifier.drafts.catalog import read_quarantined, set_quarantine
+    from specdec_runtime.common.draft_manifest import ManifestError
+
+    root = _drafts_dir(drafts_dir)
+    if version not in read_quarantined(root / name):
+        fail(f"{name}@{version} is not quarantined")
+    try:
+        set_quarantine(root, name, version, None)
+    except (ManifestError, OSError) as e:
+        fail(str(e))
+    typer.echo(f"{name}@{version}: out of quarantine")
+
+
 @draft_app.command("list")
 def draft_list(drafts_dir: Optional[Path] = typer.Option(None, "--drafts-dir", help=DRAFTS_DIR_HELP)):
     """The published versions (newest first), the one handed out marked *."""
@@ -103,4 +123,6 @@ def draft_list(drafts_dir: Optional[Path] = typer.Option(None, "--drafts-dir", h
         who = ", ".join(m.tenants) if m.tenants else "every tenant"
         trial = canaries.get(m.name)
         canary = f"  canary {trial[1]:.0%}" if trial is not None and trial[0] == m.version else ""
-        typer.echo(f"{mark} {m.label}  {m.size / 1e6:.1f} MB  {who}{canary}")
+        why = catalog.quarantined(m.name).get(m.version)
+        typer.echo(f"{mark} {m.label}  {m.size / 1e6:.1f} MB  {who}{canary}"
+                   + (f"  QUARANTINED: {why}" if why else ""))
