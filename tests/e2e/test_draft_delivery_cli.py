@@ -15,7 +15,7 @@ import pytest
 
 from _reference import hf_greedy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # 3-8 s: three CLI subprocesses on 2 busy cores
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
