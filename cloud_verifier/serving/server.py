@@ -317,6 +317,24 @@ class VerifierServer:
             self._stopped.set()
 
 
+def _draft_catalog(settings: "VerifierSettings") -> "DraftCatalog | None":
+    """The drafts the settings hand out (``drafts_dir``), None for no delivery.
+
+    Raises:
+        ValueError: the drafts folder does not exist.
+    """
+    if not settings.drafts_dir:
+        return None
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog
+
+    drafts = DraftCatalog(settings.drafts_dir, default_name=settings.default_draft,
+                          canary_min_blocks=settings.draft_canary_min_blocks,
+                          canary_margin=settings.draft_canary_margin, watchdog_margin=settings.draft_watchdog_margin)
+    log.info("delivering drafts from %s: %s", settings.drafts_dir,
+             ", ".join(m.label for m in drafts.list()) or "none yet")
+    return drafts
+
+
 async def serve(
     settings: "VerifierSettings",
     verifier: "Verifier | None" = None,
@@ -338,18 +356,15 @@ async def serve(
     from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
 
     security = ServerSecurity.from_settings(settings)  # before loading anything: a refused start is immediate
-    drafts = None
-    if settings.drafts_dir:
-        from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog
-
-        drafts = DraftCatalog(settings.drafts_dir, default_name=settings.default_draft)
-        log.info("delivering drafts from %s: %s", settings.drafts_dir,
-                 ", ".join(m.label for m in drafts.list()) or "none yet")
+    drafts = _draft_catalog(settings)
     owns = verifier is None
     if verifier is None:
         from specdec_runtime.cloud_verifier.verifier import Verifier
 
         verifier = await asyncio.to_thread(Verifier.from_settings, settings)
+    ledger = getattr(verifier, "ledger", None)  # acceptance per draft version (cloud_verifier.drafts.ledger)
+    if ledger is not None:
+        ledger.baseline_blocks, ledger.window_blocks = settings.draft_baseline_blocks, settings.draft_window_blocks
     server = VerifierServer(verifier, host=settings.host, port=settings.port, grace_s=settings.grace_period_s,
                             owns_verifier=owns, health_interval_s=settings.health_check_interval_s,
                             stuck_after_s=settings.batch_stuck_after_s, security=security, drafts=drafts)

@@ -52,7 +52,8 @@ def edge_serve(
     /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
     when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
     --api-key (or --api-keys-file), or --insecure."""
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdec.edge_serve").setLevel(logging.INFO)  # one line per request (spec_metrics.py)
     check_route(route)
     from specdec_runtime.edge_client.transport.credentials import is_loopback_address
 
