@@ -135,6 +135,20 @@ def _raise_preflight(preflight, wait_s: float | None) -> None:
         raise VerifierUnavailableError(reason)
 
 
+def _preflight(server: str | None, security, fallback: str, connect: bool | None):
+    """Why no verifier at ``server`` can serve (a TLS mismatch, nothing listening), found while the draft loads
+    (None without ``server``); raised at once when a near verifier answers within 0.3 s."""
+    if not server:
+        return None
+    from specdec_runtime.edge_client.transport.connections import parse_addresses
+    from specdec.cli.checks import start_preflight
+
+    preflight = start_preflight(parse_addresses(server), security,
+                                unreachable_is_error=fallback == "none" and connect is not False)
+    _raise_preflight(preflight, wait_s=0.3)  # a near verifier answers in ms: no draft load before the error
+    return preflight
+
+
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
@@ -152,30 +166,21 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded.
     ``retry_policy``: the :class:`edge_client.transport.failover.RetryPolicy` of ``server``'s calls (None: its defaults with a
     10 s connect timeout).
-    ``route``: the route the client will run ("cloud": a delivered draft brings only its tokenizer).
-    With ``server`` and no local draft (:func:`delivery_needed`) the verifier's draft is fetched, once, with its
-    progress on stderr. With ``server`` nothing imports torch or transformers (an edge install has neither)."""
+    ``route``: the client's route. With ``server`` and no local draft, the verifier's is fetched
+    (:func:`delivery_needed`).
+    With ``server`` nothing imports torch or transformers (an edge install has neither)."""
     from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
     from specdec_runtime.edge_client.client import EdgeClient
     from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     _check_pipeline_args(num_speculative_tokens, drafter)
-    preflight = None
-    if server:  # why no verifier can serve (a TLS mismatch, nothing listening), found while the draft loads
-        from specdec_runtime.edge_client.transport.connections import parse_addresses
-        from specdec.cli.checks import start_preflight
-
-        preflight = start_preflight(parse_addresses(server), security,
-                                    unreachable_is_error=fallback == "none" and connect is not False)
-        _raise_preflight(preflight, wait_s=0.3)  # a near verifier answers in ms: no draft load before the error
+    preflight = _preflight(server, security, fallback, connect)
     if server and delivery_needed(target, draft, server=server, target_only=target_only, drafter=drafter):
         _raise_preflight(preflight, wait_s=None)
-        return _delivered_pipeline(server, security, target_only=target_only, draft_top_k=draft_top_k,
-                                   drafter=drafter, route=route, retry_policy=retry_policy, fallback=fallback,
-                                   connect=connect, client_kw=dict(
-                                       num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
-                                       min_confidence=min_confidence, proactive=proactive, fallback=fallback,
-                                       reconnect_interval_s=reconnect_interval_s), network_delay_ms=network_delay_ms)
+        kw = dict(num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
+                  proactive=proactive, fallback=fallback, reconnect_interval_s=reconnect_interval_s)
+        return _delivered_pipeline(server, security, target_only, draft_top_k, drafter, route, retry_policy,
+                                   connect, kw, network_delay_ms)
     defaults = default_model_paths()
     draft_model = None
     tokenizer = None
@@ -224,8 +229,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     return client, close
 
 
-def _delivered_pipeline(server: str, security, *, target_only: bool, draft_top_k: int, drafter: str, route: str,
-                        retry_policy, fallback: str, connect, client_kw: dict, network_delay_ms: float):
+def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: int, drafter: str, route: str,
+                        retry_policy, connect, client_kw: dict, network_delay_ms: float):
     """(EdgeClient, close) whose draft (or only its tokenizer: target-only, n-gram, the cloud route) the verifier
     delivered."""
     from specdec_runtime.edge_client.client import EdgeClient
@@ -251,7 +256,8 @@ def _delivered_pipeline(server: str, security, *, target_only: bool, draft_top_k
 
         proposer = NgramDrafter()
     backend = FailoverBackend(server, policy=retry_policy or RetryPolicy(connect_timeout_s=10.0),
-                              connect=fallback == "none" if connect is None else connect, security=security)
+                              connect=client_kw["fallback"] == "none" if connect is None else connect,
+                              security=security)
     if network_delay_ms:
         from specdec_runtime.edge_client.transport.netsim import DelayedBackend
 
