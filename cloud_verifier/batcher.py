@@ -446,5 +446,5 @@ class Batcher:
         self.sessions.cache_committed(session)  # its newly final full pages, for sessions opening from now on
         # speculative positions judged: a cut block's m draft tokens all were (it has no bonus position of its own)
         spec = block.num_speculative_tokens if block is work.full_block else len(block.draft_token_ids)
-        metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000)
+        metrics.observe_verdict(spec, min(verdict.num_accepted, spec), len(committed), queue_ms / 1000, session.draft)
         return verdict

@@ -63,6 +63,31 @@ class VerifierSettings(BaseSettings):
     tenant_tokens_burst: float | None = Field(None, gt=0)
     """Token-bucket capacity of ``tenant_tokens_per_s``, tokens; None = max(2 × rate, largest block + 1)."""
 
+    drafts_dir: str | None = None
+    """Folder of the drafts this verifier hands out to edges (ListDrafts / ResolveDraft / FetchDraft: a folder per
+    draft version with its manifest, ``specdec draft publish``; docs/security.md says what a device then holds).
+    None = no delivery (the calls answer NOT_FOUND / an empty list)."""
+
+    default_draft: str | None = None
+    """The draft name ResolveDraft answers when the edge names none; None = the first name (sorted) the caller's
+    tenant may fetch."""
+
+    draft_baseline_blocks: int = Field(200, ge=1)
+    """A delivered draft version's baseline acceptance: its first this-many verify steps (all replicas), blocks."""
+
+    draft_window_blocks: int = Field(200, ge=1)
+    """The watchdog's window: a version's last this-many verify steps on this replica, blocks."""
+
+    draft_watchdog_margin: float = Field(0.2, gt=0, le=1)
+    """A version whose windowed acceptance rate is below its baseline by more than this is quarantined."""
+
+    draft_canary_min_blocks: int = Field(200, ge=1)
+    """Verify steps a canary and the current version each need before the canary is promoted or rolled back."""
+
+    draft_canary_margin: float = Field(0.05, ge=0, le=1)
+    """How much worse a canary may measure (acceptance rate, absolute; mean accepted length, relative) and still
+    be promoted."""
+
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = pick a free port)."""
 

@@ -108,8 +108,12 @@ def recent_forward_ms() -> float:
     return _recent["forward_ms"]
 
 
-def observe_verdict(num_draft_tokens: int, num_accepted: int, num_committed: int, queue_wait_s: float) -> None:
-    """Count one verdict: draft tokens sent, accepted, committed (accepted + recovered/bonus, cut at a stop)."""
+def observe_verdict(num_draft_tokens: int, num_accepted: int, num_committed: int, queue_wait_s: float,
+                    draft=None) -> None:
+    """Count one verdict: draft tokens sent, accepted, committed (accepted + recovered/bonus, cut at a stop);
+    ``draft``: the session's draft-version tally (cloud_verifier.drafts.ledger.DraftTally), None = unlabelled."""
+    if draft is not None:
+        draft.observe(num_draft_tokens, num_accepted, num_committed)
     NUM_DRAFTS.inc()
     NUM_DRAFT_TOKENS.inc(num_draft_tokens)
     NUM_ACCEPTED_TOKENS.inc(num_accepted)

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
 from specdec_runtime.cloud_verifier.batcher import Batcher
 from specdec_runtime.cloud_verifier.security.limits import TenantLimits
 from specdec_runtime.cloud_verifier.kv.prefix_cache import attach_prefix_cache
@@ -103,6 +104,7 @@ class Verifier:
         self.limits = tenant_limits if tenant_limits is not None else TenantLimits()  # per-tenant caps (limits.py)
         self.busy_wait_s = busy_wait_s
         self.store = store if store is not None else MemorySessionStore(ttl_s=session_ttl_s)
+        self.ledger = AcceptanceLedger(self.store)  # acceptance per draft version (cloud_verifier.drafts.ledger)
         self.reap_interval_s = reap_interval_s
         tok = target.tokenizer
         # token ids at or past it are padded logit columns, not tokens
@@ -266,10 +268,13 @@ class Verifier:
         tokenizer_fingerprint: str = "",
         tenant_id: str = "",
         num_output_tokens: int = 0,
+        draft_name: str = "",
+        draft_version: str = "",
     ) -> SessionOpened:
         """Validate, reserve a KV cache, prefill the prompt (chunked, interleaved with verify steps), record the
         session as ``tenant_id``'s. ``num_output_tokens``: the last prompt ids that are output already generated
         (a re-open after failover): penalties, min_tokens and max_new_tokens count them, as the lost session did.
+        ``draft_name``/``draft_version``: the draft it drafts with (its acceptance counts per version: ledger).
 
         Raises:
             InvalidRequestError: empty prompt, token id out of range, prompt fills the context, bad params.
@@ -285,7 +290,8 @@ class Verifier:
         check_grammar(sampling.grammar, self.info.model_id, stopping)  # the engine's message when it cannot compile
         held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
         with self.limits.opening(tenant_id, held):
-            record = (await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens)).record
+            session = await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens)
+        session.draft, record = self.ledger.tally(draft_name, draft_version), session.record
         return SessionOpened.of(self.info, record.session_id, record.committed_length, record.seed)
 
     async def extend_session(

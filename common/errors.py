@@ -117,6 +117,20 @@ class TargetOutputError(SpecdecError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DraftNotFoundError(SpecdecError):
+    """No such draft, version or file is offered to the caller (unknown, or restricted to other tenants: the same
+    answer, so a tenant cannot learn which drafts others get), or no draft delivery is configured. NOT_FOUND."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class DraftIntegrityError(SpecdecError):
+    """A delivered draft file is not what its manifest says (size or SHA-256): the edge refuses it, deletes it and
+    fetches it again. DATA_LOSS."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED statuses: suggested wait, ms
 
 

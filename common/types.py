@@ -315,6 +315,8 @@ class OpenRequest:
         tokenizer_fingerprint: the edge tokenizer's fingerprint (``common.vocab``); "" = not sent (unchecked).
         num_output_tokens: how many of the last prompt ids are output already generated (a re-open after the
             verifier lost a session: it counts them for penalties, min_tokens and max_new_tokens); 0 = none.
+        draft_name, draft_version: the delivered draft the session drafts with ("" = not said): the label of
+            the verifier's per-version acceptance (cloud_verifier.drafts.ledger).
     """
 
     prompt_token_ids: list[int]
@@ -322,6 +324,8 @@ class OpenRequest:
     stopping: StoppingCriteria
     tokenizer_fingerprint: str = ""
     num_output_tokens: int = 0
+    draft_name: str = ""
+    draft_version: str = ""
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,8 @@ def open_request_to_proto(
     tokenizer_fingerprint: str = "",
     client_id: str = "",
     num_output_tokens: int = 0,
+    draft_name: str = "",
+    draft_version: str = "",
 ) -> pb.OpenSessionRequest:
     check_int32(prompt_token_ids, "prompt token id")
     check_int32([num_output_tokens], "num_output_tokens")
@@ -150,6 +152,8 @@ def open_request_to_proto(
         tokenizer_fingerprint=tokenizer_fingerprint,
         client_id=client_id,
         num_output_tokens=int(num_output_tokens),
+        draft_name=draft_name,
+        draft_version=draft_version,
     )
 
 
@@ -158,7 +162,7 @@ def open_request_from_proto(msg: pb.OpenSessionRequest) -> OpenRequest:
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else StoppingCriteria()
     return OpenRequest(list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint,
-                       msg.num_output_tokens)
+                       msg.num_output_tokens, msg.draft_name, msg.draft_version)
 
 
 def session_opened_to_proto(opened: SessionOpened) -> pb.OpenSessionResponse:

@@ -37,8 +37,20 @@ from specdec_runtime.edge_client.request import check_generation_options, encode
 
 if TYPE_CHECKING:
     from specdec_runtime.edge_client.conversation import Conversation
+    from specdec_runtime.edge_client.delivery.updater import DeliveredDraft
 
 __all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
+
+
+def _default_draft_prepared() -> bool:
+    """Whether the default draft (``specdec models prepare``) is here."""
+    from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir
+
+    try:
+        resolve_draft_dir(None)
+    except ModelNotFoundError:
+        return False
+    return True
 
 
 class EdgeClient:
@@ -144,15 +156,36 @@ class EdgeClient:
         self.open_timeout_s = open_timeout_s
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.last_result: GenerationResult | None = None
+        # the verifier's delivered draft (edge_client.delivery.updater), set by connect; None = a local draft
+        self.delivered: DeliveredDraft | None = None
+
+    @property
+    def draft_version(self) -> tuple[str, str]:
+        """(name, version) of the delivered draft in use; ("", "") for a local one (sent with OpenSession)."""
+        manifest = self.delivered.manifest if self.delivered is not None else None
+        return (manifest.name, manifest.version) if manifest is not None else ("", "")
+
+    def _take_new_draft(self) -> None:
+        """Between generations: the verifier's newer draft version, when there is one (never mid-generation)."""
+        if self.delivered is None:
+            return
+        parts = self.delivered.refresh()
+        if parts is not None:
+            if parts.drafter is not None:
+                self.drafter = parts.drafter
+            self.tokenizer, self.fingerprint = parts.tokenizer, tokenizer_fingerprint(parts.tokenizer)
 
     @classmethod
     def connect(
         cls, address: str | Sequence[str], draft_dir: str | Path | None = None, *,
         draft_top_k: int = DEFAULT_DRAFT_TOP_K, connect_timeout_s: float = 10.0, retry_policy=None,
         fallback: str = "none", tls: bool = False, root_certificates=None, api_key: str | None = None,
-        certificate_chain=None, private_key=None, draft_prefix_cache_mb: float | None = None, **kwargs,
+        certificate_chain=None, private_key=None, draft_prefix_cache_mb: float | None = None,
+        delivery: bool | None = None, draft_name: str = "", draft_cache_dir: str | Path | None = None,
+        draft_check_interval_s: float = 60.0, draft_progress=None, **kwargs,
     ) -> "EdgeClient":
-        """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft).
+        """Client for the verifiers at ``address`` with the ONNX draft at ``draft_dir`` (default draft), or the
+        draft the verifier delivers.
 
         Args:
             address: "host:port", several ("host:port,host:port" or a list: tried in order, the first preferred)
@@ -169,11 +202,20 @@ class EdgeClient:
             certificate_chain, private_key: PEM client certificate and key (mutual TLS).
             draft_prefix_cache_mb: bound of the draft's prefix cache, MiB (KV of prompt prefixes reused by new
                 sessions: :mod:`edge_client.drafting.prefix_cache`); None = DEFAULT_DRAFT_PREFIX_CACHE_MB, 0 = off.
+            delivery: take the draft from the verifier (ResolveDraft / FetchDraft, :mod:`edge_client.delivery`):
+                None (default) = when no ``draft_dir`` is given and no default draft is prepared here; True =
+                always; False = never. Fetched once into ``draft_cache_dir`` (None: ``<specdec cache>/
+                delivered-drafts``), every file checked against its SHA-256 (a wrong one is refused and fetched
+                again); a newer version is taken at the start of a later generation, never in the middle of one
+                (checked at most every ``draft_check_interval_s`` s). With ``route="cloud"`` only the tokenizer
+                files are fetched and no draft runs. ``draft_name``: which draft ("" = the verifier's default);
+                ``draft_progress(path, bytes_held, size)``: called per chunk written.
             **kwargs: :class:`EdgeClient` options.
 
         Raises:
             ModelNotFoundError: no draft at ``draft_dir``. VerifierUnavailableError: no verifier is reachable
-            (with ``fallback="none"``). InvalidRequestError: a malformed address. ValueError: a certificate
+            (with ``fallback="none"``). DraftNotFoundError: delivery, and the verifier offers no draft.
+            DraftIntegrityError: a delivered file still wrong after its retries. InvalidRequestError: a malformed address. ValueError: a certificate
             file unreadable or not PEM.
         """
         from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir
@@ -183,15 +225,28 @@ class EdgeClient:
         from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
         from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
-        model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
         policy = retry_policy or RetryPolicy(connect_timeout_s=connect_timeout_s)
-
         security = ChannelSecurity.of(tls=tls, root_certificates=root_certificates, api_key=api_key,
                                       certificate_chain=certificate_chain, private_key=private_key)
-        backend = FailoverBackend(address, policy=policy, connect=fallback == "none", security=security)
         mb = DEFAULT_DRAFT_PREFIX_CACHE_MB if draft_prefix_cache_mb is None else draft_prefix_cache_mb
-        return cls(backend, ModelDrafter(model, draft_top_k=draft_top_k, prefix_cache_mb=mb), model.tokenizer,
-                   fallback=fallback, **kwargs)
+        if delivery is None:
+            delivery = draft_dir is None and not _default_draft_prepared()
+        delivered = None
+        if delivery:
+            from specdec_runtime.edge_client.delivery import connect_delivery
+
+            delivered, parts = connect_delivery(
+                address, security, name=draft_name, cache_dir=draft_cache_dir,
+                tokenizer_only=kwargs.get("route") == "cloud", draft_top_k=draft_top_k, prefix_cache_mb=mb,
+                check_interval_s=draft_check_interval_s, progress=draft_progress)
+            drafter, tokenizer = parts.drafter, parts.tokenizer
+        else:
+            model = OnnxDraftModel(resolve_draft_dir(draft_dir or default_model_paths().draft_dir))
+            drafter, tokenizer = ModelDrafter(model, draft_top_k=draft_top_k, prefix_cache_mb=mb), model.tokenizer
+        backend = FailoverBackend(address, policy=policy, connect=fallback == "none", security=security)
+        client = cls(backend, drafter, tokenizer, fallback=fallback, **kwargs)
+        client.delivered = delivered
+        return client
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
@@ -218,6 +273,9 @@ class EdgeClient:
         logit_bias, min_tokens, min_p, logprobs, top_logprobs, grammar; logprobs end up in
         ``self.last_result.logprobs``)."""
         check_generation_options(options)
+        self._take_new_draft()
+        if self.delivered is not None and self.delivered.quarantine_reason and (route or self.route) != "device":
+            route = "cloud"  # the verifier quarantined the draft: its acceptance fell below its baseline
         sampling, stopping = generation_params(**options)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
@@ -241,6 +299,8 @@ class EdgeClient:
 
     def close(self) -> None:
         self.backend.close()
+        if self.delivered is not None:
+            self.delivered.close()
 
     def __enter__(self):
         return self

@@ -35,6 +35,7 @@ class EmbeddedServer:
     ``verifier``: serve this verifier (not freed on stop); None = ``Verifier.from_settings(settings)``
     (default settings), freed on stop. ``grace_s``: shutdown grace period, s. ``security``: TLS credentials and
     API keys of the port (:class:`cloud_verifier.security.transport.ServerSecurity`; None = plaintext, no authentication).
+    ``drafts``: the drafts it delivers (:class:`cloud_verifier.drafts.catalog.DraftCatalog`; None = none).
 
     Usage::
 
@@ -43,8 +44,9 @@ class EmbeddedServer:
     """
 
     def __init__(self, verifier: "Verifier | None" = None, settings: "VerifierSettings | None" = None, *,
-                 host: str = "127.0.0.1", grace_s: float = 5.0, security=None):
+                 host: str = "127.0.0.1", grace_s: float = 5.0, security=None, drafts=None):
         self.security = security
+        self.drafts = drafts
         self.verifier = verifier
         self.settings = settings
         self.host = host
@@ -111,7 +113,7 @@ class EmbeddedServer:
             self._loop = asyncio.get_running_loop()
             self._stop_event = asyncio.Event()
             self._server = VerifierServer(self.verifier, host=self.host, port=0, grace_s=self.grace_s,
-                                          owns_verifier=owns, security=self.security)
+                                          owns_verifier=owns, security=self.security, drafts=self.drafts)
             try:
                 await self._server.start()
             except BaseException as e:
@@ -176,7 +178,8 @@ class LocalBackend(VerifierBackend):
         """The verifier's OpenSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
             self.verifier.open_session(request.prompt_token_ids, request.sampling, request.stopping,
-                                       request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens),
+                                       request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens,
+                                       draft_name=request.draft_name, draft_version=request.draft_version),
             timeout_s)
 
     def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:

@@ -57,6 +57,7 @@ from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog
     from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
     from specdec_runtime.cloud_verifier.verifier import Verifier
 
@@ -163,7 +164,8 @@ class VerifierServer:
     ``host``/``port``: bind address (port 0 = a free port, see :attr:`port` after :meth:`start`);
     ``grace_s``: default shutdown grace period, s; ``owns_verifier``: free the verifier's resources on stop;
     ``options``: gRPC server options (default :data:`SERVER_OPTIONS`); ``health_interval_s``: period of the
-    health task, s (0 = no health task); ``stuck_after_s``: a batch loop silent for this long is stuck, s.
+    health task, s (0 = no health task); ``stuck_after_s``: a batch loop silent for this long is stuck, s;
+    ``drafts``: the drafts it delivers (:class:`cloud_verifier.drafts.catalog.DraftCatalog`; None = none).
 
     Health (``grpc.health.v1``, services "" and "specdec.v1.Verifier") tells the truth: SERVING while the batch
     loop beats and the session store can take a session, NOT_SERVING otherwise (checked every
@@ -174,8 +176,9 @@ class VerifierServer:
     def __init__(self, verifier: "Verifier", *, host: str = "127.0.0.1", port: int = 50051, grace_s: float = 10.0,
                  owns_verifier: bool = False, options: list[tuple[str, Any]] | None = None,
                  health_interval_s: float = 1.0, stuck_after_s: float = 60.0,
-                 security: "ServerSecurity | None" = None):
-        self.security = security  # TLS credentials and API keys (cloud_verifier.security.transport); None = plaintext, open
+                 security: "ServerSecurity | None" = None, drafts: "DraftCatalog | None" = None):
+        self.security = security
+        self.drafts = drafts  # the drafts it hands out (cloud_verifier.drafts.catalog); None = no delivery  # TLS credentials and API keys (cloud_verifier.security.transport); None = plaintext, open
         self.options = list(SERVER_OPTIONS if options is None else options)
         self.health_interval_s = health_interval_s
         self.stuck_after_s = stuck_after_s
@@ -207,7 +210,7 @@ class VerifierServer:
             RuntimeError: the address cannot be bound.
         """
         self._stopped = asyncio.Event()
-        self.servicer = VerifierServicer(self.verifier)
+        self.servicer = VerifierServicer(self.verifier, self.drafts)
         interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
         if self.security is not None and self.security.api_keys is not None:
             interceptors.insert(0, AuthInterceptor(self.security.api_keys))  # outermost: before anything else
@@ -314,6 +317,24 @@ class VerifierServer:
             self._stopped.set()
 
 
+def _draft_catalog(settings: "VerifierSettings") -> "DraftCatalog | None":
+    """The drafts the settings hand out (``drafts_dir``), None for no delivery.
+
+    Raises:
+        ValueError: the drafts folder does not exist.
+    """
+    if not settings.drafts_dir:
+        return None
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog
+
+    drafts = DraftCatalog(settings.drafts_dir, default_name=settings.default_draft,
+                          canary_min_blocks=settings.draft_canary_min_blocks,
+                          canary_margin=settings.draft_canary_margin, watchdog_margin=settings.draft_watchdog_margin)
+    log.info("delivering drafts from %s: %s", settings.drafts_dir,
+             ", ".join(m.label for m in drafts.list()) or "none yet")
+    return drafts
+
+
 async def serve(
     settings: "VerifierSettings",
     verifier: "Verifier | None" = None,
@@ -329,19 +350,24 @@ async def serve(
     Raises:
         cloud_verifier.security.transport.InsecureBindError: a non-loopback host without TLS and API keys, not insecure
             (checked before the target is loaded).
-        ValueError: TLS files or the API-key file missing, unreadable or malformed (one line).
+        ValueError: TLS files or the API-key file missing, unreadable or malformed, or the drafts folder missing
+            (one line).
     """
     from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
 
     security = ServerSecurity.from_settings(settings)  # before loading anything: a refused start is immediate
+    drafts = _draft_catalog(settings)
     owns = verifier is None
     if verifier is None:
         from specdec_runtime.cloud_verifier.verifier import Verifier
 
         verifier = await asyncio.to_thread(Verifier.from_settings, settings)
+    ledger = getattr(verifier, "ledger", None)  # acceptance per draft version (cloud_verifier.drafts.ledger)
+    if ledger is not None:
+        ledger.baseline_blocks, ledger.window_blocks = settings.draft_baseline_blocks, settings.draft_window_blocks
     server = VerifierServer(verifier, host=settings.host, port=settings.port, grace_s=settings.grace_period_s,
                             owns_verifier=owns, health_interval_s=settings.health_check_interval_s,
-                            stuck_after_s=settings.batch_stuck_after_s, security=security)
+                            stuck_after_s=settings.batch_stuck_after_s, security=security, drafts=drafts)
     if settings.metrics_port:  # before the gRPC server: a port conflict must not leave a half-started server
         from specdec_runtime.cloud_verifier import metrics
 

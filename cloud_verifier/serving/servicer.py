@@ -15,6 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from specdec_runtime.cloud_verifier import metrics
+from specdec_runtime.cloud_verifier.drafts.delivery import DraftDelivery
 from specdec_runtime.cloud_verifier.security.auth import current_tenant
 from specdec_runtime.cloud_verifier.serving.decode_stream import DecodeStops, DecodeStream, load_hint
 from specdec_runtime.cloud_verifier.serving.verify_stream import VerifyStream
@@ -32,6 +33,7 @@ from specdec_runtime.common.v1 import verifier_pb2 as pb
 from specdec_runtime.common.v1 import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog
     from specdec_runtime.cloud_verifier.store import SessionRecord
     from specdec_runtime.cloud_verifier.verifier import Verifier
 
@@ -62,8 +64,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     """specdec.v1.Verifier over a :class:`cloud_verifier.verifier.Verifier` (errors: raised, mapped by
     :class:`cloud_verifier.serving.server.ErrorMappingInterceptor`)."""
 
-    def __init__(self, verifier: "Verifier"):
+    def __init__(self, verifier: "Verifier", drafts: "DraftCatalog | None" = None):
         self.verifier = verifier
+        # ListDrafts / ResolveDraft / FetchDraft, canaries judged from the acceptance ledger (cloud_verifier.drafts)
+        self.drafts = DraftDelivery(drafts, getattr(verifier, "ledger", None))
         self._drain = asyncio.Event()
         self._background: set[asyncio.Task] = set()  # block tasks that outlive an aborted stream
         self._decode_stops = DecodeStops()  # the Decode calls running here, for StopDecode
@@ -96,6 +100,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         r = open_request_from_proto(request)
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
                                                   r.tokenizer_fingerprint, num_output_tokens=r.num_output_tokens,
+                                                  draft_name=r.draft_name, draft_version=r.draft_version,
                                                   **_tenant_kw())
         return self._opened(opened)
 
@@ -146,3 +151,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """End a running Decode call after its step in progress (cloud_verifier.serving.decode_stream); never an error."""
         key = (_tenant_kw().get("tenant_id", ""), request.session_id, int(request.seq))
         return pb.StopDecodeResponse(stopped=self._decode_stops.stop(key))
+
+    async def ListDrafts(self, request: pb.DraftListRequest, context) -> pb.DraftListResponse:
+        """The draft versions the caller's tenant may fetch (cloud_verifier.drafts.delivery)."""
+        return self.drafts.list(current_tenant())
+
+    async def ResolveDraft(self, request: pb.DraftResolveRequest, context) -> pb.DraftManifest:
+        """The draft version the caller should draft with now; NOT_FOUND when none is offered to it."""
+        return await asyncio.to_thread(self.drafts.resolve, current_tenant(), request.name, request.client_id)
+
+    async def FetchDraft(self, request: pb.FetchDraftRequest, context):
+        """One file of a draft version from an offset, in chunks (cloud_verifier.drafts.delivery)."""
+        async for chunk in self.drafts.fetch(request, current_tenant()):
+            yield chunk

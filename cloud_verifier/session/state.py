@@ -34,6 +34,8 @@ class Session:
     # structured output: the grammar's matcher over the turn's committed output (cloud_verifier.session.grammar),
     # None until a block of a session with a grammar needs it
     grammar: object | None = None
+    # the draft version's acceptance tally (cloud_verifier.drafts.ledger.DraftTally), None = not labelled
+    draft: object | None = None
 
     @property
     def committed(self) -> list[int]:

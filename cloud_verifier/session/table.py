@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from specdec_runtime.cloud_verifier.session.request_log import log_session_end
 from specdec_runtime.cloud_verifier import metrics
 from specdec_runtime.cloud_verifier.session.admission import PrefillChunk, SessionAdmission
 from specdec_runtime.cloud_verifier.kv.prefix_cache import cache_committed
@@ -233,10 +234,11 @@ class SessionTable:
                 break
         return given_up
 
-    def release(self, session_id: str) -> Session | None:
+    def release(self, session_id: str, how: str = "released") -> Session | None:
         """Remove a session from this replica and free its KV cache — at once, or, when one of its blocks is
         queued or in a forward pass, as soon as that block is done (never under a running batch). The store
-        record is untouched. Returns the session, or None when this replica did not hold it."""
+        record is untouched. Returns the session, or None when this replica did not hold it. Logs the session's
+        line (:mod:`cloud_verifier.session.request_log`; ``how``: "closed", "reaped" or "released")."""
         with self.lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
@@ -245,6 +247,7 @@ class SessionTable:
             if not session.busy:
                 self.target.free(session.kv)
         self.update_gauges()
+        log_session_end(session, how)
         return session
 
     def cache_committed(self, session: Session) -> None:
@@ -260,7 +263,7 @@ class SessionTable:
 
     def close(self, session_id: str) -> bool:
         """Release the session here and delete its store keys; False if it existed in neither."""
-        session = self.release(session_id)
+        session = self.release(session_id, "closed")
         if session is not None:
             metrics.SESSIONS_CLOSED.inc()
         existed = self.store.delete(session_id)
@@ -292,7 +295,7 @@ class SessionTable:
                     self.release(sid)  # resumed on another replica (failover, balancer): this copy is stale
                 continue
             if now - s.last_seen > self.session_ttl_s or record is None:
-                gone = self.release(sid)
+                gone = self.release(sid, "reaped")
                 if gone is not None:
                     self.store.delete(sid, verifier_id=self.info.verifier_id)
                     metrics.SESSIONS_EXPIRED.inc()

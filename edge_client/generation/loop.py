@@ -167,12 +167,15 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
     if keep is not None and keep.opened is not None and not run.session_ids:
         opened, sampling = _extend_kept(client, run, sampling, keep, rest)
     if opened is None:
+        # the delivered draft's (name, version) labels the verifier's per-version acceptance
+        name, version = getattr(client, "draft_version", None) or ("", "")
         if run.num_generated:  # a re-open mid-turn: the verifier counts the output so far as generated
             # (penalties, min_tokens and the turn's max_new_tokens), as the lost session did
             request = OpenRequest(list(run.committed), sampling, run.stopping, client.fingerprint,
-                                  num_output_tokens=run.num_generated)
+                                  num_output_tokens=run.num_generated, draft_name=name, draft_version=version)
         else:
-            request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint)
+            request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint, draft_name=name,
+                                  draft_version=version)
         opened = client.backend.open_session(request, timeout_s=client.open_timeout_s)
         run.first_seq = 1
     run.session_ids.append(opened.session_id)

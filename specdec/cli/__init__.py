@@ -6,6 +6,7 @@
     specdec chat                      multi-turn conversation in the terminal (/reset, /exit; pipe-able)
     specdec edge-serve [--port 8000]  OpenAI-compatible HTTP endpoint on the device (docs/openai.md)
     specdec serve                     run a verifier (gRPC, health, reflection, /metrics)
+    specdec draft publish DIR ...     hand a draft version out to devices (serve --drafts-dir)
     specdec bench [--prompts FILE]     Spec-Bench-style benchmark (target-only vs specdec vs HF assisted)
 
 `generate`, `chat` and `edge-serve` prepare the default models on first use (as `models prepare`).
@@ -19,7 +20,7 @@ from specdec.cli.pipeline import build_pipeline, ensure_default_models
 
 # each module registers its commands on `app` (in this order in --help)
 from specdec.cli import generate_command, chat_command, serve_commands, bench_command  # noqa: F401, I001
-from specdec.cli import models_commands  # noqa: F401
+from specdec.cli import models_commands, draft_delivery_commands  # noqa: F401
 
 __all__ = ["DEFAULT_MIN_CONFIDENCE", "DEFAULT_PROMPTS", "app", "build_pipeline", "ensure_default_models", "main"]
 

@@ -193,7 +193,7 @@ def generate(
             draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
             adaptive=adaptive, min_confidence=min_confidence, proactive=proactive, network_delay_ms=network_delay_ms,
             fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, route=route,
         )
     except user_errors() as e:
         fail(explain(e))

@@ -13,6 +13,21 @@ from specdec.cli._shared import (
 from specdec.cli.checks import check_device_names, check_model_dirs, check_num_speculative_tokens, check_server
 
 
+def delivery_needed(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
+                    drafter: str = "model") -> bool:
+    """Whether the command takes what it lacks from the verifier (draft delivery, :mod:`edge_client.delivery`):
+    with ``server``, when it needs the default draft and it is not prepared here, or needs only a tokenizer and
+    has neither a --target nor a prepared default pair."""
+    from specdec_runtime.common.paths import default_model_paths, is_complete
+
+    if not server or draft is not None:
+        return False
+    defaults = default_model_paths()
+    if drafter == "model" and not target_only:
+        return not is_complete(defaults.draft_dir)
+    return target is None and not is_complete(defaults.target_dir) and not is_complete(defaults.draft_dir)
+
+
 def ensure_default_models(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
                           drafter: str = "model") -> bool:
     """Prepare the default models on first use (as `specdec models prepare`, same progress bars on stderr) when
@@ -21,6 +36,8 @@ def ensure_default_models(target: Path | None, draft: Path | None, *, server: st
     tools)."""
     from specdec_runtime.common.paths import default_model_paths, is_complete
 
+    if delivery_needed(target, draft, server=server, target_only=target_only, drafter=drafter):
+        return False  # the verifier delivers the draft (or its tokenizer): nothing to prepare here
     defaults = default_model_paths()
     need_target = target is None and (not server or target_only or drafter != "model")  # weights or tokenizer
     need_draft = draft is None and drafter == "model" and not target_only
@@ -118,12 +135,26 @@ def _raise_preflight(preflight, wait_s: float | None) -> None:
         raise VerifierUnavailableError(reason)
 
 
+def _preflight(server: str | None, security, fallback: str, connect: bool | None):
+    """Why no verifier at ``server`` can serve (a TLS mismatch, nothing listening), found while the draft loads
+    (None without ``server``); raised at once when a near verifier answers within 0.3 s."""
+    if not server:
+        return None
+    from specdec_runtime.edge_client.transport.connections import parse_addresses
+    from specdec.cli.checks import start_preflight
+
+    preflight = start_preflight(parse_addresses(server), security,
+                                unreachable_is_error=fallback == "none" and connect is not False)
+    _raise_preflight(preflight, wait_s=0.3)  # a near verifier answers in ms: no draft load before the error
+    return preflight
+
+
 def build_pipeline(target: Path | None, draft: Path | None, *, server: str | None, in_process: bool,
                    target_only: bool, draft_top_k: int, num_speculative_tokens: int, drafter: str = "model",
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
                    network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
                    security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None,
-                   retry_policy=None):
+                   retry_policy=None, route: str = "speculative"):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of user_errors().
 
     ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
@@ -135,20 +166,21 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     ``server``: "HOST:PORT[,HOST:PORT...]" (tried in order, failover on errors) or a balancer; None = embedded.
     ``retry_policy``: the :class:`edge_client.transport.failover.RetryPolicy` of ``server``'s calls (None: its defaults with a
     10 s connect timeout).
+    ``route``: the client's route. With ``server`` and no local draft, the verifier's is fetched
+    (:func:`delivery_needed`).
     With ``server`` nothing imports torch or transformers (an edge install has neither)."""
     from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
     from specdec_runtime.edge_client.client import EdgeClient
     from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     _check_pipeline_args(num_speculative_tokens, drafter)
-    preflight = None
-    if server:  # why no verifier can serve (a TLS mismatch, nothing listening), found while the draft loads
-        from specdec_runtime.edge_client.transport.connections import parse_addresses
-        from specdec.cli.checks import start_preflight
-
-        preflight = start_preflight(parse_addresses(server), security,
-                                    unreachable_is_error=fallback == "none" and connect is not False)
-        _raise_preflight(preflight, wait_s=0.3)  # a near verifier answers in ms: no draft load before the error
+    preflight = _preflight(server, security, fallback, connect)
+    if server and delivery_needed(target, draft, server=server, target_only=target_only, drafter=drafter):
+        _raise_preflight(preflight, wait_s=None)
+        kw = dict(num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
+                  proactive=proactive, fallback=fallback, reconnect_interval_s=reconnect_interval_s)
+        return _delivered_pipeline(server, security, target_only, draft_top_k, drafter, route, retry_policy,
+                                   connect, kw, network_delay_ms)
     defaults = default_model_paths()
     draft_model = None
     tokenizer = None
@@ -195,6 +227,44 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
             fn()
 
     return client, close
+
+
+def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: int, drafter: str, route: str,
+                        retry_policy, connect, client_kw: dict, network_delay_ms: float):
+    """(EdgeClient, close) whose draft (or only its tokenizer: target-only, n-gram, the cloud route) the verifier
+    delivered."""
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.delivery import connect_delivery
+    from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
+    from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+    from specdec.cli.progress import DraftDownloadProgress
+
+    tokenizer_only = target_only or drafter != "model" or route == "cloud"
+    progress = DraftDownloadProgress()
+    delivered, parts = connect_delivery(server, security or ChannelSecurity.of(), tokenizer_only=tokenizer_only,
+                                        draft_top_k=draft_top_k, prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB,
+                                        progress=progress)
+    report = parts.report
+    typer.echo(f"draft: {report.manifest.label} from the verifier"
+               + (" (tokenizer only)" if tokenizer_only else "")
+               + (f", fetched {report.bytes_downloaded / 1e6:.1f} MB" if report.bytes_downloaded else ", cached"),
+               err=True)
+    proposer = parts.drafter
+    if drafter == "ngram" and not target_only:
+        from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+
+        proposer = NgramDrafter()
+    backend = FailoverBackend(server, policy=retry_policy or RetryPolicy(connect_timeout_s=10.0),
+                              connect=client_kw["fallback"] == "none" if connect is None else connect,
+                              security=security)
+    if network_delay_ms:
+        from specdec_runtime.edge_client.transport.netsim import DelayedBackend
+
+        backend = DelayedBackend(backend, network_delay_ms)
+    client = EdgeClient(backend, None if target_only else proposer, parts.tokenizer, **client_kw)
+    client.delivered = delivered
+    return client, client.close
 
 
 def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,

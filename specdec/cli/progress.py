@@ -103,3 +103,25 @@ def timing_summary(stats) -> str:
     ttft = "no token" if stats.ttft_s is None else f"TTFT {stats.ttft_s:.2f} s"
     decode = f"{stats.decode_tokens_per_s:.1f} tok/s decode" if stats.num_decode_tokens else "no decode step"
     return f"{n} token{'' if n == 1 else 's'}, {stats.elapsed_s:.2f} s, {ttft}, {decode}"
+
+
+class DraftDownloadProgress:
+    """Progress of a draft download from the verifier on stderr (``edge_client.delivery``'s ``progress``
+    callback): on a terminal one line redrawn per chunk ("draft: model.onnx 12.5/25.0 MB 50%"), elsewhere one
+    line per file once it is complete, so a log keeps what was fetched."""
+
+    def __init__(self, stream=None, enabled: bool | None = None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = _is_terminal(self.stream) if enabled is None else enabled
+        self.files = 0
+
+    def __call__(self, path: str, have: int, size: int) -> None:
+        text = f"draft: {path} {have / 1e6:.1f}/{size / 1e6:.1f} MB {100 * have // max(size, 1)}%"
+        if self.live:
+            self.stream.write(_ERASE_LINE + text + ("\n" if have >= size else ""))
+        elif have >= size:
+            self.stream.write(text + "\n")
+        else:
+            return
+        self.files += have >= size
+        self.stream.flush()

@@ -52,7 +52,8 @@ def edge_serve(
     /v1/completions, streaming with server-sent events), backed by the local draft and the verifier (embedded
     when --server is not given). Binds 127.0.0.1 unless --host says otherwise; any other address needs
     --api-key (or --api-keys-file), or --insecure."""
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdec.edge_serve").setLevel(logging.INFO)  # one line per request (spec_metrics.py)
     check_route(route)
     from specdec_runtime.edge_client.transport.credentials import is_loopback_address
 
@@ -112,6 +113,10 @@ def serve(
                                                 "health needs a key (env SPECDEC_API_KEYS_FILE)"),
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS and API keys "
                                   "(env SPECDEC_INSECURE=1)"),
+    drafts_dir: Optional[str] = typer.Option(None, help="Drafts handed out to devices ('specdec draft publish'; env "
+                                             "SPECDEC_DRAFTS_DIR)"),
+    default_draft: Optional[str] = typer.Option(None, help="Draft name given to devices that name none (env "
+                                                "SPECDEC_DEFAULT_DRAFT)"),
 ):
     """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables).
 
@@ -128,7 +133,8 @@ def serve(
                                        metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
     overrides.update({k: v for k, v in dict(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
-        api_keys_file=api_keys_file, insecure=True if insecure else None).items() if v is not None})
+        api_keys_file=api_keys_file, insecure=True if insecure else None, drafts_dir=drafts_dir,
+        default_draft=default_draft).items() if v is not None})
     from pydantic import ValidationError
 
     try:

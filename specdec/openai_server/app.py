@@ -49,12 +49,12 @@ def create_app(engine: Engine, api_keys: Callable[[str | None], bool] | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = routed(chat_request, await read_body(request, CHAT_PARAMS), engine.tokenizer)
-        return await respond(engine, req, "chat.completion", "chatcmpl-")
+        return await respond(engine, req, "chat.completion", "chatcmpl-", getattr(request.state, "tenant", ""))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = routed(completion_request, await read_body(request, COMPLETION_PARAMS), engine.tokenizer)
-        return await respond(engine, req, "text_completion", "cmpl-")
+        return await respond(engine, req, "text_completion", "cmpl-", getattr(request.state, "tenant", ""))
 
     return app
 
@@ -95,6 +95,7 @@ def _add_auth(app, api_keys: Callable[[str | None], bool]) -> None:
             if not api_keys(token):
                 return _error_response(ApiError(401, "missing or invalid API key (authorization: Bearer KEY)",
                                                 "invalid_request_error", code="invalid_api_key"))
+            request.state.tenant = getattr(api_keys, "tenant_of", lambda _token: "")(token)  # the log line's
         return await call_next(request)
 
 
@@ -118,6 +119,8 @@ def key_checker(api_key: str | None = None,
             return True
         return store is not None and store.tenant_for(token) is not None
 
+    # the tenant a valid token names, for the request's log line: its key file's tenant, "edge" for --api-key
+    check.tenant_of = lambda token: (store.tenant_for(token) if store is not None else None) or "edge"
     return check
 
 

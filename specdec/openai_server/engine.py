@@ -35,15 +35,26 @@ class Outcome:
     index: int = 0  # the choice (n > 1: one generation per choice)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None  # common.types.TokenLogprobs per token, when asked
+    # vLLM's per-request "metrics" object and the edge-cloud fields (.spec_metrics)
+    metrics: dict = field(default_factory=dict)
+    timing: tuple = (None, None)  # (time to first token s, decode tokens/s), for the request's log line
 
 
 def _finish_reason(reason: FinishReason | None) -> str:
     return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
 
 
-def _outcome(result, num_prompt_tokens: int, reused: bool, index: int = 0) -> Outcome:
+def _outcome(result, num_prompt_tokens: int, reused: bool, index: int = 0, client=None) -> Outcome:
+    from .spec_metrics import edge_cloud, speculative_decoding
+
     s = result.stats
+    estimates = getattr(client, "route_estimates", None)
+    metrics = {"speculative_decoding": speculative_decoding(s, getattr(client, "num_speculative_tokens", 0)),
+               "edge_cloud": edge_cloud(result, getattr(estimates, "rtt_ms", None),
+                                        getattr(client, "draft_version", None) or ("", ""))}
     return Outcome(
+        metrics=metrics,
+        timing=(s.ttft_s, s.decode_tokens_per_s if s.num_decode_tokens else None),
         index=index,
         token_ids=list(result.token_ids),
         logprobs=result.logprobs,
@@ -201,7 +212,7 @@ class Engine:
         if conv is not None:
             self._keep_conversation(conv)
         emitted[0] = True  # a finished choice is output (a retry would repeat it)
-        job.put(("choice", _outcome(result, len(req.prompt_ids), reused, index)))
+        job.put(("choice", _outcome(result, len(req.prompt_ids), reused, index, self.client)))
 
     def _close_conversations(self) -> None:
         while self._conversations:

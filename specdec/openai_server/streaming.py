@@ -12,6 +12,7 @@ from .engine import Engine, Outcome, Job, next_item
 from .errors import api_error_for
 from .logprobs import TextOffsets, chat_logprobs, completion_logprobs, response_logprobs
 from .request import GenRequest
+from .spec_metrics import log_request, merge
 from .structured import ChoiceDeltas, chat_message
 
 
@@ -22,10 +23,11 @@ def usage(outcomes: list[Outcome]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str):
+async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str, tenant: str = ""):
     """The response to ``req`` (object type ``obj``: "chat.completion" or "text_completion"): an error before
     any output is raised as :class:`ApiError` (an HTTP status); after it, a streamed response ends with an error
-    event. ``req.n`` choices, generated one after the other (streamed with their indices)."""
+    event. ``req.n`` choices, generated one after the other (streamed with their indices). One log line per
+    request (:func:`.spec_metrics.log_request`; ``tenant``: the caller's, "" = none)."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
     job = engine.submit(req)
@@ -33,12 +35,20 @@ async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str):
     created = int(time.time())
     first = await next_item(job)  # errors before any output (open: unreachable, limits, bad prompt) → status
     if first[0] == "error":
+        log_request(rid, tenant, [], "error")
         raise api_error_for(first[1])
     chat = obj == "chat.completion"
     if not req.stream:
-        return JSONResponse(await _whole_body(job, first, rid, obj, created, engine, chat, req.tools))
+        try:
+            body = await _whole_body(job, first, rid, obj, created, engine, chat, req.tools)
+        except BaseException:
+            log_request(rid, tenant, [], "error")
+            raise
+        log_request(rid, tenant, body.pop("_outcomes"))
+        return JSONResponse(body)
     events = _SseEvents(rid, "chat.completion.chunk" if chat else "text_completion", created, engine, chat,
                         req.tools)
+    events.tenant = tenant
     return StreamingResponse(events.stream(job, first, req.include_usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -64,7 +74,8 @@ async def _whole_body(job: Job, first: tuple, rid: str, obj: str, created: int, 
             choice["text"] = outcome.text
         choices.append(choice)
     return {"id": rid, "object": obj, "created": created, "model": engine.model_id,
-            "choices": choices, "usage": usage(outcomes), "specdec": outcomes[0].specdec}
+            "choices": choices, "usage": usage(outcomes), "specdec": outcomes[0].specdec,
+            "metrics": merge([o.metrics for o in outcomes]), "_outcomes": outcomes}
 
 
 class _SseEvents:
@@ -74,6 +85,7 @@ class _SseEvents:
         self.rid, self.chunk_obj, self.created, self.chat = rid, chunk_obj, created, chat
         self.tools, self._deltas = tools, {}  # per choice: its _ChoiceStream
         self.model_id, self.tokenizer = engine.model_id, engine.tokenizer
+        self.tenant = ""  # the caller's, for the request's log line
 
     def event(self, choices: list, **extra) -> str:
         payload = {"id": self.rid, "object": self.chunk_obj, "created": self.created, "model": self.model_id,
@@ -97,6 +109,7 @@ class _SseEvents:
             while item[0] != "done":
                 if item[0] == "error":
                     err = api_error_for(item[1])
+                    log_request(self.rid, self.tenant, outcomes, "error")
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
                 index = item[1] if item[0] == "chunk" else item[1].index
@@ -112,6 +125,7 @@ class _SseEvents:
                     for e in self._finish_events(index, state, item[1]):
                         yield e
                 item = await next_item(job)
+            log_request(self.rid, self.tenant, outcomes)
             if include_usage:
                 yield self.event([], usage=usage(outcomes))
             yield "data: [DONE]\n\n"
@@ -155,7 +169,7 @@ class _SseEvents:
                 choices.append(self.delta(index, None if self.chat else "", logprobs=lp))
         events = [self.event([c]) for c in choices]
         events.append(self.event([self.delta(index, None if self.chat else "", outcome.finish_reason)],
-                                 specdec=outcome.specdec))
+                                 specdec=outcome.specdec, metrics=outcome.metrics))
         return events
 
 

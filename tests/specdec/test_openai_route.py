@@ -49,3 +49,43 @@ def test_route_field_and_server_default(app_client):
     assert answers[None] == answers["speculative"] == answers["cloud-first"]  # greedy: lossless routes agree
     bad = _completion(http, route="fastest")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "route"
+
+
+def _read_vllm_spec_metrics(body: dict) -> dict:
+    """What a harness written against vLLM's documented per-request fields (vllm-project/vllm#48915,
+    ``metrics.speculative_decoding``) reads from a response, with the identities it relies on."""
+    spec = body["metrics"]["speculative_decoding"]
+    hist = spec["acceptance_histogram"]  # hist[j]: verify steps that accepted exactly j draft tokens
+    assert sum(hist) == spec["num_spec_steps"]
+    assert sum(j * n for j, n in enumerate(hist)) == spec["num_accepted_draft_tokens"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"]
+                                                           / spec["num_spec_steps"])
+    assert spec["draft_acceptance_rate"] == pytest.approx(spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"])
+    return spec
+
+
+def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog):
+    import json
+    import logging
+
+    http, edge = app_client
+    with caplog.at_level(logging.INFO, logger="specdec.edge_serve"):
+        r = _completion(http, route="speculative")
+    assert r.status_code == 200, r.text
+    body, stats = r.json(), edge.last_result.stats
+    spec = _read_vllm_spec_metrics(body)
+    assert (spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) == (
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert spec["num_accepted_draft_tokens"] > 0 and spec["num_spec_tokens"] == 3
+    assert body["metrics"]["edge_cloud"]["route"] == "speculative"
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
+    assert len(lines) == 1 and lines[0].startswith(f"request {body['id']} tenant=- route=speculative draft=- "
+                                                   f"prompt_tokens={body['usage']['prompt_tokens']} output_tokens=12")
+    assert "finish=length" in lines[0] and f"acceptance={spec['draft_acceptance_rate']:.3f}" in lines[0]
+    # streamed: the finishing chunk carries them, as vLLM's last chunk does
+    with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Once upon a time", "stream": True,
+                                                      "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                      "route": "speculative"}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    finishing = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finishing) == 1 and _read_vllm_spec_metrics(finishing[0]) == spec  # greedy: the same steps

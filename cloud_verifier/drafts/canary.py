@@ -1,0 +1,102 @@
+"""Canary decisions: a draft version handed to a fraction of clients (``specdec draft publish --canary F``,
+:func:`cloud_verifier.drafts.catalog.start_canary`) is promoted or rolled back from what it measured.
+
+:meth:`CanaryJudge.check` compares, for each running canary, its shared acceptance record with the current
+version's (:mod:`cloud_verifier.drafts.ledger`: every replica's counts), once both have at least ``min_blocks``
+verify steps: promoted (made ``CURRENT``) when its acceptance rate and its mean accepted length (tokens per
+verify step) are both no worse than the current version's, within ``margin``; rolled back otherwise (never
+handed out again; its clients take the current version at their next generation). A decision is logged and
+counted (``specdec_draft_canary_decisions_total{draft_version, decision}``). So a bad version is rolled back
+within ``min_blocks`` of its own verify steps once the current version has as many, plus the flush interval.
+
+The verifier runs the check from ResolveDraft (at most once per ``check_interval_s``): the clients that ask
+which draft to use are what moves a canary, and the files it writes are the catalog's own. Several replicas
+reading one shared drafts folder reach the same decision from the same shared record; the first writes it.
+Outputs never depend on any of this: every draft version is verified by the same target (lossless).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import Counter
+
+from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, end_canary
+from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger, DraftAcceptance
+
+log = logging.getLogger(__name__)
+
+CANARY_DECISIONS = Counter("specdec_draft_canary_decisions", "Canary draft versions promoted or rolled back",
+                           ["draft_version", "decision"])
+
+
+def _tau(r: DraftAcceptance) -> float:
+    """Mean accepted length: tokens per verify step (1 + accepted / steps)."""
+    return 1.0 + r.num_accepted_tokens / r.num_drafts if r.num_drafts else 1.0
+
+
+def no_worse(canary: DraftAcceptance, current: DraftAcceptance, margin: float) -> bool:
+    """The canary's acceptance rate is at least the current version's minus ``margin``, and its mean accepted
+    length at least the current one's times (1 - ``margin``)."""
+    rate_c, rate_0 = canary.acceptance_rate or 0.0, current.acceptance_rate or 0.0
+    return rate_c >= rate_0 - margin and _tau(canary) >= _tau(current) * (1.0 - margin)
+
+
+class CanaryJudge:
+    """Promotes or rolls back the canaries of ``catalog`` from ``ledger``'s shared records (module docstring).
+
+    Args:
+        min_blocks: verify steps each of the canary and the current version needs before a decision, blocks.
+        margin: how much worse the canary may measure and still be promoted (acceptance rate, absolute;
+            mean accepted length, relative).
+        check_interval_s: :meth:`maybe_check` runs :meth:`check` at most this often, s.
+    """
+
+    def __init__(self, catalog: DraftCatalog, ledger: AcceptanceLedger, *, min_blocks: int = 200,
+                 margin: float = 0.05, check_interval_s: float = 5.0):
+        self.catalog = catalog
+        self.ledger = ledger
+        self.min_blocks = min_blocks
+        self.margin = margin
+        self.check_interval_s = check_interval_s
+        self._next = 0.0
+
+    def maybe_check(self) -> list[tuple[str, str]]:
+        """:meth:`check`, at most once per ``check_interval_s``; never raises (a failed check is logged)."""
+        now = time.monotonic()
+        if now < self._next:
+            return []
+        self._next = now + self.check_interval_s
+        try:
+            return self.check()
+        except Exception as e:  # noqa: BLE001 - a canary waits for the next check; delivery goes on
+            log.warning("canary check failed: %s", e)
+            return []
+
+    def check(self) -> list[tuple[str, str]]:
+        """Decide every canary that has enough blocks; returns ``(name@version, "promote" | "rollback")`` of the
+        decisions taken now."""
+        self.ledger.flush()  # this replica's counts first: the record is every replica's
+        decisions = []
+        for name, (version, _fraction) in self.catalog.canaries().items():
+            current = self.catalog.current(name)
+            if current is None or current == version:
+                continue
+            trial = self.ledger.record(f"{name}@{version}")
+            base = self.ledger.record(f"{name}@{current}")
+            if trial.num_drafts < self.min_blocks or base.num_drafts < self.min_blocks:
+                continue
+            promote = no_worse(trial, base, self.margin)
+            if end_canary(self.catalog.root, name, promote) is None:
+                continue  # another replica decided first
+            decision = "promote" if promote else "rollback"
+            CANARY_DECISIONS.labels(f"{name}@{version}", decision).inc()
+            log.warning("draft canary %s@%s %s: acceptance %.3f vs %.3f (%s@%s), mean accepted length %.2f vs %.2f, "
+                        "over %d and %d verify steps", name, version, "promoted" if promote else "rolled back",
+                        trial.acceptance_rate or 0.0, base.acceptance_rate or 0.0, name, current, _tau(trial),
+                        _tau(base), trial.num_drafts, base.num_drafts)
+            decisions.append((f"{name}@{version}", decision))
+        if decisions:
+            self.catalog.rescan()
+        return decisions
