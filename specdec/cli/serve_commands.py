@@ -112,6 +112,9 @@ def serve(
                                                 "health needs a key (env SPECDEC_API_KEYS_FILE)"),
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS and API keys "
                                   "(env SPECDEC_INSECURE=1)"),
+    tensor_parallel: Optional[int] = typer.Option(
+        None, "--tensor-parallel", help="Shard the target over N ranks: N GPUs (NCCL) or N CPU processes (gloo), "
+        "started by serve (or torchrun) (env SPECDEC_TENSOR_PARALLEL; default 1)"),
 ):
     """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables).
 
@@ -125,7 +128,8 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
-                                       metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
+                                       metrics_port=metrics_port, device=device, dtype=dtype,
+                                       tensor_parallel=tensor_parallel).items() if v is not None}
     overrides.update({k: v for k, v in dict(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
         api_keys_file=api_keys_file, insecure=True if insecure else None).items() if v is not None})
