@@ -207,6 +207,7 @@ class ParallelRanks:
                 return
             if ready and sentinels:
                 rank = sentinels[ready[0]]
+                self.procs[rank - 1].join(1.0)  # the exit code is read once the process is reaped
                 self.fail(f"rank {rank} exited (exit code {self.procs[rank - 1].exitcode})")
                 return
             if self.runner.forward_lock.acquire(blocking=False):

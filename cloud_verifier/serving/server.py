@@ -393,6 +393,8 @@ async def serve(
         await server.stop()
         if ranks is not None:
             ranks.close()
+    if ranks is not None and ranks.failure is not None:  # the replica is down: a non-zero exit, one line
+        raise RuntimeError(f"tensor parallel: {ranks.failure}")
 
 
 if __name__ == "__main__":  # the runtime has no command line of its own (docs/architecture.md, "Entry points")
