@@ -19,7 +19,7 @@ import os
 from specdec_runtime.cloud_verifier.parallel.ranks import ParallelRanks, RankSpec, rank_spec, run_rank, start_parallel_runner
 from specdec_runtime.cloud_verifier.parallel.sharding import TensorParallelError, plan_shards
 
-__all__ = ["ParallelRanks", "RankSpec", "TensorParallelError", "check_settings", "is_torchrun_worker", "plan_shards",
+__all__ = ["ParallelRanks", "RankSpec", "TensorParallelError", "check_settings", "check_target", "is_torchrun_worker", "plan_shards",
            "rank_spec", "run_rank", "run_torchrun_worker", "start_from_settings", "start_parallel_runner"]
 
 
@@ -27,11 +27,18 @@ def check_settings(settings) -> None:
     """Refuse, before anything loads, the settings tensor parallelism does not support (one line).
 
     Raises:
-        TensorParallelError: ``compile`` other than off (the compiled forward has no broadcast step).
+        TensorParallelError: ``compile`` other than off (the compiled forward has no broadcast step), a hybrid
+            target, or heads that cannot be split (:func:`check_target`).
+        common.paths.ModelNotFoundError: the target directory is not a causal-LM directory.
     """
-    if settings.tensor_parallel > 1 and settings.compile != "off":
+    from specdec_runtime.common.paths import default_model_paths, resolve_target_dir
+
+    if settings.tensor_parallel <= 1:
+        return
+    if settings.compile != "off":
         raise TensorParallelError(f"--tensor-parallel {settings.tensor_parallel} runs the target eagerly: "
                                   f"compile={settings.compile} is not supported with it (use compile off)")
+    check_target(str(resolve_target_dir(settings.target or default_model_paths().target_dir)), settings.tensor_parallel)
 
 
 def is_torchrun_worker(settings) -> bool:
@@ -45,8 +52,27 @@ def start_from_settings(settings):
     Raises:
         TensorParallelError: an unsupported setting or target, or a rank failed to start (one line).
     """
-    check_settings(settings)
+    check_settings(settings)  # before any rank starts
     return start_parallel_runner(rank_spec(settings, settings.tensor_parallel))
+
+
+def check_target(model_dir: str, world_size: int) -> None:
+    """Refuse, from the config alone, a target tensor parallelism cannot cut ``world_size`` ways (one line).
+
+    Raises:
+        TensorParallelError: a hybrid (recurrent) target, or heads that cannot be split (:func:`plan_shards`).
+    """
+    from transformers import AutoConfig
+
+    from specdec_runtime.cloud_verifier.target.architectures import HYBRID_MODEL_TYPES
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if not hasattr(config, "num_attention_heads"):  # a multimodal config: its text model's
+        config = getattr(config, "text_config", config)
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+        raise TensorParallelError(f"tensor parallel: hybrid (recurrent) target {config.model_type!r} is not "
+                                  "supported; use --tensor-parallel 1")
+    plan_shards(config, world_size)
 
 
 def run_torchrun_worker(settings) -> int:

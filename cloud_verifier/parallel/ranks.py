@@ -81,12 +81,14 @@ def _init_group(spec: RankSpec, rank: int):
 def _load_shard(spec: RankSpec, rank: int, device: str, group, timer: AllReduceTimer, check: bool):
     """The rank's runner, cut to its shard, with a KV pool of its own heads; (runner, reference logits or None)."""
     from specdec_runtime.cloud_verifier.kv.pool import KVPool
-    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner, resolve_dtype
 
     threads = spec.num_threads or max(1, (os.cpu_count() or 1) // spec.world_size) if device == "cpu" else None
-    # a one-page pool while loading: the real one holds only this rank's KV heads
-    runner = TargetRunner(spec.model_dir, kv_cache_budget_tokens=max(CHECK_IDS, spec.kv_page_size), device=device,
-                          dtype=spec.dtype, num_threads=threads, check_architecture=check,
+    target = torch.device(device)
+    # loaded on the host and cut there: the device only ever holds this rank's shard; a one-page pool while
+    # loading (the real one holds only this rank's KV heads)
+    runner = TargetRunner(spec.model_dir, kv_cache_budget_tokens=max(CHECK_IDS, spec.kv_page_size), device="cpu",
+                          dtype=resolve_dtype(spec.dtype, target), num_threads=threads, check_architecture=check,
                           kv_page_size=spec.kv_page_size)
     if runner.recurrent_layers:
         raise TensorParallelError("tensor parallel: hybrid (recurrent) targets are not supported; use "
@@ -95,6 +97,9 @@ def _load_shard(spec: RankSpec, rank: int, device: str, group, timer: AllReduceT
     ids = [(i * 7919 + 11) % min(runner.vocab_size, 32000) for i in range(CHECK_IDS)]
     reference = runner.reference_logits(ids) if check else None
     shard_model(runner.model, plan, rank, group, timer)
+    if target.type != "cpu":
+        runner.model.to(target)
+        runner.device = target
     runner.num_kv_heads = len(plan.kv_heads[rank])
     num_pages = -(-int(spec.kv_cache_budget_tokens) // int(spec.kv_page_size))
     runner.kv_pool = KVPool(runner.num_layers, num_pages, spec.kv_page_size, runner.num_kv_heads, runner.head_dim,

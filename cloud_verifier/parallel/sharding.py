@@ -89,8 +89,8 @@ def plan_shards(config, world_size: int) -> ShardPlan:
     else:
         if n % kv or group % (n // kv):
             raise TensorParallelError(
-                f"tensor parallel {n}: {name} (each KV head's {group} query heads must split evenly over "
-                f"{n}/{kv} ranks; use a tensor parallel size dividing {kv}, or a multiple of it that does)")
+                f"tensor parallel {n}: {name} cannot be split {n} ways (the query heads of a KV head must split "
+                f"evenly over the ranks that share it: use a size up to {kv}, or a multiple of {kv} dividing {heads})")
         per_kv = n // kv
         kv_heads, q_heads = [], []
         for r in range(n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -142,9 +143,11 @@ def serve(
         fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
     if settings.metrics_port and settings.metrics_port == settings.port:
         fail(f"--metrics-port must differ from --port (both {settings.port})")
-    check_port_free(settings.host, settings.port, "--port")
-    if settings.metrics_port:
-        check_port_free(settings.host, settings.metrics_port, "--metrics-port")
+    # a torchrun rank > 0 of a tensor-parallel verifier binds nothing (rank 0 serves; it may have bound already)
+    if not (settings.tensor_parallel > 1 and "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0):
+        check_port_free(settings.host, settings.port, "--port")
+        if settings.metrics_port:
+            check_port_free(settings.host, settings.metrics_port, "--metrics-port")
     for flag, path in (("--tls-cert-file", settings.tls_cert_file), ("--tls-key-file", settings.tls_key_file),
                        ("--tls-client-ca-file", settings.tls_client_ca_file),
                        ("--api-keys-file", settings.api_keys_file)):

@@ -40,8 +40,8 @@ def test_plan_splits_whole_kv_groups():
     assert plan_shards(_cfg(8, 2), 4).q_heads == ((0, 1), (2, 3), (4, 5), (6, 7))
 
 
-@pytest.mark.parametrize("heads, kv, n, words", [(4, 2, 3, "split evenly"), (4, 4, 8, "cannot be split"),
-                                                 (6, 1, 4, "split evenly")])
+@pytest.mark.parametrize("heads, kv, n, words", [(4, 2, 3, "split evenly"), (4, 4, 8, "cannot be split 8 ways"),
+                                                 (6, 1, 4, "a multiple of 1 dividing 6")])
 def test_plan_refuses_impossible_splits_in_one_line(heads, kv, n, words):
     with pytest.raises(TensorParallelError) as err:
         plan_shards(_cfg(heads, kv), n)
@@ -111,3 +111,39 @@ def test_tp2_greedy_identical_to_tp1_and_target_only(arch, tiny_pair, qwen2_dir)
     assert per_rank[0] == per_rank[1] == full - full_projections // 2  # the rest (embeddings, norms) replicated
     single_pool = single.kv_pool.tensor.numel() * single.kv_pool.tensor.element_size()
     assert kv_bytes == [single_pool // 2] * 2  # same pages, one of the two KV heads each
+
+
+def test_unsupported_settings_and_targets_refused_in_one_line(tiny_pair, tmp_path, smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from _architectures import make_tiny_model
+    from specdec_runtime.cloud_verifier.config import VerifierSettings
+    from specdec_runtime.cloud_verifier.parallel import check_settings
+
+    def refused(**kw) -> str:
+        with pytest.raises(TensorParallelError) as err:
+            check_settings(VerifierSettings(target=str(kw.pop("target", tiny_pair.target_dir)), **kw))
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert "compile" in refused(tensor_parallel=2, compile="torch_compile")
+    assert "split evenly" in refused(tensor_parallel=3)  # 4 query / 2 KV heads over 3 ranks
+    hybrid = make_tiny_model("lfm2", tmp_path / "lfm2", AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir)))
+    assert "hybrid" in refused(tensor_parallel=2, target=hybrid)
+    check_settings(VerifierSettings(target=str(tiny_pair.target_dir), tensor_parallel=2))  # supported: no error
+    check_settings(VerifierSettings(target=str(hybrid), tensor_parallel=1, compile="torch_compile"))  # TP off
+
+
+def test_serve_refuses_an_impossible_split_in_one_line(tiny_pair):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--port", "0", "--metrics-port", "0",
+                           "--target", str(tiny_pair.target_dir), "--tensor-parallel", "3"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and lines and lines[-1].startswith("error: "), proc.stderr
+    assert "tensor parallel 3" in lines[-1] and "2 KV heads" in lines[-1]
+    assert "started ranks" not in proc.stderr  # refused before any rank started
