@@ -185,9 +185,9 @@ class ParallelRanks:
         metrics.TP_ALLREDUCE_TIME.observe(self.last_allreduce_s)
 
     def collective_failed(self, exc: BaseException) -> Exception:
-        """A collective raised: the group is failed; the error a forward raises (UNAVAILABLE: clients retry
-        elsewhere)."""
-        self.fail(f"a collective failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        """A step failed on rank 0 after it was broadcast (a collective raised, or the pass itself): the group is
+        failed; the error a forward raises (UNAVAILABLE: clients retry elsewhere)."""
+        self.fail(f"a step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return VerifierUnavailableError(f"this verifier's tensor-parallel group failed: {self.failure}")
 
     def fail(self, reason: str) -> None:

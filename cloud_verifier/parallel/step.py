@@ -65,7 +65,8 @@ class StepBroadcaster:
             broadcast_command(FORWARD, self.group, self.device, sizes)
             dist.broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), 0, group=self.group)
             out = self.inner(input_ids=input_ids, position_ids=position_ids, specdec_batch=specdec_batch, **kwargs)
-        except RuntimeError as exc:  # a collective failed: a rank died or timed out
+        except Exception as exc:  # noqa: BLE001 - a collective failed (a rank died or timed out), or rank 0 left
+            # the step midway: the other ranks are no longer in step with it, the group cannot go on
             raise self.on_error(exc) from exc
         self.after()
         return out
