@@ -287,7 +287,7 @@ def start_parallel_runner(spec: RankSpec):
         ctx = torch.multiprocessing.get_context("spawn")
         for rank in range(1, spec.world_size):
             p = ctx.Process(target=_spawned_rank, args=(spec, rank, os.getpid()), name=f"specdec-tp-rank{rank}",
-                            daemon=False)
+                            daemon=True)  # never outlive rank 0's interpreter (multiprocessing ends them at exit)
             p.start()
             procs.append(p)
         log.info("tensor parallel %d: started ranks %s (pids %s)", spec.world_size,

@@ -19,7 +19,6 @@ import uuid
 
 import pytest
 from _cluster import health_status, start_replicas, stop_process, wait_until
-from _reference import hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(600)]
 
@@ -64,6 +63,17 @@ def _client(addresses, onnx_dir):
     return EdgeClient(backend, ModelDrafter(model), model.tokenizer, num_speculative_tokens=4, timeout_s=120.0)
 
 
+def _hf_greedy_all(model_dir, prompts) -> list[list[int]]:
+    """Target-only greedy decoding of each prompt with plain HF ``generate`` (tests/_reference.py's, one load)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 def _pid_gone(pid: int) -> bool:
     import psutil
 
@@ -77,7 +87,7 @@ def test_tp2_serves_identically_and_a_killed_rank_takes_the_replica_down(tiny_pa
     a, b = cluster
     rng = random.Random(5)
     prompts = [[1] + [rng.randrange(3, 49152) for _ in range(PROMPT - 1)] for _ in range(SESSIONS)]
-    expected = [hf_greedy(tiny_pair.target_dir, p, NEW) for p in prompts]
+    expected = _hf_greedy_all(tiny_pair.target_dir, prompts)
     with _client([a.address], tiny_pair.draft_dir) as client:
         alone = client.generate(prompts[0], max_new_tokens=NEW, ignore_eos=True)
     assert alone.token_ids == expected[0] and alone.num_failovers == 0
