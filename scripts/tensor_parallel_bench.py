@@ -89,7 +89,8 @@ def _generate(address, tokenizer_dir, prompts, new_tokens, draft_dir=None, **sam
     def one(i):
         drafter = ModelDrafter(OnnxDraftModel(draft_dir, intra_op_num_threads=1)) if draft_dir else None
         with EdgeClient(GrpcBackend(address), drafter, tok, num_speculative_tokens=4) as client:
-            out[i] = client.generate(prompts[i], max_new_tokens=new_tokens, ignore_eos=True, **sampling).token_ids
+            res = client.generate(prompts[i], max_new_tokens=new_tokens, ignore_eos=True, **sampling)
+            out[i] = (res.prompt_token_ids, res.token_ids)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -99,20 +100,34 @@ def _generate(address, tokenizer_dir, prompts, new_tokens, draft_dir=None, **sam
     return [out.get(i) for i in range(len(prompts))]
 
 
+def _logits(runner, ids: list[int]):
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+
+    kv = runner.allocate(len(ids))
+    try:
+        return runner.forward([ForwardRow(kv, ids, 0, "all")])[0]
+    finally:
+        runner.free(kv)
+
+
 def _logit_diff(one, tp, ids: list[int]) -> float:
     """Largest |logit| difference of the two runners over a sequence."""
     import numpy as np
 
-    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
+    return float(np.abs(_logits(one, ids) - _logits(tp, ids)).max())
 
-    got = []
-    for runner in (one, tp):
-        kv = runner.allocate(len(ids))
-        try:
-            got.append(runner.forward([ForwardRow(kv, ids, 0, "all")])[0])
-        finally:
-            runner.free(kv)
-    return float(np.abs(got[0] - got[1]).max())
+
+def _mismatch(one, tp, prompt: list[int], ref: list[int], got: list[int]) -> dict:
+    """Where two generations part: the first differing position, the two tokens, TP=1's top-2 logit gap there
+    (both runners, one sequence each, no batching) and the largest |logit| difference of the runners there."""
+    import numpy as np
+
+    pos = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    rows = [_logits(r, prompt + ref[:pos])[-1] for r in (one, tp)]
+    top2 = np.sort(rows[0])[-2:]
+    return {"position": pos, "tp1_token": ref[pos], "tpN_token": got[pos],
+            "tp1_top2_gap": float(top2[1] - top2[0]), "argmax_tp1": int(rows[0].argmax()),
+            "argmax_tpN": int(rows[1].argmax()), "max_logit_diff": float(np.abs(rows[0] - rows[1]).max())}
 
 
 def main() -> None:
@@ -134,6 +149,7 @@ def main() -> None:
 
     target, one, tp = _runners(args)
     report = {"target": os.path.basename(target.rstrip("/")), "device": args.device, "cpus": os.cpu_count(),
+              "loadavg_at_start": os.getloadavg()[0],
               "tensor_parallel": args.tensor_parallel, "threads_tp1": args.threads_tp1,
               "threads_per_rank": args.threads_per_rank,
               "per_rank": [{"weight_bytes": s["weight_bytes"], "kv_bytes": s["kv_bytes"]} for s in tp.parallel.per_rank]}
@@ -149,6 +165,7 @@ def main() -> None:
             report["steps"][name] = {"tp1": tp1, "tpN": _step_times(tp, args.steps, rows, n)}
         if not args.skip_identity:
             report["identity"] = _identity(args, target, one, tp)
+        report["loadavg_at_end"] = os.getloadavg()[0]
     finally:
         tp.parallel.close()
     print(json.dumps(report))  # one line: scripts/gpu_check.sh reads the last JSON line
@@ -170,14 +187,19 @@ def _identity(args, target, one, tp) -> dict:
         plain_n = _generate(an, target, prompts[:n], args.new_tokens)
         spec_n = _generate(an, target, prompts[: args.sessions], args.new_tokens, draft_dir=draft)
         sampled = [_generate(a, target, prompts[:1], args.new_tokens, temperature=0.8, seed=7)[0] for a in (a1, an)]
+    # prompts repeat past 8: a session and its twin differ only in what shared their forward passes
+    same = lambda a, b: a[1] == b[1]  # noqa: E731 - the generated ids
     out = {"prompts": n, "new_tokens": args.new_tokens, "tp1_target_only_s": round(t_ref, 1),
-           "tpN_target_only_identical": sum(plain_n[i] == ref[i] for i in range(n)),
-           "tpN_speculative_identical": sum(spec_n[i] == ref[i] for i in range(n)),
+           "tpN_target_only_identical": sum(same(plain_n[i], ref[i]) for i in range(n)),
+           "tpN_speculative_identical": sum(same(spec_n[i], ref[i]) for i in range(n)),
            "concurrent_sessions": args.sessions,
-           "concurrent_speculative_identical": sum(spec_n[i] == ref[i] for i in range(args.sessions)),
-           "seeded_sample_identical": sampled[0] == sampled[1]}
+           "concurrent_speculative_identical": sum(same(spec_n[i], ref[i]) for i in range(args.sessions)),
+           "seeded_sample_identical": same(*sampled)}
+    out["mismatches"] = {f"{kind}[{i}]": _mismatch(one, tp, ref[i][0], ref[i][1], got[i][1])
+                         for kind, got, m in (("target_only", plain_n, n), ("speculative", spec_n, args.sessions))
+                         for i in range(m) if not same(got[i], ref[i])}
     if not out["seeded_sample_identical"]:
-        out["seeded_sample_max_logit_diff"] = _logit_diff(one, tp, sampled[0])
+        out["seeded_sample_max_logit_diff"] = _logit_diff(one, tp, sampled[0][0] + sampled[0][1])
     return out
 
 
