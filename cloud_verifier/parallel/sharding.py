@@ -26,7 +26,7 @@ row-parallel linear is added once, after the all-reduce.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -103,13 +103,13 @@ def plan_shards(config, world_size: int) -> ShardPlan:
 
 @dataclass
 class AllReduceTimer:
-    """Wall time of the row-parallel all-reduces, s, and their count (read and reset per step by the runner).
-
-    On CUDA it measures the host side of the call (NCCL runs asynchronously on the stream)."""
+    """Wall time of the row-parallel all-reduces: ``seconds`` since the last :meth:`take` (rank 0 takes it after
+    each forward pass), ``total_seconds`` and ``calls`` since the start. On CUDA it measures the host side of the
+    call (NCCL runs asynchronously on the stream)."""
 
     seconds: float = 0.0
     calls: int = 0
-    total_seconds: float = field(default=0.0)
+    total_seconds: float = 0.0
 
     def take(self) -> float:
         """The seconds since the last call, and reset them."""
