@@ -6,7 +6,8 @@
 - TP=2 (this test process is rank 0, one spawned gloo rank): a tiny Llama (GQA 4/2) and a tiny Qwen2 (q/k/v
   biases), greedy speculative decoding and target-only decoding through :class:`Verifier` are token-identical to
   TP=1 and to HF ``generate``; each rank holds half of every decoder-layer projection (the embeddings replicated)
-  and a KV pool of its own heads; rank 0 measures its all-reduce time.
+  and a KV pool of its own heads; rank 0 measures its all-reduce time; the second session over the prompt takes
+  its pages from the prefix cache (rank 0 owns the cache, every rank's pool holds the pages' KV).
 - Settings and targets it does not support (compile modes, hybrid targets, impossible splits) refused in one
   line from the config, before any rank starts.
 """
@@ -21,7 +22,9 @@ from specdec_runtime.cloud_verifier.parallel import RankSpec, TensorParallelErro
 from specdec_runtime.cloud_verifier.parallel.sharding import weight_bytes
 from specdec.bench.chaos.procs import free_port
 
-PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 357, 4564, 2517, 28, 2145, 2016, 260]  # 14 ids, BOS first
+# 40 ids, BOS first: two full KV pages of 16, which the second session over the same prompt takes from the prefix cache
+PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 357, 4564, 2517, 28, 2145, 2016, 260] * 3
+PROMPT = PROMPT[:40]
 NEW_TOKENS = 24
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
@@ -102,6 +105,8 @@ def test_tp2_greedy_identical_to_tp1_and_target_only(arch, tiny_pair, qwen2_dir)
         got_spec, got_plain = _generate(runner, tiny_pair.draft_dir)
         ranks = runner.parallel
         assert ranks.failure is None
+        # the target-only session read the speculative one's cached prompt pages, on both ranks' pools
+        assert runner.prefix_cache.stats.hits >= 32
         assert ranks.timer.calls > 0 and ranks.timer.total_seconds > 0  # 2 all-reduces per layer and pass
         per_rank = [s["weight_bytes"] for s in ranks.per_rank]
         kv_bytes = [s["kv_bytes"] for s in ranks.per_rank]
