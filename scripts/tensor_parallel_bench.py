@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--skip-identity", action="store_true")
+    p.add_argument("--control", action="store_true", help="also the concurrent speculative sessions at TP=1")
     args = p.parse_args()
     args.threads_per_rank = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.tensor_parallel)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,6 +188,8 @@ def _identity(args, target, one, tp) -> dict:
         plain_n = _generate(an, target, prompts[:n], args.new_tokens)
         spec_n = _generate(an, target, prompts[: args.sessions], args.new_tokens, draft_dir=draft)
         sampled = [_generate(a, target, prompts[:1], args.new_tokens, temperature=0.8, seed=7)[0] for a in (a1, an)]
+        # the control: the same concurrent speculative sessions on one device
+        spec_1 = _generate(a1, target, prompts[: args.sessions], args.new_tokens, draft_dir=draft) if args.control else None
     # prompts repeat past 8: a session and its twin differ only in what shared their forward passes
     same = lambda a, b: a[1] == b[1]  # noqa: E731 - the generated ids
     out = {"prompts": n, "new_tokens": args.new_tokens, "tp1_target_only_s": round(t_ref, 1),
@@ -195,6 +198,8 @@ def _identity(args, target, one, tp) -> dict:
            "concurrent_sessions": args.sessions,
            "concurrent_speculative_identical": sum(same(spec_n[i], ref[i]) for i in range(args.sessions)),
            "seeded_sample_identical": same(*sampled)}
+    if spec_1 is not None:
+        out["control_tp1_concurrent_speculative_identical"] = sum(same(spec_1[i], ref[i]) for i in range(args.sessions))
     out["mismatches"] = {f"{kind}[{i}]": _mismatch(one, tp, ref[i][0], ref[i][1], got[i][1])
                          for kind, got, m in (("target_only", plain_n, n), ("speculative", spec_n, args.sessions))
                          for i in range(m) if not same(got[i], ref[i])}
