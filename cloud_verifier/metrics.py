@@ -153,3 +153,12 @@ PREFIX_CACHE_QUERIES = Counter("specdec_prefix_cache_queries", "Prompt tokens lo
                                "(the full KV pages of an opened, resumed or extended session's tokens but the last)")
 PREFIX_CACHE_HITS = Counter("specdec_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
 PREFIX_CACHE_EVICTIONS = Counter("specdec_prefix_cache_evicted_pages", "Cached KV pages evicted (LRU) for reuse")
+
+# tensor parallel (cloud_verifier.parallel): per-rank memory, rank 0's all-reduce time per forward pass
+TP_WORLD_SIZE = Gauge("specdec_tp_world_size", "Tensor-parallel ranks of this replica's target (1 = one device)")
+TP_RANK_WEIGHT_BYTES = Gauge("specdec_tp_rank_weight_bytes", "Target weights held by each tensor-parallel rank, bytes",
+                             ["rank"])
+TP_RANK_KV_BYTES = Gauge("specdec_tp_rank_kv_bytes", "KV pool of each tensor-parallel rank (its KV heads), bytes",
+                         ["rank"])
+TP_ALLREDUCE_TIME = Histogram("specdec_tp_allreduce_seconds", "Rank 0's all-reduce wall time per target forward pass",
+                              buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))

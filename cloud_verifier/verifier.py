@@ -153,19 +153,19 @@ class Verifier:
         from specdec_runtime.cloud_verifier.store import make_store
         from specdec_runtime.common.paths import default_model_paths
 
-        target_dir = settings.target or default_model_paths().target_dir
-        runner = TargetRunner(
-            target_dir,
-            kv_cache_budget_tokens=settings.kv_cache_budget_tokens,
-            kv_page_size=settings.kv_page_size,
-            device=settings.device,
-            dtype=settings.dtype,
-            num_threads=settings.torch_threads,
-            compile_mode=settings.compile,
-        )
+        store = make_store(settings) if settings.tensor_parallel > 1 else None  # one that fails: before any rank
+        if settings.tensor_parallel > 1:  # ranks 1..N-1 started here (cloud_verifier.parallel)
+            from specdec_runtime.cloud_verifier.parallel import start_from_settings
+
+            runner = start_from_settings(settings)
+        else:
+            runner = TargetRunner(settings.target or default_model_paths().target_dir,
+                                  kv_cache_budget_tokens=settings.kv_cache_budget_tokens,
+                                  kv_page_size=settings.kv_page_size, device=settings.device, dtype=settings.dtype,
+                                  num_threads=settings.torch_threads, compile_mode=settings.compile)
         return cls(
             runner,
-            make_store(settings),
+            store if store is not None else make_store(settings),
             verifier_id=settings.verifier_id,
             model_id=settings.model_id,
             max_num_speculative_tokens=settings.max_num_speculative_tokens,
@@ -250,14 +250,20 @@ class Verifier:
         stuck = self.stuck_reason(stuck_after_s)
         if stuck is not None:
             return stuck
+        parallel = getattr(self.target, "parallel", None)  # a tensor-parallel target whose ranks failed
+        if parallel is not None and parallel.failure is not None:
+            return f"tensor parallel: {parallel.failure}"
         if not self.store.ping():
             return "session store unreachable"
         return None
 
     def shutdown(self) -> None:
-        """Free every session's KV cache (their store records stay, so another replica can resume them)."""
+        """Free every session's KV cache (their store records stay, so another replica can resume them); the
+        ranks of a tensor-parallel target stop."""
         self.sessions.free_all()
         self.batcher.close()
+        if getattr(self.target, "parallel", None) is not None:  # tensor parallel: the other ranks stop too
+            self.target.parallel.close()
 
     # ------------------------------------------------------------------ sessions
     async def open_session(

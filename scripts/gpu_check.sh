@@ -13,7 +13,9 @@
 #   4. a short benchmark: target-only vs specdec (`specdec bench --no-hf`), and the verifier under load
 #      (`specdec bench --replay --clients 1,16,64`, short windows), and one forward pass of 64 verify rows, paged
 #      attention vs the per-row loop, KV page sizes 16 and 32 (`python -m specdec.bench.attention_bench`), and
-#      the verify forward eager vs CUDA graphs / torch.compile (`python -m specdec.bench.compile_bench`).
+#      the verify forward eager vs CUDA graphs / torch.compile (`python -m specdec.bench.compile_bench`);
+#   5. tensor parallel: with >= 2 GPUs TP=2 on NCCL against TP=1 (step time, all-reduce share, token identity:
+#      scripts/tensor_parallel_bench.py); with one GPU it says so and runs TP=1.
 # Each step has a time budget, and the whole run is kept under SPECDEC_GPU_CHECK_BUDGET_S (default 470 s): a step
 # that would not fit is skipped and reported. Exit status 0 when every step that ran passed.
 #
@@ -102,6 +104,12 @@ if [ "$DEVICE" != none ]; then
       --context 300 --repeats 5 --device cuda --dtype bfloat16
     step compile_torch 120 $PY -m specdec.bench.compile_bench --mode torch_compile --rows 16,64 --tokens 5 \
       --context 300 --repeats 5 --layers 4 --device cuda --dtype bfloat16
+    # tensor parallel (cloud_verifier/parallel): TP=2 on NCCL against TP=1 (step time, all-reduce share, tokens);
+    # with one GPU there is no second rank: said so, and TP=1 through the same path
+    GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+    if [ "$GPUS" -ge 2 ]; then TP=2; else TP=1; log "tensor parallel: $GPUS GPU, TP=2 on NCCL needs 2: running TP=1"; fi
+    step tensor_parallel 90 $PY scripts/tensor_parallel_bench.py --device cuda --tensor-parallel "$TP" --steps 10 \
+      --prompts 3 --new-tokens 64 --sessions 4
     step bench 90 specdec bench --limit 4 --max-new-tokens 64 --no-hf --device cuda --json
     step replay 200 specdec bench --replay --clients 1,16,64 --duration-s 10 --limit 8 --device cuda --json
   else  # smoke test on the CPU: the same steps, tiny sizes
@@ -203,6 +211,7 @@ if r:
 
 attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV page size
 compiled = {m: last_json(f"compile_{m}") for m in ("graphs", "torch")}  # eager vs compiled forward
+tensor_parallel = last_json("tensor_parallel")  # TP=2 on NCCL vs TP=1 (TP=1 only with one GPU)
 
 ran = [s for s in steps.values() if s["rc"] != "skipped"]
 ok = (device != "none" and all(s["rc"] == 0 for s in ran)
@@ -218,6 +227,7 @@ if any(s["rc"] == "skipped" for s in steps.values()):
     notes.append(f"steps skipped: the run's budget of {budget} s was spent")
 print(json.dumps({"ok": ok, "device": device, "elapsed_s": elapsed, "budget_s": budget, "environment": env,
                   "steps": steps, "tests": tests, "bench": bench, "replay": replay, "attention": attention, "compiled": compiled,
+                  "tensor_parallel": tensor_parallel,
                   "outputs": str(out),
                   "notes": notes}))
 sys.exit(0 if ok else 1)

@@ -355,6 +355,15 @@ async def serve(
     """
     from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
 
+    if verifier is None and getattr(settings, "tensor_parallel", 1) > 1:
+        from specdec_runtime.cloud_verifier import parallel
+
+        parallel.check_settings(settings)  # one line, before anything loads
+        if parallel.is_torchrun_worker(settings):  # a torchrun rank > 0 serves steps, not gRPC
+            code = await asyncio.to_thread(parallel.run_torchrun_worker, settings)
+            if code:
+                raise RuntimeError(f"tensor-parallel rank {os.environ.get('RANK')} failed (exit code {code})")
+            return
     security = ServerSecurity.from_settings(settings)  # before loading anything: a refused start is immediate
     drafts = _draft_catalog(settings)
     owns = verifier is None
@@ -381,9 +390,17 @@ async def serve(
                 "(set --metrics-port / SPECDEC_METRICS_PORT to a free port, or 0 to disable)"
             ) from None
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    await server.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    ranks = getattr(verifier.target, "parallel", None)  # tensor parallel: a failed rank stops this replica
+    if ranks is not None:
+        ranks.on_failure.append(lambda reason: loop.call_soon_threadsafe(stop.set))
+    try:
+        await server.start()
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -400,6 +417,10 @@ async def serve(
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.stop()
+        if ranks is not None:
+            ranks.close()
+    if ranks is not None and ranks.failure is not None:  # the replica is down: a non-zero exit, one line
+        raise RuntimeError(f"tensor parallel: {ranks.failure}")
 
 
 if __name__ == "__main__":  # the runtime has no command line of its own (docs/architecture.md, "Entry points")

@@ -191,6 +191,11 @@ class TargetRunner:
         if check_architecture:
             self_check(self)
 
+    @property
+    def forward_lock(self) -> threading.Lock:
+        """Held for each forward pass (tensor parallel: whoever broadcasts to the ranks outside a pass holds it)."""
+        return self._forward_lock
+
     # ---------------------------------------------------------------- paged KV cache
     @property
     def kv_bytes_per_token(self) -> int:

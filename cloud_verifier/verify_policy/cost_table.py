@@ -52,8 +52,8 @@ def _weights_signature(model_dir: Path) -> list[list]:
 
 def target_key(runner: Any, model_id: str) -> dict:
     """What a cost table of ``runner`` (a :class:`cloud_verifier.target.runner.TargetRunner`) depends on: model
-    id, a hash of its ``config.json`` and weight file sizes, device, dtype, torch intra-op threads, torch version.
-    A dict of str/int (JSON)."""
+    id, a hash of its ``config.json`` and weight file sizes, device, dtype, torch intra-op threads, torch version,
+    and the tensor-parallel size where it is over 1. A dict of str/int (JSON)."""
     import torch
 
     model_dir = Path(runner.model_dir)
@@ -62,7 +62,9 @@ def target_key(runner: Any, model_id: str) -> dict:
     digest.update(json.dumps(_weights_signature(model_dir)).encode())
     return {"model_id": str(model_id), "model": digest.hexdigest()[:16], "device": str(runner.device),
             "dtype": str(runner.dtype).replace("torch.", ""), "threads": int(torch.get_num_threads()),
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            # a tensor-parallel target (cloud_verifier.parallel) steps at another speed: its own table
+            **({"tensor_parallel": runner.parallel.world_size} if getattr(runner, "parallel", None) else {})}
 
 
 class CostTableCache:

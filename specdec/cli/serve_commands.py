@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -117,6 +118,9 @@ def serve(
                                              "SPECDEC_DRAFTS_DIR)"),
     default_draft: Optional[str] = typer.Option(None, help="Draft name given to devices that name none (env "
                                                 "SPECDEC_DEFAULT_DRAFT)"),
+    tensor_parallel: Optional[int] = typer.Option(
+        None, "--tensor-parallel", help="Shard the target over N ranks: N GPUs (NCCL) or N CPU processes (gloo), "
+        "started by serve (or torchrun) (env SPECDEC_TENSOR_PARALLEL; default 1)"),
 ):
     """Run a cloud verifier (gRPC server; config also from SPECDEC_* environment variables).
 
@@ -130,7 +134,8 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in dict(host=host, port=port, redis_url=redis_url, target=target,
-                                       metrics_port=metrics_port, device=device, dtype=dtype).items() if v is not None}
+                                       metrics_port=metrics_port, device=device, dtype=dtype,
+                                       tensor_parallel=tensor_parallel).items() if v is not None}
     overrides.update({k: v for k, v in dict(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
         api_keys_file=api_keys_file, insecure=True if insecure else None, drafts_dir=drafts_dir,
@@ -144,9 +149,11 @@ def serve(
         fail(f"invalid setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})")
     if settings.metrics_port and settings.metrics_port == settings.port:
         fail(f"--metrics-port must differ from --port (both {settings.port})")
-    check_port_free(settings.host, settings.port, "--port")
-    if settings.metrics_port:
-        check_port_free(settings.host, settings.metrics_port, "--metrics-port")
+    # a torchrun rank > 0 of a tensor-parallel verifier binds nothing (rank 0 serves; it may have bound already)
+    if not (settings.tensor_parallel > 1 and "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0):
+        check_port_free(settings.host, settings.port, "--port")
+        if settings.metrics_port:
+            check_port_free(settings.host, settings.metrics_port, "--metrics-port")
     for flag, path in (("--tls-cert-file", settings.tls_cert_file), ("--tls-key-file", settings.tls_key_file),
                        ("--tls-client-ca-file", settings.tls_client_ca_file),
                        ("--api-keys-file", settings.api_keys_file)):
