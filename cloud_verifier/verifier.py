@@ -153,37 +153,28 @@ class Verifier:
         from specdec_runtime.cloud_verifier.store import make_store
         from specdec_runtime.common.paths import default_model_paths
 
-        store = make_store(settings) if settings.tensor_parallel > 1 else None  # one that fails: before any rank
         if settings.tensor_parallel > 1:  # ranks 1..N-1 started here (cloud_verifier.parallel)
             from specdec_runtime.cloud_verifier.parallel import start_from_settings
 
+            store = make_store(settings)  # a store that fails does so before any rank starts
             runner = start_from_settings(settings)
-        else:
+        else:  # the store after the target, as before: a Redis still forming while the target loads is fine
             runner = TargetRunner(settings.target or default_model_paths().target_dir,
                                   kv_cache_budget_tokens=settings.kv_cache_budget_tokens,
                                   kv_page_size=settings.kv_page_size, device=settings.device, dtype=settings.dtype,
                                   num_threads=settings.torch_threads, compile_mode=settings.compile)
+            store = make_store(settings)
         return cls(
-            runner,
-            store if store is not None else make_store(settings),
-            verifier_id=settings.verifier_id,
-            model_id=settings.model_id,
-            max_num_speculative_tokens=settings.max_num_speculative_tokens,
-            max_sessions=settings.max_sessions,
-            max_batch_size=settings.max_batch_size,
-            max_batch_wait_ms=settings.max_batch_wait_ms,
+            runner, store, verifier_id=settings.verifier_id, model_id=settings.model_id,
+            max_num_speculative_tokens=settings.max_num_speculative_tokens, max_sessions=settings.max_sessions,
+            max_batch_size=settings.max_batch_size, max_batch_wait_ms=settings.max_batch_wait_ms,
             straggler_wait_fraction=settings.straggler_wait_fraction,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
-            session_ttl_s=settings.session_ttl_s,
-            reap_interval_s=settings.reap_interval_s,
-            tenant_limits=TenantLimits(
-                settings.tenant_max_sessions, settings.tenant_tokens_per_s, settings.tenant_tokens_burst,
-                min_burst=settings.max_num_speculative_tokens + 1,
-            ),
-            prefix_caching=settings.prefix_caching,
-            prefix_cache_salt=settings.prefix_cache_salt,
-            verify_policy=settings.verify_policy,
-        )
+            session_ttl_s=settings.session_ttl_s, reap_interval_s=settings.reap_interval_s,
+            tenant_limits=TenantLimits(settings.tenant_max_sessions, settings.tenant_tokens_per_s,
+                                       settings.tenant_tokens_burst, min_burst=settings.max_num_speculative_tokens + 1),
+            prefix_caching=settings.prefix_caching, prefix_cache_salt=settings.prefix_cache_salt,
+            verify_policy=settings.verify_policy)
 
     # ------------------------------------------------------------------ batching knobs (benchmarks change them)
     @property

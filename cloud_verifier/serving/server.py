@@ -335,6 +335,43 @@ def _draft_catalog(settings: "VerifierSettings") -> "DraftCatalog | None":
     return drafts
 
 
+async def _served_as_torchrun_worker(settings: "VerifierSettings") -> bool:
+    """Refuse unsupported tensor-parallel settings (one line, before anything loads); in a torchrun rank > 0,
+    serve forward steps (no gRPC) until the group ends and return True.
+
+    Raises:
+        cloud_verifier.parallel.TensorParallelError: unsupported settings. RuntimeError: this rank failed.
+    """
+    if getattr(settings, "tensor_parallel", 1) <= 1:
+        return False
+    from specdec_runtime.cloud_verifier import parallel
+
+    parallel.check_settings(settings)
+    if not parallel.is_torchrun_worker(settings):
+        return False
+    code = await asyncio.to_thread(parallel.run_torchrun_worker, settings)
+    if code:
+        raise RuntimeError(f"tensor-parallel rank {os.environ.get('RANK')} failed (exit code {code})")
+    return True
+
+
+def _serve_metrics(settings: "VerifierSettings", owned: "Verifier | None") -> None:
+    """The Prometheus /metrics endpoint on ``settings.metrics_port``; on a port it cannot bind, ``owned`` (the
+    verifier serve loaded, None when the caller's) is shut down. Raises: VerifierUnavailableError (one line)."""
+    from specdec_runtime.cloud_verifier import metrics
+
+    try:
+        metrics.serve_metrics(settings.metrics_port, addr=settings.host)
+    except OSError as e:
+        if owned is not None:
+            owned.shutdown()
+        raise VerifierUnavailableError(
+            f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {e.strerror or e} "
+            "(set --metrics-port / SPECDEC_METRICS_PORT to a free port, or 0 to disable)"
+        ) from None
+    log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+
+
 async def serve(
     settings: "VerifierSettings",
     verifier: "Verifier | None" = None,
@@ -355,15 +392,8 @@ async def serve(
     """
     from specdec_runtime.cloud_verifier.security.transport import ServerSecurity
 
-    if verifier is None and getattr(settings, "tensor_parallel", 1) > 1:
-        from specdec_runtime.cloud_verifier import parallel
-
-        parallel.check_settings(settings)  # one line, before anything loads
-        if parallel.is_torchrun_worker(settings):  # a torchrun rank > 0 serves steps, not gRPC
-            code = await asyncio.to_thread(parallel.run_torchrun_worker, settings)
-            if code:
-                raise RuntimeError(f"tensor-parallel rank {os.environ.get('RANK')} failed (exit code {code})")
-            return
+    if verifier is None and await _served_as_torchrun_worker(settings):
+        return
     security = ServerSecurity.from_settings(settings)  # before loading anything: a refused start is immediate
     drafts = _draft_catalog(settings)
     owns = verifier is None
@@ -378,18 +408,7 @@ async def serve(
                             owns_verifier=owns, health_interval_s=settings.health_check_interval_s,
                             stuck_after_s=settings.batch_stuck_after_s, security=security, drafts=drafts)
     if settings.metrics_port:  # before the gRPC server: a port conflict must not leave a half-started server
-        from specdec_runtime.cloud_verifier import metrics
-
-        try:
-            metrics.serve_metrics(settings.metrics_port, addr=settings.host)
-        except OSError as e:
-            if owns:
-                verifier.shutdown()
-            raise VerifierUnavailableError(
-                f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {e.strerror or e} "
-                "(set --metrics-port / SPECDEC_METRICS_PORT to a free port, or 0 to disable)"
-            ) from None
-        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+        _serve_metrics(settings, verifier if owns else None)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     ranks = getattr(verifier.target, "parallel", None)  # tensor parallel: a failed rank stops this replica
