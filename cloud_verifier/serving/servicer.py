@@ -96,7 +96,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         r = open_request_from_proto(request)
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
                                                   r.tokenizer_fingerprint, num_output_tokens=r.num_output_tokens,
-                                                  **_tenant_kw())
+                                                  features=r.features, **_tenant_kw())
         return self._opened(opened)
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:

@@ -34,6 +34,10 @@ class Session:
     # structured output: the grammar's matcher over the turn's committed output (cloud_verifier.session.grammar),
     # None until a block of a session with a grammar needs it
     grammar: object | None = None
+    # draft-head features of the prompt asked at open (common.features.FeatureRequest, layers resolved), and
+    # (start position, float32 [n, width]) per prefilled chunk, until the open answers
+    prefill_features: object = None
+    prefill_hidden: list = field(default_factory=list)
 
     @property
     def committed(self) -> list[int]:
