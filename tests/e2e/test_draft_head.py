@@ -1,0 +1,109 @@
+"""A draft head fed by the verifier's hidden states (edge_client/drafting/head.py), converted from tiny random
+EAGLE-3 and EAGLE-1 checkpoints in their authors' layouts (tests/_heads.py → specdec/models/head_export.py),
+drafting over a real gRPC verifier: greedy output token-identical to target-only; the head reads the verifier's
+features at the right positions (its draft equals the converted torch head run on HF's own hidden states); the
+ONNX graph equals the torch one across KV-cache chunks; a head trained for another target is refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _heads import write_eagle1, write_eagle3
+from _reference import hf_greedy
+from specdec.embedded import EmbeddedServer
+from specdec.models.head_export import HeadMismatchError, export_head, load_head
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.types import SamplingParams
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.head import HeadDrafter
+from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+
+PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?"]
+DRAFT_VOCAB = sorted(set(range(0, 49152, 61)) | set(range(200)))
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_pair, tmp_path_factory):
+    """kind → (checkpoint dir, converted head dir)."""
+    root = tmp_path_factory.mktemp("heads")
+    target = tiny_pair.target_dir
+    e3 = write_eagle3(root / "eagle3-ckpt", target, DRAFT_VOCAB)
+    e1 = write_eagle1(root / "eagle1-ckpt", target)
+    return {"eagle3": (e3, export_head(target, e3, root / "eagle3")),
+            "eagle1": (e1, export_head(target, e1, root / "eagle1"))}
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_pair):
+    return TargetRunner(tiny_pair.target_dir)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_greedy_over_grpc_is_target_only_and_reads_the_verifiers_features(kind, heads, runner, tiny_pair):
+    head = OnnxHead(heads[kind][1])
+    drafter = HeadDrafter(head)
+    with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
+        with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=4) as client:
+            for prompt in PROMPTS:
+                ids = encode_prompt(head.tokenizer, prompt)
+                got = client.generate(prompt, max_new_tokens=20, ignore_eos=True)
+                assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 20), prompt
+                assert got.stats.num_draft_tokens > 0
+    committed = ids + list(got.token_ids)
+    # every committed position but the last has the verifier's feature, and the head's entries use them
+    assert drafter._target_features_for(committed) == len(committed) - 1
+    # the head's next draft equals the torch head run on HF's own hidden states of the whole sequence
+    loaded = load_head(tiny_pair.target_dir, heads[kind][0])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.model(torch.tensor([committed]), output_hidden_states=True)
+        states = list(out.hidden_states[:-1]) + [out.last_hidden_state]
+        layers = [len(states) - 1 if i == -1 else i for i in loaded.meta["feature_layers"]]
+        f = torch.cat([states[i][0] for i in layers], dim=-1)[:-1]
+        if loaded.fc_weight is not None:
+            f = f @ loaded.fc_weight.float().T
+        n = len(committed) - 1
+        empty = torch.zeros(1, loaded.meta["num_key_value_heads"], 0, loaded.meta["head_dim"])
+        logits = loaded.graph(torch.tensor([committed[1:]]), f[None], torch.arange(n)[None], empty, empty)[0][0, -1]
+    want = int(logits.argmax()) if loaded.d2t is None else int(loaded.d2t[int(logits.argmax())])
+    assert drafter.propose(committed, 1, SamplingParams()).draft_token_ids == [want]
+
+
+def test_onnx_head_equals_the_torch_graph_across_kv_chunks(heads, tiny_pair):
+    loaded = load_head(tiny_pair.target_dir, heads["eagle3"][0])
+    head = OnnxHead(heads["eagle3"][1])
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(0, 49152, 9)]
+    feats = rng.standard_normal((9, head.hidden_size)).astype(np.float32)
+    first = head.forward(ids[:5], feats[:5])
+    second = head.forward(ids[5:], feats[5:])
+    empty = torch.zeros(1, loaded.meta["num_key_value_heads"], 0, loaded.meta["head_dim"])
+    with torch.inference_mode():
+        logits, hidden, _, _ = loaded.graph(torch.tensor([ids]), torch.from_numpy(feats)[None],
+                                            torch.arange(9)[None], empty, empty)
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), logits[0].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), hidden[0].numpy(), rtol=1e-4, atol=1e-4)
+    full = head.full_vocab_logits(second[0][-1])  # q is 0 outside the draft vocabulary
+    assert np.isfinite(full).sum() == len(DRAFT_VOCAB) and np.isfinite(full[DRAFT_VOCAB]).all()
+
+
+def test_a_head_for_another_target_is_refused_in_one_line(tiny_pair, tmp_path):
+    wrong_width = write_eagle3(tmp_path / "wide", tiny_pair.target_dir, DRAFT_VOCAB, hidden=32)
+    other_embedding = torch.randn(49152, 64)
+    wrong_embedding = write_eagle3(tmp_path / "emb", tiny_pair.target_dir, DRAFT_VOCAB, embedding=other_embedding)
+    for ckpt, what in ((wrong_width, "hidden size"), (wrong_embedding, "sha256")):
+        with pytest.raises(HeadMismatchError, match=what) as info:
+            export_head(tiny_pair.target_dir, ckpt, tmp_path / "out")
+        assert "\n" not in str(info.value)
+    from transformers import AutoModelForCausalLM
+
+    own = AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir).get_input_embeddings().weight.detach()
+    ok = write_eagle3(tmp_path / "own", tiny_pair.target_dir, DRAFT_VOCAB, embedding=own)
+    assert load_head(tiny_pair.target_dir, ok).meta["kind"] == "eagle3"  # its own embedding passes
