@@ -1,4 +1,4 @@
-"""`specdec models prepare|show` and `specdec draft distill|install`."""
+"""`specdec models prepare|show|export-head` and `specdec draft distill|install`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,29 @@ def models_show(cache_dir: Optional[Path] = typer.Option(None)):
     paths = default_model_paths(cache_dir)
     for name, p in (("target", paths.target_dir), ("draft", paths.draft_dir)):
         typer.echo(f"{name}: {p} ({'ready' if is_complete(p) else 'missing: run `specdec models prepare`'})")
+
+
+@models_app.command("export-head")
+def models_export_head(
+    target: Path = typer.Argument(..., help="The target's HF directory (the model the head was trained for)"),
+    head: Path = typer.Argument(..., help="EAGLE-3 or EAGLE-1 checkpoint directory (config.json + safetensors)"),
+    out: Path = typer.Argument(..., help="Output directory: the device's ONNX head (head.onnx, head.json, ...)"),
+):
+    """Convert a published EAGLE-3 / EAGLE-1 draft head, with its target, into the device's ONNX head."""
+    require_extra("tools", "specdec models export-head")
+    check_writable_dir(out, "OUT")
+    from specdec.models.head_export import HeadMismatchError, export_head
+
+    if not (target / "config.json").is_file():
+        fail(f"{target}: not a model directory (no config.json)")
+    quiet_transformers()
+    try:
+        export_head(target, head, out)
+    except OSError as e:
+        fail(os_error_line(e, str(e.filename or out)))
+    except (HeadMismatchError, *user_errors()) as e:
+        fail(str(e))
+    typer.echo(f"head: {out}")
 
 
 @draft_app.command("distill")

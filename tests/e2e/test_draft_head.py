@@ -107,3 +107,53 @@ def test_a_head_for_another_target_is_refused_in_one_line(tiny_pair, tmp_path):
     own = AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir).get_input_embeddings().weight.detach()
     ok = write_eagle3(tmp_path / "own", tiny_pair.target_dir, DRAFT_VOCAB, embedding=own)
     assert load_head(tiny_pair.target_dir, ok).meta["kind"] == "eagle3"  # its own embedding passes
+
+
+def test_edge_install_drafts_with_the_head_without_torch(heads, runner, tiny_pair):
+    """The slim [edge] install (tests/_edge_only.py blocks torch, transformers, the verifier) drafts with the head
+    over gRPC, greedy-identical to target-only."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
+        code = textwrap.dedent(f"""
+            import _edge_only, sys, json
+            _edge_only.install()
+            from specdec_runtime.edge_client.client import EdgeClient
+            from specdec_runtime.edge_client.drafting.head import HeadDrafter
+            from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+            from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+            head = OnnxHead({str(heads["eagle3"][1])!r})
+            with EdgeClient(GrpcBackend({address!r}), HeadDrafter(head), head.tokenizer, num_speculative_tokens=4) as c:
+                r = c.generate({PROMPTS[1]!r}, max_new_tokens=12, ignore_eos=True)
+            print(json.dumps({{"ids": r.token_ids, "drafted": r.stats.num_draft_tokens,
+                               "modules": sorted(_edge_only.root(m) for m in sys.modules)}}))
+        """)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not set(out["modules"]) & {"torch", "transformers", "cloud_verifier"}
+    ids = encode_prompt(OnnxHead(heads["eagle3"][1]).tokenizer, PROMPTS[1])
+    assert out["ids"] == hf_greedy(tiny_pair.target_dir, ids, 12) and out["drafted"] > 0
+
+
+@pytest.mark.slow
+def test_cli_export_head_refuses_another_targets_head_in_one_line(tiny_pair, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = write_eagle3(tmp_path / "wide", tiny_pair.target_dir, DRAFT_VOCAB, hidden=32)
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "export-head", str(tiny_pair.target_dir),
+                           str(ckpt), str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the head was not trained for this target"), lines
