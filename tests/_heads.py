@@ -25,15 +25,16 @@ def _layer(prefix: str, hidden: int, q_in: int, heads: int, kv_heads: int, inter
 
 
 def write_eagle3(out: Path, target_dir: Path, draft_token_ids: list[int], seed: int = 0, hidden: int | None = None,
-                 embedding: torch.Tensor | None = None) -> Path:
+                 embedding: torch.Tensor | None = None, heads: int = 4, kv_heads: int = 2,
+                 intermediate: int | None = None) -> Path:
     """An EAGLE-3 checkpoint for the HF target in ``target_dir`` whose draft vocabulary is ``draft_token_ids``
     (sorted target ids). ``hidden`` (default: the target's) and ``embedding`` (stored as embed_tokens.weight
-    when given) let a test make a head for another target."""
+    when given) let a test make a head for another target; ``heads``/``kv_heads``/``intermediate`` its shape."""
     from safetensors.torch import save_file
 
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     h = hidden or tcfg["hidden_size"]
-    heads, kv_heads, inter, vocab = 4, 2, 2 * h, tcfg["vocab_size"]
+    inter, vocab = intermediate or 2 * h, tcfg["vocab_size"]
     g = torch.Generator().manual_seed(seed)
     weights = _layer("midlayer.", h, 2 * h, heads, kv_heads, inter, g)
     weights["midlayer.input_layernorm.weight"] = torch.ones(h)
