@@ -101,6 +101,32 @@ def draft_distill(
     typer.echo(json.dumps(report, indent=2, default=str))
 
 
+@draft_app.command("train-head")
+def draft_train_head(
+    out_dir: Path = typer.Argument(..., help="Output: an EAGLE-3 checkpoint (config.json, model.safetensors)"),
+    train_prompts: Path = typer.Option(..., help="Training prompts (jsonl, 'prompt' field; never the benchmark set)"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    num_prompts: int = typer.Option(200, help="Prompts used (the file's first N)"),
+    max_tokens: int = typer.Option(96, help="Tokens per training sequence (chat template applied)"),
+    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the most frequent target tokens of the data"),
+    epochs: int = typer.Option(2), ttt_steps: int = typer.Option(3, help="Training-time test steps"),
+):
+    """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
+    `specdec models export-head`."""
+    require_extra("tools", "specdec draft train-head")
+    check_writable_dir(out_dir, "OUT_DIR")
+    if not train_prompts.is_file():
+        fail(f"--train-prompts: no file at {train_prompts}")
+    from specdec.distill.head_training import train_head
+    from specdec.models import default_model_paths
+
+    quiet_transformers()
+    result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
+                        max_tokens=max_tokens, draft_vocab=draft_vocab, epochs=epochs, ttt_steps=ttt_steps,
+                        progress=lambda line: typer.echo(line, err=True))
+    typer.echo(json.dumps(result))
+
+
 @draft_app.command("install")
 def draft_install(
     artefact: Optional[Path] = typer.Option(
