@@ -31,6 +31,7 @@ __all__ = ["HeadMismatchError", "LoadedHead", "load_head", "export_head", "embed
 
 HEAD_FORMAT = "specdec-head/1"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "chat_template.jinja", "chat_template.json",
                     "vocab.json", "merges.txt")
 
 

@@ -90,6 +90,8 @@ def test_onnx_head_equals_the_torch_graph_across_kv_chunks(heads, tiny_pair):
                                             torch.arange(9)[None], empty, empty)
     np.testing.assert_allclose(np.concatenate([first[0], second[0]]), logits[0].numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.concatenate([first[1], second[1]]), hidden[0].numpy(), rtol=1e-4, atol=1e-4)
+    for name in ("tokenizer.json", "chat_template.jinja"):  # the device tokenizes (and templates) as the target
+        assert (heads["eagle3"][1] / name).is_file() == (tiny_pair.target_dir / name).is_file(), name
     full = head.full_vocab_logits(second[0][-1])  # q is 0 outside the draft vocabulary
     assert np.isfinite(full).sum() == len(DRAFT_VOCAB) and np.isfinite(full[DRAFT_VOCAB]).all()
 
