@@ -62,24 +62,27 @@ class HeadDrafter:
         """Forget the KV cache and every feature received."""
         self.model.reset()
         self._entry_ids: list[int] = []  # x_0 .. x_m: entries 0..m-1 are (x_{t+1}, feature t)
-        self._target_entries = 0  # leading entries computed from the target's features
+        self._final_entries = 0  # leading entries that no later answer changes (see _sync)
         self._outputs = np.zeros((0, self.model.hidden_size), np.float32)  # the head's own feature per entry
         self._feature_ids: list[int] = []  # the tokens the features below belong to
         self._features = np.zeros((0, self.model.hidden_size), np.float32)  # head-width, position 0 ..
+        self._known = np.zeros(0, bool)  # per position: the target's feature is there (False: a gap)
 
     def observe_features(self, committed_token_ids: list[int], block) -> None:
         """Take the target's features ``block`` (a common.features.FeatureBlock; None: nothing) sent for
         ``committed_token_ids`` (the committed ids after the answer that carried it). Vectors past what is held
-        are appended (fused to the head's width); a block that starts past them leaves a gap, filled by the
-        head's own features."""
+        are appended (fused to the head's width); a block that starts past them leaves a gap (positions no answer
+        covered, e.g. decoded in the cloud): the head's own features stand there for good."""
         if block is None or block.num_positions == 0:
             return
         start = int(block.start_position)
         held = min(len(self._features), _common_prefix(self._feature_ids, list(committed_token_ids)))
-        if start > held:
-            return
         fused = self.model.fuse(block.decode())
-        self._features = np.concatenate([self._features[:start], fused])
+        gap = max(0, start - held)
+        self._features = np.concatenate([self._features[: min(start, held)],
+                                         np.zeros((gap, fused.shape[1]), np.float32), fused])
+        self._known = np.concatenate([self._known[: min(start, held)], np.zeros(gap, bool),
+                                      np.ones(len(fused), bool)])
         self._feature_ids = [int(t) for t in committed_token_ids[: len(self._features)]]
 
     def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
@@ -105,30 +108,42 @@ class HeadDrafter:
 
     # ------------------------------------------------------------------ the head's KV cache
     def _target_features_for(self, committed: list[int]) -> int:
-        """How many leading positions of ``committed`` have the target's feature."""
+        """How many leading positions of ``committed`` are resolved: the target's feature, or a gap for good."""
         return min(len(self._features), _common_prefix(self._feature_ids, committed))
 
     def _sync(self, committed: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Bring the head to entries 0 .. n-2 of ``committed`` (n >= 2); the last entry's (logits, own feature)."""
+        """Bring the head to entries 0 .. n-2 of ``committed`` (n >= 2); the last entry's (logits, own feature).
+        Entries of resolved positions are final (the target's feature, or the head's own in a gap: no answer
+        will change them) and kept across calls; the others are recomputed once their features arrive."""
         n = len(committed)
         known = self._target_features_for(committed)
-        keep = min(_common_prefix(self._entry_ids, committed) - 1, self._target_entries, known, n - 2)
+        keep = min(_common_prefix(self._entry_ids, committed) - 1, self._final_entries, known, n - 2)
         keep = max(keep, 0)
         self.model.rollback(keep)
         self._outputs = self._outputs[:keep]
-        self._target_entries = keep
+        self._final_entries = keep
         self._entry_ids = [int(t) for t in committed[: keep + 1]]
         logits, own = None, None
-        upto = min(known, n - 1)  # entries keep .. upto-1 from the target's features, in one pass
-        if upto > keep:
-            logits, own = self.model.forward(committed[keep + 1: upto + 1], self._features[keep:upto])
-            self._append(committed[keep + 1: upto + 1], own)
-            self._target_entries = upto
-            logits, own = logits[-1], own[-1]
+        upto, t = min(known, n - 1), keep  # resolved entries keep .. upto-1: runs of target features in one pass
+        while t < upto:
+            end = t
+            while end < upto and self._known[end]:
+                end += 1
+            if end > t:
+                out_logits, out_own = self.model.forward(committed[t + 1: end + 1], self._features[t:end])
+                self._append(committed[t + 1: end + 1], out_own)
+                logits, own, t = out_logits[-1], out_own[-1], end
+            else:  # a gap: the entry before's own output, for good
+                logits, own = self._step(int(committed[t + 1]), self._own_feature(t))
+                t += 1
+        self._final_entries = max(keep, upto)
         for t in range(max(upto, keep), n - 1):  # no target feature (yet): the entry before's own output
-            feature = self._outputs[t - 1] if t > 0 else np.zeros(self.model.hidden_size, np.float32)
-            logits, own = self._step(int(committed[t + 1]), feature)
+            logits, own = self._step(int(committed[t + 1]), self._own_feature(t))
         return logits, own
+
+    def _own_feature(self, t: int) -> np.ndarray:
+        """The head's own feature for entry t: entry t-1's output (zeros for the first entry)."""
+        return self._outputs[t - 1] if t > 0 else np.zeros(self.model.hidden_size, np.float32)
 
     def _append(self, tokens, outputs: np.ndarray) -> None:
         self._entry_ids.extend(int(t) for t in tokens)
@@ -143,7 +158,7 @@ class HeadDrafter:
         """Entries the next block must feed before drafting (``TracksContext``)."""
         if len(committed_token_ids) < 2:
             return 0
-        keep = min(_common_prefix(self._entry_ids, committed_token_ids) - 1, self._target_entries)
+        keep = min(_common_prefix(self._entry_ids, committed_token_ids) - 1, self._final_entries)
         return max(0, len(committed_token_ids) - 1 - max(keep, 0))
 
     # ------------------------------------------------------------------ drafting

@@ -159,3 +159,28 @@ def test_cli_export_head_refuses_another_targets_head_in_one_line(tiny_pair, tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: the head was not trained for this target"), lines
+
+
+def test_a_gap_in_the_features_is_bridged_by_the_heads_own_and_later_features_are_used(heads):
+    """Positions no answer covered (decoded in the cloud) get the head's own features for good; the target's
+    features after the gap are used (the draft equals a step-by-step run of the same rule)."""
+    from specdec_runtime.common.features import FLOAT16, encode_features
+
+    rng = np.random.default_rng(1)
+    committed = [int(t) for t in rng.integers(0, 49152, 20)]
+    head = OnnxHead(heads["eagle3"][1])
+    width = head.meta["target_feature_width"]
+    vectors = rng.standard_normal((19, width)).astype(np.float32)
+    known = [t < 8 or t >= 12 for t in range(19)]
+    drafter = HeadDrafter(head)
+    drafter.observe_features(committed[:9], encode_features(vectors[:8], 0, FLOAT16))
+    drafter.propose(committed[:9], 3, SamplingParams())  # entries kept from before the gap
+    drafter.observe_features(committed, encode_features(vectors[12:], 12, FLOAT16))
+    got = drafter.propose(committed, 1, SamplingParams()).draft_token_ids
+    ref = OnnxHead(heads["eagle3"][1])
+    fused = ref.fuse(encode_features(vectors, 0, FLOAT16).decode())
+    own = np.zeros(ref.hidden_size, np.float32)
+    for t in range(19):
+        logits, out = ref.forward([committed[t + 1]], (fused[t] if known[t] else own)[None])
+        own = out[-1]
+    assert got == [int(ref.draft_ids[int(logits[-1].argmax())])]
