@@ -43,12 +43,13 @@ def runner(tiny_pair):
     return TargetRunner(tiny_pair.target_dir)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_greedy_over_grpc_is_target_only_and_reads_the_verifiers_features(kind, heads, runner, tiny_pair):
+@pytest.mark.parametrize("kind,policy", [("eagle3", {}), ("eagle1", {"adaptive": True, "proactive": True})])
+def test_greedy_over_grpc_is_target_only_and_reads_the_verifiers_features(kind, policy, heads, runner, tiny_pair):
+    """Also with adaptive γ and proactive drafting (the head drafts past a block in flight on its own features)."""
     head = OnnxHead(heads[kind][1])
     drafter = HeadDrafter(head)
     with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
-        with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=4) as client:
+        with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=4, **policy) as client:
             for prompt in PROMPTS:
                 ids = encode_prompt(head.tokenizer, prompt)
                 got = client.generate(prompt, max_new_tokens=20, ignore_eos=True)
