@@ -185,3 +185,18 @@ def test_a_gap_in_the_features_is_bridged_by_the_heads_own_and_later_features_ar
         logits, out = ref.forward([committed[t + 1]], (fused[t] if known[t] else own)[None])
         own = out[-1]
     assert got == [int(ref.draft_ids[int(logits[-1].argmax())])]
+
+
+def test_generate_pipeline_takes_a_head_directory_as_the_draft(heads, tiny_pair):
+    """`specdec generate --target T --draft HEAD_DIR` (the CLI's pipeline): a head directory drafts."""
+    from specdec.cli.pipeline import build_pipeline
+
+    client, close = build_pipeline(tiny_pair.target_dir, heads["eagle3"][1], server=None, in_process=False,
+                                   target_only=False, draft_top_k=4, num_speculative_tokens=4, adaptive=False)
+    try:
+        assert isinstance(client.drafter, HeadDrafter)
+        got = client.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+    finally:
+        close()
+    ids = encode_prompt(OnnxHead(heads["eagle3"][1]).tokenizer, PROMPTS[0])
+    assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 12) and got.stats.num_draft_tokens > 0
