@@ -28,6 +28,7 @@ from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
 from specdec_runtime.cloud_verifier.batcher import Batcher
 from specdec_runtime.cloud_verifier.security.limits import TenantLimits
 from specdec_runtime.cloud_verifier.kv.prefix_cache import attach_prefix_cache
+from specdec_runtime.cloud_verifier.session.features import resolve_request, take_prompt_features
 from specdec_runtime.cloud_verifier.session.grammar import check_grammar, register_target
 from specdec_runtime.cloud_verifier.session.state import Session
 from specdec_runtime.cloud_verifier.session.table import SessionTable
@@ -258,23 +259,18 @@ class Verifier:
 
     # ------------------------------------------------------------------ sessions
     async def open_session(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        stopping: StoppingCriteria,
-        tokenizer_fingerprint: str = "",
-        tenant_id: str = "",
-        num_output_tokens: int = 0,
-        draft_name: str = "",
-        draft_version: str = "",
+        self, prompt_token_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
+        tokenizer_fingerprint: str = "", tenant_id: str = "", num_output_tokens: int = 0,
+        draft_name: str = "", draft_version: str = "", features=None,
     ) -> SessionOpened:
         """Validate, reserve a KV cache, prefill the prompt (chunked, interleaved with verify steps), record the
         session as ``tenant_id``'s. ``num_output_tokens``: the last prompt ids that are output already generated
         (a re-open after failover): penalties, min_tokens and max_new_tokens count them, as the lost session did.
         ``draft_name``/``draft_version``: the draft it drafts with (its acceptance counts per version: ledger).
+        ``features`` (a common.features.FeatureRequest): the answer carries the prompt's, from the prefill.
 
         Raises:
-            InvalidRequestError: empty prompt, token id out of range, prompt fills the context, bad params.
+            InvalidRequestError: empty prompt, token id out of range, prompt fills the context, bad params/features.
             PreconditionError: tokenizer fingerprint differs from the target's.
             CapacityError: max_sessions reached or no KV budget left; RateLimitedError (a CapacityError): the
                 tenant holds its ``tenant_max_sessions``.
@@ -285,11 +281,12 @@ class Verifier:
         check_open_request(prompt, sampling, stopping, tokenizer_fingerprint, self.info, self.valid_vocab_size,
                            num_output_tokens)
         check_grammar(sampling.grammar, self.info.model_id, stopping)  # the engine's message when it cannot compile
+        features = resolve_request(features, self.target.num_layers)
         held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
         with self.limits.opening(tenant_id, held):
-            session = await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens)
-        session.draft, record = self.ledger.tally(draft_name, draft_version), session.record
-        return SessionOpened.of(self.info, record.session_id, record.committed_length, record.seed)
+            session = await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features)
+        session.draft, r = self.ledger.tally(draft_name, draft_version), session.record
+        return SessionOpened.of(self.info, r.session_id, r.committed_length, r.seed, take_prompt_features(session))
 
     async def extend_session(
         self,
@@ -401,6 +398,8 @@ class Verifier:
             VerifierUnavailableError: shutting down.
         """
         self._check_running()
+        if block.features is not None:
+            block = dataclasses.replace(block, features=resolve_request(block.features, self.target.num_layers))
         self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
         session, answered = await self._session_for(session_id, seq, committed_length, tenant_id)
         if answered is not None:  # a retry of a block whose commit landed but whose answer was lost

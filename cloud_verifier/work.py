@@ -33,3 +33,11 @@ class Work:
     deferred_since: float | None = None  # monotonic s of its first step without KV pages (kv_scheduler)
     raw_logprobs: object = None  # row_logits.RawLogprobs of a verify row whose session asked for logprobs
     full_block: DraftBlock | None = None  # the block as queued; ``block`` is the part this step verifies
+    # the target's features of this item's tokens, float32 [len(tokens), width], when its block (or, for a
+    # prefill chunk, its session's open) asked for them (common.features): set by KVScheduler.after_forward
+    hidden: object = None
+
+    @property
+    def features(self):
+        """The common.features.FeatureRequest (layers resolved) this item's forward pass keeps, or None."""
+        return self.full_block.features if self.full_block is not None else self.session.prefill_features

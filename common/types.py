@@ -193,6 +193,9 @@ class DraftBlock:
     # [γ] the draft's probability of each drafted token (its confidence; greedy drafting too, where q is one-hot
     # for the rejection rule): what the verifier's adaptive verify length ranks positions by. None: not sent
     draft_confidence: list[float] | None = None
+    # the target's features of the positions the verdict commits, asked for by a draft head
+    # (common.features.FeatureRequest); None: not asked (nothing extra on the wire)
+    features: object = None
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)
@@ -246,6 +249,8 @@ class Verdict:
     # one per committed token when the session asked for logprobs (SamplingParams.logprobs), else None
     logprobs: list["TokenLogprobs"] | None = None
     num_verified_positions: int | None = None
+    # common.features.FeatureBlock of the committed positions when the block asked for them, else None
+    features: object = None
 
 
 def check_verdict_counts(num_accepted: int, num_verified_positions: int | None, block_len: int) -> None:
@@ -298,10 +303,13 @@ class SessionOpened(ServedInfo):
     seed: int = 0  # the seed the session draws with (requested, or picked by the verifier)
     load: float = 0.0  # load hint: unanswered batcher rows / max batch size at open (route choice)
     forward_ms: float = 0.0  # load hint: recent mean forward pass with verify rows, ms (0: none yet)
+    features: object = None  # common.features.FeatureBlock of the prefilled prompt when asked, else None
 
     @classmethod
-    def of(cls, info: ServedInfo, session_id: str, committed_length: int, seed: int) -> "SessionOpened":
-        return cls(**dataclasses.asdict(info), session_id=session_id, committed_length=committed_length, seed=seed)
+    def of(cls, info: ServedInfo, session_id: str, committed_length: int, seed: int,
+           features: object = None) -> "SessionOpened":
+        return cls(**dataclasses.asdict(info), session_id=session_id, committed_length=committed_length, seed=seed,
+                   features=features)
 
 
 @dataclass(frozen=True)
@@ -317,6 +325,7 @@ class OpenRequest:
             verifier lost a session: it counts them for penalties, min_tokens and max_new_tokens); 0 = none.
         draft_name, draft_version: the delivered draft the session drafts with ("" = not said): the label of
             the verifier's per-version acceptance (cloud_verifier.drafts.ledger).
+        features: a :class:`common.features.FeatureRequest` (the prompt's target features in the answer) or None.
     """
 
     prompt_token_ids: list[int]
@@ -326,6 +335,7 @@ class OpenRequest:
     num_output_tokens: int = 0
     draft_name: str = ""
     draft_version: str = ""
+    features: object = None
 
 
 @dataclass(frozen=True)

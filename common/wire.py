@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec_runtime.common.errors import InvalidRequestError
+from specdec_runtime.common.feature_wire import (
+    feature_block_from_proto, feature_block_to_proto, feature_request_from_proto, feature_request_to_proto,
+)
 from specdec_runtime.common.types import (
     DraftBlock, ExtendRequest, FinishReason, OpenRequest, SamplingParams, SessionOpened, SparseDraftProbs,
     StoppingCriteria, TokenLogprobs, Verdict, check_int32, check_verdict_counts,
@@ -142,10 +145,12 @@ def open_request_to_proto(
     num_output_tokens: int = 0,
     draft_name: str = "",
     draft_version: str = "",
+    features=None,
 ) -> pb.OpenSessionRequest:
+    """``features``: a common.features.FeatureRequest, or None (the field stays unset)."""
     check_int32(prompt_token_ids, "prompt token id")
     check_int32([num_output_tokens], "num_output_tokens")
-    return pb.OpenSessionRequest(
+    msg = pb.OpenSessionRequest(
         prompt_token_ids=[int(t) for t in prompt_token_ids],
         sampling=sampling_to_proto(sampling),
         stopping=stopping_to_proto(stopping),
@@ -155,22 +160,32 @@ def open_request_to_proto(
         draft_name=draft_name,
         draft_version=draft_version,
     )
+    if features is not None:
+        msg.features.CopyFrom(feature_request_to_proto(features))
+    return msg
 
 
 def open_request_from_proto(msg: pb.OpenSessionRequest) -> OpenRequest:
     """The request's fields; missing sampling/stopping messages give the defaults."""
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else StoppingCriteria()
+    features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
     return OpenRequest(list(msg.prompt_token_ids), sampling, stopping, msg.tokenizer_fingerprint,
-                       msg.num_output_tokens, msg.draft_name, msg.draft_version)
+                       msg.num_output_tokens, msg.draft_name, msg.draft_version, features)
 
 
 def session_opened_to_proto(opened: SessionOpened) -> pb.OpenSessionResponse:
-    return pb.OpenSessionResponse(**dataclasses.asdict(opened))
+    fields = {f.name: getattr(opened, f.name) for f in dataclasses.fields(SessionOpened) if f.name != "features"}
+    msg = pb.OpenSessionResponse(**fields)
+    if opened.features is not None:
+        msg.features.CopyFrom(feature_block_to_proto(opened.features))
+    return msg
 
 
 def session_opened_from_proto(msg: pb.OpenSessionResponse) -> SessionOpened:
-    return SessionOpened(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(SessionOpened)})
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(SessionOpened) if f.name != "features"}
+    features = feature_block_from_proto(msg.features) if msg.HasField("features") else None
+    return SessionOpened(**fields, features=features)
 
 
 def extend_request_to_proto(
@@ -220,6 +235,8 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
             pb.SparseDistribution(token_ids=row_ids.tolist(), probs=row_probs.tolist())
             for row_ids, row_probs in zip(ids, probs)
         )
+    if block.features is not None:
+        msg.features.CopyFrom(feature_request_to_proto(block.features))
     return msg
 
 
@@ -244,8 +261,9 @@ def block_from_proto(msg: pb.DraftBlock) -> BlockRequest:
         if len(confidence) != len(draft_ids) or not all(0.0 <= c <= 1.0 for c in confidence):
             raise InvalidRequestError(f"draft_confidence must hold one value in [0, 1] per draft token "
                                       f"({len(draft_ids)}), got {len(confidence)}")
+    features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
     block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
-                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence)
+                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence, features=features)
     return BlockRequest(msg.session_id, int(msg.seq), int(msg.committed_length), block)
 
 
@@ -292,7 +310,7 @@ def _row_lengths(rows: np.ndarray | Sequence[Sequence]) -> list[int] | None:
 
 def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
     """``seq``: the block's seq (defaults to ``verdict.seq``)."""
-    return pb.Verdict(
+    msg = pb.Verdict(
         seq=int(verdict.seq if seq is None else seq),
         num_accepted=int(verdict.num_accepted),
         next_token_id=int(verdict.next_token_id),
@@ -306,6 +324,9 @@ def verdict_to_proto(verdict: Verdict, seq: int | None = None) -> pb.Verdict:
         logprobs=logprobs_to_proto(verdict.logprobs),
         num_verified_positions=verdict.num_verified_positions,  # None: unset (the whole block)
     )
+    if verdict.features is not None:
+        msg.features.CopyFrom(feature_block_to_proto(verdict.features))
+    return msg
 
 
 def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_length: int) -> Verdict:
@@ -344,6 +365,7 @@ def verdict_from_proto(msg: pb.Verdict, draft_token_ids: list[int], committed_le
         seq=int(msg.seq),
         logprobs=logprobs_from_proto(msg.logprobs)[:grown] if msg.logprobs else None,
         num_verified_positions=verified,
+        features=feature_block_from_proto(msg.features) if msg.HasField("features") else None,
     )
 
 

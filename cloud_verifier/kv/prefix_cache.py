@@ -357,10 +357,11 @@ def attach_prefix_cache(target, model_id: str, enabled: bool = True, salt: str =
     return cache
 
 
-def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: str = "") -> tuple[object, int]:
+def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: str = "",
+                    use_cache: bool = True) -> tuple[object, int]:
     """A session's KV cache (:class:`cloud_verifier.kv.pool.SessionKV`, limit ``capacity`` tokens) about to
     prefill ``token_ids[:-1]``: its page table starts with the longest cached prefix (taken from
-    ``target.prefix_cache``, when there is one), then fresh pages for the rest. Returns (kv, tokens cached):
+    ``target.prefix_cache``, when there is one and ``use_cache``), then fresh pages for the rest. Returns (kv, tokens cached):
     the prefill starts at that position.
 
     Raises:
@@ -370,7 +371,7 @@ def open_session_kv(target, capacity: int, token_ids: Sequence[int], tenant_id: 
 
     target.check_fits(capacity)
     cache = target.prefix_cache
-    taken = cache.take_cached(token_ids, tenant_id) if cache is not None else []
+    taken = cache.take_cached(token_ids, tenant_id) if cache is not None and use_cache else []
     kv = SessionKV(capacity, list(taken))
     try:
         # a pool short now is no error: the prefill chunks get their pages in the batcher (which waits for them,

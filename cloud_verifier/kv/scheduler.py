@@ -119,13 +119,14 @@ class KVScheduler:
         rows = []
         for work, start in zip(runnable, rebuilt):
             logits = "all" if work.block is not None else "none"
+            layers = tuple(work.features.layers) if work.features is not None else None
             if start is None:
-                rows.append(ForwardRow(work.session.kv, work.tokens, work.start_position, logits))
+                rows.append(ForwardRow(work.session.kv, work.tokens, work.start_position, logits, layers))
                 continue
             recomputed = list(context_ids(work)[start : work.start_position])
             RECOMPUTED_TOKENS.inc(len(recomputed))
             tail = len(work.tokens) if work.block is not None else "none"
-            rows.append(ForwardRow(work.session.kv, recomputed + list(work.tokens), start, tail))
+            rows.append(ForwardRow(work.session.kv, recomputed + list(work.tokens), start, tail, layers))
             work.session.kv.rebuild_from = None  # the row writes every position from ``start``
         if runnable:
             self.last_run = time.monotonic()
@@ -190,8 +191,15 @@ class KVScheduler:
                 work.session.kv.rebuild_from = start
 
     def after_forward(self, planned: Planned) -> None:
-        """The forward pass ran: the full pages a recomputing row rebuilt that hold committed tokens go back
-        into the prefix cache (sessions opening from now on, or this one's next preemption, find them)."""
+        """The forward pass ran: each item that asked for features gets its tokens' (``Work.hidden``; a
+        prefill chunk's go to its session's ``prefill_hidden`` too); the full pages a recomputing row rebuilt
+        that hold committed tokens go back into the prefix cache (sessions opening from now on, or this one's
+        next preemption, find them)."""
+        for work, row in zip(planned.runnable, planned.rows):
+            if row.hidden is not None:  # a rebuilt row recomputed positions before the item's own
+                work.hidden = row.hidden[len(row.token_ids) - len(work.tokens):]
+                if work.block is None:
+                    work.session.prefill_hidden.append((work.start_position, work.hidden))
         for work, start in zip(planned.runnable, planned.rebuilt_from):
             if start is None:
                 continue

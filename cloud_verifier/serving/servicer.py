@@ -101,7 +101,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         opened = await self.verifier.open_session(r.prompt_token_ids, r.sampling, r.stopping,
                                                   r.tokenizer_fingerprint, num_output_tokens=r.num_output_tokens,
                                                   draft_name=r.draft_name, draft_version=r.draft_version,
-                                                  **_tenant_kw())
+                                                  features=r.features, **_tenant_kw())
         return self._opened(opened)
 
     async def ExtendSession(self, request: pb.ExtendSessionRequest, context) -> pb.OpenSessionResponse:

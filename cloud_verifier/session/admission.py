@@ -71,10 +71,12 @@ class SessionAdmission:
         return [s.kv for s in self._loading.values()]
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                   tenant_id: str = "", num_output_tokens: int = 0) -> Session:
+                   tenant_id: str = "", num_output_tokens: int = 0, features=None) -> Session:
         """Admit a new session (a fresh id; a random seed when ``sampling.seed`` is None), prefill ``prompt``
         (validated token ids) and create its store record; its last ``num_output_tokens`` ids (validated) are
         output already generated (a re-open after failover): the record's prompt_length leaves them out.
+        ``features``: a resolved common.features.FeatureRequest: the prefill keeps the prompt's features (in
+        ``session.prefill_hidden``) and takes nothing from the prefix cache (cached pages have none).
 
         Raises:
             CapacityError: max_sessions reached or no KV budget left.
@@ -96,7 +98,7 @@ class SessionAdmission:
             last_seen_at=now,
             tenant_id=tenant_id,
         )
-        session = await self._load(record)
+        session = await self._load(record, features)
         try:
             self.table.store.create(dataclasses.replace(record, committed_token_ids=list(prompt)))
         except BaseException:  # store unreachable: nothing may stay reserved for a session nobody can use
@@ -149,7 +151,7 @@ class SessionAdmission:
         metrics.SESSIONS_RESUMED.inc()
         return session
 
-    async def _load(self, record: SessionRecord) -> Session:
+    async def _load(self, record: SessionRecord, features=None) -> Session:
         """Admit ``record`` (max_sessions, counting sessions being opened), then prefill it."""
         with self.table.lock:
             if self.table.num_sessions + self._opening >= self.table.max_sessions:
@@ -157,18 +159,19 @@ class SessionAdmission:
                     f"verifier full: {self.table.num_sessions} of {self.table.max_sessions} sessions open")
             self._opening += 1
         try:
-            return await self._prefill(record)
+            return await self._prefill(record, features)
         finally:
             with self.table.lock:
                 self._opening -= 1
 
-    async def _prefill(self, record: SessionRecord) -> Session:
+    async def _prefill(self, record: SessionRecord, features=None) -> Session:
         """Take KV pages for ``record``'s committed tokens except the last, prefill them (in chunks), add the
         session to the table. The last committed token is fed with the first block."""
         capacity = min(self.table.info.max_context_tokens, record.prompt_length + record.stopping.max_new_tokens)
         # the longest cached prefix of the committed tokens is taken, not prefilled (cloud_verifier/kv/prefix_cache.py)
         with self.table.lock:  # page tables change under the table's lock (the batcher preempts under it)
-            kv, cached = open_session_kv(self.table.target, capacity, record.committed_token_ids, record.tenant_id)
+            kv, cached = open_session_kv(self.table.target, capacity, record.committed_token_ids, record.tenant_id,
+                                         use_cache=features is None)
         stop = StopChecker(
             self.table.target.tokenizer, record.stopping, self.table.eos_token_ids, record.prompt_length,
             self.table.info.max_context_tokens,
@@ -176,7 +179,7 @@ class SessionAdmission:
         generated = record.committed_token_ids[record.prompt_length :]
         if generated:
             stop.append(generated)
-        session = Session(record=record, kv=kv, stop=stop, busy=True)
+        session = Session(record=record, kv=kv, stop=stop, busy=True, prefill_features=features)
         with self.table.lock:
             self._loading[id(session)] = session  # preemptible while it is prefilled
         try:

@@ -36,6 +36,10 @@ class Session:
     grammar: object | None = None
     # the draft version's acceptance tally (cloud_verifier.drafts.ledger.DraftTally), None = not labelled
     draft: object | None = None
+    # draft-head features of the prompt asked at open (common.features.FeatureRequest, layers resolved), and
+    # (start position, float32 [n, width]) per prefilled chunk, until the open answers
+    prefill_features: object = None
+    prefill_hidden: list = field(default_factory=list)
 
     @property
     def committed(self) -> list[int]:

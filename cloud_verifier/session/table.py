@@ -101,9 +101,9 @@ class SessionTable:
         self._sessions[session.record.session_id] = session
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                   tenant_id: str = "", num_output_tokens: int = 0) -> Session:
+                   tenant_id: str = "", num_output_tokens: int = 0, features=None) -> Session:
         """A new session: :meth:`SessionAdmission.open <cloud_verifier.session.admission.SessionAdmission.open>`."""
-        return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens)
+        return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features)
 
     async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
         """The session held here, or resumed from the store: :meth:`SessionAdmission.get_or_resume

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from specdec_runtime.cloud_verifier.target.architectures import apply_logits_transforms, check_target_architecture, self_check
+from specdec_runtime.cloud_verifier.target.features import capture_layer_inputs, row_features
 from specdec_runtime.cloud_verifier.target.attention import ATTN_IMPLEMENTATION, PagedBatch, register_attention
 from specdec_runtime.cloud_verifier.target.compiled_forward import CompiledForward
 from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
@@ -369,12 +370,17 @@ class TargetRunner:
         input_ids = torch.tensor([flat_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         index = torch.tensor(want, dtype=torch.long, device=self.device)
-        logits = self._compiled.run(batch, input_ids, position_ids, index, rows) if want else None
+        layers = {i for row in rows for i in (row.feature_layers or ())}
+        # features come from the eager pass's hooks: a pass that keeps them skips the compiled forward
+        logits = self._compiled.run(batch, input_ids, position_ids, index, rows) if want and not layers else None
         if logits is None:  # eager (compile off, a first pass, a prefill, a shape without a CUDA graph)
             try:
-                hidden = self.decoder(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
-                ).last_hidden_state  # [1, T, hidden_size]
+                with capture_layer_inputs(self.decoder, layers) as captured:
+                    hidden = self.decoder(
+                        input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch
+                    ).last_hidden_state  # [1, T, hidden_size]
+                if layers:
+                    self._keep_features(rows, captured, hidden)
             except BaseException:
                 for row in rows:  # some layers may have moved on: the next row rebuilds from position 0
                     row.kv.recurrent = None
@@ -388,6 +394,15 @@ class TargetRunner:
         if not as_tensors:  # [num_wanted, vocab_size]
             logits = logits.cpu().numpy()
         return [None if span is None else logits[span[0] : span[1]] for span in spans]
+
+    def _keep_features(self, rows: list[ForwardRow], captured: dict, hidden) -> None:
+        """Set ``row.hidden`` of every row that asked for features (:mod:`cloud_verifier.target.features`)."""
+        begin = 0
+        for row in rows:
+            n = len(row.token_ids)
+            if row.feature_layers:
+                row.hidden = row_features(captured, hidden, self.num_layers, row.feature_layers, begin, n)
+            begin += n
 
     def _session_states(self, rows: list[ForwardRow]) -> list[tuple[SessionState, int, int, int]]:
         """(state, first flat index, n, start) of every row, for the recurrent layers; a session without a state

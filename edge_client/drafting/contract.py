@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from specdec_runtime.edge_client.drafting.grammar import DraftGrammar
 
 __all__ = ["Drafter", "DraftModelInfo", "Resettable", "TurnAware", "HistoryProcessing", "ConstrainsGrammar",
-           "DecodesAlone", "PrefillsConcurrently", "TracksContext", "check_request"]
+           "DecodesAlone", "PrefillsConcurrently", "TracksContext", "UsesFeatures", "check_request"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,20 @@ class TracksContext(Protocol):
 
     def uncached(self, committed_token_ids: list[int]) -> int:
         """Tokens of ``committed_token_ids[:-1]`` the next block must feed first; 0 when caught up."""
+
+
+@runtime_checkable
+class UsesFeatures(Protocol):
+    """A drafter that reads the target's features (a draft head: :class:`edge_client.drafting.head.HeadDrafter`).
+    The generation asks for ``feature_request`` at open (the prompt's features) and hands it every answer's
+    features; its blocks ask for them too (``DraftBlock.features``). Without it nothing is asked: the wire is
+    unchanged."""
+
+    feature_request: object  # common.features.FeatureRequest
+
+    def observe_features(self, committed_token_ids: list[int], block) -> None:
+        """The features ``block`` (common.features.FeatureBlock or None) of an answer after which the committed
+        ids are ``committed_token_ids``."""
 
 
 _logged: set[tuple[str, str]] = set()

@@ -24,7 +24,7 @@ from typing import Iterator
 from specdec_runtime.common.errors import (ConflictError, DeadlineError, PreconditionError, SessionNotFoundError,
                            VerifierUnavailableError)
 from specdec_runtime.common.types import ExtendRequest, OpenRequest, SamplingParams, SessionOpened, StoppingCriteria
-from specdec_runtime.edge_client.drafting.contract import Resettable, TurnAware, check_request
+from specdec_runtime.edge_client.drafting.contract import Resettable, TurnAware, UsesFeatures, check_request
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.generation.fallback import decode_on_device
 from specdec_runtime.edge_client.generation.run import Run, with_seed
@@ -167,15 +167,17 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
     if keep is not None and keep.opened is not None and not run.session_ids:
         opened, sampling = _extend_kept(client, run, sampling, keep, rest)
     if opened is None:
-        # the delivered draft's (name, version) labels the verifier's per-version acceptance
+        # the delivered draft's (name, version) labels the verifier's per-version acceptance; a draft head asks
+        # for the prompt's features (nothing else does: the wire stays as it was)
         name, version = getattr(client, "draft_version", None) or ("", "")
+        features = client.drafter.feature_request if isinstance(client.drafter, UsesFeatures) else None
+        labels = dict(draft_name=name, draft_version=version, features=features)
         if run.num_generated:  # a re-open mid-turn: the verifier counts the output so far as generated
             # (penalties, min_tokens and the turn's max_new_tokens), as the lost session did
             request = OpenRequest(list(run.committed), sampling, run.stopping, client.fingerprint,
-                                  num_output_tokens=run.num_generated, draft_name=name, draft_version=version)
+                                  num_output_tokens=run.num_generated, **labels)
         else:
-            request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint, draft_name=name,
-                                  draft_version=version)
+            request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint, **labels)
         opened = client.backend.open_session(request, timeout_s=client.open_timeout_s)
         run.first_seq = 1
     run.session_ids.append(opened.session_id)

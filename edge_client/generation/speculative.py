@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from specdec_runtime.common.types import DraftBlock, SamplingParams, SessionOpened
+from specdec_runtime.edge_client.drafting.contract import UsesFeatures
 from specdec_runtime.edge_client.transport.backend import SentBlock
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.generation.observation import BlockObservation, BlockObserver
@@ -104,12 +105,17 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
     # bonus_drafted: γ speculative tokens + one for the bonus position (common.rejection)
     bonus_drafted = plan.bonus_drafted
     tail = None  # the unjudged draft tokens of the last block (adaptive verification), sent again
+    heads = client.drafter if isinstance(client.drafter, UsesFeatures) else None  # reads the target's features
+    if heads is not None:
+        heads.observe_features(committed, opened.features)
     for seq in itertools.count(run.first_seq):
         room = capacity - len(committed) - 1  # the verdict always adds one token of its own
         wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens
         block, hit, draft_s = _next_block(client, committed, max(0, min(wanted, room)) + bonus_drafted, sampling,
                                           bet, tail)
         block.bonus_drafted = bool(bonus_drafted and len(block))  # an empty block is plain decoding
+        if heads is not None:  # every block asks, the loop's own empty ones too: no gap in the features
+            block.features = heads.feature_request
         sent = SentBlock(client.backend, opened.session_id, seq, len(committed), block)
         if bet is not None and len(block) and not sent.future.done():
             # bet on full acceptance: draft the bonus guess (none after a bonus_drafted block) + the next
@@ -118,6 +124,8 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
         verdict, round_trip_ms = sent.wait(client.timeout_s)
         tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
         committed.extend(tokens)
+        if heads is not None:
+            heads.observe_features(committed, verdict.features)
         tail = unjudged_tail(block, tokens, verdict)
         run.logprobs.extend((verdict.logprobs or [])[: len(tokens)])  # when asked for
         run.last_seq, run.session_committed = seq, verdict.committed_length

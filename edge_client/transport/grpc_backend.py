@@ -226,7 +226,8 @@ class GrpcBackend(VerifierBackend):
         self._check_open()
         message = open_request_to_proto(request.prompt_token_ids, request.sampling, request.stopping,
                                         request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens,
-                                        draft_name=request.draft_name, draft_version=request.draft_version)
+                                        draft_name=request.draft_name, draft_version=request.draft_version,
+                                        features=request.features)
         try:
             response = self._stub.OpenSession(message, timeout=timeout_s or self.open_timeout_s,
                                              metadata=self._metadata)

@@ -39,14 +39,15 @@ def check_device_names(device: str, dtype: str) -> None:
 
 
 def check_model_dirs(target: Path | None, draft: Path | None) -> None:
-    """Exit when ``--target`` is not an HF model directory or ``--draft`` holds no ONNX draft (given ones only)."""
+    """Exit when ``--target`` is not an HF model directory or ``--draft`` holds no ONNX draft or draft head (given
+    ones only)."""
     from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir, resolve_target_dir
 
     try:
         if target is not None:
             resolve_target_dir(target)
-        if draft is not None:
-            check_draft_tokenizer(resolve_draft_dir(draft))
+        if draft is not None:  # an ONNX draft, or a draft head (`specdec models export-head`: head.json)
+            check_draft_tokenizer(Path(draft) if (Path(draft) / "head.json").is_file() else resolve_draft_dir(draft))
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
 

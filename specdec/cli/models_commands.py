@@ -1,4 +1,4 @@
-"""`specdec models prepare|show` and `specdec draft distill|install`."""
+"""`specdec models prepare|show|export-head` and `specdec draft distill|install`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,29 @@ def models_show(cache_dir: Optional[Path] = typer.Option(None)):
         typer.echo(f"{name}: {p} ({'ready' if is_complete(p) else 'missing: run `specdec models prepare`'})")
 
 
+@models_app.command("export-head")
+def models_export_head(
+    target: Path = typer.Argument(..., help="The target's HF directory (the model the head was trained for)"),
+    head: Path = typer.Argument(..., help="EAGLE-3 or EAGLE-1 checkpoint directory (config.json + safetensors)"),
+    out: Path = typer.Argument(..., help="Output directory: the device's ONNX head (head.onnx, head.json, ...)"),
+):
+    """Convert a published EAGLE-3 / EAGLE-1 draft head, with its target, into the device's ONNX head."""
+    require_extra("tools", "specdec models export-head")
+    check_writable_dir(out, "OUT")
+    from specdec.models.head_export import HeadMismatchError, export_head
+
+    if not (target / "config.json").is_file():
+        fail(f"{target}: not a model directory (no config.json)")
+    quiet_transformers()
+    try:
+        export_head(target, head, out)
+    except OSError as e:
+        fail(os_error_line(e, str(e.filename or out)))
+    except (HeadMismatchError, *user_errors()) as e:
+        fail(str(e))
+    typer.echo(f"head: {out}")
+
+
 @draft_app.command("distill")
 def draft_distill(
     out_dir: Path = typer.Argument(..., help="Run directory (checkpoints, data, report, ONNX draft)"),
@@ -76,6 +99,32 @@ def draft_distill(
     except (*user_errors(), FileNotFoundError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(report, indent=2, default=str))
+
+
+@draft_app.command("train-head")
+def draft_train_head(
+    out_dir: Path = typer.Argument(..., help="Output: an EAGLE-3 checkpoint (config.json, model.safetensors)"),
+    train_prompts: Path = typer.Option(..., help="Training prompts (jsonl, 'prompt' field; never the benchmark set)"),
+    target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
+    num_prompts: int = typer.Option(200, help="Prompts used (the file's first N)"),
+    max_tokens: int = typer.Option(96, help="Tokens per training sequence (chat template applied)"),
+    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the most frequent target tokens of the data"),
+    epochs: int = typer.Option(2), ttt_steps: int = typer.Option(3, help="Training-time test steps"),
+):
+    """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
+    `specdec models export-head`."""
+    require_extra("tools", "specdec draft train-head")
+    check_writable_dir(out_dir, "OUT_DIR")
+    if not train_prompts.is_file():
+        fail(f"--train-prompts: no file at {train_prompts}")
+    from specdec.distill.head_training import train_head
+    from specdec.models import default_model_paths
+
+    quiet_transformers()
+    result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
+                        max_tokens=max_tokens, draft_vocab=draft_vocab, epochs=epochs, ttt_steps=ttt_steps,
+                        progress=lambda line: typer.echo(line, err=True))
+    typer.echo(json.dumps(result))
 
 
 @draft_app.command("install")

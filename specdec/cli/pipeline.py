@@ -113,11 +113,30 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
         from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
 
         return NgramDrafter()
+    from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+
+    if isinstance(draft_model, OnnxHead):  # a draft head: it drafts from the verifier's features
+        from specdec_runtime.edge_client.drafting.head import HeadDrafter
+
+        return HeadDrafter(draft_model, draft_top_k=draft_top_k)
     from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
     from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
 
     return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid,
                         prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
+
+
+def _load_draft(draft: Path | None, defaults, wanted: bool):
+    """The ONNX draft model (``draft`` or the default one), a draft head when ``draft`` holds one (head.json,
+    ``specdec models export-head``), or None when not ``wanted``."""
+    from specdec_runtime.common.paths import resolve_draft_dir
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
+
+    if draft is not None and (Path(draft) / "head.json").is_file():
+        from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+
+        return OnnxHead(draft)
+    return OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir)) if wanted else None
 
 
 def _raise_preflight(preflight, wait_s: float | None) -> None:
@@ -169,9 +188,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     ``route``: the client's route. With ``server`` and no local draft, the verifier's is fetched
     (:func:`delivery_needed`).
     With ``server`` nothing imports torch or transformers (an edge install has neither)."""
-    from specdec_runtime.common.paths import default_model_paths, resolve_draft_dir, resolve_target_dir
+    from specdec_runtime.common.paths import default_model_paths, resolve_target_dir
     from specdec_runtime.edge_client.client import EdgeClient
-    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
     _check_pipeline_args(num_speculative_tokens, drafter)
     preflight = _preflight(server, security, fallback, connect)
@@ -182,11 +200,8 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
         return _delivered_pipeline(server, security, target_only, draft_top_k, drafter, route, retry_policy,
                                    connect, kw, network_delay_ms)
     defaults = default_model_paths()
-    draft_model = None
-    tokenizer = None
-    if (drafter == "model" and not target_only) or draft is not None:
-        draft_model = OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir))
-        tokenizer = draft_model.tokenizer
+    draft_model = _load_draft(draft, defaults, (drafter == "model" and not target_only) or draft is not None)
+    tokenizer = None if draft_model is None else draft_model.tokenizer
     cleanup = []
     valid = None
     if preflight is not None:
