@@ -125,6 +125,7 @@ class AcceptanceLedger:
         self._prefix = getattr(store, "prefix", "")
         self._script = self._redis.register_script(_ADD_LUA) if self._redis is not None else None
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # held for a whole flush: the swap and the write
         self._pending: dict[str, list[int]] = {}
         self._local: dict[str, DraftAcceptance] = {}  # the record when there is no Redis
         self._next_flush = 0.0
@@ -160,7 +161,13 @@ class AcceptanceLedger:
             threading.Thread(target=self.flush, name="specdec-draft-ledger", daemon=True).start()
 
     def flush(self) -> None:
-        """Add the pending counts to the shared record now (a failed write keeps them for the next flush)."""
+        """Add the pending counts to the shared record now (a failed write keeps them for the next flush). One
+        flush at a time: a call waits for a background flush in flight, so its counts are in the record when
+        the call returns."""
+        with self._flush_lock:
+            self._flush_pending()
+
+    def _flush_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
             self._flushing = True
