@@ -16,14 +16,26 @@ chat front ends (content tokenized with ``parse_special`` off).
 Multi-turn sessions (:func:`continuation_ids`) append the next turn to a conversation whose committed ids are
 the prompt plus the assistant's reply *as generated* (the verifier keeps its KV cache over those exact ids), so
 the continuation is rendered on its own rather than re-rendering the whole conversation.
+
+Thread safety: a fast Hugging Face tokenizer has no per-call switch for special-token parsing. A call with
+``split_special_tokens`` sets ``encode_special_tokens`` on the ONE Rust tokenizer it wraps and leaves it set, and
+every later call sets it again from its own argument. Two threads sharing a tokenizer (concurrent generations of
+one client, an API server's requests) could therefore tokenize a template part while the other thread's content
+call had special-token parsing off: the template's markers came out as plain text (``<|im_start|>`` as seven
+ordinary tokens), a different prompt, so a greedy generation differed from target-only decoding of the prompt
+meant. Every tokenizer call of this module (and :func:`encode_ids`, for other callers) therefore runs under one
+re-entrant lock per tokenizer (:func:`tokenizer_lock`): the flag is set and used within one locked call.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
+import weakref
 from collections.abc import Sequence
 
-__all__ = ["ROLES", "render_chat_ids", "continuation_ids", "turn_end_ids", "message_text"]
+__all__ = ["ROLES", "render_chat_ids", "continuation_ids", "turn_end_ids", "message_text", "encode_ids",
+           "tokenizer_lock"]
 
 #: Message roles accepted (OpenAI's chat roles that a plain chat template renders).
 ROLES = ("system", "user", "assistant")
@@ -76,17 +88,45 @@ def _sentinels(n: int, avoid: str = "") -> list[str]:
             return [f"\u27e6specdec{nonce}m{i}\u27e7" for i in range(n)]
 
 
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its lock (gone with it)
+_LOCKS_GUARD = threading.Lock()
+_SHARED_LOCK = threading.RLock()  # for a tokenizer that cannot be weakly referenced
+
+
+def tokenizer_lock(tokenizer) -> threading.RLock:
+    """The re-entrant lock that serialises the calls on ``tokenizer`` that set its special-token parsing (module
+    docstring, "Thread safety"); one per tokenizer object, made on first use."""
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(tokenizer)
+            if lock is None:
+                lock = _LOCKS[tokenizer] = threading.RLock()
+        except TypeError:  # not weakly referenceable (or unhashable): one lock for all such tokenizers
+            lock = _SHARED_LOCK
+    return lock
+
+
+def encode_ids(tokenizer, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text`` by ``tokenizer`` (an HF tokenizer, or anything answering ``tokenizer(text,
+    add_special_tokens=..., split_special_tokens=...)["input_ids"]``), under :func:`tokenizer_lock`, so that another
+    thread's call cannot switch special-token parsing meanwhile. ``split_special_tokens``: special-token strings in
+    ``text`` are tokenized as literal text. Returns list[int] [num_tokens]."""
+    if not text:
+        return []
+    kwargs = {"split_special_tokens": True} if split_special_tokens else {}
+    with tokenizer_lock(tokenizer):
+        return [int(t) for t in tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]]
+
+
 def _template_ids(tokenizer, text: str) -> list[int]:
     """Template text: special-token strings parsed (the template's markers), no BOS/EOS added (the template
     writes its own, as ``apply_chat_template`` tokenizes)."""
-    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]] if text else []
+    return encode_ids(tokenizer, text)
 
 
 def _content_ids(tokenizer, text: str) -> list[int]:
     """Message content: special-token strings stay literal text."""
-    if not text:
-        return []
-    return [int(t) for t in tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+    return encode_ids(tokenizer, text, split_special_tokens=True)
 
 
 def _split_ids(tokenizer, rendered: str, sentinels: Sequence[str], contents: Sequence[str]) -> list[int]:

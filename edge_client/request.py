@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from specdec_runtime.common.chat import render_chat_ids
+from specdec_runtime.common.chat import encode_ids, render_chat_ids
 from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 
@@ -124,4 +124,4 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
         raise InvalidRequestError("empty prompt")
     if chat and getattr(tokenizer, "chat_template", None):  # content stays text (common.chat)
         return render_chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    return encode_ids(tokenizer, prompt, add_special_tokens=True)  # locked: a shared tokenizer (common.chat)

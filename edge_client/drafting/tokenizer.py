@@ -20,6 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from specdec_runtime.common.chat import tokenizer_lock
+
 __all__ = ["EdgeTokenizer", "load_tokenizer"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -124,12 +126,14 @@ class EdgeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens``: the post-processor's BOS/EOS (as tokenizer.json says);
         ``split_special_tokens``: special-token strings in ``text`` are tokenized as ordinary text."""
-        previous = self._tok.encode_special_tokens
-        self._tok.encode_special_tokens = bool(split_special_tokens)
-        try:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        finally:
-            self._tok.encode_special_tokens = previous
+        # the flag is the Rust tokenizer's, shared by every thread using this one: set and used under its lock
+        with tokenizer_lock(self):
+            previous = self._tok.encode_special_tokens
+            self._tok.encode_special_tokens = bool(split_special_tokens)
+            try:
+                return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+            finally:
+                self._tok.encode_special_tokens = previous
 
     def __call__(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> dict:
         """``{"input_ids": list[int]}`` of one string, as an HF tokenizer answers (no tensors, no batching)."""
