@@ -122,7 +122,9 @@ def _mismatch(one, tp, prompt: list[int], ref: list[int], got: list[int]) -> dic
     (both runners, one sequence each, no batching) and the largest |logit| difference of the runners there."""
     import numpy as np
 
-    pos = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    if pos is None:  # the same tokens after a different prompt (tokenization, not verification)
+        return {"prompt_differs": True}
     rows = [_logits(r, prompt + ref[:pos])[-1] for r in (one, tp)]
     top2 = np.sort(rows[0])[-2:]
     return {"position": pos, "tp1_token": ref[pos], "tpN_token": got[pos],
@@ -191,7 +193,7 @@ def _identity(args, target, one, tp) -> dict:
         # the control: the same concurrent speculative sessions on one device
         spec_1 = _generate(a1, target, prompts[: args.sessions], args.new_tokens, draft_dir=draft) if args.control else None
     # prompts repeat past 8: a session and its twin differ only in what shared their forward passes
-    same = lambda a, b: a[1] == b[1]  # noqa: E731 - the generated ids
+    same = lambda a, b: a == b  # noqa: E731 - prompt and generated ids (a garbled prompt is not a verify fault)
     out = {"prompts": n, "new_tokens": args.new_tokens, "tp1_target_only_s": round(t_ref, 1),
            "tpN_target_only_identical": sum(same(plain_n[i], ref[i]) for i in range(n)),
            "tpN_speculative_identical": sum(same(spec_n[i], ref[i]) for i in range(n)),
@@ -200,7 +202,7 @@ def _identity(args, target, one, tp) -> dict:
            "seeded_sample_identical": same(*sampled)}
     if spec_1 is not None:
         out["control_tp1_concurrent_speculative_identical"] = sum(same(spec_1[i], ref[i]) for i in range(args.sessions))
-    out["mismatches"] = {f"{kind}[{i}]": _mismatch(one, tp, ref[i][0], ref[i][1], got[i][1])
+    out["mismatches"] = {f"{kind}[{i}]": _mismatch(one, tp, got[i][0], ref[i][1], got[i][1])
                          for kind, got, m in (("target_only", plain_n, n), ("speculative", spec_n, args.sessions))
                          for i in range(m) if not same(got[i], ref[i])}
     if not out["seeded_sample_identical"]:
