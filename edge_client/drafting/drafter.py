@@ -35,6 +35,7 @@ from specdec_runtime.common.logits_processors import TokenHistory
 from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.drafting.contract import Drafter
 from specdec_runtime.edge_client.drafting.prefix_cache import DraftPrefixCache
+from specdec_runtime.edge_client.drafting.turn import TurnHistory
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
 from specdec_runtime.edge_client.drafting.grammar import draft_grammar_for, propose_constrained
 from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
@@ -83,33 +84,19 @@ class ModelDrafter:
         self._canonical = 0  # leading cached tokens fed in whole chunks from position 0 (storable snapshots)
         self.prefix_cache = DraftPrefixCache(prefix_cache_mb, PREFILL_CHUNK_TOKENS) if prefix_cache_mb > 0 else None
         self.model.reset()
-        self._turn: tuple[int, frozenset[int]] = (0, frozenset())  # (prompt length, ids min_tokens masks)
-        self._history: TokenHistory | None = None  # counts of the history-dependent processors
+        self._turn = TurnHistory()  # where the output starts, the ids min_tokens masks, the processors' counts
         self._grammar = None  # the generation's DraftGrammar (edge_client.drafting.grammar), when it has one
 
     def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
         """The generation (or conversation turn) about to be drafted: its prompt length (penalties over the output
         and min_tokens count from there) and stopping criteria (the ids min_tokens masks: the tokenizer's EOS
         unless ignore_eos, and the stop token ids). Without it the whole history counts as output."""
-        eos = getattr(self.model.tokenizer, "eos_token_id", None)
-        ids = set(int(t) for t in stopping.stop_token_ids)
-        if eos is not None and not stopping.ignore_eos:
-            ids.add(int(eos))
-        self._turn = (int(prompt_length), frozenset(ids))
-        self._history = None
+        self._turn.begin(prompt_length, stopping, getattr(self.model.tokenizer, "eos_token_id", None))
 
     def processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
         """The history-dependent processors' state brought to ``token_ids``, or None when the session has
         none (incremental: only the tokens that changed since the last call are counted)."""
-        if not sampling.has_history_processors:
-            return None
-        prompt_length, stop_ids = self._turn
-        h = self._history
-        if h is None or h.params != sampling or h.prompt_length != prompt_length or h.vocab_size != vocab_size:
-            h = self._history = TokenHistory(sampling, vocab_size, prompt_length, stop_ids, token_ids)
-        else:
-            h.sync(token_ids)
-        return h
+        return self._turn.processor(sampling, token_ids, vocab_size)
 
     def reset(self) -> None:
         """Forget the draft KV cache (e.g. when a new session starts); the prefix cache stays."""
@@ -216,7 +203,7 @@ class ModelDrafter:
 
         Raises:
             InvalidRequestError: a spec the grammar engine refuses."""
-        self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn)
+        self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn.turn)
         return self._grammar
 
     def next_token_logits(self, committed_token_ids: list[int]) -> np.ndarray:

@@ -24,6 +24,7 @@ import numpy as np
 from specdec_runtime.common.logits_processors import TokenHistory
 from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
 from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+from specdec_runtime.edge_client.drafting.turn import TurnHistory
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
 
 __all__ = ["HeadDrafter"]
@@ -53,8 +54,7 @@ class HeadDrafter:
         self.draft_top_k = int(draft_top_k)
         self.valid_vocab_size = head.vocab_size
         self.feature_request = head.feature_request
-        self._turn: tuple[int, frozenset[int]] = (0, frozenset())
-        self._history: TokenHistory | None = None
+        self._turn = TurnHistory()  # where the output starts, the ids min_tokens masks, the processors' counts
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -87,24 +87,11 @@ class HeadDrafter:
 
     def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
         """The generation about to be drafted (penalties and min_tokens count its output from there)."""
-        eos = getattr(self.model.tokenizer, "eos_token_id", None)
-        ids = set(int(t) for t in stopping.stop_token_ids)
-        if eos is not None and not stopping.ignore_eos:
-            ids.add(int(eos))
-        self._turn = (int(prompt_length), frozenset(ids))
-        self._history = None
+        self._turn.begin(prompt_length, stopping, getattr(self.model.tokenizer, "eos_token_id", None))
 
     def processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
         """The history-dependent processors' state brought to ``token_ids`` (None when the session has none)."""
-        if not sampling.has_history_processors:
-            return None
-        prompt_length, stop_ids = self._turn
-        h = self._history
-        if h is None or h.params != sampling or h.prompt_length != prompt_length or h.vocab_size != vocab_size:
-            h = self._history = TokenHistory(sampling, vocab_size, prompt_length, stop_ids, token_ids)
-        else:
-            h.sync(token_ids)
-        return h
+        return self._turn.processor(sampling, token_ids, vocab_size)
 
     # ------------------------------------------------------------------ the head's KV cache
     def _target_features_for(self, committed: list[int]) -> int:
