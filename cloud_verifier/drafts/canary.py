@@ -18,11 +18,11 @@ Outputs never depend on any of this: every draft version is verified by the same
 from __future__ import annotations
 
 import logging
-import time
 
 from prometheus_client import Counter
 
 from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, end_canary
+from specdec_runtime.cloud_verifier.drafts.periodic import PeriodicCheck
 from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger, DraftAcceptance
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def no_worse(canary: DraftAcceptance, current: DraftAcceptance, margin: float) -
     return rate_c >= rate_0 - margin and _tau(canary) >= _tau(current) * (1.0 - margin)
 
 
-class CanaryJudge:
+class CanaryJudge(PeriodicCheck):
     """Promotes or rolls back the canaries of ``catalog`` from ``ledger``'s shared records (module docstring).
 
     Args:
@@ -53,26 +53,15 @@ class CanaryJudge:
         check_interval_s: :meth:`maybe_check` runs :meth:`check` at most this often, s.
     """
 
+    what = "canary check"
+
     def __init__(self, catalog: DraftCatalog, ledger: AcceptanceLedger, *, min_blocks: int = 200,
                  margin: float = 0.05, check_interval_s: float = 5.0):
+        super().__init__(check_interval_s)
         self.catalog = catalog
         self.ledger = ledger
         self.min_blocks = min_blocks
         self.margin = margin
-        self.check_interval_s = check_interval_s
-        self._next = 0.0
-
-    def maybe_check(self) -> list[tuple[str, str]]:
-        """:meth:`check`, at most once per ``check_interval_s``; never raises (a failed check is logged)."""
-        now = time.monotonic()
-        if now < self._next:
-            return []
-        self._next = now + self.check_interval_s
-        try:
-            return self.check()
-        except Exception as e:  # noqa: BLE001 - a canary waits for the next check; delivery goes on
-            log.warning("canary check failed: %s", e)
-            return []
 
     def check(self) -> list[tuple[str, str]]:
         """Decide every canary that has enough blocks; returns ``(name@version, "promote" | "rollback")`` of the

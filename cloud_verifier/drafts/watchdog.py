@@ -20,11 +20,11 @@ baseline. The check runs from ResolveDraft, at most once per ``check_interval_s`
 from __future__ import annotations
 
 import logging
-import time
 
 from prometheus_client import Counter, Gauge
 
 from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, set_quarantine
+from specdec_runtime.cloud_verifier.drafts.periodic import PeriodicCheck
 from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
 
 log = logging.getLogger(__name__)
@@ -35,30 +35,19 @@ QUARANTINED = Gauge("specdec_draft_quarantined", "1 while a draft version is qua
                     ["draft_version"])
 
 
-class Watchdog:
+class Watchdog(PeriodicCheck):
     """Quarantines the versions of ``catalog`` whose windowed acceptance falls below their baseline (module
     docstring). ``margin``: acceptance-rate points below the baseline that trip it; ``check_interval_s``:
     :meth:`maybe_check`'s period, s. The window length is the ledger's ``window_blocks``."""
 
+    what = "draft watchdog check"
+
     def __init__(self, catalog: DraftCatalog, ledger: AcceptanceLedger, *, margin: float = 0.2,
                  check_interval_s: float = 5.0):
+        super().__init__(check_interval_s)
         self.catalog = catalog
         self.ledger = ledger
         self.margin = margin
-        self.check_interval_s = check_interval_s
-        self._next = 0.0
-
-    def maybe_check(self) -> list[tuple[str, str]]:
-        """:meth:`check` at most once per ``check_interval_s``; never raises (a failed check is logged)."""
-        now = time.monotonic()
-        if now < self._next:
-            return []
-        self._next = now + self.check_interval_s
-        try:
-            return self.check()
-        except Exception as e:  # noqa: BLE001 - the watchdog waits for the next check; delivery goes on
-            log.warning("draft watchdog check failed: %s", e)
-            return []
 
     def check(self) -> list[tuple[str, str]]:
         """Quarantine or release every version due; returns ``(name@version, "quarantine" | "recovered")``."""
