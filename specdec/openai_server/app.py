@@ -49,12 +49,14 @@ def create_app(engine: Engine, api_keys: Callable[[str | None], bool] | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = routed(chat_request, await read_body(request, CHAT_PARAMS), engine.tokenizer)
-        return await respond(engine, req, "chat.completion", "chatcmpl-", getattr(request.state, "tenant", ""))
+        return await respond(engine, req, "chat.completion", "chatcmpl-", getattr(request.state, "tenant", ""),
+                             request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = routed(completion_request, await read_body(request, COMPLETION_PARAMS), engine.tokenizer)
-        return await respond(engine, req, "text_completion", "cmpl-", getattr(request.state, "tenant", ""))
+        return await respond(engine, req, "text_completion", "cmpl-", getattr(request.state, "tenant", ""),
+                             request)
 
     return app
 

@@ -139,12 +139,14 @@ class Engine:
 
     def _run(self, job: Job, req: GenRequest) -> None:
         """Worker thread: the request's ``req.n`` generations one after the other, each its ("chunk", index,
-        text, token_ids, logprobs) items and ("choice", Outcome); then ("done", None) or ("error", exc) to ``job``.
+        text, token_ids, logprobs) items and ("choice", Outcome); then ("done", None), ("error", exc) or, once
+        ``job.cancelled`` is set (its client gone), ("cancelled", None) to ``job``.
 
         Kept conversations hold verifier sessions (and their KV cache): when the verifier refuses a session
         for capacity or a tenant's session limit (RESOURCE_EXHAUSTED) before anything was streamed, the kept
         conversations are closed and the request is tried once more; the second refusal is the answer (429)."""
         if job.cancelled.is_set():
+            job.put(("cancelled", None))
             return
         # (a seeded sampled request starts from a fresh draft KV cache: edge_client.generation.loop resets the drafter)
         for attempt in (1, 2):
@@ -152,9 +154,9 @@ class Engine:
             try:
                 for index in range(req.n):
                     if job.cancelled.is_set():
-                        return
+                        break
                     self._generate(job, req, emitted, reuse=attempt == 1, index=index)
-                job.put(("done", None))
+                job.put(("cancelled", None) if job.cancelled.is_set() else ("done", None))
                 return
             except CapacityError as e:
                 if attempt == 1 and not emitted[0] and self._conversations:
@@ -234,5 +236,5 @@ class Engine:
 
 async def next_item(job: Job):
     """The next item of ``job``: ("chunk", index, text, token_ids, logprobs) and ("choice", Outcome) per choice,
-    then ("done", None) or ("error", exception)."""
+    then ("done", None), ("error", exception) or ("cancelled", None)."""
     return await job.queue.get()

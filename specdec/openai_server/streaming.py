@@ -3,6 +3,7 @@ as server-sent events (``data: {chunk}`` lines, ``data: [DONE]`` last)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -15,6 +16,23 @@ from .request import GenRequest
 from .spec_metrics import log_request, merge
 from .structured import ChoiceDeltas, chat_message
 
+# How often a request that streams nothing yet (a non-streamed one, or one before its first token) looks whether
+# its client is still there: such a request has no send that would fail, so only a look tells it is abandoned.
+DISCONNECT_POLL_S = 0.25
+
+
+class Abandoned(Exception):
+    """The client went away before its response was ready; the generation was stopped at its next chunk."""
+
+
+async def _cancel_when_gone(request, job: Job) -> None:
+    """Set ``job.cancelled`` once ``request``'s client has disconnected (polled every DISCONNECT_POLL_S)."""
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
 
 def usage(outcomes: list[Outcome]) -> dict:
     """Usage of a response: the prompt once, the completion tokens of every choice."""
@@ -23,29 +41,43 @@ def usage(outcomes: list[Outcome]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str, tenant: str = ""):
+async def respond(engine: Engine, req: GenRequest, obj: str, id_prefix: str, tenant: str = "", request=None):
     """The response to ``req`` (object type ``obj``: "chat.completion" or "text_completion"): an error before
     any output is raised as :class:`ApiError` (an HTTP status); after it, a streamed response ends with an error
     event. ``req.n`` choices, generated one after the other (streamed with their indices). One log line per
-    request (:func:`.spec_metrics.log_request`; ``tenant``: the caller's, "" = none)."""
-    from fastapi.responses import JSONResponse, StreamingResponse
+    request (:func:`.spec_metrics.log_request`; ``tenant``: the caller's, "" = none).
+
+    ``request``: the HTTP request; while nothing is streamed to it (a non-streamed response, or before a streamed
+    one's first token) its disconnect is watched, and a client gone stops the generation at its next chunk (the
+    worker is free for the requests behind it) and is logged ``finish=abandoned``. A streamed response that has
+    begun stops on its failed send instead."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     job = engine.submit(req)
     rid = id_prefix + secrets.token_hex(12)
     created = int(time.time())
-    first = await next_item(job)  # errors before any output (open: unreachable, limits, bad prompt) → status
-    if first[0] == "error":
-        log_request(rid, tenant, [], "error")
-        raise api_error_for(first[1])
-    chat = obj == "chat.completion"
-    if not req.stream:
-        try:
+    watch = asyncio.create_task(_cancel_when_gone(request, job)) if request is not None else None
+    try:
+        first = await next_item(job)  # errors before any output (open: unreachable, limits, bad prompt) → status
+        if first[0] == "cancelled":
+            raise Abandoned()
+        if first[0] == "error":
+            raise api_error_for(first[1])
+        chat = obj == "chat.completion"
+        if not req.stream:
             body = await _whole_body(job, first, rid, obj, created, engine, chat, req.tools)
-        except BaseException:
-            log_request(rid, tenant, [], "error")
-            raise
-        log_request(rid, tenant, body.pop("_outcomes"))
-        return JSONResponse(body)
+            log_request(rid, tenant, body.pop("_outcomes"))
+            return JSONResponse(body)
+    except Abandoned:
+        log_request(rid, tenant, [], "abandoned")
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    except BaseException:
+        log_request(rid, tenant, [], "error")
+        job.cancelled.set()  # the handler itself was cancelled (server shutdown): stop the worker too
+        raise
+    finally:
+        if watch is not None:
+            watch.cancel()
     events = _SseEvents(rid, "chat.completion.chunk" if chat else "text_completion", created, engine, chat,
                         req.tools)
     events.tenant = tenant
@@ -61,6 +93,8 @@ async def _whole_body(job: Job, first: tuple, rid: str, obj: str, created: int, 
     while item[0] != "done":
         if item[0] == "error":
             raise api_error_for(item[1])
+        if item[0] == "cancelled":
+            raise Abandoned()
         if item[0] == "choice":
             outcomes.append(item[1])
         item = await next_item(job)
@@ -106,7 +140,7 @@ class _SseEvents:
         chat = self.chat
         item, started, outcomes = first, set(), []
         try:
-            while item[0] != "done":
+            while item[0] not in ("done", "cancelled"):  # cancelled: its client is gone, nobody reads on
                 if item[0] == "error":
                     err = api_error_for(item[1])
                     log_request(self.rid, self.tenant, outcomes, "error")
