@@ -63,13 +63,14 @@ class _HistoryChat:
         self.messages.append({"role": "assistant", "content": self.last_result.text})
 
     def close(self) -> None:
-        pass
+        fail(f"{refused} turn(s) refused (see above)")
 
 
 def _reply(conv, message: str, kwargs: dict) -> None:
     """Stream one reply, then its statistics line on stderr; a refused request (e.g. the conversation outgrew the
     context) prints one line and keeps the conversation; so does Ctrl-C, which stops the reply (the turn is
-    dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is)."""
+    dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is). Returns False when the
+    turn was refused."""
     from specdec_runtime.common.errors import InvalidRequestError
 
     chunks = conv.send(message, **kwargs)
@@ -89,18 +90,19 @@ def _reply(conv, message: str, kwargs: dict) -> None:
         return
     except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
-        return
+        return False
     except user_errors() as e:
         fail(explain(e))
     sys.stdout.write("\n")
     sys.stdout.flush()
     typer.echo(_stats_footer(conv.last_result), err=True)
+    return True
 
 
-def _chat_loop(conv, kwargs: dict, interactive: bool) -> int:
+def _chat_loop(conv, kwargs: dict, interactive: bool) -> tuple[int, int]:
     """Read stdin line by line until /exit or end of input: commands (/reset, /exit) or messages. Returns the
-    number of lines read."""
-    lines = 0
+    number of lines read and of turns refused."""
+    lines = refused = 0
     while True:
         if interactive:
             sys.stdout.write("> ")
@@ -122,8 +124,9 @@ def _chat_loop(conv, kwargs: dict, interactive: bool) -> int:
         if command.startswith("/") and " " not in command:
             typer.echo(f"unknown command {command} (/reset, /exit)", err=True)
             continue
-        _reply(conv, message, kwargs)
-    return lines
+        if _reply(conv, message, kwargs) is False:
+            refused += 1
+    return lines, refused
 
 
 @app.command()
@@ -194,9 +197,9 @@ def chat(
     conv = client.chat(system=system) if hasattr(client, "chat") else _HistoryChat(client, system)
     if interactive:
         typer.echo("specdec chat: /reset starts a new conversation, /exit quits", err=True)
-    lines = 0
+    lines = refused = 0
     try:
-        lines = _chat_loop(conv, kwargs, interactive)
+        lines, refused = _chat_loop(conv, kwargs, interactive)
     except KeyboardInterrupt:
         lines = -1
     finally:
@@ -204,3 +207,5 @@ def chat(
         close()
     if lines == 0 and not interactive:  # a pipe that closed without a line: nothing was asked
         fail_no_chat_input()
+    if refused and not interactive:  # a script reading a pipe's output must learn that a turn got no reply
+        fail(f"{refused} turn(s) refused (see above)")

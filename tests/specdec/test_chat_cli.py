@@ -60,3 +60,15 @@ def test_chat_unknown_command_and_system(target_only):
     out = _chat(f"/frobnicate\n{Q1}\n", "--system", system)
     assert "unknown command /frobnicate" in out.stderr
     assert out.stdout == target_only([{"role": "system", "content": system}, {"role": "user", "content": Q1}]) + "\n"
+
+
+def test_a_piped_turn_that_is_refused_fails_the_run_but_not_the_conversation(target_only):
+    """A message longer than the context is refused (one line) and the next one is answered as if it had not
+    been sent; a pipe's run then ends with status 2 and says how many turns were refused, so that a script
+    reading only stdout learns that a reply is missing."""
+    too_long = "word " * 10000  # past SmolLM2's 8,192-token context
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--max-new-tokens", str(MAX_NEW)],
+                          input=f"{too_long}\n{Q1}\n", capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 2, proc.stderr
+    assert "1 turn(s) refused" in proc.stderr
+    assert proc.stdout.endswith(target_only([{"role": "user", "content": Q1}]) + "\n")
