@@ -90,9 +90,6 @@ def _load_shard(spec: RankSpec, rank: int, device: str, group, timer: AllReduceT
     runner = TargetRunner(spec.model_dir, kv_cache_budget_tokens=max(CHECK_IDS, spec.kv_page_size), device="cpu",
                           dtype=resolve_dtype(spec.dtype, target), num_threads=threads, check_architecture=check,
                           kv_page_size=spec.kv_page_size)
-    if runner.recurrent_layers:
-        raise TensorParallelError("tensor parallel: hybrid (recurrent) targets are not supported; use "
-                                  "--tensor-parallel 1")
     plan = plan_shards(runner.config, spec.world_size)
     ids = [(i * 7919 + 11) % min(runner.vocab_size, 32000) for i in range(CHECK_IDS)]
     reference = runner.reference_logits(ids) if check else None
