@@ -11,8 +11,8 @@ its own heads) and runs its decoder shard; the row-parallel all-reduces inside k
 runs the LM head.
 
 Hybrid targets: rank 0 owns each session's :class:`~cloud_verifier.kv.recurrent_state.SessionState` (on its
-``SessionKV``); every other rank keeps a mirror per state id (:class:`StateIds`), holding its own channels or heads
-of the same layers at the same positions: it moves the same way because it sees the same rows (a fresh state, a
+``SessionKV``); every other rank keeps a mirror of it under the id rank 0 gives it (:class:`StateIds`), holding
+its own channels of the same layers at the same positions: it moves the same way because it sees the same rows (a fresh state, a
 replay to the accepted prefix, the end state) and is dropped when rank 0's state is (preemption, a closed
 session: a weakref finalizer on rank 0's state).
 
