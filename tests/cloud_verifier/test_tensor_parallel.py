@@ -136,8 +136,11 @@ def test_tp2_greedy_identical_to_tp1_and_target_only(arch, tiny_pair, qwen2_dir)
 
 
 @pytest.mark.slow
-def test_tp2_hybrid_lfm2_identical_to_tp1_and_target_only(tiny_pair, lfm2_dir):
+def test_tp2_hybrid_lfm2_identical_to_tp1_and_target_only(tiny_pair, lfm2_dir, capfd):
+    import gc
+
     from _reference import hf_greedy
+    from specdec_runtime.cloud_verifier.kv.forward_row import ForwardRow
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
 
     single = TargetRunner(lfm2_dir, kv_cache_budget_tokens=4096)
@@ -152,9 +155,16 @@ def test_tp2_hybrid_lfm2_identical_to_tp1_and_target_only(tiny_pair, lfm2_dir):
         got_spec, got_plain = _generate(runner, tiny_pair.draft_dir)
         assert runner.parallel.failure is None
         assert runner.decoder.states.issued >= 2  # both sessions' states were mirrored on rank 1
+        gc.collect()  # the closed sessions' states are gone on rank 0: the next step tells rank 1
+        kv = runner.allocate(4)
+        runner.forward([ForwardRow(kv, [5, 6, 7, 8], 0, "last")])
+        runner.free(kv)
     finally:
         runner.parallel.close()
     assert [p.exitcode for p in runner.parallel.procs] == [0]
+    # rank 1 dropped its mirrors of the closed sessions' states: only the last step's is left
+    err = capfd.readouterr().err
+    assert "rank 1: stopped after" in err and ", 1 recurrent states held" in err, err[-2000:]
     assert got_spec == got_plain == expected == hf_greedy(lfm2_dir, PROMPT, NEW_TOKENS)
 
 
