@@ -50,7 +50,8 @@ class ShardPlan:
     """Which heads and MLP features each rank holds.
 
     ``kv_heads[r]``: the KV heads of rank r (ids in the full model); ``q_heads[r]``: its query heads;
-    ``mlp[r]``: (first, end) intermediate features.
+    ``mlp[r]``: (first, end) intermediate features of ``config.intermediate_size`` (:func:`shard_model` cuts each
+    layer's own MLP width the same way: LFM2's differs from the config's).
     """
 
     world_size: int
