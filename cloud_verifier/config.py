@@ -190,7 +190,8 @@ class VerifierSettings(BaseSettings):
     tensor_parallel: int = Field(1, ge=1, le=64)
     """Ranks the target is sharded over (Megatron-style tensor parallelism on torch.distributed,
     :mod:`cloud_verifier.parallel`): one per device (``cuda:0..N-1``, NCCL) or N CPU processes (gloo), started
-    by ``serve`` itself (or by torchrun). 1 = one device. Not with hybrid targets or ``compile`` other than off."""
+    by ``serve`` itself (or by torchrun). 1 = one device. Not with hybrid targets other than LFM2 or ``compile``
+    other than off."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache of the target: ``auto`` = bfloat16 on CUDA, float32 on CPU."""

@@ -19,7 +19,11 @@ import os
 from specdec_runtime.cloud_verifier.parallel.ranks import ParallelRanks, RankSpec, rank_spec, run_rank, start_parallel_runner
 from specdec_runtime.cloud_verifier.parallel.sharding import TensorParallelError, plan_shards
 
-__all__ = ["ParallelRanks", "RankSpec", "TensorParallelError", "check_settings", "check_target", "is_torchrun_worker", "plan_shards",
+# hybrid families whose recurrent mixers are sharded (sharding.CONV_MIXERS: LFM2's short convolutions, cut along
+# their channels); the Mamba2 / gated-delta-rule mixers of the others are not
+TP_HYBRID_MODEL_TYPES = ("lfm2",)
+
+__all__ = ["TP_HYBRID_MODEL_TYPES", "ParallelRanks", "RankSpec", "TensorParallelError", "check_settings", "check_target", "is_torchrun_worker", "plan_shards",
            "rank_spec", "run_rank", "run_torchrun_worker", "start_from_settings", "start_parallel_runner"]
 
 
@@ -28,7 +32,7 @@ def check_settings(settings) -> None:
 
     Raises:
         TensorParallelError: ``compile`` other than off (the compiled forward has no broadcast step), a hybrid
-            target, or heads that cannot be split (:func:`check_target`).
+            target other than LFM2, or heads that cannot be split (:func:`check_target`).
         common.paths.ModelNotFoundError: the target directory is not a causal-LM directory.
     """
     from specdec_runtime.common.paths import default_model_paths, resolve_target_dir
@@ -60,7 +64,8 @@ def check_target(model_dir: str, world_size: int) -> None:
     """Refuse, from the config alone, a target tensor parallelism cannot cut ``world_size`` ways (one line).
 
     Raises:
-        TensorParallelError: a hybrid (recurrent) target, or heads that cannot be split (:func:`plan_shards`).
+        TensorParallelError: a hybrid (recurrent) target other than :data:`TP_HYBRID_MODEL_TYPES`, or heads that
+            cannot be split (:func:`plan_shards`).
     """
     from transformers import AutoConfig
 
@@ -69,9 +74,9 @@ def check_target(model_dir: str, world_size: int) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     if not hasattr(config, "num_attention_heads"):  # a multimodal config: its text model's
         config = getattr(config, "text_config", config)
-    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES and config.model_type not in TP_HYBRID_MODEL_TYPES:
         raise TensorParallelError(f"tensor parallel: hybrid (recurrent) target {config.model_type!r} is not "
-                                  "supported; use --tensor-parallel 1")
+                                  f"supported (hybrids: {', '.join(TP_HYBRID_MODEL_TYPES)}); use --tensor-parallel 1")
     plan_shards(config, world_size)
 
 

@@ -12,9 +12,12 @@ allocates its own KV pool for its own KV heads (same page count on every rank: p
 then exchange one status each (``all_gather_object``): a rank that failed makes start-up fail with its line.
 
 Failure: rank 0 watches its ranks (process sentinels); a rank that exits marks the group failed
-(:attr:`ParallelRanks.failure`: health turns NOT_SERVING, forwards raise UNAVAILABLE), the other ranks are
-stopped and the ``on_failure`` callbacks run (``serve`` stops the replica). Ranks > 0 exit when a collective
-fails (rank 0 gone) or their parent dies.
+(:attr:`ParallelRanks.failure`: forwards raise UNAVAILABLE), the ``on_failure`` callbacks run (``serve`` turns
+health NOT_SERVING and stops the replica), then the other ranks are stopped. The sentinel of a process is ready
+the moment it exits, so a SIGKILLed rank turns the replica NOT_SERVING within milliseconds, not after a
+collective's timeout (scripts/tensor_parallel_kill_check.py measures it). Under torchrun (no child processes to
+watch) a dead rank is found by the next collective: a step, or the idle heartbeat every :data:`HEARTBEAT_S`.
+Ranks > 0 exit when a collective fails (rank 0 gone) or their parent dies.
 """
 
 from __future__ import annotations
@@ -90,9 +93,6 @@ def _load_shard(spec: RankSpec, rank: int, device: str, group, timer: AllReduceT
     runner = TargetRunner(spec.model_dir, kv_cache_budget_tokens=max(CHECK_IDS, spec.kv_page_size), device="cpu",
                           dtype=resolve_dtype(spec.dtype, target), num_threads=threads, check_architecture=check,
                           kv_page_size=spec.kv_page_size)
-    if runner.recurrent_layers:
-        raise TensorParallelError("tensor parallel: hybrid (recurrent) targets are not supported; use "
-                                  "--tensor-parallel 1")
     plan = plan_shards(runner.config, spec.world_size)
     ids = [(i * 7919 + 11) % min(runner.vocab_size, 32000) for i in range(CHECK_IDS)]
     reference = runner.reference_logits(ids) if check else None
@@ -170,6 +170,7 @@ class ParallelRanks:
         self.on_failure: list = []  # callables run once (from a watcher thread) when the group fails
         self._closed = threading.Event()
         self._failed_once = threading.Lock()
+        self._terminating = threading.Lock()
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def check(self) -> None:
@@ -191,14 +192,17 @@ class ParallelRanks:
         return VerifierUnavailableError(f"this verifier's tensor-parallel group failed: {self.failure}")
 
     def fail(self, reason: str) -> None:
-        """Mark the group failed (first reason wins), stop the other ranks, run the ``on_failure`` callbacks."""
+        """Mark the group failed (first reason wins), run the ``on_failure`` callbacks, stop the other ranks.
+
+        The callbacks (``serve``: health NOT_SERVING, graceful stop) run first: stopping the other ranks may wait
+        up to :data:`STOP_WAIT_S` per rank, and a replica whose group failed must leave SERVING at once."""
         if not self._failed_once.acquire(blocking=False):
             return
         self.failure = reason
         log.error("tensor parallel: %s; this replica stops serving", reason)
-        self._terminate()
         for callback in self.on_failure:
             callback(reason)
+        self._terminate()
 
     def _watch(self) -> None:
         """Until close: a spawned rank that exits fails the group; an idle group gets a NOOP step every
@@ -225,15 +229,16 @@ class ParallelRanks:
                     self.runner.forward_lock.release()
 
     def _terminate(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + STOP_WAIT_S
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(STOP_WAIT_S)
+        with self._terminating:  # the watcher (after a failure) and close() may both get here: one reaps
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+            deadline = time.monotonic() + STOP_WAIT_S
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(STOP_WAIT_S)
 
     def close(self) -> None:
         """Stop every rank: STOP broadcast (a healthy group), then join; terminate what is left. Idempotent."""

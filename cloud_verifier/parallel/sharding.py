@@ -17,10 +17,17 @@ KV heads and rank 1 one; an uneven split costs the slower rank's extra head, it 
 heads than ranks each KV head is replicated on ``N / num_kv_heads`` ranks, which split its query heads (vLLM's
 rule). Anything else is refused in one line by :func:`plan_shards`.
 
-Supported module layout: every decoder layer has ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-linears (Llama, Mistral, Qwen2/3, Granite, Gemma, SmolLM, ...). Fused projections (Phi-3) and hybrid
-(recurrent) targets are refused. Biases of column-parallel linears are sliced with their rows; the bias of a
-row-parallel linear is added once, after the all-reduce.
+Supported module layout: every decoder layer has ``self_attn.{q,k,v}_proj`` and ``o_proj`` (or ``out_proj``)
+linears, or LFM2's short convolution, and ``mlp.{gate,up,down}_proj`` (or LFM2's ``feed_forward.{w1,w3,w2}``)
+linears (Llama, Mistral, Qwen2/3, Granite, Gemma, SmolLM, LFM2, ...). Fused projections (Phi-3) and the other
+hybrid (recurrent) families are refused. Biases of column-parallel linears are sliced with their rows; the bias
+of a row-parallel linear is added once, after the all-reduce.
+
+Hybrid targets (LFM2): a short-conv layer is cut along its hidden channels, the same way as heads: ``in_proj``
+column-parallel (this rank's channels of B, C and x), the depthwise conv per channel, ``out_proj`` row-parallel,
+one all-reduce. Every channel's conv state depends on that channel alone, so each rank's recurrent state (a
+session's conv state [1, channels / N, kernel]) holds its own channels and needs no other rank's; it moves with
+the rows rank 0 broadcasts (:mod:`cloud_verifier.parallel.step`).
 """
 
 from __future__ import annotations
@@ -32,8 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class TensorParallelError(ValueError):
@@ -45,7 +50,8 @@ class ShardPlan:
     """Which heads and MLP features each rank holds.
 
     ``kv_heads[r]``: the KV heads of rank r (ids in the full model); ``q_heads[r]``: its query heads;
-    ``mlp[r]``: (first, end) intermediate features.
+    ``mlp[r]``: (first, end) intermediate features of ``config.intermediate_size`` (:func:`shard_model` cuts each
+    layer's own MLP width the same way: LFM2's differs from the config's).
     """
 
     world_size: int
@@ -153,22 +159,92 @@ def _head_rows(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:
     return torch.tensor([h * head_dim + i for h in heads for i in range(head_dim)], dtype=torch.long)
 
 
+# (module, column-parallel input linears, row-parallel output linear) of the MLPs and attentions this cuts
+MLP_LAYOUTS = (("mlp", ("gate_proj", "up_proj"), "down_proj"), ("feed_forward", ("w1", "w3"), "w2"))
+ATTN_LAYOUTS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"), ("self_attn", ("q_proj", "k_proj", "v_proj"), "out_proj"))
+# recurrent mixers cut along their channels: LFM2's short convolution (in_proj -> B, C, x of hidden channels
+# each, a depthwise conv, out_proj): every channel's conv state is independent of the others
+CONV_MIXERS = ("Lfm2ShortConv",)
+
+
+def _layout(module, layouts) -> tuple | None:
+    for name, columns, row in layouts:
+        part = getattr(module, name, None)
+        if part is not None and all(isinstance(getattr(part, n, None), torch.nn.Linear) for n in (*columns, row)):
+            return part, columns, row
+    return None
+
+
+def _mixer(layer):
+    """The layer's token mixer and its kind: ("attention", module) or ("conv", module); None when unsupported."""
+    attn = _layout(layer, ATTN_LAYOUTS)
+    if attn is not None:
+        return "attention", attn
+    conv = getattr(layer, "conv", None)
+    if type(conv).__name__ in CONV_MIXERS:
+        return "conv", conv
+    return None
+
+
 def check_layout(model) -> None:
     """Raises TensorParallelError when a decoder layer lacks the separate projections this sharding cuts."""
     for i, layer in enumerate(model.get_decoder().layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        missing = [f"self_attn.{p}" for p in ATTN_PROJECTIONS if not isinstance(getattr(attn, p, None), torch.nn.Linear)]
-        missing += [f"mlp.{p}" for p in MLP_PROJECTIONS if not isinstance(getattr(mlp, p, None), torch.nn.Linear)]
+        missing = [] if _mixer(layer) is not None else ["self_attn.{q,k,v,o}_proj or an LFM2 short conv"]
+        missing += [] if _layout(layer, MLP_LAYOUTS) is not None else ["mlp.{gate,up,down}_proj"]
         if missing:
             raise TensorParallelError(
                 f"tensor parallel: layer {i} of {type(model).__name__} has no {', '.join(missing)} "
-                "(supported: separate q/k/v/o and gate/up/down projections, e.g. Llama, Mistral, Qwen2/3)")
+                "(supported: separate q/k/v/o and gate/up/down projections, e.g. Llama, Mistral, Qwen2/3, LFM2)")
+
+
+def _row_parallel(lin: torch.nn.Linear, columns: torch.Tensor, group, timer: AllReduceTimer) -> RowParallelLinear:
+    """A :class:`RowParallelLinear` of the input ``columns`` of ``lin`` (the bias kept whole, added once)."""
+    weight = lin.weight.detach().index_select(1, columns.to(lin.weight.device)).clone()
+    return RowParallelLinear(weight, None if lin.bias is None else lin.bias.detach().clone(), group, timer)
+
+
+def _shard_attention(found, plan: ShardPlan, rank: int, head_dim: int, group, timer) -> None:
+    attn, (q, k, v), o = found
+    q_rows = _head_rows(plan.q_heads[rank], head_dim)
+    kv_rows = _head_rows(plan.kv_heads[rank], head_dim)
+    _rows(getattr(attn, q), q_rows.to(getattr(attn, q).weight.device))
+    for name in (k, v):
+        _rows(getattr(attn, name), kv_rows.to(getattr(attn, name).weight.device))
+    attn.num_key_value_groups = len(plan.q_heads[rank]) // len(plan.kv_heads[rank])
+    setattr(attn, o, _row_parallel(getattr(attn, o), q_rows, group, timer))
+
+
+def _shard_conv(conv, rank: int, world_size: int, group, timer) -> None:
+    """LFM2's short conv: this rank's channels of B, C and x (in_proj rows), of the depthwise conv (its state
+    [1, channels, kernel] then holds these channels only) and of out_proj's input (row-parallel)."""
+    hidden = conv.out_proj.in_features
+    lo, hi = _even_cuts(hidden, world_size)[rank]
+    channels = torch.arange(lo, hi, dtype=torch.long)
+    _rows(conv.in_proj, torch.cat([channels + part * hidden for part in range(3)]).to(conv.in_proj.weight.device))
+    w = conv.conv.weight  # [hidden, 1, kernel]: depthwise
+    conv.conv.weight = torch.nn.Parameter(w.detach()[lo:hi].clone(), requires_grad=False)
+    if conv.conv.bias is not None:
+        conv.conv.bias = torch.nn.Parameter(conv.conv.bias.detach()[lo:hi].clone(), requires_grad=False)
+    conv.conv.in_channels = conv.conv.out_channels = conv.conv.groups = hi - lo
+    conv.out_proj = _row_parallel(conv.out_proj, channels, group, timer)
+
+
+def _shard_mlp(found, rank: int, world_size: int, group, timer) -> None:
+    mlp, columns, row = found
+    lo, hi = _even_cuts(getattr(mlp, columns[0]).out_features, world_size)[rank]
+    features = torch.arange(lo, hi, dtype=torch.long)
+    for name in columns:
+        _rows(getattr(mlp, name), features.to(getattr(mlp, name).weight.device))
+    setattr(mlp, row, _row_parallel(getattr(mlp, row), features, group, timer))
 
 
 @torch.no_grad()
 def shard_model(model, plan: ShardPlan, rank: int, group, timer: AllReduceTimer) -> None:
-    """Cut ``model``'s decoder layers in place to rank ``rank``'s shard of ``plan`` (column-parallel q/k/v and
-    gate/up, :class:`RowParallelLinear` o_proj and down_proj on ``group``). Frees the cut-away weights.
+    """Cut ``model``'s decoder layers in place to rank ``rank``'s shard of ``plan``: column-parallel q/k/v and
+    gate/up (LFM2: w1/w3), :class:`RowParallelLinear` o_proj (LFM2: out_proj) and down_proj (w2) on ``group``;
+    LFM2's short convolutions split along their channels (in_proj column-parallel, the depthwise conv and its
+    state per channel, out_proj row-parallel). The MLP features are cut from each layer's own linear sizes.
+    Frees the cut-away weights.
 
     Raises:
         TensorParallelError: the layout is not supported (:func:`check_layout`).
@@ -176,24 +252,13 @@ def shard_model(model, plan: ShardPlan, rank: int, group, timer: AllReduceTimer)
     check_layout(model)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q_rows = _head_rows(plan.q_heads[rank], head_dim)
-    kv_rows = _head_rows(plan.kv_heads[rank], head_dim)
-    lo, hi = plan.mlp[rank]
-    mlp_rows = torch.arange(lo, hi, dtype=torch.long)
     for layer in model.get_decoder().layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        _rows(attn.q_proj, q_rows.to(attn.q_proj.weight.device))
-        _rows(attn.k_proj, kv_rows.to(attn.k_proj.weight.device))
-        _rows(attn.v_proj, kv_rows.to(attn.v_proj.weight.device))
-        attn.num_key_value_groups = len(plan.q_heads[rank]) // len(plan.kv_heads[rank])
-        o = attn.o_proj
-        attn.o_proj = RowParallelLinear(o.weight.detach().index_select(1, q_rows.to(o.weight.device)).clone(),
-                                        None if o.bias is None else o.bias.detach().clone(), group, timer)
-        _rows(mlp.gate_proj, mlp_rows.to(mlp.gate_proj.weight.device))
-        _rows(mlp.up_proj, mlp_rows.to(mlp.up_proj.weight.device))
-        d = mlp.down_proj
-        mlp.down_proj = RowParallelLinear(d.weight.detach()[:, lo:hi].clone(),
-                                          None if d.bias is None else d.bias.detach().clone(), group, timer)
+        kind, found = _mixer(layer)
+        if kind == "attention":
+            _shard_attention(found, plan, rank, head_dim, group, timer)
+        else:
+            _shard_conv(found, rank, plan.world_size, group, timer)
+        _shard_mlp(_layout(layer, MLP_LAYOUTS), rank, plan.world_size, group, timer)
 
 
 def weight_bytes(model) -> int:

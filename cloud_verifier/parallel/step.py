@@ -2,11 +2,19 @@
 
 Rank 0 (which owns sessions, page tables and the batcher) builds the step's :class:`PagedBatch` as the
 single-device runner does; :class:`StepBroadcaster` (rank 0's decoder) then sends, with two
-``torch.distributed.broadcast`` calls from rank 0, a header int64 [5] (command, T tokens, R rows, P page-table
-entries, reference flag) and a payload int64 [2T + 4R + P]: the token ids, the positions, (first flat index, n,
-start position) of each row, the length of each row's page table and the page tables. Every other rank
-(:func:`serve_steps`) rebuilds the same batch over its own KV pool (same page ids, its own heads) and runs its
-decoder shard; the row-parallel all-reduces inside keep the ranks in step. Only rank 0 runs the LM head.
+``torch.distributed.broadcast`` calls from rank 0, a header int64 [6] (command, T tokens, R rows, payload length,
+reference flag, Q released states) and a payload int64: the token ids [T], the positions [T], (first flat index,
+n, start position) of each row [3R], the length of each row's page table [R], each row's recurrent-state id [R]
+(-1: an attention-only target), the ids of the recurrent states rank 0 dropped since the last step [Q], and the
+page tables. Every other rank (:func:`serve_steps`) rebuilds the same batch over its own KV pool (same page ids,
+its own heads) and runs its decoder shard; the row-parallel all-reduces inside keep the ranks in step. Only rank 0
+runs the LM head.
+
+Hybrid targets: rank 0 owns each session's :class:`~cloud_verifier.kv.recurrent_state.SessionState` (on its
+``SessionKV``); every other rank keeps a mirror of it under the id rank 0 gives it (:class:`StateIds`), holding
+its own channels of the same layers at the same positions: it moves the same way because it sees the same rows (a fresh state, a
+replay to the accepted prefix, the end state) and is dropped when rank 0's state is (preemption, a closed
+session: a weakref finalizer on rank 0's state).
 
 Commands: :data:`FORWARD`, :data:`NOOP` (a heartbeat while idle: a rank waiting in a broadcast would otherwise
 reach the process group's timeout), :data:`STOP` (the ranks leave their loop).
@@ -14,26 +22,56 @@ reach the process group's timeout), :data:`STOP` (the ranks leave their loop).
 
 from __future__ import annotations
 
+import collections
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from specdec_runtime.cloud_verifier.kv.recurrent_state import SessionState
 from specdec_runtime.cloud_verifier.target.attention import PagedBatch
 
 FORWARD, NOOP, STOP = 1, 2, 3
-HEADER = 5
+HEADER = 6
 log = logging.getLogger(__name__)
 
 
-def _encode(batch: PagedBatch, input_ids: torch.Tensor, position_ids: torch.Tensor) -> list[int]:
+class StateIds:
+    """Rank 0: an integer id for each session's recurrent state, and the ids of the states dropped since the last
+    step (a weakref finalizer per state queues its id, from whichever thread drops the last reference)."""
+
+    def __init__(self):
+        self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.issued = 0  # ids given out so far (the next id)
+        self._released: collections.deque[int] = collections.deque()
+
+    def of(self, state: SessionState) -> int:
+        sid = self._ids.get(state)
+        if sid is None:
+            sid = self._ids[state] = self.issued
+            self.issued += 1
+            weakref.finalize(state, self._released.append, sid)
+        return sid
+
+    def take_released(self) -> list[int]:
+        out = []
+        while self._released:
+            out.append(self._released.popleft())
+        return out
+
+
+def _encode(batch: PagedBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, states: StateIds,
+            released: list[int]) -> list[int]:
     rows = [x for _, begin, n, start in batch.rows for x in (begin, n, start)]
     lens = [len(pages) for pages, _, _, _ in batch.rows]
+    ids = [states.of(state) for state, _, _, _ in batch.recurrent] or [-1] * len(batch.rows)
     pages = [p for table, _, _, _ in batch.rows for p in table]
-    return input_ids[0].tolist() + position_ids[0].tolist() + rows + lens + pages
+    return input_ids[0].tolist() + position_ids[0].tolist() + rows + lens + ids + released + pages
 
 
-def broadcast_command(cmd: int, group, device: torch.device, sizes: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+def broadcast_command(cmd: int, group, device: torch.device,
+                      sizes: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> None:
     """Rank 0: send a header (``cmd`` and the payload's sizes) to every rank."""
     dist.broadcast(torch.tensor([cmd, *sizes], dtype=torch.long, device=device), 0, group=group)
 
@@ -53,6 +91,7 @@ class StepBroadcaster:
         self.before = before
         self.after = after
         self.on_error = on_error
+        self.states = StateIds()
 
     def __getattr__(self, name):  # anything else (config, layers, ...) is the wrapped decoder's
         return getattr(self.inner, name)
@@ -60,8 +99,10 @@ class StepBroadcaster:
     def __call__(self, input_ids, position_ids, specdec_batch: PagedBatch, **kwargs):
         self.before()
         try:
-            payload = _encode(specdec_batch, input_ids, position_ids)
-            sizes = (input_ids.shape[1], len(specdec_batch.rows), len(payload), int(specdec_batch.reference))
+            released = self.states.take_released()
+            payload = _encode(specdec_batch, input_ids, position_ids, self.states, released)
+            sizes = (input_ids.shape[1], len(specdec_batch.rows), len(payload), int(specdec_batch.reference),
+                     len(released))
             broadcast_command(FORWARD, self.group, self.device, sizes)
             dist.broadcast(torch.tensor(payload, dtype=torch.long, device=self.device), 0, group=self.group)
             out = self.inner(input_ids=input_ids, position_ids=position_ids, specdec_batch=specdec_batch, **kwargs)
@@ -72,18 +113,24 @@ class StepBroadcaster:
         return out
 
 
-def _decode(payload: torch.Tensor, sizes: list[int], pool, device: torch.device) -> tuple:
-    """(batch, input_ids [1, T], position_ids [1, T]) from a step's payload."""
-    t, r, _, reference = sizes
+def _decode(payload: torch.Tensor, sizes: list[int], pool, device: torch.device, states: dict) -> tuple:
+    """(batch, input_ids [1, T], position_ids [1, T]) from a step's payload; ``states`` (id -> this rank's
+    :class:`SessionState`) loses the released ids and gains the new ones."""
+    t, r, _, reference, q = sizes
     values = payload.tolist()
     ids, pos = values[:t], values[t : 2 * t]
     rows = values[2 * t : 2 * t + 3 * r]
     lens = values[2 * t + 3 * r : 2 * t + 4 * r]
-    pages, at = values[2 * t + 4 * r :], 0
+    state_ids = values[2 * t + 4 * r : 2 * t + 5 * r]
+    for sid in values[2 * t + 5 * r : 2 * t + 5 * r + q]:
+        states.pop(sid, None)
+    pages, at = values[2 * t + 5 * r + q :], 0
     batch = PagedBatch(pool, reference=bool(reference))
     for i in range(r):
         batch.add_row(pages[at : at + lens[i]], rows[3 * i], rows[3 * i + 1], rows[3 * i + 2])
         at += lens[i]
+        if state_ids[i] >= 0:
+            batch.recurrent.append((states.setdefault(state_ids[i], SessionState()), *rows[3 * i : 3 * i + 3]))
     batch.finish(device)
     as_ids = lambda x: torch.tensor([x], dtype=torch.long, device=device)  # noqa: E731
     return batch, as_ids(ids), as_ids(pos)
@@ -97,17 +144,21 @@ def serve_steps(runner, group) -> int:
     """
     device = runner.device
     header = torch.empty(HEADER, dtype=torch.long, device=device)
-    steps = 0
+    steps, states = 0, {}
     with torch.inference_mode():
         while True:
             dist.broadcast(header, 0, group=group)
             cmd, *sizes = header.tolist()
-            if cmd == STOP:
+            if cmd == STOP:  # the states held: those rank 0 still held at its last step (a leak shows here)
+                log.info("tensor-parallel rank %d: stopped after %d steps, %d recurrent states held",
+                         dist.get_rank(group), steps, len(states))
                 return steps
             if cmd != FORWARD:
                 continue
             payload = torch.empty(sizes[2], dtype=torch.long, device=device)
             dist.broadcast(payload, 0, group=group)
-            batch, input_ids, position_ids = _decode(payload, sizes, runner.kv_pool, device)
+            batch, input_ids, position_ids = _decode(payload, sizes, runner.kv_pool, device, states)
             runner.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, specdec_batch=batch)
+            for state, _, n, start in batch.recurrent:  # as rank 0's runner does after the pass
+                state.finish(start, n)
             steps += 1
