@@ -90,6 +90,9 @@ class DraftCatalog:
         self.rescan_interval_s = rescan_interval_s
         self.canary_min_blocks, self.canary_margin = canary_min_blocks, canary_margin
         self.watchdog_margin = watchdog_margin
+        # (client_id, name, version, fraction) -> whether that client gets the canary; the verifier sets a fair
+        # one shared by its replicas (cloud_verifier.drafts.canary.CanaryAssignment)
+        self.assign_canary = in_canary
         self._lock = threading.Lock()
         self._versions: dict[str, list[DraftVersion]] = {}  # name -> versions, newest published first
         self._current: dict[str, str] = {}  # name -> version handed out now
@@ -186,7 +189,7 @@ class DraftCatalog:
     def resolve(self, tenant: str = "", name: str = "", client_id: str = "") -> DraftManifest:
         """The version ``tenant`` should draft with now: ``name``'s current version (``CURRENT``), or the newest
         one it may fetch when the current one is not its; a running canary instead for the clients its fraction
-        covers (:func:`in_canary`: sticky per ``client_id``; "" = drawn at random); ``name`` "" =
+        covers (:attr:`assign_canary`: sticky per ``client_id``; "" = drawn at random); ``name`` "" =
         :attr:`default_name` or the first name it may fetch.
 
         Raises:
@@ -195,16 +198,20 @@ class DraftCatalog:
         self._maybe_rescan()
         with self._lock:
             names = [name] if name else ([self.default_name] if self.default_name else sorted(self._versions))
+            found = None
             for n in names:
                 allowed = [v for v in self._versions.get(n, ()) if v.manifest.allows(tenant)]
                 if allowed:
-                    current = self._current.get(n)
-                    trial = self._canary.get(n)
-                    bad = quarantined_for(self._quarantined.get(n, {}), tenant)
-                    if (trial is not None and trial[0] != current and trial[0] not in bad
-                            and in_canary(client_id, n, *trial)):
-                        current = trial[0]
-                    return self._good(allowed, current, bad)
+                    found = (n, allowed, self._current.get(n), self._canary.get(n),
+                             quarantined_for(self._quarantined.get(n, {}), tenant))
+                    break
+        if found is not None:
+            n, allowed, current, trial, bad = found
+            # outside the lock: a shared assignment asks Redis
+            if trial is not None and trial[0] != current and trial[0] not in bad and self.assign_canary(
+                    client_id, n, *trial):
+                current = trial[0]
+            return self._good(allowed, current, bad)
         raise DraftNotFoundError(f"no draft named {name} is offered here" if name else "no draft is offered here")
 
     @staticmethod

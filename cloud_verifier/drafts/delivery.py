@@ -47,9 +47,10 @@ class DraftDelivery:
         # the background checks' period, s (the folder's rescan interval; at least MIN_CHECK_INTERVAL_S)
         self.check_interval_s = max(MIN_CHECK_INTERVAL_S, catalog.rescan_interval_s if catalog is not None else 0.0)
         if catalog is not None and ledger is not None:
-            from specdec_runtime.cloud_verifier.drafts.canary import CanaryJudge
+            from specdec_runtime.cloud_verifier.drafts.canary import CanaryAssignment, CanaryJudge
             from specdec_runtime.cloud_verifier.drafts.watchdog import Watchdog
 
+            catalog.assign_canary = CanaryAssignment(ledger.redis, ledger.prefix)  # fair, shared by replicas
             self.judge = CanaryJudge(catalog, ledger, min_blocks=catalog.canary_min_blocks,
                                      margin=catalog.canary_margin, check_interval_s=catalog.rescan_interval_s)
             self.watchdog = Watchdog(catalog, ledger, margin=catalog.watchdog_margin,

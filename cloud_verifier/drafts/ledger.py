@@ -123,10 +123,10 @@ class AcceptanceLedger:
                  window_blocks: int = 200):
         self.baseline_blocks = baseline_blocks
         self.flush_interval_s = flush_interval_s
-        self._redis = _redis_of(store)
-        self._prefix = getattr(store, "prefix", "")
-        self.windows = AcceptanceWindows(self._redis, self._prefix, window_blocks)  # shared with the record
-        self._script = self._redis.register_script(_ADD_LUA) if self._redis is not None else None
+        self.redis = _redis_of(store)  # the session store's Redis (None: the record is this process's)
+        self.prefix = getattr(store, "prefix", "")  # its key prefix
+        self.windows = AcceptanceWindows(self.redis, self.prefix, window_blocks)  # shared with the record
+        self._script = self.redis.register_script(_ADD_LUA) if self.redis is not None else None
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # held for a whole flush: the swap and the write
         self._pending: dict[str, list[int]] = {}
@@ -156,7 +156,7 @@ class AcceptanceLedger:
 
     def key(self, label: str) -> str:
         """The shared record's Redis key of ``label`` (``name@version``)."""
-        return f"{self._prefix}draft:{{{label}}}:acceptance"
+        return f"{self.prefix}draft:{{{label}}}:acceptance"
 
     def add(self, label: str, num_drafts: int, num_draft_tokens: int, num_accepted: int, tenant: str = "") -> None:
         """Count verify steps of ``label`` (``tenant``'s): Prometheus now, the shared record and window at the next
@@ -215,9 +215,9 @@ class AcceptanceLedger:
 
     def record(self, label: str) -> DraftAcceptance:
         """``label``'s shared record (every replica's flushed counts and the baseline)."""
-        if self._redis is None:
+        if self.redis is None:
             return self._local.get(label, DraftAcceptance())
-        raw = {k.decode(): int(v) for k, v in self._redis.hgetall(self.key(label)).items()}
+        raw = {k.decode(): int(v) for k, v in self.redis.hgetall(self.key(label)).items()}
         baseline = tuple(raw[f"baseline_{f}"] for f in _FIELDS) if "baseline_num_drafts" in raw else None
         return DraftAcceptance(*(raw.get(f, 0) for f in _FIELDS), baseline=baseline)
 

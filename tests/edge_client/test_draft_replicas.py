@@ -148,3 +148,31 @@ def test_session_resumed_on_the_other_replica_keeps_its_draft_version(replicas, 
     finally:
         on_a.close()
         on_b.close()
+
+
+def test_canary_split_is_fair_across_replicas(replicas, tiny_pair):
+    """20 new clients of a 50 % canary, 7 asking replica A and 13 replica B: exactly 10 get it (one counter in
+    Redis; each replica counting its own would give 3 + 6), and each keeps its answer on the other replica."""
+    from specdec_runtime.cloud_verifier.drafts.catalog import end_canary, publish_draft, start_canary
+    from specdec_runtime.edge_client.delivery import DraftSource
+    from specdec_runtime.edge_client.transport.credentials import ChannelSecurity
+
+    (a, b), _, root, keys = replicas
+    publish_draft(tiny_pair.draft_dir, root, "w", "2", make_current=False)
+    start_canary(root, "w", "2", 0.5)
+    security = ChannelSecurity.of(api_key=keys["globex"], use_env=False)
+
+    def resolve(address, i):
+        source = DraftSource(address, security, client_id=f"fair-{i}")
+        try:
+            return source.resolve("w").version
+        finally:
+            source.close()
+
+    try:
+        got = {i: resolve(a if i < 7 else b, i) for i in range(20)}
+        assert sorted(got.values()).count("2") == 10, got
+        again = {i: resolve(b if i < 7 else a, i) for i in reversed(range(20))}  # sticky on the other replica
+        assert again == got
+    finally:
+        end_canary(root, "w", promote=False)
