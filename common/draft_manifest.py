@@ -3,7 +3,9 @@
 Both sides use it: the verifier reads the manifest of each draft version it hands out
 (:mod:`cloud_verifier.drafts.catalog`), the edge checks every downloaded file against it
 (:mod:`edge_client.delivery.cache`). On disk a draft version is a folder holding its files (for ``kind`` "onnx":
-``model.onnx``, its data, ``config.json``, the tokenizer files) and :data:`MANIFEST_FILE`::
+``model.onnx``, its data, ``config.json``, the tokenizer files; for ``kind`` "head", a draft head as
+``specdec models export-head`` writes it: ``head.onnx``, ``head.json``, optional ``fuse.onnx`` and ``d2t.npy``, the
+tokenizer files) and :data:`MANIFEST_FILE`::
 
     {"name": "smollm2-int8", "version": "2026-12-07.1", "kind": "onnx", "tenants": ["acme"],
      "files": [{"path": "model.onnx", "size": 1234, "sha256": "ab..."}, ...]}
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 MANIFEST_FILE = "specdec-draft.json"
-DRAFT_KINDS = ("onnx",)
+DRAFT_KINDS = ("onnx", "head")  # an ONNX draft model; a draft head (head.onnx + head.json: edge_client.drafting.head_model)
+HEAD_CONFIG_FILE = "head.json"  # a draft head folder's config (specdec models export-head)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
                    "config.json")
@@ -153,10 +156,15 @@ def parse_manifest(text: str, source: str = "draft manifest") -> DraftManifest:
     return manifest
 
 
-def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, kind: str = "onnx",
+def kind_of_folder(folder: str | os.PathLike) -> str:
+    """"head" for a draft head folder (it holds :data:`HEAD_CONFIG_FILE`), else "onnx"."""
+    return "head" if (Path(folder) / HEAD_CONFIG_FILE).is_file() else "onnx"
+
+
+def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, kind: str | None = None,
                        tenants: tuple[str, ...] = ()) -> DraftManifest:
     """The manifest of every regular file under ``folder`` (sorted by path; the manifest file itself and hidden
-    files left out), each hashed.
+    files left out), each hashed; ``kind`` None = :func:`kind_of_folder`.
 
     Raises:
         ManifestError: an invalid name/version, an unknown kind, or an empty folder.
@@ -170,6 +178,7 @@ def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, ki
         files.append(DraftFile(check_relative_path(rel), p.stat().st_size, sha256_file(p)))
     if not files:
         raise ManifestError(f"no files to publish in {root}")
+    kind = kind_of_folder(root) if kind is None else kind
     if kind not in DRAFT_KINDS:
         raise ManifestError(f"unknown draft kind {kind!r} (known: {', '.join(DRAFT_KINDS)})")
     return DraftManifest(check_id(name, "name"), check_id(version, "version"), kind, tuple(files), tuple(tenants))

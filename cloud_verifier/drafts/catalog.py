@@ -247,10 +247,11 @@ def _read_current(name_dir: Path) -> str | None:
 
 
 def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str, version: str, *,
-                  tenants: tuple[str, ...] = (), kind: str = "onnx", make_current: bool = True) -> DraftManifest:
+                  tenants: tuple[str, ...] = (), kind: str | None = None, make_current: bool = True) -> DraftManifest:
     """Copy the draft folder ``source`` into ``root/name/version`` with its manifest (every file hashed), and make
     it the version handed out (``CURRENT``) unless ``make_current`` is False. Atomic: a temporary folder renamed
-    into place.
+    into place. ``kind``: "onnx" (an ONNX draft model) or "head" (a draft head folder); None = from the folder
+    (:func:`~common.draft_manifest.kind_of_folder`).
 
     Raises:
         ManifestError: an invalid name or version, or nothing to publish.

@@ -24,7 +24,8 @@ def _drafts_dir(drafts_dir: Optional[Path]) -> Path:
 
 @draft_app.command("publish")
 def draft_publish(
-    source: Path = typer.Argument(..., help="Draft folder (an ONNX draft: model.onnx, config.json, tokenizer files)"),
+    source: Path = typer.Argument(..., help="Draft folder (an ONNX draft: model.onnx, config.json, tokenizer files; "
+                                  "or a draft head: specdec models export-head's head.onnx, head.json, ...)"),
     name: str = typer.Option(..., "--name", help="Draft name (e.g. smollm2-int8)"),
     version: str = typer.Option(..., "--version", help="Version id, new for this name (versions are immutable)"),
     drafts_dir: Optional[Path] = typer.Option(None, "--drafts-dir", help=DRAFTS_DIR_HELP),
@@ -37,13 +38,18 @@ def draft_publish(
     clients at their next generation (unless --no-current), or first to a canary fraction of them."""
     from specdec_runtime.cloud_verifier.drafts.catalog import publish_draft, start_canary
     from specdec_runtime.cloud_verifier.security.auth import check_tenant_id
-    from specdec_runtime.common.draft_manifest import ManifestError
+    from specdec_runtime.common.draft_manifest import ManifestError, kind_of_folder
     from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir
 
     root = _drafts_dir(drafts_dir)
     fraction = _fraction(canary) if canary is not None else None
     try:
-        resolve_draft_dir(source)  # an ONNX draft with its tokenizer, or nothing is published
+        if kind_of_folder(source) == "head":  # a draft head (head.json): loadable, or nothing is published
+            from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+
+            OnnxHead(source)
+        else:
+            resolve_draft_dir(source)  # an ONNX draft with its tokenizer, or nothing is published
         tenants = tuple(check_tenant_id(t) for t in tenant)
         root.mkdir(parents=True, exist_ok=True)
         manifest = publish_draft(source, root, name, version, tenants=tenants,
@@ -52,7 +58,7 @@ def draft_publish(
             start_canary(root, name, version, fraction)
     except (ManifestError, ModelNotFoundError, FileExistsError, ValueError, OSError) as e:
         fail(str(e))
-    typer.echo(f"published {manifest.label}: {len(manifest.files)} files, {manifest.size / 1e6:.1f} MB, digest "
+    typer.echo(f"published {manifest.label} ({manifest.kind}): {len(manifest.files)} files, {manifest.size / 1e6:.1f} MB, digest "
                f"{manifest.digest[:16]}"
                + (f" (canary: {fraction:.0%} of clients)" if fraction is not None else "" if current
                   else " (not current)")
