@@ -53,13 +53,16 @@ class DraftFile:
 @dataclass(frozen=True)
 class DraftManifest:
     """A draft version: ``name`` and ``version`` (operator-chosen ids), ``kind`` (what loads it: "onnx"),
-    ``files``, and ``tenants`` (who may fetch it; empty = everyone; verifier side only)."""
+    ``files``, and ``tenants`` (who may fetch it; empty = everyone; verifier side only);
+    ``baseline_acceptance_rate``: the acceptance rate its publish-time benchmark measured against this target (the
+    watchdog's baseline instead of the version's first verify steps; None = those; verifier side only)."""
 
     name: str
     version: str
     kind: str
     files: tuple[DraftFile, ...]
     tenants: tuple[str, ...] = field(default=())
+    baseline_acceptance_rate: float | None = field(default=None, compare=False)
     # ResolveDraft's answer only: why the version handed out is quarantined ("" = it is not); not its identity
     quarantine_reason: str = field(default="", compare=False)
 
@@ -90,8 +93,10 @@ class DraftManifest:
         return not self.tenants or tenant in self.tenants
 
     def to_json(self) -> str:
+        extra = ({} if self.baseline_acceptance_rate is None
+                 else {"baseline_acceptance_rate": self.baseline_acceptance_rate})
         return json.dumps({"name": self.name, "version": self.version, "kind": self.kind,
-                           "tenants": list(self.tenants),
+                           "tenants": list(self.tenants), **extra,
                            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]},
                           indent=1)
 
@@ -105,6 +110,16 @@ def check_id(value: str, what: str) -> str:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ManifestError(f"invalid draft {what} {value!r}: 1-128 characters of A-Z a-z 0-9 . _ -, starting "
                             "with a letter or digit")
+    return value
+
+
+def check_rate(value: float) -> float:
+    """``value`` if it is an acceptance rate (0 < r <= 1).
+
+    Raises:
+        ManifestError: it is not."""
+    if not 0 < value <= 1:
+        raise ManifestError(f"a baseline acceptance rate must be in (0, 1], got {value}")
     return value
 
 
@@ -141,8 +156,10 @@ def parse_manifest(text: str, source: str = "draft manifest") -> DraftManifest:
         raw = json.loads(text)
         files = tuple(DraftFile(check_relative_path(str(f["path"])), int(f["size"]), str(f["sha256"]).lower())
                       for f in raw["files"])
+        baseline = raw.get("baseline_acceptance_rate")
         manifest = DraftManifest(check_id(raw["name"], "name"), check_id(str(raw["version"]), "version"),
-                                 str(raw.get("kind", "onnx")), files, tuple(str(t) for t in raw.get("tenants") or ()))
+                                 str(raw.get("kind", "onnx")), files, tuple(str(t) for t in raw.get("tenants") or ()),
+                                 None if baseline is None else check_rate(float(baseline)))
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -162,12 +179,13 @@ def kind_of_folder(folder: str | os.PathLike) -> str:
 
 
 def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, kind: str | None = None,
-                       tenants: tuple[str, ...] = ()) -> DraftManifest:
+                       tenants: tuple[str, ...] = (), baseline_acceptance_rate: float | None = None) -> DraftManifest:
     """The manifest of every regular file under ``folder`` (sorted by path; the manifest file itself and hidden
-    files left out), each hashed; ``kind`` None = :func:`kind_of_folder`.
+    files left out), each hashed; ``kind`` None = :func:`kind_of_folder`; ``baseline_acceptance_rate``: the
+    version's publish-time baseline (:class:`DraftManifest`).
 
     Raises:
-        ManifestError: an invalid name/version, an unknown kind, or an empty folder.
+        ManifestError: an invalid name/version, an unknown kind, a baseline outside (0, 1], or an empty folder.
     """
     root = Path(folder)
     files = []
@@ -181,7 +199,9 @@ def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, ki
     kind = kind_of_folder(root) if kind is None else kind
     if kind not in DRAFT_KINDS:
         raise ManifestError(f"unknown draft kind {kind!r} (known: {', '.join(DRAFT_KINDS)})")
-    return DraftManifest(check_id(name, "name"), check_id(version, "version"), kind, tuple(files), tuple(tenants))
+    baseline = None if baseline_acceptance_rate is None else check_rate(float(baseline_acceptance_rate))
+    return DraftManifest(check_id(name, "name"), check_id(version, "version"), kind, tuple(files), tuple(tenants),
+                         baseline)
 
 
 def manifest_to_proto(manifest: DraftManifest):

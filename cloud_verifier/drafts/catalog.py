@@ -247,11 +247,13 @@ def _read_current(name_dir: Path) -> str | None:
 
 
 def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str, version: str, *,
-                  tenants: tuple[str, ...] = (), kind: str | None = None, make_current: bool = True) -> DraftManifest:
+                  tenants: tuple[str, ...] = (), kind: str | None = None, make_current: bool = True,
+                  baseline_acceptance_rate: float | None = None) -> DraftManifest:
     """Copy the draft folder ``source`` into ``root/name/version`` with its manifest (every file hashed), and make
     it the version handed out (``CURRENT``) unless ``make_current`` is False. Atomic: a temporary folder renamed
     into place. ``kind``: "onnx" (an ONNX draft model) or "head" (a draft head folder); None = from the folder
-    (:func:`~common.draft_manifest.kind_of_folder`).
+    (:func:`~common.draft_manifest.kind_of_folder`). ``baseline_acceptance_rate``: its publish-time benchmark's
+    acceptance rate, the watchdog's baseline (None: its first verify steps).
 
     Raises:
         ManifestError: an invalid name or version, or nothing to publish.
@@ -271,7 +273,8 @@ def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str,
             if p.is_file() and p.name != MANIFEST_FILE and not any(s.startswith(".") for s in rel.parts):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, tmp / rel)
-        manifest = manifest_of_folder(tmp, name, version, kind=kind, tenants=tenants)
+        manifest = manifest_of_folder(tmp, name, version, kind=kind, tenants=tenants,
+                                      baseline_acceptance_rate=baseline_acceptance_rate)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         os.rename(tmp, final)
     except BaseException:

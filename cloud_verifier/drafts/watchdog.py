@@ -5,7 +5,8 @@ conversion, drifted traffic): acceptance collapses and everything gets slower th
 version handed out (``CURRENT`` and a running canary) and each tenant that drafts with it, :meth:`Watchdog.check`
 compares the tenant's windowed acceptance (its last ``window_blocks`` verify steps over every replica,
 :mod:`cloud_verifier.drafts.window`) with the version's baseline (its first verify steps over all replicas, frozen
-in the shared record). Below the baseline by more than ``margin`` (absolute acceptance rate), with a full window:
+in the shared record; or the acceptance rate its publish-time benchmark measured, ``draft publish --baseline-from``).
+Below the baseline by more than ``margin`` (absolute acceptance rate), with a full window:
 the version is **quarantined for that tenant** (``<name>/QUARANTINED``,
 :func:`~cloud_verifier.drafts.catalog.set_quarantine`; a version that fails one tenant's traffic keeps serving the
 others). That tenant's new clients then get the previous good version, or, when there is none, the quarantined
@@ -65,7 +66,9 @@ class Watchdog(PeriodicCheck):
             states = self.catalog.quarantine_states(name).get(version, {})
             if not states and version != self.catalog.current(name) and version not in canaries:
                 continue  # not handed out: nothing drafts with it
-            baseline = self.ledger.record(label).baseline_acceptance_rate
+            baseline = manifest.baseline_acceptance_rate  # the publish-time benchmark's, else the first steps'
+            if baseline is None:
+                baseline = self.ledger.record(label).baseline_acceptance_rate
             if baseline is None:
                 continue
             for tenant in sorted(self.ledger.windows.tenants(label)):
