@@ -131,6 +131,7 @@ class Verifier:
             target, self.store, self.info, self.eos_token_ids,
             lambda session, tokens, start: self.batcher.prefill(session, tokens, start),
             max_sessions=max_sessions, prefill_chunk_tokens=prefill_chunk_tokens, session_ttl_s=session_ttl_s,
+            ledger=self.ledger,
         )
         self.batcher = Batcher(
             target, self.store, self.sessions, valid_vocab_size=self.valid_vocab_size,
@@ -283,9 +284,11 @@ class Verifier:
         check_grammar(sampling.grammar, self.info.model_id, stopping)  # the engine's message when it cannot compile
         features = resolve_request(features, self.target.num_layers)
         held = self.sessions.tenant_session_count(tenant_id) if self.limits.max_sessions is not None else 0
+        label = f"{draft_name}@{draft_version}" if draft_name and draft_version else ""
         with self.limits.opening(tenant_id, held):
-            session = await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features)
-        session.draft, r = self.ledger.tally(draft_name, draft_version), session.record
+            session = await self.sessions.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features,
+                                               label)
+        r = session.record
         return SessionOpened.of(self.info, r.session_id, r.committed_length, r.seed, take_prompt_features(session))
 
     async def extend_session(

@@ -3,7 +3,9 @@
 Both sides use it: the verifier reads the manifest of each draft version it hands out
 (:mod:`cloud_verifier.drafts.catalog`), the edge checks every downloaded file against it
 (:mod:`edge_client.delivery.cache`). On disk a draft version is a folder holding its files (for ``kind`` "onnx":
-``model.onnx``, its data, ``config.json``, the tokenizer files) and :data:`MANIFEST_FILE`::
+``model.onnx``, its data, ``config.json``, the tokenizer files; for ``kind`` "head", a draft head as
+``specdec models export-head`` writes it: ``head.onnx``, ``head.json``, optional ``fuse.onnx`` and ``d2t.npy``, the
+tokenizer files) and :data:`MANIFEST_FILE`::
 
     {"name": "smollm2-int8", "version": "2026-12-07.1", "kind": "onnx", "tenants": ["acme"],
      "files": [{"path": "model.onnx", "size": 1234, "sha256": "ab..."}, ...]}
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 MANIFEST_FILE = "specdec-draft.json"
-DRAFT_KINDS = ("onnx",)
+DRAFT_KINDS = ("onnx", "head")  # an ONNX draft model; a draft head (head.onnx + head.json: edge_client.drafting.head_model)
+HEAD_CONFIG_FILE = "head.json"  # a draft head folder's config (specdec models export-head)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
                    "config.json")
@@ -50,13 +53,16 @@ class DraftFile:
 @dataclass(frozen=True)
 class DraftManifest:
     """A draft version: ``name`` and ``version`` (operator-chosen ids), ``kind`` (what loads it: "onnx"),
-    ``files``, and ``tenants`` (who may fetch it; empty = everyone; verifier side only)."""
+    ``files``, and ``tenants`` (who may fetch it; empty = everyone; verifier side only);
+    ``baseline_acceptance_rate``: the acceptance rate its publish-time benchmark measured against this target (the
+    watchdog's baseline instead of the version's first verify steps; None = those; verifier side only)."""
 
     name: str
     version: str
     kind: str
     files: tuple[DraftFile, ...]
     tenants: tuple[str, ...] = field(default=())
+    baseline_acceptance_rate: float | None = field(default=None, compare=False)
     # ResolveDraft's answer only: why the version handed out is quarantined ("" = it is not); not its identity
     quarantine_reason: str = field(default="", compare=False)
 
@@ -87,8 +93,10 @@ class DraftManifest:
         return not self.tenants or tenant in self.tenants
 
     def to_json(self) -> str:
+        extra = ({} if self.baseline_acceptance_rate is None
+                 else {"baseline_acceptance_rate": self.baseline_acceptance_rate})
         return json.dumps({"name": self.name, "version": self.version, "kind": self.kind,
-                           "tenants": list(self.tenants),
+                           "tenants": list(self.tenants), **extra,
                            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]},
                           indent=1)
 
@@ -102,6 +110,16 @@ def check_id(value: str, what: str) -> str:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ManifestError(f"invalid draft {what} {value!r}: 1-128 characters of A-Z a-z 0-9 . _ -, starting "
                             "with a letter or digit")
+    return value
+
+
+def check_rate(value: float) -> float:
+    """``value`` if it is an acceptance rate (0 < r <= 1).
+
+    Raises:
+        ManifestError: it is not."""
+    if not 0 < value <= 1:
+        raise ManifestError(f"a baseline acceptance rate must be in (0, 1], got {value}")
     return value
 
 
@@ -138,8 +156,10 @@ def parse_manifest(text: str, source: str = "draft manifest") -> DraftManifest:
         raw = json.loads(text)
         files = tuple(DraftFile(check_relative_path(str(f["path"])), int(f["size"]), str(f["sha256"]).lower())
                       for f in raw["files"])
+        baseline = raw.get("baseline_acceptance_rate")
         manifest = DraftManifest(check_id(raw["name"], "name"), check_id(str(raw["version"]), "version"),
-                                 str(raw.get("kind", "onnx")), files, tuple(str(t) for t in raw.get("tenants") or ()))
+                                 str(raw.get("kind", "onnx")), files, tuple(str(t) for t in raw.get("tenants") or ()),
+                                 None if baseline is None else check_rate(float(baseline)))
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -153,13 +173,19 @@ def parse_manifest(text: str, source: str = "draft manifest") -> DraftManifest:
     return manifest
 
 
-def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, kind: str = "onnx",
-                       tenants: tuple[str, ...] = ()) -> DraftManifest:
+def kind_of_folder(folder: str | os.PathLike) -> str:
+    """"head" for a draft head folder (it holds :data:`HEAD_CONFIG_FILE`), else "onnx"."""
+    return "head" if (Path(folder) / HEAD_CONFIG_FILE).is_file() else "onnx"
+
+
+def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, kind: str | None = None,
+                       tenants: tuple[str, ...] = (), baseline_acceptance_rate: float | None = None) -> DraftManifest:
     """The manifest of every regular file under ``folder`` (sorted by path; the manifest file itself and hidden
-    files left out), each hashed.
+    files left out), each hashed; ``kind`` None = :func:`kind_of_folder`; ``baseline_acceptance_rate``: the
+    version's publish-time baseline (:class:`DraftManifest`).
 
     Raises:
-        ManifestError: an invalid name/version, an unknown kind, or an empty folder.
+        ManifestError: an invalid name/version, an unknown kind, a baseline outside (0, 1], or an empty folder.
     """
     root = Path(folder)
     files = []
@@ -170,9 +196,12 @@ def manifest_of_folder(folder: str | os.PathLike, name: str, version: str, *, ki
         files.append(DraftFile(check_relative_path(rel), p.stat().st_size, sha256_file(p)))
     if not files:
         raise ManifestError(f"no files to publish in {root}")
+    kind = kind_of_folder(root) if kind is None else kind
     if kind not in DRAFT_KINDS:
         raise ManifestError(f"unknown draft kind {kind!r} (known: {', '.join(DRAFT_KINDS)})")
-    return DraftManifest(check_id(name, "name"), check_id(version, "version"), kind, tuple(files), tuple(tenants))
+    baseline = None if baseline_acceptance_rate is None else check_rate(float(baseline_acceptance_rate))
+    return DraftManifest(check_id(name, "name"), check_id(version, "version"), kind, tuple(files), tuple(tenants),
+                         baseline)
 
 
 def manifest_to_proto(manifest: DraftManifest):

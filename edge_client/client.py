@@ -274,13 +274,16 @@ class EdgeClient:
         ``self.last_result.logprobs``)."""
         check_generation_options(options)
         self._take_new_draft()
+        fallback = ""
         if self.delivered is not None and self.delivered.quarantine_reason and (route or self.route) != "device":
             route = "cloud"  # the verifier quarantined the draft: its acceptance fell below its baseline
+            name, version = self.draft_version
+            fallback = f"draft {name}@{version} quarantined by the verifier: {self.delivered.quarantine_reason}"
         sampling, stopping = generation_params(**options)
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("empty prompt")
-        yield from generate(self, prompt_ids, sampling, stopping, route=route)
+        yield from generate(self, prompt_ids, sampling, stopping, route=route, fallback=fallback)
 
     def chat(self, system: str | None = None, **defaults) -> "Conversation":
         """A multi-turn conversation that keeps its verifier session and both KV caches between turns

@@ -13,15 +13,19 @@ The verifier runs the check from ResolveDraft (at most once per ``check_interval
 which draft to use are what moves a canary, and the files it writes are the catalog's own. Several replicas
 reading one shared drafts folder reach the same decision from the same shared record; the first writes it.
 Outputs never depend on any of this: every draft version is verified by the same target (lossless).
+
+Which clients get a canary: :class:`CanaryAssignment`, fair (the n-th new client by the canary's shared counter)
+and sticky per client id.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from prometheus_client import Counter
 
-from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, end_canary
+from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, end_canary, in_canary
 from specdec_runtime.cloud_verifier.drafts.periodic import PeriodicCheck
 from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger, DraftAcceptance
 
@@ -29,6 +33,56 @@ log = logging.getLogger(__name__)
 
 CANARY_DECISIONS = Counter("specdec_draft_canary_decisions", "Canary draft versions promoted or rolled back",
                            ["draft_version", "decision"])
+
+
+ASSIGNMENT_TTL_S = 30 * 24 * 3600  # a canary's client answers live this long after its last new client, s
+
+# KEYS[1] the canary's hash (client id -> 0/1, "#n" -> clients so far); ARGV: client id, fraction, ttl s
+_ASSIGN_LUA = """
+local got = redis.call('HGET', KEYS[1], ARGV[1])
+if got then return tonumber(got) end
+local n = redis.call('HINCRBY', KEYS[1], '#n', 1) - 1
+local f = tonumber(ARGV[2])
+local yes = 0
+if math.floor((n + 1) * f + 1e-9) > math.floor(n * f + 1e-9) then yes = 1 end
+redis.call('HSET', KEYS[1], ARGV[1], yes)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return yes
+"""
+
+
+def stride_pick(n: int, fraction: float) -> bool:
+    """Whether the ``n``-th client (from 0) of a canary at ``fraction`` gets it: floor((n+1)·f) > floor(n·f),
+    so the first ``k`` clients hold floor(k·f) of it, whatever their ids (a hash would give a binomial count)."""
+    return int((n + 1) * fraction + 1e-9) > int(n * fraction + 1e-9)
+
+
+class CanaryAssignment:
+    """Which clients get a running canary (the catalog's ``assign_canary``): each new client id gets the next
+    number of the canary's counter and the canary when :func:`stride_pick` says so; its answer is kept (sticky for
+    the canary's whole run). With ``redis`` (the session store's) the counter and the answers are one hash per
+    canary version, ``<prefix>draft:{name@version}:canary``, updated in one Lua script: every replica hands out
+    the same split. Without: kept in this process. A client without an id is drawn at random
+    (:func:`~cloud_verifier.drafts.catalog.in_canary`)."""
+
+    def __init__(self, redis=None, prefix: str = ""):
+        self._redis, self._prefix = redis, prefix
+        self._script = redis.register_script(_ASSIGN_LUA) if redis is not None else None
+        self._lock = threading.Lock()
+        self._local: dict[str, dict[str, bool]] = {}
+
+    def __call__(self, client_id: str, name: str, version: str, fraction: float) -> bool:
+        if not client_id:
+            return in_canary(client_id, name, version, fraction)
+        label = f"{name}@{version}"
+        if self._script is not None:
+            key = f"{self._prefix}draft:{{{label}}}:canary"
+            return bool(self._script(keys=[key], args=[client_id, repr(float(fraction)), ASSIGNMENT_TTL_S]))
+        with self._lock:
+            answers = self._local.setdefault(label, {})
+            if client_id not in answers:
+                answers[client_id] = stride_pick(len(answers), fraction)
+            return answers[client_id]
 
 
 def _tau(r: DraftAcceptance) -> float:

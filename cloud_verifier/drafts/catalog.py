@@ -10,9 +10,10 @@ Layout under the catalog's root (``SPECDEC_DRAFTS_DIR``)::
                                                    version, fraction), until it is promoted or rolled back
                                                    (:mod:`cloud_verifier.drafts.canary`)
     <root>/<name>/ROLLED_BACK                      versions rolled back (one a line): never a canary again
-    <root>/<name>/QUARANTINED                      versions quarantined by the watchdog (JSON: version -> why):
-                                                   clients get the previous good version, or the current one
-                                                   with the reason (they run on the cloud route)
+    <root>/<name>/QUARANTINED                      versions quarantined by the watchdog (JSON: version ->
+                                                   {tenant: why}; "*" = every tenant): that tenant's clients get
+                                                   the previous good version, or the current one with the
+                                                   reason (they run on the cloud route)
 
 :func:`publish_draft` (``specdec draft publish``) writes a version there: files copied into a hidden temporary
 folder, hashed, the manifest written, then renamed into place and ``CURRENT`` replaced atomically, so a reader
@@ -25,7 +26,9 @@ to any other caller it does not exist (NOT_FOUND, as another tenant's session).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 CURRENT_FILE = "CURRENT"
 CANARY_FILE = "CANARY"
 QUARANTINE_FILE = "QUARANTINED"
+ALL_TENANTS = "*"  # a quarantine for every tenant (QUARANTINED)
 ROLLED_BACK_FILE = "ROLLED_BACK"
 
 
@@ -86,11 +90,14 @@ class DraftCatalog:
         self.rescan_interval_s = rescan_interval_s
         self.canary_min_blocks, self.canary_margin = canary_min_blocks, canary_margin
         self.watchdog_margin = watchdog_margin
+        # (client_id, name, version, fraction) -> whether that client gets the canary; the verifier sets a fair
+        # one shared by its replicas (cloud_verifier.drafts.canary.CanaryAssignment)
+        self.assign_canary = in_canary
         self._lock = threading.Lock()
         self._versions: dict[str, list[DraftVersion]] = {}  # name -> versions, newest published first
         self._current: dict[str, str] = {}  # name -> version handed out now
         self._canary: dict[str, tuple[str, float]] = {}  # name -> (canary version, fraction of clients)
-        self._quarantined: dict[str, dict[str, str]] = {}  # name -> {version: why}
+        self._quarantined: dict[str, dict[str, dict[str, str]]] = {}  # name -> {version: {tenant: why}}
         self._next_scan = 0.0
         self._warned: set[str] = set()
         self.rescan()
@@ -101,7 +108,7 @@ class DraftCatalog:
         versions: dict[str, list[DraftVersion]] = {}
         current: dict[str, str] = {}
         canary: dict[str, tuple[str, float]] = {}
-        quarantined: dict[str, dict[str, str]] = {}
+        quarantined: dict[str, dict[str, dict[str, str]]] = {}
         for name_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found = [v for v in (self._read_version(d) for d in name_dir.iterdir()
                                  if d.is_dir() and not d.name.startswith(".")) if v is not None]
@@ -161,11 +168,17 @@ class DraftCatalog:
         with self._lock:
             return self._current.get(name)
 
-    def quarantined(self, name: str) -> dict[str, str]:
-        """``name``'s quarantined versions and why."""
+    def quarantined(self, name: str, tenant: str | None = None) -> dict[str, str]:
+        """``name``'s versions quarantined for ``tenant`` (for any tenant: None) and why."""
         self._maybe_rescan()
         with self._lock:
-            return dict(self._quarantined.get(name, {}))
+            return quarantined_for(self._quarantined.get(name, {}), tenant)
+
+    def quarantine_states(self, name: str) -> dict[str, dict[str, str]]:
+        """``name``'s quarantines: version -> {tenant ("*" = every tenant): why}."""
+        self._maybe_rescan()
+        with self._lock:
+            return {v: dict(t) for v, t in self._quarantined.get(name, {}).items()}
 
     def canaries(self) -> dict[str, tuple[str, float]]:
         """name -> (canary version, fraction of clients) of every canary running."""
@@ -176,7 +189,7 @@ class DraftCatalog:
     def resolve(self, tenant: str = "", name: str = "", client_id: str = "") -> DraftManifest:
         """The version ``tenant`` should draft with now: ``name``'s current version (``CURRENT``), or the newest
         one it may fetch when the current one is not its; a running canary instead for the clients its fraction
-        covers (:func:`in_canary`: sticky per ``client_id``; "" = drawn at random); ``name`` "" =
+        covers (:attr:`assign_canary`: sticky per ``client_id``; "" = drawn at random); ``name`` "" =
         :attr:`default_name` or the first name it may fetch.
 
         Raises:
@@ -185,16 +198,20 @@ class DraftCatalog:
         self._maybe_rescan()
         with self._lock:
             names = [name] if name else ([self.default_name] if self.default_name else sorted(self._versions))
+            found = None
             for n in names:
                 allowed = [v for v in self._versions.get(n, ()) if v.manifest.allows(tenant)]
                 if allowed:
-                    current = self._current.get(n)
-                    trial = self._canary.get(n)
-                    bad = self._quarantined.get(n, {})
-                    if (trial is not None and trial[0] != current and trial[0] not in bad
-                            and in_canary(client_id, n, *trial)):
-                        current = trial[0]
-                    return self._good(allowed, current, bad)
+                    found = (n, allowed, self._current.get(n), self._canary.get(n),
+                             quarantined_for(self._quarantined.get(n, {}), tenant))
+                    break
+        if found is not None:
+            n, allowed, current, trial, bad = found
+            # outside the lock: a shared assignment asks Redis
+            if trial is not None and trial[0] != current and trial[0] not in bad and self.assign_canary(
+                    client_id, n, *trial):
+                current = trial[0]
+            return self._good(allowed, current, bad)
         raise DraftNotFoundError(f"no draft named {name} is offered here" if name else "no draft is offered here")
 
     @staticmethod
@@ -230,10 +247,13 @@ def _read_current(name_dir: Path) -> str | None:
 
 
 def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str, version: str, *,
-                  tenants: tuple[str, ...] = (), kind: str = "onnx", make_current: bool = True) -> DraftManifest:
+                  tenants: tuple[str, ...] = (), kind: str | None = None, make_current: bool = True,
+                  baseline_acceptance_rate: float | None = None) -> DraftManifest:
     """Copy the draft folder ``source`` into ``root/name/version`` with its manifest (every file hashed), and make
     it the version handed out (``CURRENT``) unless ``make_current`` is False. Atomic: a temporary folder renamed
-    into place.
+    into place. ``kind``: "onnx" (an ONNX draft model) or "head" (a draft head folder); None = from the folder
+    (:func:`~common.draft_manifest.kind_of_folder`). ``baseline_acceptance_rate``: its publish-time benchmark's
+    acceptance rate, the watchdog's baseline (None: its first verify steps).
 
     Raises:
         ManifestError: an invalid name or version, or nothing to publish.
@@ -253,7 +273,8 @@ def publish_draft(source: str | os.PathLike, root: str | os.PathLike, name: str,
             if p.is_file() and p.name != MANIFEST_FILE and not any(s.startswith(".") for s in rel.parts):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, tmp / rel)
-        manifest = manifest_of_folder(tmp, name, version, kind=kind, tenants=tenants)
+        manifest = manifest_of_folder(tmp, name, version, kind=kind, tenants=tenants,
+                                      baseline_acceptance_rate=baseline_acceptance_rate)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         os.rename(tmp, final)
     except BaseException:
@@ -311,36 +332,77 @@ def end_canary(root: str | os.PathLike, name: str, promote: bool) -> str | None:
     """End ``name``'s canary: promoted (made ``CURRENT``) or rolled back (listed in ``ROLLED_BACK``, never a
     canary again). Returns its version, None when none was running."""
     name_dir = Path(root) / check_id(name, "name")
-    trial = read_canary(name_dir)
-    if trial is None:
-        return None
-    if promote:
-        set_current(root, name, trial[0])
-    else:
-        with open(name_dir / ROLLED_BACK_FILE, "a") as f:
-            f.write(trial[0] + "\n")
-    (name_dir / CANARY_FILE).unlink(missing_ok=True)
-    return trial[0]
+    with _folder_lock(name_dir):  # replicas sharing the folder: the first decides, the others find no canary
+        trial = read_canary(name_dir)
+        if trial is None:
+            return None
+        if promote:
+            set_current(root, name, trial[0])
+        else:
+            with open(name_dir / ROLLED_BACK_FILE, "a") as f:
+                f.write(trial[0] + "\n")
+        (name_dir / CANARY_FILE).unlink(missing_ok=True)
+        return trial[0]
 
 
-def read_quarantined(name_dir: Path) -> dict[str, str]:
-    """The quarantined versions of a draft's folder and why ({} when none or unreadable)."""
+def read_quarantined(name_dir: Path) -> dict[str, dict[str, str]]:
+    """The quarantines of a draft's folder: version -> {tenant ("*" = every tenant): why} ({} when none or
+    unreadable; a version mapped to a plain reason is quarantined for every tenant)."""
     try:
         raw = json.loads((name_dir / QUARANTINE_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(v): ({str(t): str(w) for t, w in why.items()} if isinstance(why, dict) else {ALL_TENANTS: str(why)})
+            for v, why in raw.items() if why}
 
 
-def set_quarantine(root: str | os.PathLike, name: str, version: str, reason: str | None) -> None:
-    """Quarantine ``version`` of ``name`` with ``reason``, or clear it (``reason`` None). Atomic."""
+def quarantined_for(states: dict[str, dict[str, str]], tenant: str | None) -> dict[str, str]:
+    """version -> why of the versions in ``states`` (:func:`read_quarantined`) quarantined for ``tenant`` (its
+    own or every tenant's); ``tenant`` None: for any tenant (the first reason)."""
+    out = {}
+    for version, tenants in states.items():
+        why = (next(iter(tenants.values()), None) if tenant is None
+               else tenants.get(tenant, tenants.get(ALL_TENANTS)))
+        if why is not None:
+            out[version] = why
+    return out
+
+
+def set_quarantine(root: str | os.PathLike, name: str, version: str, reason: str | None,
+                   tenant: str = ALL_TENANTS) -> bool:
+    """Quarantine ``version`` of ``name`` for ``tenant`` ("*" = every tenant) with ``reason``, or clear it
+    (``reason`` None; for "*": every tenant's quarantine of the version). Atomic, and serialised between
+    replicas sharing the folder (a lock file): returns whether it changed anything (the replica that did it
+    counts the decision)."""
     name_dir = Path(root) / check_id(name, "name")
-    states = read_quarantined(name_dir)
-    if reason is None:
-        states.pop(version, None)
-    else:
-        states[check_id(version, "version")] = reason
-    _write_atomic(name_dir, QUARANTINE_FILE, json.dumps(states, indent=1) + "\n")
+    check_id(version, "version")
+    with _folder_lock(name_dir):
+        states = read_quarantined(name_dir)
+        before = json.dumps(states, sort_keys=True)
+        if reason is None and tenant == ALL_TENANTS:
+            states.pop(version, None)
+        elif reason is None:
+            states.get(version, {}).pop(tenant, None)
+        else:
+            states.setdefault(version, {})[tenant] = reason
+        states = {v: t for v, t in states.items() if t}
+        if json.dumps(states, sort_keys=True) == before:
+            return False
+        _write_atomic(name_dir, QUARANTINE_FILE, json.dumps(states, indent=1, sort_keys=True) + "\n")
+        return True
+
+
+@contextlib.contextmanager
+def _folder_lock(name_dir: Path):
+    """An exclusive lock on a draft's folder (``.lock``), for read-modify-write of its state files."""
+    with open(name_dir / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_atomic(folder: Path, name: str, text: str) -> None:

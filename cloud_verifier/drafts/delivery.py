@@ -20,6 +20,7 @@ from specdec_runtime.common.draft_manifest import manifest_to_proto
 from specdec_runtime.common.errors import DraftNotFoundError, SpecdecError
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 
+MIN_CHECK_INTERVAL_S = 0.2  # the background checks' shortest period, s
 CHUNK_BYTES = 256 * 1024  # one FetchDraftChunk's data, bytes (well under the 32 MiB message limit)
 
 DRAFT_FETCHES = Counter("specdec_draft_fetches", "FetchDraft calls started", ["draft_version"])
@@ -36,19 +37,50 @@ class DraftDelivery:
     """The delivery RPCs over a :class:`DraftCatalog` (None: no delivery configured, every call NOT_FOUND);
     with ``ledger`` (the verifier's :class:`~cloud_verifier.drafts.ledger.AcceptanceLedger`) its canaries are
     judged as clients resolve (:class:`~cloud_verifier.drafts.canary.CanaryJudge`), and so is every version's
-    acceptance against its baseline (:class:`~cloud_verifier.drafts.watchdog.Watchdog`)."""
+    acceptance against its baseline (:class:`~cloud_verifier.drafts.watchdog.Watchdog`), in the background
+    (:meth:`start_checks`) and as clients resolve."""
 
     def __init__(self, catalog: DraftCatalog | None, ledger=None):
         self.catalog = catalog
         self.judge = self.watchdog = None
+        self._task: asyncio.Task | None = None
+        # the background checks' period, s (the folder's rescan interval; at least MIN_CHECK_INTERVAL_S)
+        self.check_interval_s = max(MIN_CHECK_INTERVAL_S, catalog.rescan_interval_s if catalog is not None else 0.0)
         if catalog is not None and ledger is not None:
-            from specdec_runtime.cloud_verifier.drafts.canary import CanaryJudge
+            from specdec_runtime.cloud_verifier.drafts.canary import CanaryAssignment, CanaryJudge
             from specdec_runtime.cloud_verifier.drafts.watchdog import Watchdog
 
+            catalog.assign_canary = CanaryAssignment(ledger.redis, ledger.prefix)  # fair, shared by replicas
             self.judge = CanaryJudge(catalog, ledger, min_blocks=catalog.canary_min_blocks,
                                      margin=catalog.canary_margin, check_interval_s=catalog.rescan_interval_s)
             self.watchdog = Watchdog(catalog, ledger, margin=catalog.watchdog_margin,
                                      check_interval_s=catalog.rescan_interval_s)
+
+    def check_now(self) -> list[tuple[str, str]]:
+        """The canary judge's and the watchdog's checks that are due (blocking: reads the shared records; call it
+        from a worker thread); returns their decisions. Never raises."""
+        if self.judge is None:
+            return []
+        return self.judge.maybe_check() + self.watchdog.maybe_check()
+
+    async def run_checks(self) -> None:
+        """Check in the background until cancelled, every :attr:`check_interval_s`: a canary is decided and a
+        version quarantined although no client asks for a draft. Every replica runs it; they read the same
+        shared records and folder, so they take the same decisions (the first to write one counts it)."""
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            await asyncio.to_thread(self.check_now)
+
+    def start_checks(self) -> None:
+        """Start :meth:`run_checks` on the running event loop (nothing to check without delivery and a ledger)."""
+        if self.judge is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run_checks())
+
+    def stop_checks(self) -> None:
+        """Cancel the background checks."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
     def _catalog(self) -> DraftCatalog:
         if self.catalog is None:
@@ -68,9 +100,7 @@ class DraftDelivery:
             DraftNotFoundError: none offered.
         """
         catalog = self._catalog()
-        if self.judge is not None:
-            self.judge.maybe_check()  # flushes this replica's counts first
-            self.watchdog.maybe_check()
+        self.check_now()  # flushes this replica's counts first
         return manifest_to_proto(catalog.resolve(tenant, name, client_id))
 
     async def fetch(self, request: pb.FetchDraftRequest, tenant: str) -> AsyncIterator[pb.FetchDraftChunk]:

@@ -14,19 +14,21 @@ A session that says which draft it drafts with (OpenSessionRequest ``draft_name`
   (at most once per ``flush_interval_s``, from a worker thread: the batch loop never waits on Redis); a replica
   that dies loses at most its last unflushed interval. With the in-process store the record is this process's.
 
-A session resumed on another replica after a failover is not labelled there (the label is not in the session's
-store record): its later blocks count in the unlabelled totals only.
+The label is in the session's store record (``SessionRecord.draft_label``): a session resumed on another replica
+after a failover counts under the same version there. The watchdog's windows, per version and tenant, are kept
+beside the record (:mod:`cloud_verifier.drafts.window`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from prometheus_client import Counter
+
+from specdec_runtime.cloud_verifier.drafts.window import AcceptanceWindows
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,13 @@ class DraftAcceptance:
 
 class DraftTally:
     """One session's counters (``observe`` is called once per verdict by the batcher), added to its draft
-    version's when it named one (``label``; None = unlabelled); its log line reads them
+    version's when it named one (``label``; None = unlabelled), in ``tenant``'s window; its log line reads them
     (:mod:`cloud_verifier.session.request_log`). Times are unix s."""
 
-    def __init__(self, ledger: "AcceptanceLedger", label: str | None):
+    def __init__(self, ledger: "AcceptanceLedger", label: str | None, tenant: str = ""):
         self.ledger = ledger
         self.label = label
+        self.tenant = tenant
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_decode_steps = 0  # steps without draft tokens (cloud decode, target-only)
         self.num_committed = 0  # tokens committed (accepted + recovered/bonus)
@@ -103,7 +106,7 @@ class DraftTally:
             self.last_commit_at = now
             self.num_committed += num_committed
         if self.label is not None:
-            self.ledger.add(self.label, 1, num_draft_tokens, num_accepted)
+            self.ledger.add(self.label, 1, num_draft_tokens, num_accepted, self.tenant)
 
 
 class AcceptanceLedger:
@@ -113,17 +116,17 @@ class AcceptanceLedger:
         store: the session store; a Redis one (``RedisSessionStore``) shares the record, any other keeps it here.
         baseline_blocks: verify steps after which a version's baseline is frozen, blocks.
         flush_interval_s: how often counts go to the shared record, at most, s.
+        window_blocks: the watchdog's window, verify steps per version and tenant (:attr:`windows`).
     """
 
     def __init__(self, store=None, *, baseline_blocks: int = 200, flush_interval_s: float = 1.0,
                  window_blocks: int = 200):
         self.baseline_blocks = baseline_blocks
-        self.window_blocks = window_blocks  # the watchdog's window: this replica's last verify steps per version
-        self._windows: dict[str, collections.deque] = {}
         self.flush_interval_s = flush_interval_s
-        self._redis = _redis_of(store)
-        self._prefix = getattr(store, "prefix", "")
-        self._script = self._redis.register_script(_ADD_LUA) if self._redis is not None else None
+        self.redis = _redis_of(store)  # the session store's Redis (None: the record is this process's)
+        self.prefix = getattr(store, "prefix", "")  # its key prefix
+        self.windows = AcceptanceWindows(self.redis, self.prefix, window_blocks)  # shared with the record
+        self._script = self.redis.register_script(_ADD_LUA) if self.redis is not None else None
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # held for a whole flush: the swap and the write
         self._pending: dict[str, list[int]] = {}
@@ -131,25 +134,39 @@ class AcceptanceLedger:
         self._next_flush = 0.0
         self._flushing = False
 
-    def tally(self, name: str = "", version: str = "") -> DraftTally:
+    @property
+    def window_blocks(self) -> int:
+        """Verify steps in each of the watchdog's windows."""
+        return self.windows.window_blocks
+
+    @window_blocks.setter
+    def window_blocks(self, value: int) -> None:
+        self.windows.window_blocks = int(value)
+
+    def tally(self, name: str = "", version: str = "", tenant: str = "") -> DraftTally:
         """A new session's tally, counted under draft ``name`` at ``version`` ("" = unlabelled: the session's
-        own counts only)."""
-        return DraftTally(self, f"{name}@{version}" if name and version else None)
+        own counts only) and in ``tenant``'s window."""
+        return DraftTally(self, f"{name}@{version}" if name and version else None, tenant)
+
+    def tally_of(self, record) -> DraftTally:
+        """The tally of a session from its store record (``draft_label`` "name@version", ``tenant_id``): a
+        session opened or resumed here."""
+        name, _, version = (record.draft_label or "").partition("@")
+        return self.tally(name, version, record.tenant_id)
 
     def key(self, label: str) -> str:
         """The shared record's Redis key of ``label`` (``name@version``)."""
-        return f"{self._prefix}draft:{{{label}}}:acceptance"
+        return f"{self.prefix}draft:{{{label}}}:acceptance"
 
-    def add(self, label: str, num_drafts: int, num_draft_tokens: int, num_accepted: int) -> None:
-        """Count verify steps of ``label``: Prometheus now, the shared record at the next flush."""
+    def add(self, label: str, num_drafts: int, num_draft_tokens: int, num_accepted: int, tenant: str = "") -> None:
+        """Count verify steps of ``label`` (``tenant``'s): Prometheus now, the shared record and window at the next
+        flush."""
         DRAFT_NUM_DRAFTS.labels(label).inc(num_drafts)
         DRAFT_NUM_DRAFT_TOKENS.labels(label).inc(num_draft_tokens)
         DRAFT_NUM_ACCEPTED_TOKENS.labels(label).inc(num_accepted)
+        if num_drafts == 1:
+            self.windows.add(label, tenant, num_draft_tokens, num_accepted)
         with self._lock:
-            window = self._windows.get(label)
-            if window is None or window.maxlen != self.window_blocks:
-                window = self._windows[label] = collections.deque(window or (), maxlen=self.window_blocks)
-            window.append((num_draft_tokens, num_accepted))
             pending = self._pending.setdefault(label, [0, 0, 0])
             pending[0] += num_drafts
             pending[1] += num_draft_tokens
@@ -166,6 +183,7 @@ class AcceptanceLedger:
         the call returns."""
         with self._flush_lock:
             self._flush_pending()
+            self.windows.flush()
 
     def _flush_pending(self) -> None:
         with self._lock:
@@ -195,22 +213,11 @@ class AcceptanceLedger:
         baseline = old.baseline if old.baseline is not None or d < self.baseline_blocks else (d, t, a)
         self._local[label] = DraftAcceptance(d, t, a, baseline)
 
-    def window(self, label: str) -> tuple[int, int, int]:
-        """(verify steps, draft tokens, accepted tokens) of ``label``'s last ``window_blocks`` steps here."""
-        with self._lock:
-            steps = list(self._windows.get(label, ()))
-        return len(steps), sum(d for d, _ in steps), sum(a for _, a in steps)
-
-    def reset_window(self, label: str) -> None:
-        """Forget ``label``'s window (a version cleared from quarantine starts a fresh one)."""
-        with self._lock:
-            self._windows.pop(label, None)
-
     def record(self, label: str) -> DraftAcceptance:
         """``label``'s shared record (every replica's flushed counts and the baseline)."""
-        if self._redis is None:
+        if self.redis is None:
             return self._local.get(label, DraftAcceptance())
-        raw = {k.decode(): int(v) for k, v in self._redis.hgetall(self.key(label)).items()}
+        raw = {k.decode(): int(v) for k, v in self.redis.hgetall(self.key(label)).items()}
         baseline = tuple(raw[f"baseline_{f}"] for f in _FIELDS) if "baseline_num_drafts" in raw else None
         return DraftAcceptance(*(raw.get(f, 0) for f in _FIELDS), baseline=baseline)
 

@@ -178,7 +178,7 @@ class VerifierServer:
                  health_interval_s: float = 1.0, stuck_after_s: float = 60.0,
                  security: "ServerSecurity | None" = None, drafts: "DraftCatalog | None" = None):
         self.security = security
-        self.drafts = drafts  # the drafts it hands out (cloud_verifier.drafts.catalog); None = no delivery  # TLS credentials and API keys (cloud_verifier.security.transport); None = plaintext, open
+        self.drafts = drafts  # the drafts it hands out (cloud_verifier.drafts.catalog); None = no delivery
         self.options = list(SERVER_OPTIONS if options is None else options)
         self.health_interval_s = health_interval_s
         self.stuck_after_s = stuck_after_s
@@ -234,6 +234,7 @@ class VerifierServer:
         await self.verifier.start()
         await server.start()
         self.server = server
+        self.servicer.drafts.start_checks()  # canary and watchdog decisions without a client asking
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.health_interval_s and hasattr(self.verifier, "check_health"):
             # ready only once a check passed (a store still forming is not announced as ready); the first check
@@ -308,6 +309,7 @@ class VerifierServer:
             self.servicer.begin_drain()
             if self._health_task is not None:
                 self._health_task.cancel()
+            self.servicer.drafts.stop_checks()
             await self.server.stop(grace)  # in-flight RPCs finish; the verifier still runs meanwhile
             await self.verifier.stop(max(0.0, grace - (time.monotonic() - start)))
             if self.owns_verifier:

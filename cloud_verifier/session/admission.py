@@ -71,12 +71,13 @@ class SessionAdmission:
         return [s.kv for s in self._loading.values()]
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                   tenant_id: str = "", num_output_tokens: int = 0, features=None) -> Session:
+                   tenant_id: str = "", num_output_tokens: int = 0, features=None, draft_label: str = "") -> Session:
         """Admit a new session (a fresh id; a random seed when ``sampling.seed`` is None), prefill ``prompt``
         (validated token ids) and create its store record; its last ``num_output_tokens`` ids (validated) are
         output already generated (a re-open after failover): the record's prompt_length leaves them out.
         ``features``: a resolved common.features.FeatureRequest: the prefill keeps the prompt's features (in
         ``session.prefill_hidden``) and takes nothing from the prefix cache (cached pages have none).
+        ``draft_label``: the draft version it drafts with ("name@version", "" = not said), kept in its record.
 
         Raises:
             CapacityError: max_sessions reached or no KV budget left.
@@ -97,6 +98,7 @@ class SessionAdmission:
             created_at=now,
             last_seen_at=now,
             tenant_id=tenant_id,
+            draft_label=draft_label,
         )
         session = await self._load(record, features)
         try:
@@ -180,6 +182,8 @@ class SessionAdmission:
         if generated:
             stop.append(generated)
         session = Session(record=record, kv=kv, stop=stop, busy=True, prefill_features=features)
+        if self.table.ledger is not None:  # opened or resumed: counted under the draft version its record names
+            session.draft = self.table.ledger.tally_of(record)
         with self.table.lock:
             self._loading[id(session)] = session  # preemptible while it is prefilled
         try:

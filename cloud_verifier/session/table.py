@@ -52,6 +52,8 @@ class SessionTable:
         max_sessions: open sessions allowed on this replica, sessions being opened included.
         prefill_chunk_tokens: prompt tokens prefilled per forward pass, tokens.
         session_ttl_s: idle time after which a session is freed, s.
+        ledger: the acceptance per draft version (cloud_verifier.drafts.ledger.AcceptanceLedger): a session
+            opened or resumed here counts under its record's draft version; None = nothing counted per version.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class SessionTable:
         max_sessions: int,
         prefill_chunk_tokens: int,
         session_ttl_s: float,
+        ledger=None,
     ):
         self.target = target
         self.store = store
@@ -74,6 +77,7 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.session_ttl_s = session_ttl_s
+        self.ledger = ledger
         self._sessions: dict[str, Session] = {}
         # public: admission and the KV scheduler (preemption) change page tables and held sessions under it too
         self.lock = threading.Lock()
@@ -101,9 +105,10 @@ class SessionTable:
         self._sessions[session.record.session_id] = session
 
     async def open(self, prompt: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-                   tenant_id: str = "", num_output_tokens: int = 0, features=None) -> Session:
+                   tenant_id: str = "", num_output_tokens: int = 0, features=None, draft_label: str = "") -> Session:
         """A new session: :meth:`SessionAdmission.open <cloud_verifier.session.admission.SessionAdmission.open>`."""
-        return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features)
+        return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features,
+                                         draft_label)
 
     async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
         """The session held here, or resumed from the store: :meth:`SessionAdmission.get_or_resume

@@ -35,6 +35,9 @@ class SessionRecord:
     finish_reason: FinishReason | None = None
     last_seq: int = 0  # seq of the last committed block
     tenant_id: str = ""  # tenant that opened the session (its API key's); "" when authentication is off
+    # the delivered draft it drafts with, "name@version" ("" = not said): its acceptance counts under that version
+    # on whichever replica holds it (cloud_verifier.drafts.ledger)
+    draft_label: str = ""
     # with sampling.logprobs: one per committed output token of the current turn (committed_token_ids from
     # prompt_length on), committed with them; empty otherwise. A client whose verdict was lost reads them here.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

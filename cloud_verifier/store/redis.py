@@ -255,6 +255,7 @@ class RedisSessionStore(SessionStore):
             "finish_reason": record.finish_reason.value if record.finish_reason else "",
             "last_seq": record.last_seq,
             "tenant_id": record.tenant_id,  # immutable: no script rewrites it (claim/disown keep it on resume)
+            "draft_label": record.draft_label,  # immutable too: a resumed session keeps its draft version
         }
         flat: list = []
         for k, v in fields.items():
@@ -289,6 +290,7 @@ class RedisSessionStore(SessionStore):
             finish_reason=FinishReason(h["finish_reason"]) if h.get("finish_reason") else None,
             last_seq=int(h.get("last_seq", 0)),
             tenant_id=h.get("tenant_id", ""),
+            draft_label=h.get("draft_label", ""),
             output_logprobs=unpack_logprobs(logprobs),
         )
 

@@ -114,13 +114,23 @@ class DeliveredDraft:
 
 
 def _load_parts(report: FetchReport, tokenizer_only: bool, draft_top_k: int, prefix_cache_mb: float) -> DraftParts:
-    """The drafter and tokenizer of a fetched version's folder."""
+    """The drafter and tokenizer of a fetched version's folder: a ModelDrafter over an ONNX draft (kind "onnx"),
+    a HeadDrafter over a draft head (kind "head").
+
+    Raises:
+        ModelNotFoundError: the folder is not a loadable draft of its kind."""
     from specdec_runtime.common.paths import resolve_draft_dir
 
     if tokenizer_only:
         from specdec_runtime.edge_client.drafting.tokenizer import load_tokenizer
 
         return DraftParts(None, load_tokenizer(report.folder), report.manifest, report)
+    if report.manifest.kind == "head":  # a draft head: drafts from the verifier's features
+        from specdec_runtime.edge_client.drafting.head import HeadDrafter
+        from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+
+        head = OnnxHead(report.folder)
+        return DraftParts(HeadDrafter(head, draft_top_k=draft_top_k), head.tokenizer, report.manifest, report)
     from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
     from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 

@@ -247,6 +247,8 @@ def decode_on_device(client: GenerationContext, run: Run, sampling: SamplingPara
     if client.fallback != "device" or not DeviceDecoder.supports(client.drafter):
         raise error
     run.span_sessions(client.tokenizer)
+    if not run.route.fallback:
+        run.route.fallback = f"no verifier answers: {error}"
     log.info("no verifier answers (%s): decoding on the device with the draft model alone (unverified)",
              error)
     probe = CloudProbe(cloud_probe_fn(client.backend, client.reconnect_interval_s), client.reconnect_interval_s)

@@ -58,14 +58,14 @@ def close_session(client: GenerationContext, session_id: str) -> None:
 
 
 def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingParams, stopping: StoppingCriteria,
-           route: str | None) -> Run:
+           route: str | None, fallback: str = "") -> Run:
     """The generation's Run, with the drafter readied for it.
 
     Raises:
         InvalidRequestError: an unknown route. UnsupportedByDrafterError: the drafter lacks a capability the
             request needs (:func:`edge_client.drafting.contract.check_request`), before anything is sent."""
     run = Run(list(prompt_ids), stopping, TextOutput(client.tokenizer, stopping.stop_strings),
-              committed=list(prompt_ids), route=start_route(client, route))
+              committed=list(prompt_ids), route=start_route(client, route, fallback))
     check_request(client.drafter, sampling, run.route.requested, client.fallback)
     if isinstance(client.drafter, TurnAware):  # the history-dependent processors count the output from here
         client.drafter.begin_turn(len(prompt_ids), stopping)
@@ -82,7 +82,7 @@ def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingP
 
 def generate(client: GenerationContext, prompt_ids: list[int], sampling: SamplingParams,
              stopping: StoppingCriteria, keep: KeptSession | None = None,
-             route: str | None = None) -> Iterator[Chunk]:
+             route: str | None = None, fallback: str = "") -> Iterator[Chunk]:
     """One generation (the module docstring); yields the committed text as :class:`Chunk`, sets
     ``client.last_result`` when it ends.
 
@@ -98,7 +98,7 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
     """
     t0 = time.perf_counter()
     failovers_before = failovers_of(client.backend)
-    run = _start(client, prompt_ids, sampling, stopping, route)
+    run = _start(client, prompt_ids, sampling, stopping, route, fallback)
     sampling, plan = plan_generation(client, sampling, run.route.requested)  # before the verifier picks a seed
     yield from decode_device(client, run, sampling)  # route=device only: the draft alone, to the end
     while run.finish_reason is None:

@@ -102,6 +102,9 @@ class RouteRun:
     hand_over_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     draft_ready_s: float | None = None  # cloud-first: seconds from the start until the draft was caught up
     explore: str | None = None  # auto speculates against its cost model's pick, and why (RouteEstimates.explore_reason)
+    # why the generation left the route it would have taken (its draft quarantined by the verifier: the cloud
+    # route; no verifier answering: the device fallback); "" = it did not
+    fallback: str = ""
     t0: float = field(default_factory=time.perf_counter)  # the generation's start (switch times are from it)
 
     def report(self) -> dict:
@@ -112,6 +115,8 @@ class RouteRun:
             out["draft_ready_s"] = round(self.draft_ready_s, 4)
         if self.explore is not None:
             out["explore"] = self.explore
+        if self.fallback:
+            out["fallback"] = self.fallback
         if self.estimates is not None and self.requested == "auto":
             out["estimates"] = self.estimates.to_json()
         return out
@@ -214,15 +219,16 @@ def _chunk_until_ready(rr: RouteRun) -> int:
     return int(min(FIRST_CLOUD_CHUNK, max(MIN_CLOUD_FIRST_CHUNK, math.ceil(1000 * left_s / step_ms) + 1)))
 
 
-def start_route(client: GenerationContext, route: str | None) -> RouteRun:
+def start_route(client: GenerationContext, route: str | None, fallback: str = "") -> RouteRun:
     """The RouteRun of a generation (``route`` None: the client's ``route``; its switches decided by the
-    client's ``route_switcher``, None = :class:`CostModelSwitcher`).
+    client's ``route_switcher``, None = :class:`CostModelSwitcher`); ``fallback``: why ``route`` is not the one
+    asked for ("" = it is).
 
     Raises:
         InvalidRequestError: an unknown route."""
     requested = check_route(route, client.route)
     rr = RouteRun(requested, switcher=client.route_switcher or CostModelSwitcher(),
-                  estimates=client.route_estimates)
+                  estimates=client.route_estimates, fallback=fallback)
     rr.mode = requested if requested in ("cloud", "device") else "speculative"  # auto, cloud-first: run_session
     return rr
 

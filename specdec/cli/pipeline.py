@@ -263,8 +263,9 @@ def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: i
     report = parts.report
     typer.echo(f"draft: {report.manifest.label} from the verifier"
                + (" (tokenizer only)" if tokenizer_only else "")
-               + (f", fetched {report.bytes_downloaded / 1e6:.1f} MB" if report.bytes_downloaded else ", cached"),
-               err=True)
+               + (f", fetched {report.bytes_downloaded / 1e6:.1f} MB" if report.bytes_downloaded else ", cached")
+               + (f" ({report.files_refused} refused: sha256 mismatch, fetched again)" if report.files_refused
+                  else ""), err=True)
     proposer = parts.drafter
     if drafter == "ngram" and not target_only:
         from specdec_runtime.edge_client.drafting.ngram import NgramDrafter

@@ -13,8 +13,10 @@ accepted counts per position (a step that accepts position ``j`` accepted every 
 steps accepting at least ``j`` tokens = ``num_drafts`` for ``j = 0``, ``num_accepted_tokens_per_pos[j - 1]`` after.
 ``mean_acceptance_length`` = 1 + accepted / steps (tokens per verify step, τ); ``draft_acceptance_rate`` =
 accepted / draft tokens (None when nothing was drafted). ``metrics.edge_cloud`` adds what only an edge–cloud
-system has: the route taken, the network round trip, draft and target time, verify positions the verifier left
-unjudged (adaptive verification), tokens decoded unverified during a device fallback, and the draft version.
+system has: the route taken (and the one asked for), the fallback reason (why the generation left the route it
+would have taken: its draft quarantined by the verifier, or no verifier answering; None when it did not), the
+network round trip, draft and target time, verify positions the verifier left unjudged (adaptive verification),
+tokens decoded unverified during a device fallback, and the draft version.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def edge_cloud(result, rtt_ms: float | None, draft_version: tuple[str, str]) -> 
     name, version = draft_version
     return {
         "route": route.get("final") or route.get("requested") or "speculative",
+        "route_requested": route.get("requested") or "speculative",
         "route_switches": len(route.get("switches", ())),
+        "fallback_reason": route.get("fallback") or None,
         "rtt_ms": None if rtt_ms is None else round(rtt_ms, 3),
         "draft_ms": round(s.draft_s * 1000, 3),
         "target_forward_ms": round(s.target_forward_s * 1000, 3),

@@ -77,3 +77,39 @@ def test_catalog_rules(tiny_pair, tmp_path):
     catalog.rescan()
     assert [m.label for m in catalog.list("globex") if m.name == "d"] == ["d@2"]
     assert catalog.resolve("globex", "d").version == "2"  # CURRENT names a broken version: the newest good one
+
+
+def test_publish_time_baseline_drives_the_watchdog(tiny_pair, tmp_path):
+    """`draft publish --baseline-from BENCH_JSON` stores the bench's acceptance rate in the manifest; the watchdog
+    judges a window against it before the version has any baseline of its own (a version without one: not
+    judged)."""
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, read_quarantined
+    from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
+    from specdec_runtime.cloud_verifier.drafts.watchdog import Watchdog
+
+    root = tmp_path / "drafts"
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"overall": {"acceptance_rate": 0.9, "mean_accepted_length": 3.1}}))
+    cli = CliRunner()
+    res = cli.invoke(app, ["draft", "publish", str(tiny_pair.draft_dir), "--name", "b", "--version", "1",
+                           "--drafts-dir", str(root), "--baseline-from", str(bench)])
+    assert res.exit_code == 0 and "baseline acceptance 0.900" in res.output, res.output
+    res = cli.invoke(app, ["draft", "publish", str(tiny_pair.draft_dir), "--name", "n", "--version", "1",
+                           "--drafts-dir", str(root)])
+    assert res.exit_code == 0, res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"overall": {"tokens_per_s": 12}}))
+    res = cli.invoke(app, ["draft", "publish", str(tiny_pair.draft_dir), "--name", "x", "--version", "1",
+                           "--drafts-dir", str(root), "--baseline-from", str(bad)])
+    assert res.exit_code != 0 and "not a bench report with an acceptance rate" in res.output
+    catalog = DraftCatalog(root, rescan_interval_s=0.0)
+    assert {m.label: m.baseline_acceptance_rate for m in catalog.list_all()} == {"b@1": 0.9, "n@1": None}
+    ledger = AcceptanceLedger(baseline_blocks=1000, window_blocks=8)  # no baseline of their own for long
+    for label in ("b@1", "n@1"):
+        for _ in range(8):  # acceptance 0.5: 0.4 below the published 0.9
+            ledger.tally(*label.split("@")).observe(4, 2)
+    assert Watchdog(catalog, ledger, margin=0.2).check() == [("b@1", "quarantine:")]
+    assert "1" in read_quarantined(root / "b") and not read_quarantined(root / "n")

@@ -50,16 +50,23 @@ def expected(tiny_pair):
     return hf_greedy(tiny_pair.target_dir, encode_prompt(tokenizer, PROMPT), MAX_NEW)
 
 
-def _generate(address: str, cache: Path, *args: str) -> tuple[dict, str]:
-    argv = ["specdec", "generate", PROMPT, "--server", address, "--json", "--max-new-tokens", str(MAX_NEW),
-            "--ignore-eos", *args]
+def _specdec(argv: list[str], cache: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``specdec ARGV`` on the edge-only install (a subprocess); checks it succeeded with none of the
+    verifier's modules loaded."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), "SPECDEC_CACHE_DIR": str(cache)}
     env.pop("SPECDEC_API_KEY", None)
+    argv = ["specdec", *argv]
     proc = subprocess.run([sys.executable, "-c", _PRELUDE + f"sys.argv = {argv!r}\nfrom specdec.cli import app\napp()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, input=stdin)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     modules = set(json.loads(proc.stderr.rsplit("MODULES ", 1)[1]))
     assert not modules & {"torch", "transformers", "cloud_verifier"}, modules
+    return proc
+
+
+def _generate(address: str, cache: Path, *args: str) -> tuple[dict, str]:
+    proc = _specdec(["generate", PROMPT, "--server", address, "--json", "--max-new-tokens", str(MAX_NEW),
+                     "--ignore-eos", *args], cache)
     return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1]), proc.stderr
 
 
@@ -79,3 +86,29 @@ def test_cloud_route_fetches_only_the_tokenizer(delivering_verifier, expected, t
     assert "(tokenizer only)" in err and "draft: model.onnx" not in err
     assert out["token_ids"] == expected
     assert not list(tmp_path.rglob("model.onnx"))
+
+
+def test_flipped_byte_through_the_cli_is_refused_and_fetched_again(delivering_verifier, expected, tmp_path):
+    """A proxy between `specdec generate --server` and the verifier flips one byte of the FetchDraft stream: the
+    file fails its sha256, is fetched again, and the output is target-only decoding's."""
+    from _proxy import ByteFlippingProxy
+
+    proxy = ByteFlippingProxy(int(delivering_verifier.rsplit(":", 1)[1]))
+    try:
+        proxy.flip_next()
+        out, err = _generate(f"127.0.0.1:{proxy.port}", tmp_path)
+    finally:
+        proxy.close()
+    assert proxy.num_flipped == 1
+    assert "refused" in err and "(1 refused: sha256 mismatch, fetched again)" in err, err
+    assert out["token_ids"] == expected and out["num_draft_tokens"] > 0
+
+
+def test_chat_fetches_the_draft(delivering_verifier, tmp_path):
+    """`specdec chat --server` with nothing prepared fetches the draft too; its reply is the target-only one."""
+    argv = ["chat", "--server", delivering_verifier, "--max-new-tokens", str(MAX_NEW)]
+    proc = _specdec(argv, tmp_path, stdin=PROMPT + "\n")
+    assert "draft: tiny@v1 from the verifier, fetched" in proc.stderr and proc.stdout.strip()
+    reference = _specdec([*argv, "--target-only"], tmp_path, stdin=PROMPT + "\n")
+    assert "(tokenizer only)" in reference.stderr
+    assert proc.stdout == reference.stdout

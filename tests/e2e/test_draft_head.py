@@ -200,3 +200,26 @@ def test_generate_pipeline_takes_a_head_directory_as_the_draft(heads, tiny_pair)
         close()
     ids = encode_prompt(OnnxHead(heads["eagle3"][1]).tokenizer, PROMPTS[0])
     assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 12) and got.stats.num_draft_tokens > 0
+
+
+def test_a_head_is_published_delivered_and_drafts_as_a_head(heads, runner, tiny_pair, tmp_path):
+    """A draft head folder published like a draft (kind "head"): the SDK fetches it (every file's sha256 checked)
+    and loads it as a HeadDrafter; greedy output token-identical to target-only."""
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, publish_draft
+    from specdec_runtime.common.draft_manifest import kind_of_folder
+
+    root = tmp_path / "drafts"
+    manifest = publish_draft(heads["eagle3"][1], root, "head", "1")
+    assert manifest.kind == kind_of_folder(heads["eagle3"][1]) == "head"
+    assert {"head.onnx", "head.json", "fuse.onnx", "d2t.npy", "tokenizer.json"} <= {f.path for f in manifest.files}
+    catalog = DraftCatalog(root, rescan_interval_s=0.0)
+    with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0, drafts=catalog) as address:
+        with EdgeClient.connect(address, delivery=True, draft_cache_dir=tmp_path / "cache",
+                                num_speculative_tokens=4) as client:
+            assert isinstance(client.drafter, HeadDrafter) and client.draft_version == ("head", "1")
+            assert client.delivered.last_report.bytes_downloaded == manifest.size
+            prompt = PROMPTS[0]
+            got = client.generate(prompt, max_new_tokens=20, ignore_eos=True)
+            ids = encode_prompt(client.tokenizer, prompt)
+            assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 20)
+            assert got.stats.num_draft_tokens > 0  # the head drafted (a random head: its acceptance is ~0)

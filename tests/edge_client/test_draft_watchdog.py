@@ -46,6 +46,7 @@ def test_perturbed_target_quarantines_the_draft(watched, tmp_path, caplog):
 
     from specdec import EdgeClient
     from specdec_runtime.cloud_verifier.drafts.catalog import set_quarantine
+    from specdec.openai_server.spec_metrics import edge_cloud
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     address, root, catalog, runner = watched
@@ -75,8 +76,11 @@ def test_perturbed_target_quarantines_the_draft(watched, tmp_path, caplog):
         assert any("draft w@1 quarantined: acceptance" in r.getMessage() for r in caplog.records)
         result = generate_and_check()  # the next generation: the cloud route, no draft token sent
         assert result.route["requested"] == "cloud" and result.stats.num_draft_tokens == 0
+        ec = edge_cloud(result, None, client.draft_version)  # the OpenAI response's metrics.edge_cloud
+        assert ec["fallback_reason"].startswith("draft w@1 quarantined by the verifier: acceptance ")
         set_quarantine(root, "w", "1", None)  # the operator clears it (specdec draft clear w 1)
-        assert generate_and_check().route["requested"] == "speculative"
+        result = generate_and_check()
+        assert result.route["requested"] == "speculative" and "fallback" not in result.route
     finally:
         client.close()
         reference.close()

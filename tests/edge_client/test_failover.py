@@ -230,6 +230,7 @@ def test_unreachable_cloud_device_fallback_is_unverified(tiny_pair, prompt_ids, 
         # the draft's own greedy decoding (the tiny draft carries the target's weights: the same tokens)
         assert result.token_ids == expected[:40]
         assert result.stats.num_drafts == 0 and result.num_failovers == 0
+        assert result.route["fallback"].startswith("no verifier answers: ")  # edge_cloud.fallback_reason
         # seeded sampling on the device is reproducible
         a = client.generate(PROMPT, max_new_tokens=20, temperature=0.8, seed=5, ignore_eos=True).token_ids
         b = client.generate(PROMPT, max_new_tokens=20, temperature=0.8, seed=5, ignore_eos=True).token_ids

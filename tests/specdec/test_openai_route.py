@@ -77,7 +77,15 @@ def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog):
     assert (spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) == (
         stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     assert spec["num_accepted_draft_tokens"] > 0 and spec["num_spec_tokens"] == 3
-    assert body["metrics"]["edge_cloud"]["route"] == "speculative"
+    ec = body["metrics"]["edge_cloud"]  # the fields no vLLM harness has: each one there and filled
+    assert ec["route"] == ec["route_requested"] == "speculative" and ec["fallback_reason"] is None
+    assert ec["rtt_ms"] is not None and ec["rtt_ms"] >= 0 and ec["draft_ms"] > 0 and ec["target_forward_ms"] > 0
+    assert ec["num_unjudged_draft_tokens"] >= 0 and ec["num_unverified_tokens"] == 0
+    assert ec["num_sessions"] == 1 and ec["num_failovers"] == 0 and ec["route_switches"] == 0
+    assert ec["draft_version"] is None  # a local draft
+    assert set(ec) == {"route", "route_requested", "route_switches", "fallback_reason", "rtt_ms", "draft_ms",
+                       "target_forward_ms", "num_unjudged_draft_tokens", "num_unverified_tokens", "num_sessions",
+                       "num_failovers", "draft_version"}
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
     assert len(lines) == 1 and lines[0].startswith(f"request {body['id']} tenant=- route=speculative draft=- "
                                                    f"prompt_tokens={body['usage']['prompt_tokens']} output_tokens=12")
