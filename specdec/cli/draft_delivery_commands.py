@@ -32,7 +32,7 @@ def draft_publish(
     tenant: List[str] = typer.Option([], "--tenant", help="Only these tenants may fetch it (repeat); none = all"),
     current: bool = typer.Option(True, "--current/--no-current", help="Hand it out now (CURRENT) or only publish"),
     canary: Optional[str] = typer.Option(None, "--canary", help="Hand it to this fraction of clients first (e.g. "
-                                         "10%% or 0.1): promoted or rolled back from its measured acceptance"),
+                                         "10% or 0.1): promoted or rolled back from its measured acceptance"),
     baseline_from: Optional[Path] = typer.Option(None, "--baseline-from", help="A `specdec bench --json` report of "
                                                  "this draft against the served target: its acceptance rate is the "
                                                  "watchdog's baseline (default: the version's first verify steps)"),
