@@ -57,6 +57,8 @@ class VariantSample:
     target_forward_s: float = 0.0
     draft_s: float = 0.0
     num_proactive_hits: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted draft tokens by block position
+    drafted_per_pos: list[int] = field(default_factory=list)  # judged draft tokens by block position
 
 
 @dataclass
@@ -171,7 +173,8 @@ def sample_of(res, wall: float) -> VariantSample:
     s = res.stats
     return VariantSample(
         list(res.token_ids), wall, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-        s.target_forward_s, s.draft_s, s.num_proactive_hits,
+        s.target_forward_s, s.draft_s, s.num_proactive_hits, list(s.num_accepted_tokens_per_pos),
+        list(s.num_draft_tokens_per_pos),
     )
 
 
