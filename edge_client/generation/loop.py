@@ -66,7 +66,7 @@ def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingP
             request needs (:func:`edge_client.drafting.contract.check_request`), before anything is sent."""
     run = Run(list(prompt_ids), stopping, TextOutput(client.tokenizer, stopping.stop_strings),
               committed=list(prompt_ids), route=start_route(client, route))
-    check_request(client.drafter, sampling, run.route.requested, client.fallback)
+    check_request(client.drafter, sampling, run.route.requested, client.fallback, client.device_drafter)
     if isinstance(client.drafter, TurnAware):  # the history-dependent processors count the output from here
         client.drafter.begin_turn(len(prompt_ids), stopping)
     if not sampling.greedy and sampling.seed is not None and isinstance(client.drafter, Resettable):

@@ -39,7 +39,7 @@ from specdec_runtime.common.types import SamplingParams, SessionOpened
 from specdec_runtime.edge_client.transport.cloud_decode import can_stop, cloud_verdicts
 from specdec_runtime.edge_client.generation.context import GenerationContext
 from specdec_runtime.edge_client.drafting.prefill import DraftPrefill, can_prefill
-from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified
+from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified, device_drafter
 from specdec_runtime.edge_client.generation.observation import BlockObservation
 from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.run import with_seed
@@ -430,6 +430,6 @@ def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParam
         InvalidRequestError: the client has no draft model that can decode alone (n-gram, target-only)."""
     if run.route.mode != "device":
         return
-    if not DeviceDecoder.supports(client.drafter):
+    if not DeviceDecoder.supports(device_drafter(client)):
         raise InvalidRequestError("route=device needs a draft model that decodes alone (not n-gram or none)")
     yield from decode_unverified(client, run, with_seed(sampling))

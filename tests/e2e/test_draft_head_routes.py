@@ -1,0 +1,98 @@
+"""A draft head beyond the plain speculative route (tiny target, a tiny random EAGLE-3 head, real gRPC):
+
+- structured output: the head drafts under the grammar (masked, forced tokens for free) and the output is
+  token-identical to target-only decoding under the same grammar;
+- the device (route=device, device fallback): a head cannot decode alone, so a head-only client is refused in one
+  line before anything is sent; with a standalone draft beside it (``device_drafter``) the device decodes with
+  that draft, and the head still drafts for the verifier.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from _heads import write_eagle3
+from _reference import hf_greedy
+from specdec.embedded import EmbeddedServer
+from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+from specdec_runtime.cloud_verifier.verifier import Verifier
+from specdec_runtime.common.errors import UnsupportedByDrafterError
+from specdec_runtime.common.grammar import GrammarSpec
+from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+from specdec_runtime.edge_client.drafting.head import HeadDrafter
+from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
+from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+from test_structured_output import EOS, SCHEMAS, masked_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+DRAFT_VOCAB = sorted(set(range(0, 49152, 61)) | set(range(200)))
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):
+    from specdec.models.head_export import export_head
+
+    root = tmp_path_factory.mktemp("head-routes")
+    return export_head(tiny_pair.target_dir, write_eagle3(root / "ckpt", tiny_pair.target_dir, DRAFT_VOCAB),
+                       root / "head")
+
+
+@pytest.fixture(scope="module")
+def address(tiny_pair):
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0) as address:
+        yield address
+
+
+def test_structured_output_with_a_head_drafts_under_the_grammar_and_is_exact(tiny_pair, head_dir, address):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair.target_dir).eval()
+    head = OnnxHead(head_dir)
+    schema = SCHEMAS[0]
+    spec = GrammarSpec.json_schema(schema)
+    with EdgeClient(GrpcBackend(address), HeadDrafter(head), head.tokenizer, num_speculative_tokens=4) as client:
+        for prompt in ("Give me JSON.", "A user record:"):
+            ids = encode_prompt(head.tokenizer, prompt)
+            ref = masked_greedy(hf, head.tokenizer, ids, spec, 80)
+            got = client.generate(ids, max_new_tokens=80, grammar=spec)
+            assert got.token_ids in (ref, ref[:-1]) and ref[-1] == EOS, prompt
+            jsonschema.validate(json.loads(got.text), schema)
+            # the head drafted under the grammar: key names and punctuation forced, drafted for free
+            assert got.stats.num_forced_tokens > 0 and got.stats.num_draft_tokens > got.stats.num_forced_tokens
+
+
+def test_a_head_alone_cannot_decode_on_the_device_one_line(head_dir):
+    head = OnnxHead(head_dir)
+    backend = FailoverBackend("127.0.0.1:1", policy=RetryPolicy(connect_timeout_s=0.5, budget_s=1.0), connect=False)
+    for kw, route in (({"fallback": "device"}, "speculative"), ({}, "device")):
+        with EdgeClient(backend, HeadDrafter(head), head.tokenizer, **kw) as client:
+            with pytest.raises(UnsupportedByDrafterError) as e:
+                client.generate("Hello there", max_new_tokens=4, route=route)
+        message = str(e.value)
+        assert "draft head" in message and "device_drafter" in message and "\n" not in message
+
+
+def test_a_standalone_draft_beside_the_head_decodes_on_the_device(tiny_pair, head_dir, address):
+    head = OnnxHead(head_dir)
+    draft = OnnxDraftModel(tiny_pair.draft_dir)  # the target exported: its greedy output is the target's
+    ids = encode_prompt(head.tokenizer, "Tell me a story about a robot.")
+    down = FailoverBackend("127.0.0.1:1", policy=RetryPolicy(connect_timeout_s=0.5, budget_s=1.0), connect=False)
+    with EdgeClient(down, HeadDrafter(head), head.tokenizer, device_drafter=ModelDrafter(draft)) as client:
+        chunks = list(client.stream_chunks(ids, max_new_tokens=12, ignore_eos=True, route="device"))
+        device = client.last_result
+    assert chunks and not any(c.verified for c in chunks) and device.num_unverified_tokens == 12
+    assert device.token_ids == hf_greedy(tiny_pair.target_dir, ids, 12)
+    with EdgeClient(GrpcBackend(address), HeadDrafter(head), head.tokenizer, fallback="device",
+                    device_drafter=ModelDrafter(draft)) as client:  # the cloud answers: the head drafts, verified
+        verified = client.generate(ids, max_new_tokens=12, ignore_eos=True)
+    assert verified.token_ids == device.token_ids and verified.num_unverified_tokens == 0
+    assert verified.stats.num_draft_tokens > 0
+    with pytest.raises(TypeError, match="device_drafter must decode alone"):
+        EdgeClient(down, HeadDrafter(head), head.tokenizer, device_drafter=HeadDrafter(head))
