@@ -226,8 +226,8 @@ def check_request(drafter: object, sampling: SamplingParams, route: str, fallbac
             and not isinstance(drafter, DecodesAlone):
         raise UnsupportedByDrafterError(
             f"{where} needs a draft that decodes alone; {_name(drafter)} is a draft head (it drafts from the "
-            "verifier's features): configure a standalone draft beside it (EdgeClient(device_drafter=...), "
-            "--device-draft DIR)", DecodesAlone.__name__)
+            "verifier's features): configure a standalone draft beside it (EdgeClient(device_drafter=...))",
+            DecodesAlone.__name__)
     if on_device:
         drafter = drafter if device_drafter is None else device_drafter
         needs = [(DecodesAlone, True, "decodes alone (a draft model; not n-gram drafting or none)"),

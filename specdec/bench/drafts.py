@@ -152,6 +152,11 @@ def _variant_metrics(results: list[PromptResult], v: str, fwd1_ms: float, baseli
     }
 
 
+def _files_mb(directory: Path) -> float:
+    """The draft's files on the device (graphs, weights, tokenizer), MB: what the device stores and maps."""
+    return round(sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) / 1e6, 1)
+
+
 def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = None, max_new_tokens: int = 96,
                      num_speculative_tokens: int = 4, target: Path | None = None, progress: bool = False) -> dict:
     """Every draft of ``drafts`` (names of :mod:`specdec.models.named_drafts`, or directories) at fixed γ =
@@ -159,7 +164,7 @@ def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = No
     target-only baseline, greedy, interleaved per prompt in one process.
 
     Returns:
-        ``{"mode": "drafts", "drafts": {name: {"dir", "kind", "fixed": M, "adaptive": M, "token_identical",
+        ``{"mode": "drafts", "drafts": {name: {"dir", "kind", "files_mb", "fixed": M, "adaptive": M, "token_identical",
         "mismatches"}}, "target_only": {"tokens_per_s"}, "target_forward_ms", "config", "notes"}`` with M the
         figures of :func:`_variant_metrics` (acceptance_rate, mean_accepted_length, acceptance_per_position,
         draft_ms_per_token, draft_cost_ratio, tokens_per_s, speedup_vs_target_only, predicted_speedup).
@@ -194,7 +199,7 @@ def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = No
     for name, d in dirs.items():
         modes = (f"{name}/fixed", f"{name}/adaptive")
         report_drafts[name] = {
-            "dir": str(d), "kind": "head" if is_head_dir(d) else "model",
+            "dir": str(d), "kind": "head" if is_head_dir(d) else "model", "files_mb": _files_mb(d),
             "fixed": _variant_metrics(results, modes[0], fwd1, base_tps),
             "adaptive": _variant_metrics(results, modes[1], fwd1, base_tps),
             "token_identical": all(not agreement[m]["mismatches"] for m in modes),

@@ -96,3 +96,42 @@ def test_a_standalone_draft_beside_the_head_decodes_on_the_device(tiny_pair, hea
     assert verified.stats.num_draft_tokens > 0
     with pytest.raises(TypeError, match="device_drafter must decode alone"):
         EdgeClient(down, HeadDrafter(head), head.tokenizer, device_drafter=HeadDrafter(head))
+
+
+class _EveryTwoBlocks:
+    """A RouteSwitcher that switches on a fixed schedule: to cloud decode after 2 speculative blocks, back after
+    one 3-token cloud chunk, whatever the costs."""
+
+    def to_cloud(self, client, run):
+        return "every 2 blocks" if run.route.steps_in_mode >= 2 else None
+
+    def to_speculative(self, client, run):
+        return "after one cloud chunk" if run.route.steps_in_mode >= 1 else None
+
+    def cloud_chunk_tokens(self, run):
+        return 3
+
+
+def test_cloud_decoded_tokens_and_later_turns_bring_their_features(tiny_pair, head_dir, address):
+    """Cloud-decode chunks and ExtendSession answers carry the target's features: after switching between the
+    routes and across a second turn, every committed position but the last has the verifier's feature (no gap
+    where the head would draft from its own), and the output is target-only's."""
+    head = OnnxHead(head_dir)
+    ids = encode_prompt(head.tokenizer, "Tell me a story about a robot.")
+    drafter = HeadDrafter(head)
+    with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=3,
+                    route_switcher=_EveryTwoBlocks()) as client:
+        got = client.generate(ids, max_new_tokens=30, ignore_eos=True)
+        committed = ids + list(got.token_ids)
+        assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 30)
+        assert got.route["tokens"]["cloud"] > 0 and got.route["tokens"]["speculative"] > 0
+        assert drafter._known[: len(committed) - 1].all() and len(drafter._known) >= len(committed) - 1
+    with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=3) as client:
+        with client.chat(max_new_tokens=12, ignore_eos=True) as chat:
+            for message in ("Hi there.", "And then?"):
+                "".join(c.text for c in chat.send(message))
+                reply = client.last_result
+                assert reply.num_sessions == 1 and reply.stats.num_draft_tokens > 0
+            history = list(chat.history_ids)
+    assert reply.token_ids == hf_greedy(tiny_pair.target_dir, history[: len(history) - 12], 12)
+    assert drafter._target_features_for(history) == len(history) - 1 and drafter._known[: len(history) - 1].all()

@@ -98,3 +98,14 @@ def test_cli_drafts_errors_are_one_line(tmp_path, monkeypatch):
         assert result.exit_code == 2, result.output
         err = result.stderr.strip()
         assert err.startswith("error:") and needle in err and "\n" not in err, err
+
+
+def test_cli_device_fallback_with_a_head_only_is_one_line(head_dir):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "--draft", str(head_dir), "--fallback", "device", "hi"])
+    assert result.exit_code == 2, result.output
+    err = result.stderr.strip()
+    assert err.startswith("error:") and "is a draft head" in err and "\n" not in err, err
