@@ -21,7 +21,7 @@ from typing import Any
 
 from ._shared import (
     greedy_agreement_of, noise_note, PromptResult, run_interleaved, safe_ratio, sample_of,
-    threading_config, package_versions, time_forward, VariantSample,
+    threading_config, package_versions, time_draft_forward, time_forward, VariantSample,
 )
 from .prompts import load_prompts
 
@@ -121,8 +121,10 @@ class _DraftsRig:
             self.verifier.shutdown()
 
 
-def _variant_metrics(results: list[PromptResult], v: str, fwd1_ms: float, baseline_tps: float | None) -> dict:
-    """One draft mode's figures over every prompt (ratios of sums)."""
+def _variant_metrics(results: list[PromptResult], v: str, fwd1_ms: float, baseline_tps: float | None,
+                     step_ms: float) -> dict:
+    """One draft mode's figures over every prompt (ratios of sums); ``step_ms``: the draft's one-token step
+    after 100 cached tokens, ms (the c of the prediction: the run's own draft time includes its prefills)."""
     samples = [r.samples[v] for r in results]
     tokens = sum(len(s.token_ids) for s in samples)
     steps, drafted = sum(s.num_steps for s in samples), sum(s.num_draft_tokens for s in samples)
@@ -147,7 +149,7 @@ def _variant_metrics(results: list[PromptResult], v: str, fwd1_ms: float, baseli
         "draft_cost_ratio": cost,
         "tokens_per_s": tps,
         "speedup_vs_target_only": safe_ratio(tps, baseline_tps) if tps is not None and baseline_tps else None,
-        "predicted_speedup": predicted_speedup(alpha, mean_block, cost),
+        "predicted_speedup": predicted_speedup(alpha, mean_block, step_ms / fwd1_ms if fwd1_ms > 0 else None),
         "num_tokens": tokens,
     }
 
@@ -190,6 +192,8 @@ def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = No
                                   "drafts", lambda rs: "")
         fwd1 = time_forward(rig.runner, 1, past_tokens=100, repeats=9)
         fwd_block = time_forward(rig.runner, num_speculative_tokens + 1, past_tokens=100, repeats=9)
+        step_ms = {name: time_draft_forward(drafter.model, past_tokens=100, repeats=9)
+                   for name, drafter in rig.drafters.items()}
     finally:
         rig.close()
     base_tps = safe_ratio(sum(len(r.samples["target_only"].token_ids) for r in results),
@@ -200,8 +204,9 @@ def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = No
         modes = (f"{name}/fixed", f"{name}/adaptive")
         report_drafts[name] = {
             "dir": str(d), "kind": "head" if is_head_dir(d) else "model", "files_mb": _files_mb(d),
-            "fixed": _variant_metrics(results, modes[0], fwd1, base_tps),
-            "adaptive": _variant_metrics(results, modes[1], fwd1, base_tps),
+            "draft_step_ms": step_ms[name], "draft_step_cost_ratio": step_ms[name] / fwd1 if fwd1 > 0 else None,
+            "fixed": _variant_metrics(results, modes[0], fwd1, base_tps, step_ms[name]),
+            "adaptive": _variant_metrics(results, modes[1], fwd1, base_tps, step_ms[name]),
             "token_identical": all(not agreement[m]["mismatches"] for m in modes),
             "mismatches": {m.split("/")[1]: agreement[m]["mismatches"] for m in modes if agreement[m]["mismatches"]},
         }
@@ -218,9 +223,10 @@ def run_drafts_bench(prompts: Path, drafts: list[str], *, limit: int | None = No
         "notes": [
             "every variant runs interleaved per prompt against one target-only baseline; the draft's KV cache is "
             "reset before each generation (each pays its prefill)",
-            "draft_cost_ratio = draft ms per drafted token (the head's feeding of the target's features included) / "
-            "the target's one-token forward after 100 cached tokens",
-            "predicted_speedup = E(tokens per step) / (1 + γ·draft_cost_ratio), E = (1 − α^(γ+1)) / (1 − α) "
+            "draft_cost_ratio = the run's draft ms per drafted token (its prefills and a head's feeding of the "
+            "target's features included) / the target's one-token forward after 100 cached tokens; "
+            "draft_step_cost_ratio = one drafted token's step after 100 cached tokens / that forward",
+            "predicted_speedup = E(tokens per step) / (1 + γ·draft_step_cost_ratio), E = (1 − α^(γ+1)) / (1 − α) "
             "(Leviathan et al. 2023) with γ the mean drafted tokens per block; it prices the verify pass as one "
             "forward and leaves out prefill and per-step overheads",
             noise_note(),

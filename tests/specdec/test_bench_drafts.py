@@ -53,6 +53,7 @@ def test_drafts_side_by_side_against_one_baseline(tiny_pair, head_dir, tmp_path)
     model, head = report["drafts"][str(tiny_pair.draft_dir)], report["drafts"][str(head_dir)]
     assert (model["kind"], head["kind"]) == ("model", "head")
     for d in (model, head):
+        assert d["draft_step_ms"] > 0 and d["files_mb"] > 0
         assert d["token_identical"] and not d["mismatches"]
         for mode in ("fixed", "adaptive"):
             m = d[mode]
@@ -60,7 +61,7 @@ def test_drafts_side_by_side_against_one_baseline(tiny_pair, head_dir, tmp_path)
             assert all(a is None or 0 <= a <= 1 for a in m["acceptance_per_position"])
             assert m["draft_cost_ratio"] > 0 and m["speedup_vs_target_only"] > 0
             assert m["predicted_speedup"] == pytest.approx(
-                predicted_speedup(m["acceptance_rate"], m["mean_draft_tokens_per_block"], m["draft_cost_ratio"]))
+                predicted_speedup(m["acceptance_rate"], m["mean_draft_tokens_per_block"], d["draft_step_cost_ratio"]))
     assert len(model["fixed"]["acceptance_per_position"]) == 3
     # the target's own weights as the draft (fp32): nearly every draft token is accepted, at every position
     assert model["fixed"]["acceptance_rate"] > 0.9
