@@ -113,8 +113,8 @@ WAN_REPEATS = typer.Option(1, "--wan-repeats", help="--wan: every prompt on ever
                            "(the routes rotated each time): less noise, proportionally longer")
 
 
-DRAFT = typer.Option(None, help="Draft: a directory (an ONNX draft, or a head made by `specdec models export-head`) "
-                     "or a prepared draft's name: int8, distilled, head (default: the prepared int8 draft)")
+DRAFT = typer.Option(None, help="Draft: a directory or a prepared draft's name: int8, distilled, head (default: the "
+                     "prepared int8 draft); a draft head (`specdec models export-head`) in --wan only")
 DRAFTS = typer.Option(None, "--drafts", help="Prepared drafts side by side, e.g. int8,distilled,head (or draft "
                       "directories): each at γ = -g and with adaptive γ against one target-only baseline, greedy; "
                       "acceptance, draft cost, speedup measured and predicted (docs/benchmarks.md)")
