@@ -185,6 +185,8 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
             request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint, **labels)
         opened = client.backend.open_session(request, timeout_s=client.open_timeout_s)
         run.first_seq = 1
+    if feature_request(client) is not None:  # the prefill's features, whichever route the session starts on
+        client.drafter.observe_features(run.committed, opened.features)
     run.session_ids.append(opened.session_id)
     run.max_context_tokens = opened.max_context_tokens
     return opened

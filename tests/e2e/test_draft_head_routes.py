@@ -126,6 +126,11 @@ def test_cloud_decoded_tokens_and_later_turns_bring_their_features(tiny_pair, he
         assert got.token_ids == hf_greedy(tiny_pair.target_dir, ids, 30)
         assert got.route["tokens"]["cloud"] > 0 and got.route["tokens"]["speculative"] > 0
         assert drafter._known[: len(committed) - 1].all() and len(drafter._known) >= len(committed) - 1
+        drafter.reset()  # a session that starts on the cloud: the open's features, then every chunk's
+        cloud = client.generate(ids, max_new_tokens=8, ignore_eos=True, route="cloud")
+        assert cloud.route["initial"] == "cloud" and cloud.route["tokens"]["cloud"] >= 3
+        assert cloud.token_ids == got.token_ids[:8] and drafter._known[: len(ids) + 7].all()
+        assert drafter._target_features_for(ids + list(cloud.token_ids)) == len(ids) + 7
     with EdgeClient(GrpcBackend(address), drafter, head.tokenizer, num_speculative_tokens=3) as client:
         with client.chat(max_new_tokens=12, ignore_eos=True) as chat:
             for message in ("Hi there.", "And then?"):
