@@ -299,6 +299,7 @@ class Verifier:
         sampling: SamplingParams | None = None,
         stopping: StoppingCriteria | None = None,
         tenant_id: str = "",
+        features=None,
     ) -> SessionOpened:
         """Continue a finished (or not started) session of ``tenant_id`` with the next turn of a conversation:
         append ``appended_token_ids`` to its committed ids, prefill only those (chunked, interleaved with verify
@@ -315,6 +316,8 @@ class Verifier:
                 seed (draws depend on seed and absolute position only: a seeded turn equals a fresh session
                 over the whole conversation with that seed).
             stopping: the new turn's stopping criteria (None: the session's).
+            features: a common.features.FeatureRequest: the answer carries the features of the positions the
+                turn's prefill feeds (the last committed token, then the appended ids but the last).
 
         Returns:
             SessionOpened with ``committed_length`` = the new committed length and the seed the turn draws with.
@@ -354,8 +357,10 @@ class Verifier:
         stopping = stopping if stopping is not None else r.stopping
         check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
         check_grammar(sampling.grammar, self.info.model_id, stopping)
-        session = await self.sessions.extend(session, committed_length, appended, sampling, stopping)
-        return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed)
+        features = resolve_request(features, self.target.num_layers)
+        session = await self.sessions.extend(session, committed_length, appended, sampling, stopping, features)
+        return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed,
+                                take_prompt_features(session))
 
     def get_session(self, session_id: str, tenant_id: str = "") -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).

@@ -347,6 +347,8 @@ class ExtendRequest:
         committed_length: the committed length (tokens) the session must have (else ConflictError).
         appended_token_ids: the next turn's token ids, appended after them (prefilled on the verifier).
         sampling, stopping: the next turn's parameters; None = keep the session's.
+        features: a :class:`common.features.FeatureRequest` (the features of the positions the turn's prefill
+            feeds, in the answer) or None.
     """
 
     session_id: str
@@ -354,3 +356,4 @@ class ExtendRequest:
     appended_token_ids: list[int]
     sampling: SamplingParams | None = None
     stopping: StoppingCriteria | None = None
+    features: object = None

@@ -194,8 +194,10 @@ def extend_request_to_proto(
     appended_token_ids: list[int],
     sampling: SamplingParams | None = None,
     stopping: StoppingCriteria | None = None,
+    features=None,
 ) -> pb.ExtendSessionRequest:
-    """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept)."""
+    """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept), and so is
+    ``features`` (a common.features.FeatureRequest) when None."""
     check_int32(appended_token_ids, "appended token id")
     msg = pb.ExtendSessionRequest(session_id=session_id, committed_length=int(committed_length),
                                   appended_token_ids=[int(t) for t in appended_token_ids])
@@ -203,6 +205,8 @@ def extend_request_to_proto(
         msg.sampling.CopyFrom(sampling_to_proto(sampling))
     if stopping is not None:
         msg.stopping.CopyFrom(stopping_to_proto(stopping))
+    if features is not None:
+        msg.features.CopyFrom(feature_request_to_proto(features))
     return msg
 
 
@@ -210,7 +214,9 @@ def extend_request_from_proto(msg: pb.ExtendSessionRequest) -> ExtendRequest:
     """The request's fields; an unset sampling/stopping message gives None."""
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else None
-    return ExtendRequest(msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping)
+    features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
+    return ExtendRequest(msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping,
+                         features)
 
 
 # ---------------------------------------------------------------------------------------------- blocks

@@ -42,6 +42,16 @@ if TYPE_CHECKING:
 __all__ = ["EdgeClient", "GenerationResult", "Chunk", "encode_prompt"]
 
 
+def _check_device_drafter(device_drafter):
+    """``device_drafter`` when it decodes alone (or None). Raises TypeError otherwise."""
+    from specdec_runtime.edge_client.drafting.contract import DecodesAlone
+
+    if device_drafter is not None and not isinstance(device_drafter, DecodesAlone):
+        raise TypeError(f"device_drafter must decode alone (a draft model: ModelDrafter), got "
+                        f"{type(device_drafter).__name__}")
+    return device_drafter
+
+
 def _default_draft_prepared() -> bool:
     """Whether the default draft (``specdec models prepare``) is here."""
     from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir
@@ -91,6 +101,9 @@ class EdgeClient:
             request's route= wins.
         route_switcher: decides switches between speculative and cloud decode within a session
             (:class:`edge_client.generation.routing.RouteSwitcher`); None = auto's cost model (:class:`CostModelSwitcher`).
+        device_drafter: a standalone draft (a ModelDrafter) that decodes on the device (route="device", the
+            device fallback) beside a ``drafter`` that cannot decode alone (a draft head,
+            :class:`edge_client.drafting.head.HeadDrafter`); None = ``drafter`` decodes there.
 
     Resilience (:mod:`edge_client.transport.failover` does the retries of a call on other replicas): a session whose
     record vanished (NOT_FOUND: the store restarted empty, or it expired) is re-opened with everything
@@ -105,7 +118,8 @@ class EdgeClient:
 
     Raises:
         InvalidRequestError: num_speculative_tokens < 1, min_confidence outside [0, 1), an unknown fallback, or
-            reconnect_interval_s <= 0. TypeError: ``drafter`` is not a :class:`Drafter` (no ``propose``).
+            reconnect_interval_s <= 0. TypeError: ``drafter`` is not a :class:`Drafter` (no ``propose``), or
+            ``device_drafter`` cannot decode alone.
     """
 
     def __init__(
@@ -125,6 +139,7 @@ class EdgeClient:
         reconnect_interval_s: float = 5.0,
         route: str = "speculative",
         route_switcher: RouteSwitcher | None = None,
+        device_drafter: Drafter | None = None,
     ):
         from specdec_runtime.edge_client.generation.fallback import FALLBACK_MODES
 
@@ -136,6 +151,7 @@ class EdgeClient:
         self.reconnect_interval_s = reconnect_interval_s
         self.route, self.route_estimates = check_route(route), RouteEstimates()  # estimates outlive a generation
         self.route_switcher = route_switcher
+        self.device_drafter = _check_device_drafter(device_drafter)
         if drafter is not None and not isinstance(drafter, Drafter):
             # A draft model handed over bare would fail deep in the loop (no propose) on the first generation.
             raise TypeError(f"drafter must be a Drafter (a propose() method), got {type(drafter).__name__}; "

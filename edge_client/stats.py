@@ -37,6 +37,7 @@ class GenerationStats:
     draft_s: float = 0.0  # edge time spent in the draft model, s (drafting ahead while a block travels included)
     target_forward_s: float = 0.0  # verifier time in target forward passes, s (a batched pass split per row)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] accepted counts by position
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [longest block] judged draft tokens by position
     num_proactive_hits: int = 0  # blocks drafted ahead (proactive drafting) and sent as they were
     num_forced_tokens: int = 0  # draft tokens a grammar forced, drafted without a draft forward pass
     # draft tokens the verifier did not judge (adaptive verification verified a prefix of their block: they were
@@ -75,6 +76,10 @@ class GenerationStats:
             self.num_accepted_tokens_per_pos.extend([0] * (block_len - len(self.num_accepted_tokens_per_pos)))
         for i in range(verdict.num_accepted):
             self.num_accepted_tokens_per_pos[i] += 1
+        if len(self.num_draft_tokens_per_pos) < judged:
+            self.num_draft_tokens_per_pos.extend([0] * (judged - len(self.num_draft_tokens_per_pos)))
+        for i in range(judged):
+            self.num_draft_tokens_per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

@@ -179,14 +179,15 @@ class LocalBackend(VerifierBackend):
         return self._call(
             self.verifier.open_session(request.prompt_token_ids, request.sampling, request.stopping,
                                        request.tokenizer_fingerprint, num_output_tokens=request.num_output_tokens,
-                                       draft_name=request.draft_name, draft_version=request.draft_version),
+                                       draft_name=request.draft_name, draft_version=request.draft_version,
+                                       features=request.features),
             timeout_s)
 
     def extend_session(self, request: ExtendRequest, timeout_s: float | None = None) -> SessionOpened:
         """The verifier's ExtendSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
             self.verifier.extend_session(request.session_id, request.committed_length, request.appended_token_ids,
-                                         request.sampling, request.stopping),
+                                         request.sampling, request.stopping, features=request.features),
             timeout_s)
 
     def submit(self, session_id, seq, committed_length, block):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from specdec_runtime.common.errors import InvalidRequestError, RateLimitedError, VerifierUnavailableError
 from specdec_runtime.common.types import DraftBlock, Verdict
+from specdec_runtime.common.feature_wire import feature_request_from_proto
 from specdec_runtime.common.wire import verdict_to_proto
 from specdec_runtime.common.v1 import verifier_pb2 as pb
 
@@ -128,25 +129,28 @@ class DecodeStream:
         """
         check_decode_request(request)
         seq, committed_length, made = int(request.seq), int(request.committed_length), 0
+        # a draft head's features: each step's empty block asks for them, as a speculative session's blocks do
+        features = feature_request_from_proto(request.features) if request.HasField("features") else None
         key = (self.tenant_kw.get("tenant_id", ""), request.session_id, seq)
         with self.stops.running(key) as stop:
             while (request.max_tokens == 0 or made < request.max_tokens) and not stop.is_set():
                 if self.drain.is_set():
                     raise VerifierUnavailableError("verifier is shutting down")
-                verdict = await self._step(request.session_id, seq, committed_length)
+                verdict = await self._step(request.session_id, seq, committed_length, features)
                 yield verdict_to_proto(verdict, seq)  # a stop during the step: it is streamed, then the end
                 made += len(verdict.committed_token_ids)
                 seq, committed_length = seq + 1, verdict.committed_length
                 if verdict.finished:
                     return
 
-    async def _step(self, session_id: str, seq: int, committed_length: int) -> Verdict:
-        """One γ = 0 verify step; waits out the tenant's rate limit (up to MAX_RATE_WAIT_S in all)."""
+    async def _step(self, session_id: str, seq: int, committed_length: int, features=None) -> Verdict:
+        """One γ = 0 verify step (asking for ``features``, a common.features.FeatureRequest, when not None);
+        waits out the tenant's rate limit (up to MAX_RATE_WAIT_S in all)."""
         waited_s = 0.0
         while True:
             try:
-                return await self.verifier.verify(session_id, seq, committed_length, DraftBlock([]),
-                                                  **self.tenant_kw)
+                return await self.verifier.verify(session_id, seq, committed_length,
+                                                  DraftBlock([], features=features), **self.tenant_kw)
             except RateLimitedError as e:  # charged before anything runs: nothing changed, wait and go on
                 wait_s = e.retry_after_ms / 1000
                 if waited_s + wait_s > MAX_RATE_WAIT_S:

@@ -208,14 +208,14 @@ class SessionAdmission:
 
     # ------------------------------------------------------------------ extend (multi-turn sessions)
     async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
-                     stopping: StoppingCriteria) -> Session:
+                     stopping: StoppingCriteria, features=None) -> Session:
         """Continue a finished (or not started) session with the next turn of its conversation: raise its KV
         limit to ``committed + appended + stopping.max_new_tokens`` tokens (capped by the context) when needed,
         take pages for the new tokens and prefill only them (the last committed token, then ``appended`` but its
         last, in chunks of ``prefill_chunk_tokens``; the KV cache of everything before stays), then commit the
         turn in the store (compare-and-append on ``expected_length``) and reset the stopping state: the new turn's
         output starts at the new committed length. ``appended``: validated token ids; ``sampling`` with its seed.
-
+        ``features`` (a resolved FeatureRequest): the prefill keeps its positions' (``prefill_hidden``), uncached.
         Nothing committed changes on any error (positions the prefill wrote lie past the committed length: their
         pages are dropped when the turn ends).
 
@@ -240,7 +240,7 @@ class SessionAdmission:
                 raise generating_error(sid)
             if session.busy:
                 raise PreconditionError(f"session {sid!r} has a block in flight")
-            session.busy = True  # no block can slip in while the turn is prefilled
+            session.busy, session.prefill_features, session.prefill_hidden = True, features, []  # no block slips in
         try:
             start = record.committed_length - 1  # the KV cache holds committed[:-1]
             new_length = record.committed_length + len(appended)
@@ -257,7 +257,7 @@ class SessionAdmission:
                 # pages of this history another session left in the prefix cache are taken, not prefilled
                 skip_begin, skip_end = (
                     extend_session_kv(self.table.target, session.kv, history, start, record.tenant_id)
-                    if session.kv.rebuild_from is None else (start, start))
+                    if session.kv.rebuild_from is None and features is None else (start, start))
                 # best effort: a pool short now leaves it to the batcher (it preempts later sessions if it must)
                 self.table.target.try_ensure(session.kv, new_length - 1)
                 session.kv.pending_ids = history  # what a recomputation after a preemption reads

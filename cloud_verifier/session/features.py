@@ -24,7 +24,7 @@ def resolve_request(features: FeatureRequest | None, num_hidden_layers: int) -> 
 
 def take_prompt_features(session) -> FeatureBlock | None:
     """The features the open's prefill kept (one vector per prefilled position, in order), encoded as the
-    session asked; None when it asked for none. Later prefills (an ExtendSession turn) keep none."""
+    session asked; None when it asked for none (the open's prefill, or an ExtendSession turn's)."""
     request, session.prefill_features = session.prefill_features, None
     chunks, session.prefill_hidden = sorted(session.prefill_hidden, key=lambda c: c[0]), []
     if request is None:

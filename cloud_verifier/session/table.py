@@ -116,10 +116,10 @@ class SessionTable:
         return await self.admission.get_or_resume(session_id, tenant_id)
 
     async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
-                     stopping: StoppingCriteria) -> Session:
+                     stopping: StoppingCriteria, features=None) -> Session:
         """The next turn of a session: :meth:`SessionAdmission.extend
         <cloud_verifier.session.admission.SessionAdmission.extend>`."""
-        return await self.admission.extend(session, expected_length, appended, sampling, stopping)
+        return await self.admission.extend(session, expected_length, appended, sampling, stopping, features)
 
     def tenant_session_count(self, tenant_id: str) -> int:
         """Sessions of ``tenant_id`` held (prefilled) on this replica."""

@@ -8,7 +8,8 @@ enables and what the edge does without it. :class:`edge_client.drafting.drafter.
 
 What a request needs (:func:`check_request`, called once per generation before anything is sent):
 
-- decoding on the device (``route="device"``, or the client's ``fallback="device"``): :class:`DecodesAlone`; with
+- decoding on the device (``route="device"``, or the client's ``fallback="device"``): :class:`DecodesAlone` (a
+  draft head is not: a standalone draft beside it, the client's ``device_drafter``, decodes instead); with
   ``grammar``, :class:`ConstrainsGrammar`; with penalties, logit_bias or min_tokens, :class:`HistoryProcessing` —
   else :class:`common.errors.UnsupportedByDrafterError`: without them the device would emit tokens the request
   forbids, unverified. The fallback is checked up front even when the cloud answers: a fallback that cannot
@@ -209,16 +210,26 @@ def _name(drafter: object) -> str:
     return "no drafter (target-only decoding)" if drafter is None else f"the drafter {type(drafter).__name__}"
 
 
-def check_request(drafter: object, sampling: SamplingParams, route: str, fallback: str) -> None:
+def check_request(drafter: object, sampling: SamplingParams, route: str, fallback: str,
+                  device_drafter: object = None) -> None:
     """Check that ``drafter`` (None: target-only decoding) can serve a generation on ``route`` ("speculative",
     "cloud", "device", "auto", "cloud-first") with the client's ``fallback`` ("none" | "device"); the rules are
-    the module docstring's. Call it before anything is sent.
+    the module docstring's. ``device_drafter``: the standalone draft that decodes on the device instead of
+    ``drafter`` (beside a draft head, which cannot decode alone); None: ``drafter`` itself. Call it before
+    anything is sent.
 
     Raises:
         UnsupportedByDrafterError: a capability the request needs is missing (``capability``: its name)."""
     on_device = route == "device" or fallback == "device"
     where = "route=device" if route == "device" else "fallback='device'"
+    if on_device and device_drafter is None and isinstance(drafter, UsesFeatures) \
+            and not isinstance(drafter, DecodesAlone):
+        raise UnsupportedByDrafterError(
+            f"{where} needs a draft that decodes alone; {_name(drafter)} is a draft head (it drafts from the "
+            "verifier's features): configure a standalone draft beside it (EdgeClient(device_drafter=...))",
+            DecodesAlone.__name__)
     if on_device:
+        drafter = drafter if device_drafter is None else device_drafter
         needs = [(DecodesAlone, True, "decodes alone (a draft model; not n-gram drafting or none)"),
                  (ConstrainsGrammar, bool(sampling.grammar), "constrains its output to a grammar"),
                  (HistoryProcessing, sampling.has_history_processors,

@@ -70,15 +70,18 @@ def _empty(t0: float) -> DraftBlock:
 
 def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: list[int], num_tokens: int,
                         sampling: SamplingParams, min_confidence: float, should_stop,
-                        t0: float) -> DraftBlock:
+                        t0: float, next_logits=None) -> DraftBlock:
     """:meth:`ModelDrafter.propose` under ``grammar`` (γ = ``num_tokens`` > 0 already capped to the draft's
     room). Same contract and return value (draft ids [n] with n <= γ, sparse q rows for top-k drafting, a forced
     position's row one-hot on its id; the per-position step: :mod:`edge_client.drafting.step`); the block ends early
     at an EOS, when the grammar allows nothing, at confidence truncation or ``should_stop``.
 
     ``drafter``: the :class:`edge_client.drafting.drafter.ModelDrafter` that drafts (its model, ``processor``,
-    ``draft_top_k`` and ``valid_vocab_size``). Returns an empty block when the committed prefix does not match the
-    grammar (the verifier decides then)."""
+    ``draft_top_k`` and ``valid_vocab_size``). ``next_logits(token_ids)``: the draft's logits [vocab] after
+    ``token_ids`` (committed + drafted so far); None: ``drafter.next_token_logits`` (a draft head, which cannot
+    decode alone, gives its own). Returns an empty block when the committed prefix does not match the grammar
+    (the verifier decides then)."""
+    next_logits = drafter.next_token_logits if next_logits is None else next_logits
     m = grammar.matcher
     grammar.last_num_forced = 0
     try:
@@ -102,10 +105,10 @@ def propose_constrained(drafter, grammar: DraftGrammar, committed_token_ids: lis
             rows.force(token)
         else:
             # feeds what is unfed
-            logits = np.array(drafter.next_token_logits(committed_token_ids + rows.tokens), dtype=np.float32)
+            logits = np.array(next_logits(committed_token_ids + rows.tokens), dtype=np.float32)
             allowed = m.mask(len(logits))
             allowed[valid:] = False
-            if not allowed.any():
+            if not np.isfinite(logits[allowed]).any():  # nothing allowed, or only what the draft gives q = 0
                 break
             if processor is not None and history is None:
                 history = processor(sampling, committed_token_ids + rows.tokens, len(logits))

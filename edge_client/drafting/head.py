@@ -23,6 +23,7 @@ import numpy as np
 
 from specdec_runtime.common.logits_processors import TokenHistory
 from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K, DraftBlock, SamplingParams, StoppingCriteria
+from specdec_runtime.edge_client.drafting.grammar import draft_grammar_for, propose_constrained
 from specdec_runtime.edge_client.drafting.head_model import OnnxHead
 from specdec_runtime.edge_client.drafting.turn import TurnHistory
 from specdec_runtime.edge_client.drafting.step import DraftRows, below_confidence
@@ -40,9 +41,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class HeadDrafter:
     """Drafts γ tokens per call with an :class:`OnnxHead` from the target's features (:meth:`observe_features`).
 
-    Capabilities (:mod:`edge_client.drafting.contract`): ``Resettable``, ``HistoryProcessing``, ``UsesFeatures``;
-    not ``DecodesAlone`` (without the target's features the head drafts poorly: device decoding needs a model
-    that decodes alone) nor ``ConstrainsGrammar`` (its drafts ignore a grammar: the verifier masks them).
+    Capabilities (:mod:`edge_client.drafting.contract`): ``Resettable``, ``HistoryProcessing``, ``UsesFeatures``,
+    ``ConstrainsGrammar`` (structured output: masked drafting, forced tokens for free, as ModelDrafter); not
+    ``DecodesAlone`` (without the target's features the head drafts poorly: device decoding needs a model that
+    decodes alone, a standalone draft beside the head: ``EdgeClient(device_drafter=...)``).
 
     Args:
         head: the head runner (owned by this drafter).
@@ -55,6 +57,7 @@ class HeadDrafter:
         self.valid_vocab_size = head.vocab_size
         self.feature_request = head.feature_request
         self._turn = TurnHistory()  # where the output starts, the ids min_tokens masks, the processors' counts
+        self._grammar = None  # the generation's DraftGrammar (edge_client.drafting.grammar), when it has one
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -92,6 +95,32 @@ class HeadDrafter:
     def processor(self, sampling: SamplingParams, token_ids: list[int], vocab_size: int) -> TokenHistory | None:
         """The history-dependent processors' state brought to ``token_ids`` (None when the session has none)."""
         return self._turn.processor(sampling, token_ids, vocab_size)
+
+    def draft_grammar(self, sampling: SamplingParams):
+        """The generation's :class:`edge_client.drafting.grammar.DraftGrammar` for ``sampling.grammar`` (made at
+        the turn's first use, kept for the rest of it).
+
+        Raises:
+            InvalidRequestError: a spec the grammar engine refuses."""
+        self._grammar = draft_grammar_for(self._grammar, sampling, self.model.tokenizer, *self._turn.turn)
+        return self._grammar
+
+    def _logits_after(self, committed: list[int]) -> Callable[[list[int]], np.ndarray]:
+        """The head's full-vocabulary logits after ``committed`` + the tokens drafted so far, as
+        :func:`edge_client.drafting.grammar.propose_constrained` asks for them: synced to ``committed`` on the
+        first call, then one step per drafted (or grammar-forced) token, each fed the head's own feature."""
+        state: dict = {}
+
+        def next_logits(token_ids: list[int]) -> np.ndarray:
+            if not state:
+                state["logits"], state["own"] = self._sync(committed)
+                state["fed"] = len(committed)
+            for token in token_ids[state["fed"]:]:
+                state["logits"], state["own"] = self._step(int(token), state["own"])
+            state["fed"] = len(token_ids)
+            return self.model.full_vocab_logits(state["logits"])
+
+        return next_logits
 
     # ------------------------------------------------------------------ the head's KV cache
     def _target_features_for(self, committed: list[int]) -> int:
@@ -175,6 +204,11 @@ class HeadDrafter:
             num_tokens = min(num_tokens, max(0, context - len(committed)))
         if num_tokens == 0 or len(committed) < 2:
             return DraftBlock([], draft_ms=(time.perf_counter() - t0) * 1e3, features=self.feature_request)
+        if sampling.grammar:  # structured output: masked drafting, forced tokens without a head step
+            block = propose_constrained(self, self.draft_grammar(sampling), committed, num_tokens, sampling,
+                                        min_confidence, should_stop, t0, next_logits=self._logits_after(committed))
+            block.features = self.feature_request
+            return block
         rows = DraftRows(sampling, self.draft_top_k, self.valid_vocab_size, len(committed))
         draft_logits, own = self._sync(committed)
         history = self.processor(sampling, committed, self.valid_vocab_size)

@@ -24,6 +24,8 @@ class GenerationContext(Protocol):
         adaptive, min_confidence, proactive, bonus_drafted: the speculation policy.
         timeout_s, open_timeout_s: deadlines of a verify step and of opening a session, s.
         fallback, reconnect_interval_s: device fallback ("none" | "device") and its cloud probe interval, s.
+        device_drafter: the standalone draft that decodes on the device (route=device, the device fallback)
+            instead of ``drafter`` (beside a draft head, which cannot decode alone); None: ``drafter``.
         route: the default route; ``route_estimates``: the measured costs of the routes
             (:class:`edge_client.generation.route_cost.RouteEstimates`, kept across generations); ``route_switcher`` what
             decides switches within a session (:class:`edge_client.generation.routing.RouteSwitcher`; None = auto's).
@@ -43,6 +45,7 @@ class GenerationContext(Protocol):
     open_timeout_s: float
     fallback: str
     reconnect_interval_s: float
+    device_drafter: object
     route: str
     route_estimates: object
     route_switcher: object

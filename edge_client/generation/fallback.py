@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe", "decode_on_device", "decode_unverified", "cloud_probe_fn"]
+__all__ = ["FALLBACK_MODES", "DeviceDecoder", "CloudProbe", "decode_on_device", "decode_unverified", "cloud_probe_fn",
+           "device_drafter"]
 
 FALLBACK_MODES = ("none", "device")
 DEFAULT_CONTEXT_TOKENS = 2048  # context assumed for the draft when neither the verifier nor its config tells
@@ -204,6 +205,12 @@ class CloudProbe:
         self._stop.set()
 
 
+def device_drafter(client: GenerationContext) -> object:
+    """The drafter that decodes on the device: the client's standalone ``device_drafter`` when it has one (beside
+    a draft head), else its drafter."""
+    return client.drafter if client.device_drafter is None else client.device_drafter
+
+
 def decode_unverified(client: GenerationContext, run: Run, sampling: SamplingParams,
                       until: Callable[[], bool] | None = None) -> Iterator[Chunk]:
     """The device-only decode loop, the one both device decoding and the device fallback run: the draft alone,
@@ -214,7 +221,7 @@ def decode_unverified(client: GenerationContext, run: Run, sampling: SamplingPar
 
     Raises:
         InvalidRequestError: a grammar spec the draft's grammar engine refuses (structured output)."""
-    decoder = DeviceDecoder(client.drafter)
+    decoder = DeviceDecoder(device_drafter(client))
     max_context = run.max_context_tokens or decoder.max_context_tokens
     if len(run.committed) >= max_context:
         run.finish_reason = FinishReason.CONTEXT
@@ -244,7 +251,7 @@ def decode_on_device(client: GenerationContext, run: Run, sampling: SamplingPara
     Raises:
         ``error``: no device fallback (``client.fallback`` is "none", or the drafter cannot decode alone).
     """
-    if client.fallback != "device" or not DeviceDecoder.supports(client.drafter):
+    if client.fallback != "device" or not DeviceDecoder.supports(device_drafter(client)):
         raise error
     run.span_sessions(client.tokenizer)
     if not run.route.fallback:

@@ -66,7 +66,7 @@ def _start(client: GenerationContext, prompt_ids: list[int], sampling: SamplingP
             request needs (:func:`edge_client.drafting.contract.check_request`), before anything is sent."""
     run = Run(list(prompt_ids), stopping, TextOutput(client.tokenizer, stopping.stop_strings),
               committed=list(prompt_ids), route=start_route(client, route, fallback))
-    check_request(client.drafter, sampling, run.route.requested, client.fallback)
+    check_request(client.drafter, sampling, run.route.requested, client.fallback, client.device_drafter)
     if isinstance(client.drafter, TurnAware):  # the history-dependent processors count the output from here
         client.drafter.begin_turn(len(prompt_ids), stopping)
     if not sampling.greedy and sampling.seed is not None and isinstance(client.drafter, Resettable):
@@ -135,6 +135,12 @@ def generate(client: GenerationContext, prompt_ids: list[int], sampling: Samplin
     client.last_result = run.result(client.tokenizer, wire_stats, t0, failovers_of(client.backend) - failovers_before)
 
 
+def feature_request(client: GenerationContext):
+    """The features a draft head (``UsesFeatures``) asks for at open and with each turn; None for any other
+    drafter (nothing asked: the wire stays as it was)."""
+    return client.drafter.feature_request if isinstance(client.drafter, UsesFeatures) else None
+
+
 def _extend_kept(client: GenerationContext, run: Run, sampling: SamplingParams, keep: KeptSession,
                  rest: StoppingCriteria) -> tuple[SessionOpened | None, SamplingParams]:
     """Extend the kept session with the turn's new tokens; (None, sampling) when the verifier lost it
@@ -143,7 +149,7 @@ def _extend_kept(client: GenerationContext, run: Run, sampling: SamplingParams, 
     prev, keep.opened = keep.opened, None  # consumed: whatever happens now, a later turn does not reuse it
     try:
         request = ExtendRequest(prev.session_id, keep.committed_length, run.committed[keep.committed_length:],
-                                sampling, rest)
+                                sampling, rest, feature_request(client))
         opened = client.backend.extend_session(request, timeout_s=client.open_timeout_s)
     except (SessionNotFoundError, ConflictError, PreconditionError) as e:
         log.info("session %s cannot be extended (%s); re-opening it over the %d committed tokens",
@@ -170,8 +176,7 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
         # the delivered draft's (name, version) labels the verifier's per-version acceptance; a draft head asks
         # for the prompt's features (nothing else does: the wire stays as it was)
         name, version = getattr(client, "draft_version", None) or ("", "")
-        features = client.drafter.feature_request if isinstance(client.drafter, UsesFeatures) else None
-        labels = dict(draft_name=name, draft_version=version, features=features)
+        labels = dict(draft_name=name, draft_version=version, features=feature_request(client))
         if run.num_generated:  # a re-open mid-turn: the verifier counts the output so far as generated
             # (penalties, min_tokens and the turn's max_new_tokens), as the lost session did
             request = OpenRequest(list(run.committed), sampling, run.stopping, client.fingerprint,
@@ -180,6 +185,8 @@ def _open_session(client: GenerationContext, run: Run, sampling: SamplingParams,
             request = OpenRequest(list(run.committed), sampling, rest, client.fingerprint, **labels)
         opened = client.backend.open_session(request, timeout_s=client.open_timeout_s)
         run.first_seq = 1
+    if feature_request(client) is not None:  # the prefill's features, whichever route the session starts on
+        client.drafter.observe_features(run.committed, opened.features)
     run.session_ids.append(opened.session_id)
     run.max_context_tokens = opened.max_context_tokens
     return opened

@@ -38,8 +38,9 @@ from specdec_runtime.common.errors import InvalidRequestError
 from specdec_runtime.common.types import SamplingParams, SessionOpened
 from specdec_runtime.edge_client.transport.cloud_decode import can_stop, cloud_verdicts
 from specdec_runtime.edge_client.generation.context import GenerationContext
+from specdec_runtime.edge_client.drafting.contract import UsesFeatures
 from specdec_runtime.edge_client.drafting.prefill import DraftPrefill, can_prefill
-from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified
+from specdec_runtime.edge_client.generation.fallback import DeviceDecoder, decode_unverified, device_drafter
 from specdec_runtime.edge_client.generation.observation import BlockObservation
 from specdec_runtime.edge_client.generation.plan import SessionPlan
 from specdec_runtime.edge_client.generation.run import with_seed
@@ -329,8 +330,10 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
     max_tokens = rr.switcher.cloud_chunk_tokens(run)
     seq, t0 = run.first_seq, time.perf_counter()
     prefill, rr.hand_over = rr.prefill, None
+    heads = client.drafter if isinstance(client.drafter, UsesFeatures) else None  # a draft head reads them
     stream = cloud_verdicts(client.backend, opened.session_id, seq, len(run.committed), max_tokens,
-                            client.timeout_s, on_call=prefill.start if prefill is not None else None)
+                            client.timeout_s, on_call=prefill.start if prefill is not None else None,
+                            features=None if heads is None else heads.feature_request)
     if prefill is not None and not prefill.ready:  # ready while this stream runs: ask at once, from its thread
         prefill.on_ready = lambda: _ask_hand_over(client, run, stream)
     try:
@@ -338,6 +341,8 @@ def _cloud_segment(client: GenerationContext, run: "Run", opened: SessionOpened)
             now = time.perf_counter()
             tokens, reason = run.cut(verdict.committed_token_ids, verdict.finish_reason if verdict.finished else None)
             run.committed.extend(tokens)
+            if heads is not None:  # the features of the cloud's tokens: the head drafts on after a hand-over
+                heads.observe_features(run.committed, verdict.features)
             if verdict.logprobs is not None:  # asked for
                 run.logprobs.extend(verdict.logprobs[: len(tokens)])
             run.last_seq, run.session_committed = seq + i, verdict.committed_length
@@ -436,6 +441,6 @@ def decode_device(client: GenerationContext, run: "Run", sampling: SamplingParam
         InvalidRequestError: the client has no draft model that can decode alone (n-gram, target-only)."""
     if run.route.mode != "device":
         return
-    if not DeviceDecoder.supports(client.drafter):
+    if not DeviceDecoder.supports(device_drafter(client)):
         raise InvalidRequestError("route=device needs a draft model that decodes alone (not n-gram or none)")
     yield from decode_unverified(client, run, with_seed(sampling))

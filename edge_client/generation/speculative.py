@@ -106,8 +106,6 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
     bonus_drafted = plan.bonus_drafted
     tail = None  # the unjudged draft tokens of the last block (adaptive verification), sent again
     heads = client.drafter if isinstance(client.drafter, UsesFeatures) else None  # reads the target's features
-    if heads is not None:
-        heads.observe_features(committed, opened.features)
     for seq in itertools.count(run.first_seq):
         room = capacity - len(committed) - 1  # the verdict always adds one token of its own
         wanted = adaptive.next_num_speculative_tokens() if adaptive else max_num_speculative_tokens

@@ -48,17 +48,19 @@ def can_stop(backend: VerifierBackend) -> bool:
 
 def cloud_verdicts(backend: VerifierBackend, session_id: str, seq: int, committed_length: int,
                    max_tokens: int = 0, timeout_s: float = 60.0,
-                   on_call: Callable[[], None] | None = None) -> "CloudStream":
+                   on_call: Callable[[], None] | None = None, features=None) -> "CloudStream":
     """Verdicts of cloud decode from ``committed_length`` (the first step's seq: ``seq``), one per token, until
     ``max_tokens`` tokens (0: no limit), the session finishes, or :meth:`CloudStream.stop`. Closing the iterator
     cancels the call (the verifier stops at its next step; a step already in a forward pass is committed,
     GetSession shows it). ``on_call``: run once when the first request has been sent (the iteration starts it).
+    ``features``: a common.features.FeatureRequest (a draft head's): each verdict carries the target's feature of
+    the position it commits (``Verdict.features``; none for tokens read back from the store after a failover).
 
     Raises (while iterating):
         the verifier's errors (common.errors): SessionNotFoundError, InvalidRequestError, PreconditionError,
         RateLimitedError; VerifierUnavailableError when no connection recovers within the retry budget.
     """
-    return CloudStream(backend, session_id, seq, committed_length, max_tokens, timeout_s, on_call)
+    return CloudStream(backend, session_id, seq, committed_length, max_tokens, timeout_s, on_call, features)
 
 
 class CloudStream:
@@ -69,8 +71,9 @@ class CloudStream:
     block; after a failover the store's committed ids are read and nothing is resumed)."""
 
     def __init__(self, backend: VerifierBackend, session_id: str, seq: int, committed_length: int,
-                 max_tokens: int, timeout_s: float, on_call: Callable[[], None] | None = None):
+                 max_tokens: int, timeout_s: float, on_call: Callable[[], None] | None = None, features=None):
         self.session_id = session_id
+        self._features = features  # common.features.FeatureRequest or None (nothing asked: the wire unchanged)
         self._on_call = on_call
         self.stopping = False
         self._live: tuple[StreamsDecode, int, bool] | None = None  # the Decode call in progress (_one_stream)
@@ -119,7 +122,8 @@ class CloudStream:
 
         from specdec_runtime.edge_client.transport.errors import map_rpc_error
 
-        call = conn.decode(self.session_id, seq, committed_length, max_tokens)
+        asked = {} if self._features is None else {"features": self._features}
+        call = conn.decode(self.session_id, seq, committed_length, max_tokens, **asked)
         self._live = (conn, seq, False)  # (connection, first seq, answered)
         self._called()
         try:
@@ -181,7 +185,7 @@ class CloudStream:
         """One empty block per token through ``submit`` (a round trip each): a stop takes effect at once."""
         made = 0
         while (max_tokens == 0 or made < max_tokens) and not self.stopping:
-            sent = SentBlock(backend, self.session_id, seq, committed_length, DraftBlock([]))
+            sent = SentBlock(backend, self.session_id, seq, committed_length, DraftBlock([], features=self._features))
             self._called()
             verdict, _ = sent.wait(timeout_s)
             seq, committed_length, made = seq + 1, verdict.committed_length, made + 1

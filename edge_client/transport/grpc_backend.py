@@ -34,6 +34,7 @@ from concurrent.futures import Future
 import grpc
 
 from specdec_runtime.common.errors import SpecdecError, VerifierUnavailableError
+from specdec_runtime.common.feature_wire import feature_request_to_proto
 from specdec_runtime.common.keepalive import client_keepalive_options
 from specdec_runtime.common.types import DraftBlock, ExtendRequest, OpenRequest, SessionOpened, Verdict
 from specdec_runtime.common.wire import (
@@ -243,7 +244,7 @@ class GrpcBackend(VerifierBackend):
         ``open_timeout_s``: it prefills)."""
         self._check_open()
         message = extend_request_to_proto(request.session_id, request.committed_length, request.appended_token_ids,
-                                          request.sampling, request.stopping)
+                                          request.sampling, request.stopping, request.features)
         try:
             response = self._stub.ExtendSession(message, timeout=timeout_s or self.open_timeout_s,
                                                metadata=self._metadata)
@@ -301,12 +302,15 @@ class GrpcBackend(VerifierBackend):
                 return
         p.future.set_exception(VerifierUnavailableError(f"cannot open a verify stream to {self.address}"))
 
-    def decode(self, session_id: str, seq: int, committed_length: int, max_tokens: int = 0):
+    def decode(self, session_id: str, seq: int, committed_length: int, max_tokens: int = 0, features=None):
         """Cloud decode (specdec.v1 Decode): the streaming call itself, an iterator of wire Verdicts with
-        ``cancel()``; :mod:`edge_client.transport.cloud_decode` drives it (conversion, errors, failover)."""
+        ``cancel()``; :mod:`edge_client.transport.cloud_decode` drives it (conversion, errors, failover).
+        ``features``: a common.features.FeatureRequest (each verdict carries its position's), or None."""
         self._check_open()
         request = pb.DecodeRequest(session_id=session_id, seq=int(seq), committed_length=int(committed_length),
                                    max_tokens=int(max_tokens))
+        if features is not None:
+            request.features.CopyFrom(feature_request_to_proto(features))
         self.count_sent(session_id, request.ByteSize())
         return self._stub.Decode(request, metadata=self._metadata)
 

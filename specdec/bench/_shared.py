@@ -57,6 +57,8 @@ class VariantSample:
     target_forward_s: float = 0.0
     draft_s: float = 0.0
     num_proactive_hits: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted draft tokens by block position
+    drafted_per_pos: list[int] = field(default_factory=list)  # judged draft tokens by block position
 
 
 @dataclass
@@ -171,7 +173,8 @@ def sample_of(res, wall: float) -> VariantSample:
     s = res.stats
     return VariantSample(
         list(res.token_ids), wall, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-        s.target_forward_s, s.draft_s, s.num_proactive_hits,
+        s.target_forward_s, s.draft_s, s.num_proactive_hits, list(s.num_accepted_tokens_per_pos),
+        list(s.num_draft_tokens_per_pos),
     )
 
 
@@ -191,16 +194,25 @@ def greedy_agreement_of(results: list[PromptResult], variants: list[str], base: 
 
 
 def time_draft_forward(model, past_tokens: int = 100, repeats: int = 9) -> float:
-    """Median wall time of a one-token forward of the ONNX draft after ``past_tokens`` cached tokens, ms."""
+    """Median wall time of a one-token forward of the ONNX draft after ``past_tokens`` cached tokens, ms; of a
+    draft head (:class:`edge_client.drafting.head_model.OnnxHead`), one entry (a token and a feature) after as
+    many cached entries: one drafted token's step."""
     import numpy as np
+
+    width = getattr(model, "feature_request", None) and model.hidden_size  # a head: each entry has a feature
+
+    def forward(ids: list[int]):
+        if width:
+            return model.forward(ids, np.ones((len(ids), width), np.float32))
+        return model.forward(ids)
 
     model.reset()
     try:
-        model.forward([1] * past_tokens)
+        forward([1] * past_tokens)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            model.forward([1])
+            forward([1])
             times.append((time.perf_counter() - t) * 1000)
             model.rollback(past_tokens)
         return float(np.median(times))

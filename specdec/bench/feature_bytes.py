@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["measure_feature_bytes"]
+__all__ = ["feature_bytes_at", "measure_feature_bytes"]
 
 
 def _decode(backend, prompt: list[int], num_tokens: int, request) -> tuple[int, int]:
@@ -33,6 +33,25 @@ def _decode(backend, prompt: list[int], num_tokens: int, request) -> tuple[int, 
     return opened_bytes, total - opened_bytes
 
 
+def feature_bytes_at(address: str, layers: tuple[int, ...], num_tokens: int = 32,
+                     prompt: list[int] | None = None) -> dict:
+    """Bytes per committed token (and per prompt token) that features of ``layers`` add, float16 and int8, on
+    the verifier at ``address`` (gRPC): ``{encoding: {"bytes_per_committed_token", "bytes_per_prompt_token"}}``
+    plus ``verdict_bytes_per_token_without_features``."""
+    from specdec_runtime.common.features import FLOAT16, INT8, FeatureRequest
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+
+    prompt = prompt or list(range(100, 164))
+    with GrpcBackend(address) as backend:
+        base_open, base = _decode(backend, prompt, num_tokens, None)
+        out: dict = {"verdict_bytes_per_token_without_features": base / num_tokens}
+        for encoding in (FLOAT16, INT8):
+            opened, verdicts = _decode(backend, prompt, num_tokens, FeatureRequest(tuple(layers), encoding))
+            out[encoding] = {"bytes_per_committed_token": (verdicts - base) / num_tokens,
+                             "bytes_per_prompt_token": (opened - base_open) / (len(prompt) - 1)}
+    return out
+
+
 def measure_feature_bytes(target_dir=None, num_tokens: int = 32, prompt: list[int] | None = None) -> dict:
     """The measured figures (bytes per committed token and per prompt token, per layout and encoding) for the
     target in ``target_dir`` (default: the prepared SmolLM2-135M)."""
@@ -40,8 +59,6 @@ def measure_feature_bytes(target_dir=None, num_tokens: int = 32, prompt: list[in
     from specdec.models import default_model_paths
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
     from specdec_runtime.cloud_verifier.verifier import Verifier
-    from specdec_runtime.common.features import FLOAT16, INT8, FeatureRequest
-    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
 
     runner = TargetRunner(target_dir or default_model_paths().target_dir)
     n = runner.num_layers
@@ -49,15 +66,12 @@ def measure_feature_bytes(target_dir=None, num_tokens: int = 32, prompt: list[in
     layouts = {"last_hidden": (-1,), "eagle3_three_layers": (2, n // 2, n - 3)}
     out = {"target_hidden_size": int(runner.config.hidden_size), "num_tokens": num_tokens,
            "prompt_tokens": len(prompt), "layouts": {}}
-    with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address, GrpcBackend(address) as backend:
-        base_open, base = _decode(backend, prompt, num_tokens, None)
-        out["verdict_bytes_per_token_without_features"] = base / num_tokens
+    with EmbeddedServer(verifier=Verifier(runner), grace_s=1.0) as address:
         for name, layers in layouts.items():
-            for encoding in (FLOAT16, INT8):
-                opened, verdicts = _decode(backend, prompt, num_tokens, FeatureRequest(layers, encoding))
-                out["layouts"][f"{name}/{encoding}"] = {
-                    "bytes_per_committed_token": (verdicts - base) / num_tokens,
-                    "bytes_per_prompt_token": (opened - base_open) / (len(prompt) - 1)}
+            measured = feature_bytes_at(address, layers, num_tokens, prompt)
+            out["verdict_bytes_per_token_without_features"] = measured.pop("verdict_bytes_per_token_without_features")
+            for encoding, figures in measured.items():
+                out["layouts"][f"{name}/{encoding}"] = figures
     return out
 
 

@@ -13,7 +13,9 @@ def print_report(report: dict, console=None) -> None:
     if console is None:
         console = Console()
         console.width = max(console.width, 140)  # the tables are wide; piped output defaults to 80 columns
-    if "replay" in report:
+    if report.get("mode") == "drafts":
+        _print_drafts(report, console)
+    elif "replay" in report:
         from .replay import print_replay_report
 
         print_replay_report(report, console)
@@ -27,6 +29,28 @@ def print_report(report: dict, console=None) -> None:
         _print_spec_bench(report, console)
     for note in report.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")
+
+
+def _print_drafts(report: dict, console) -> None:
+    from rich.table import Table
+
+    base, fwd = report["target_only"]["tokens_per_s"], report["target_forward_ms"]["1_token"]
+    t = Table(title=f"Drafts side by side (greedy; target-only {fmt(base, '.1f')} tok/s, one-token forward "
+                    f"{fmt(fwd, '.1f')} ms)")
+    for col in ("draft", "γ", "acceptance", "τ", "per position", "draft ms/tok", "cost (run)", "cost c (step)",
+                "tok/s", "speedup", "predicted", "identical"):
+        t.add_column(col, justify="right")
+    for name, d in report["drafts"].items():
+        for mode in ("fixed", "adaptive"):
+            m = d[mode]
+            t.add_row(name, str(report["config"]["num_speculative_tokens"]) if mode == "fixed" else "adaptive",
+                      fmt(m["acceptance_rate"], ".3f"), fmt(m["mean_accepted_length"]),
+                      " ".join(fmt(a) for a in m["acceptance_per_position"]), fmt(m["draft_ms_per_token"]),
+                      fmt(m["draft_cost_ratio"], ".3f"), fmt(d["draft_step_cost_ratio"], ".3f"),
+                      fmt(m["tokens_per_s"], ".1f"),
+                      fmt(m["speedup_vs_target_only"]), fmt(m["predicted_speedup"]),
+                      "yes" if d["token_identical"] else "NO")
+    console.print(t)
 
 
 def _print_clients(report: dict, console) -> None:

@@ -65,6 +65,13 @@ class SlowDrafter:
     device. Everything else is the wrapped drafter's (the same tokens and draft_probs); the block's
     ``draft_ms`` is the slowed time (what the client measures the device by)."""
 
+    def __new__(cls, inner, slowdown: float):
+        # the concurrent prefill only where the inner drafter has one: a capability is asked with isinstance
+        # (edge_client.drafting.contract), so a wrapper must not claim one its drafter lacks (a draft head)
+        if cls is SlowDrafter and hasattr(inner, "prefill_step"):
+            cls = _PrefillingSlowDrafter
+        return super().__new__(cls)
+
     def __init__(self, inner, slowdown: float):
         if slowdown < 1:
             raise ValueError(f"draft slowdown must be >= 1, got {slowdown}")
@@ -79,6 +86,13 @@ class SlowDrafter:
                 block.draft_ms *= self.slowdown
         return block
 
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _PrefillingSlowDrafter(SlowDrafter):
+    """A :class:`SlowDrafter` of a drafter that prefills concurrently (cloud-first)."""
+
     def prefill_step(self, *args, **kwargs):
         """The inner drafter's concurrent prefill step, slowed alike (a slow device prefills slowly too)."""
         t0 = time.perf_counter()
@@ -86,9 +100,6 @@ class SlowDrafter:
         if self.slowdown > 1 and n:
             time.sleep((time.perf_counter() - t0) * (self.slowdown - 1))
         return n
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 # per warm-up generation: speculative and cloud in turn, one per prompt (the same for every route); 16 tokens
@@ -155,13 +166,13 @@ def _point(address: str, draft_model, prompts: list[list[int]], latency_ms: floa
     routes (short speculative and cloud generations, one per prompt: the channel, the draft, the prompts'
     prefill, the client's estimates of both routes — what a client learns once, not per request)."""
     from specdec_runtime.edge_client.client import EdgeClient
-    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec.models.named_drafts import drafter_for
     from specdec.netem import DirectionProfile, LinkProfile, WanProxy
 
     way = DirectionProfile(latency_ms, jitter_ms, bandwidth_kbps)
     with WanProxy(0, address, LinkProfile(way, way), seed=seed) as wan, GrpcBackend(wan.address) as backend:
-        drafter = SlowDrafter(ModelDrafter(draft_model), slowdown)
+        drafter = SlowDrafter(drafter_for(draft_model), slowdown)
         client = EdgeClient(backend, drafter, draft_model.tokenizer, num_speculative_tokens=num_speculative_tokens,
                             adaptive=True, proactive=True)
         t0 = time.perf_counter()
@@ -204,11 +215,11 @@ def _warm_process(address: str, draft_model, prompt_ids: list[int]) -> None:
     process's first forward passes (allocations, kernel choices) are slower, and the first point's warm-up would
     otherwise give its client estimates no later point's client sees."""
     from specdec_runtime.edge_client.client import EdgeClient
-    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
     from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec.models.named_drafts import drafter_for
 
     with GrpcBackend(address) as backend:
-        client = EdgeClient(backend, ModelDrafter(draft_model), draft_model.tokenizer, adaptive=True, proactive=True)
+        client = EdgeClient(backend, drafter_for(draft_model), draft_model.tokenizer, adaptive=True, proactive=True)
         for route in ("speculative", "cloud"):
             _generate(client, prompt_ids, route, WARMUP_TOKENS)
 
@@ -235,17 +246,18 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
     from specdec_runtime.cloud_verifier.verifier import Verifier
     from specdec_runtime.edge_client.client import encode_prompt
-    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
     from specdec.embedded import EmbeddedServer
+    from specdec.models.named_drafts import is_head_dir, load_draft_model
 
     from ._shared import resolve_dirs
 
     bad = [r for r in routes if r not in _ALLOWED_ROUTES]
     if bad:
         raise ValueError(f"--route for --wan: {', '.join(_ALLOWED_ROUTES)}, got {', '.join(bad)}")
-    target_dir, draft_dir = resolve_dirs(target, draft)
+    target_dir, draft_dir = resolve_dirs(target, None if draft is not None and is_head_dir(draft) else draft)
+    draft_dir = Path(draft) if draft is not None and is_head_dir(draft) else draft_dir
     threads = split_threads(split_cores)
-    draft_model = OnnxDraftModel(draft_dir, intra_op_num_threads=threads["draft"])
+    draft_model = load_draft_model(draft_dir, intra_op_num_threads=threads["draft"])
     ids = [encode_prompt(draft_model.tokenizer, p.prompt) for p in prompts]
     verifier = Verifier(TargetRunner(target_dir, device=device, dtype=dtype, num_threads=threads["target"]),
                         max_batch_wait_ms=1.0)
@@ -258,16 +270,31 @@ def run_wan_bench(prompts, one_way_ms: list[float], *, routes: tuple[str, ...] =
                                      max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
                                      jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, seed=seed,
                                      repeats=repeats))
-    report = {"mode": "wan", "routes": list(routes), "num_prompts": len(ids), "repeats": repeats,
+        feature_bytes = _feature_bytes(address, draft_model)
+    report = {"mode": "wan", "draft": str(draft_dir), "draft_kind": "head" if feature_bytes else "model",
+              "routes": list(routes), "num_prompts": len(ids), "repeats": repeats,
               "max_new_tokens": max_new_tokens, "threads": threads,
               "num_speculative_tokens": num_speculative_tokens, "jitter_ms": jitter_ms,
               "bandwidth_kbps": bandwidth_kbps, "points": points,
               "min_auto_vs_best": min((p["auto_vs_best"] for p in points if "auto_vs_best" in p), default=None),
               "greedy_identical": all(p["greedy_identical"] for p in points)}
+    if feature_bytes:
+        report["feature_bytes"] = feature_bytes
     if plot is not None:
         _plot(report, plot)
         report["plot"] = str(plot)
     return report
+
+
+def _feature_bytes(address: str, draft_model) -> dict | None:
+    """For a draft head: the bytes per committed token its features add on the wire, float16 and int8
+    (:func:`specdec.bench.feature_bytes.feature_bytes_at`, the head's own feature layers); None for a draft model."""
+    request = getattr(draft_model, "feature_request", None)
+    if request is None:
+        return None
+    from .feature_bytes import feature_bytes_at
+
+    return {"layers": list(request.layers), **feature_bytes_at(address, request.layers)}
 
 
 _STYLE = {"speculative": ("o", "-"), "cloud": ("s", "-"), "auto": ("^", "--"), "cloud-first": ("v", ":")}

@@ -1,4 +1,4 @@
-"""`specdec bench`: the benchmark modes (default, --clients [--replay], --gamma-sweep, --edge-cloud, --wan,
+"""`specdec bench`: the benchmark modes (default, --drafts, --clients [--replay], --gamma-sweep, --edge-cloud, --wan,
 --json-schema, --chaos)."""
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ WAN_REPEATS = typer.Option(1, "--wan-repeats", help="--wan: every prompt on ever
                            "(the routes rotated each time): less noise, proportionally longer")
 
 
+DRAFT = typer.Option(None, help="Draft: a directory or a prepared draft's name: int8, distilled, head (default: the "
+                     "prepared int8 draft); a draft head (`specdec models export-head`) in --wan only")
+DRAFTS = typer.Option(None, "--drafts", help="Prepared drafts side by side, e.g. int8,distilled,head (or draft "
+                      "directories): each at γ = -g and with adaptive γ against one target-only baseline, greedy; "
+                      "acceptance, draft cost, speedup measured and predicted (docs/benchmarks.md)")
 CHAOS = typer.Option(False, "--chaos", help="Every fault at once: its own Redis HA + `specdec serve` replicas + "
                      "WAN proxies on loopback, --sessions of mixed kinds for --duration-s, seeded faults, each "
                      "output checked against its reference; one JSON report (docs/benchmarks.md, Chaos)")
@@ -154,6 +159,55 @@ def _check_plot(plot) -> None:
         fail(f"--plot: no directory {plot.resolve().parent}")
 
 
+def _run_drafts(prompts, drafts, others, *, as_json: bool, device: str, dtype: str, gamma: int, **kwargs) -> None:
+    """`bench --drafts`: the named drafts side by side (specdec/bench/drafts.py), one JSON object on stdout (a
+    table without --json), or one line on a bad option or a draft that is not prepared."""
+    from specdec.bench import target_placement
+    from specdec.bench.drafts import parse_draft_names, run_drafts_bench
+    from specdec.bench.report import print_report
+
+    if any(o not in (None, False) for o in others):
+        fail("--drafts is a mode of its own (greedy; not --draft, --wan, --clients, --gamma-sweep, --edge-cloud, "
+             "--json-schema, --temperature)")
+    require_extra("tools", "specdec bench")
+    check_device(device, dtype)
+    try:
+        with target_placement(device, dtype):
+            report = run_drafts_bench(prompts, parse_draft_names(drafts), progress=not as_json,
+                                      num_speculative_tokens=gamma, **kwargs)
+    except (*user_errors(), ValueError, FileNotFoundError, ImportError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        print_report(report)
+
+
+def _processing(other_mode: bool, **flags) -> dict:
+    """The processing flags' settings (warnings logged from here on); one line when they come with a mode other than
+    the default benchmark."""
+    logging.basicConfig(level=logging.WARNING)
+    processing = processing_options(**flags, logprobs=None)
+    if processing and other_mode:
+        fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
+    return processing
+
+
+def _named_draft(draft: Optional[str]) -> Optional[Path]:
+    """``--draft``: a draft name (int8, distilled, head: specdec.models.named_drafts) or a directory; one line
+    when a named draft is not prepared."""
+    if draft is None:
+        return None
+    from specdec.models.named_drafts import DRAFT_NAMES, resolve_named_draft
+
+    if draft not in DRAFT_NAMES:
+        return Path(draft)
+    try:
+        return resolve_named_draft(draft)
+    except user_errors() as e:
+        fail(str(e))
+
+
 def _run_wan(prompts, wan, route, **kwargs) -> None:
     """`bench --wan`: the routes side by side behind the WAN proxy, one JSON object on stdout (or one line on a
     bad option)."""
@@ -190,7 +244,7 @@ def bench(
     adaptive: bool = typer.Option(True, "--adaptive/--fixed-gamma", help="--edge-cloud: adaptive γ (≤ -g) or fixed -g"),
     pin: bool = typer.Option(True, "--pin/--no-pin", help="--edge-cloud: pin edge and verifier to separate cores"),
     target: Optional[Path] = typer.Option(None),
-    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    draft: Optional[str] = DRAFT, drafts: Optional[str] = DRAFTS,
     no_hf: bool = typer.Option(False, "--no-hf", help="Skip HF assisted generation"),
     temperature: float = typer.Option(0.0, help="Sampling temperature of all three variants (0 = greedy)"),
     top_k: int = typer.Option(0, "--top-k", help="Top-k of all variants (0 = off)"),
@@ -202,8 +256,7 @@ def bench(
     device: str = typer.Option("auto", help=f"Target device (every mode; HF assisted stays on CPU): {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype: {DTYPE_HELP}"),
     as_json: bool = typer.Option(False, "--json"),
-    wan: Optional[str] = WAN,
-    route: Optional[str] = ROUTE,
+    wan: Optional[str] = WAN, route: Optional[str] = ROUTE,
     jitter_ms: float = JITTER_MS,
     bandwidth_kbps: float = BANDWIDTH_KBPS,
     draft_slowdown: str = DRAFT_SLOWDOWN,
@@ -217,21 +270,24 @@ def bench(
     min_p: float = MIN_P, chaos: bool = CHAOS,
     store: str = STORE, sessions: int = SESSIONS, replicas: int = REPLICAS, kv_tokens: Optional[int] = KV_TOKENS,
 ):
-    """Benchmark target-only vs specdec vs HF assisted; or --clients/--gamma-sweep/--edge-cloud/--wan/--json-schema."""
+    """Benchmark target-only vs specdec vs HF assisted; or --drafts/--clients/--gamma-sweep/--edge-cloud/--wan/..."""
     from specdec_runtime.common.types import SamplingParams
     from specdec import bench as bench_mod
-    logging.basicConfig(level=logging.WARNING)
-    processing = processing_options(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,  # all
-        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
-    if processing and (wan is not None or clients or gamma_sweep or edge_cloud or json_schema or chaos):
-        fail("the processing flags (--repetition-penalty ... --min-p) go with the default benchmark")
+    processing = _processing(wan is not None or clients or gamma_sweep or edge_cloud or json_schema or chaos or drafts,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p)
+    if drafts is not None:  # its own mode: specdec/bench/drafts.py
+        return _run_drafts(prompts, drafts, (draft, wan, clients, gamma_sweep, edge_cloud, json_schema, chaos,
+                                             temperature or None), as_json=as_json, device=device, dtype=dtype,
+                           limit=limit, target=target, max_new_tokens=max_new_tokens, gamma=num_speculative_tokens)
     if chaos:  # its own mode: specdec/bench/chaos/ (--chaos in the help of its options)
         return _run_chaos((wan, clients, gamma_sweep, edge_cloud, json_schema), store, sessions, duration_s, seed,
-                          target, draft, replicas, kv_tokens, plot)
+                          target, _named_draft(draft), replicas, kv_tokens, plot)
     if wan is not None:  # its own mode: specdec/bench/wan.py
         return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
-                        jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, target=target, draft=draft, device=device)
+                        jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, target=target, device=device,
+                        draft=_named_draft(draft))
     client_counts = _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s,
                                          device, dtype, json_schema, verify_policy)
     try:
@@ -239,11 +295,10 @@ def bench(
             report = _run_mode(
                 bench_mod, prompts, client_counts, replay=replay, duration_s=duration_s, gamma_sweep=gamma_sweep,
                 cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema, edge_cloud=edge_cloud,
-                verify_policies=verify_policy,
-                delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence, pin=pin, plot=plot, limit=limit,
-                max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, target=target,
-                draft=draft, no_hf=no_hf, sampling=SamplingParams(temperature, top_k, top_p, seed, **processing),
-                progress=not as_json)
+                verify_policies=verify_policy, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
+                pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens, target=target, no_hf=no_hf,
+                draft=_named_draft(draft), num_speculative_tokens=num_speculative_tokens, progress=not as_json,
+                sampling=SamplingParams(temperature, top_k, top_p, seed, **processing))
     except (*user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         fail(str(e))
     _emit(bench_mod, report, as_json=as_json or json_schema is not None)  # the structured report has no tables

@@ -60,6 +60,9 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
         fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
+    if fallback == "device" and draft is not None and (Path(draft) / "head.json").is_file():
+        fail(f"--fallback device needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
+             "verifier's features): give an ONNX draft, or set EdgeClient(device_drafter=...) beside the head")
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:

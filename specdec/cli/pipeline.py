@@ -113,17 +113,11 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
         from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
 
         return NgramDrafter()
-    from specdec_runtime.edge_client.drafting.head_model import OnnxHead
-
-    if isinstance(draft_model, OnnxHead):  # a draft head: it drafts from the verifier's features
-        from specdec_runtime.edge_client.drafting.head import HeadDrafter
-
-        return HeadDrafter(draft_model, draft_top_k=draft_top_k)
     from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
-    from specdec_runtime.edge_client.drafting.drafter import ModelDrafter
+    from specdec.models.named_drafts import drafter_for
 
-    return ModelDrafter(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid,
-                        prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
+    return drafter_for(draft_model, draft_top_k=draft_top_k, valid_vocab_size=valid,  # a head: HeadDrafter
+                       prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
 
 
 def _load_draft(draft: Path | None, defaults, wanted: bool):
@@ -132,10 +126,10 @@ def _load_draft(draft: Path | None, defaults, wanted: bool):
     from specdec_runtime.common.paths import resolve_draft_dir
     from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
 
-    if draft is not None and (Path(draft) / "head.json").is_file():
-        from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+    from specdec.models.named_drafts import is_head_dir, load_draft_model
 
-        return OnnxHead(draft)
+    if draft is not None and is_head_dir(draft):
+        return load_draft_model(draft)
     return OnnxDraftModel(resolve_draft_dir(draft or defaults.draft_dir)) if wanted else None
 
 

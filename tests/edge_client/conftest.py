@@ -29,6 +29,7 @@ class PlainContext:
     open_timeout_s: float = 60.0
     fallback: str = "none"
     reconnect_interval_s: float = 0.2
+    device_drafter: object = None
     route: str = "speculative"
     route_estimates: object = None
     route_switcher: object = None
