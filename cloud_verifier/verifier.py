@@ -291,16 +291,9 @@ class Verifier:
         r = session.record
         return SessionOpened.of(self.info, r.session_id, r.committed_length, r.seed, take_prompt_features(session))
 
-    async def extend_session(
-        self,
-        session_id: str,
-        committed_length: int,
-        appended_token_ids: list[int],
-        sampling: SamplingParams | None = None,
-        stopping: StoppingCriteria | None = None,
-        tenant_id: str = "",
-        features=None,
-    ) -> SessionOpened:
+    async def extend_session(self, session_id: str, committed_length: int, appended_token_ids: list[int],
+                             sampling: SamplingParams | None = None, stopping: StoppingCriteria | None = None,
+                             tenant_id: str = "", features=None) -> SessionOpened:
         """Continue a finished (or not started) session of ``tenant_id`` with the next turn of a conversation:
         append ``appended_token_ids`` to its committed ids, prefill only those (chunked, interleaved with verify
         steps; the KV cache of the conversation so far is kept), reset its stopping state (``max_new_tokens``
