@@ -116,6 +116,7 @@ def draft_train_head(
     epochs: int = typer.Option(2), ttt_steps: int = typer.Option(4, help="Training-time test steps"),
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
     random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
+    answers_only: bool = typer.Option(False, help="Learn on the answers' positions only, not the prompts' too"),
 ):
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
@@ -130,7 +131,7 @@ def draft_train_head(
     result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
                         epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
-                        data_time_budget_s=data_time_budget,
+                        data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
                         progress=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result))
 

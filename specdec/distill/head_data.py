@@ -23,12 +23,14 @@ __all__ = ["HeadSequence", "load_prompt_texts", "target_answers", "target_featur
 class HeadSequence:
     """One training sequence: ``ids`` [L] (chat-templated prompt, then the target's greedy answer from
     ``answer_start``), ``features`` float16 [L - 1, k·H] (the target's hidden states at the head's layers,
-    positions 0 .. L-2, concatenated), ``labels`` int64 [L] (the target's argmax next token at each position)."""
+    positions 0 .. L-2, concatenated), ``labels`` int64 [L] (the target's argmax next token at each position);
+    ``loss_start``: the first entry the training loss counts (set by the trainer)."""
 
     ids: list[int]
     answer_start: int
     features: object = None
     labels: object = None
+    loss_start: int = 0
 
 
 def data_cache_dir() -> Path:
@@ -80,7 +82,8 @@ def target_answers(target, tok, target_dir, prompts_path, num_prompts: int, max_
                    max_new_tokens: int, batch_size: int = 16, time_budget_s: float | None = None,
                    progress: Callable[[str], None] = print) -> list[HeadSequence]:
     """The target's greedy answers to the first ``num_prompts`` prompts of ``prompts_path``, as sequences
-    without features. Cached per batch (see the module docstring): an interrupted or budget-cut run resumes
+    without features; prompts left unanswered (``time_budget_s``) follow as prompt-only sequences
+    (``answer_start`` = their length). Cached per batch (see the module docstring): an interrupted or budget-cut run resumes
     where it stopped; ``time_budget_s`` stops generating (the batches done are used) once spent."""
     key = hashlib.sha256(json.dumps([str(Path(target_dir).resolve()), str(Path(prompts_path).resolve()),
                                      Path(prompts_path).stat().st_size, num_prompts, max_prompt_tokens,
@@ -101,7 +104,8 @@ def target_answers(target, tok, target_dir, prompts_path, num_prompts: int, max_
             f.writelines(json.dumps(r) + "\n" for r in new)
         rows.extend(new)
         progress(f"answers: {len(rows)}/{len(prompts)} prompts ({time.monotonic() - t0:.0f} s)")
-    return [HeadSequence(r["ids"], r["answer_start"]) for r in rows]
+    unanswered = [HeadSequence(p, len(p)) for p in prompts[len(rows):]]  # prompt text only: cheap context data
+    return [HeadSequence(r["ids"], r["answer_start"]) for r in rows] + unanswered
 
 
 def target_features(target, sequences: list[HeadSequence], layers: list[int], batch_size: int = 16,

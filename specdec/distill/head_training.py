@@ -126,13 +126,22 @@ def torch_cat(parts):
     return torch.cat(parts, -1)
 
 
+def _common_prefix(sequences: list[list[int]]) -> int:
+    first = sequences[0] if sequences else []
+    n = len(first)
+    for seq in sequences[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], seq)) if a != b), min(n, len(seq)))
+    return n
+
+
 def _draft_vocab(sequences, vocab_size: int, draft_vocab: int):
-    """The ``draft_vocab`` target ids most often the target's argmax on the answers (ties: lowest id), sorted."""
+    """The ``draft_vocab`` target ids most often the target's argmax where the loss counts (ties: lowest id),
+    sorted."""
     import torch
 
     counts = torch.zeros(vocab_size)
     for s in sequences:
-        counts += torch.bincount(s.labels[max(s.answer_start - 1, 0):], minlength=vocab_size)[:vocab_size].float()
+        counts += torch.bincount(s.labels[s.loss_start + 1:], minlength=vocab_size)[:vocab_size].float()
     counts += torch.arange(vocab_size, 0, -1).float() * 1e-9  # deterministic ties
     return torch.sort(torch.topk(counts, min(draft_vocab, vocab_size)).indices).values
 
@@ -163,12 +172,12 @@ def init_from_target(head: TrainableHead, target, vocab_ids, layers: list[int]) 
 
 
 def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree, seen):
-    """The TTT loss of one sequence: per step k, cross-entropy against the target's argmax at the answer's
-    positions (the prompt's entries are context only), weighted 0.8^k; counts top-1 agreement per step."""
+    """The TTT loss of one sequence: per step k, cross-entropy against the target's argmax from entry
+    ``s.loss_start`` on (earlier entries are context only), weighted 0.8^k; counts top-1 agreement per step."""
     import torch
 
     ids = torch.tensor(s.ids)
-    outs = head.steps(embed[ids], s.features.float(), theta, ttt_steps, first=max(s.answer_start - 2, 0))
+    outs = head.steps(embed[ids], s.features.float(), theta, ttt_steps, first=s.loss_start)
     loss = 0.0
     for k, (begin, logits) in enumerate(outs):
         labels = to_draft[s.labels[begin + 1 + k: begin + 1 + k + logits.shape[0]]]
@@ -183,13 +192,16 @@ def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree
 def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max_prompt_tokens: int = 160,
                max_new_tokens: int = 64, draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 4,
                lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
-               data_time_budget_s: float | None = None, progress: Callable[[str], None] = print) -> dict:
+               data_time_budget_s: float | None = None, prompt_positions: bool = True,
+               progress: Callable[[str], None] = print) -> dict:
     """Train an EAGLE-3 head for the HF target in ``target_dir`` on its greedy answers to the first
     ``num_prompts`` prompts of ``prompts_path`` (jsonl with a ``prompt`` field; :mod:`specdec.distill.head_data`);
     write the checkpoint (config.json, model.safetensors, training.json) into ``out_dir``; return the curve: per
     epoch the mean loss and the top-1 agreement with the target's argmax at each TTT step on the answers (a proxy
     of greedy acceptance at draft position k + 1), and the seconds it took. ``data_time_budget_s`` caps the
-    answers' generation (the cached batches are used)."""
+    answers' generation (the cached batches are used; the prompts left unanswered count as prompt-only
+    sequences); ``prompt_positions``: learn the target's argmax on the prompt's tokens too (past the chat
+    template's fixed preamble), not only on the answers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,12 +217,18 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     data = target_answers(target, tok, target_dir, prompts_path, num_prompts, max_prompt_tokens, max_new_tokens,
                           generate_batch_size, data_time_budget_s, progress)
     data = target_features(target, data, layers, progress=progress)
+    preamble = _common_prefix([s.ids for s in data])  # the chat template's fixed system turn: nothing to learn
+    for s in data:  # answers: from their first token; with prompt_positions, the prompt's own tokens too
+        s.loss_start = max(min(preamble if prompt_positions else s.answer_start, s.answer_start) - 2, 0)
+    data = [s for s in data if len(s.ids) - s.loss_start > 3]
     vocab_size = target.get_input_embeddings().weight.shape[0]
     vocab_ids = _draft_vocab(data, vocab_size, draft_vocab)
     to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     answer_tokens = sum(len(s.ids) - s.answer_start for s in data)
-    progress(f"data: {len(data)} sequences, {answer_tokens} answer tokens, {time.monotonic() - t0:.0f} s")
+    loss_tokens = sum(len(s.ids) - 1 - s.loss_start for s in data)
+    progress(f"data: {len(data)} sequences, {answer_tokens} answer tokens, {loss_tokens} trained positions, "
+             f"{time.monotonic() - t0:.0f} s")
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
     head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
                          len(vocab_ids))
@@ -242,7 +260,8 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
         progress(f"epoch {epoch + 1}/{epochs}: loss {point['loss']:.3f}, top-1 agreement per draft position "
                  + ", ".join(f"{x:.3f}" for x in point["top1_per_step"]) + f" ({point['s']:.0f} s)")
     _save(head, vocab_ids, vocab_size, cfg, theta, Path(out_dir), {"curve": curve, "prompts": str(prompts_path),
-          "sequences": len(data), "answer_tokens": answer_tokens, "seconds": time.monotonic() - t0},
+          "sequences": len(data), "answer_tokens": answer_tokens,
+          "trained_positions": loss_tokens, "seconds": time.monotonic() - t0},
           embedding_sha256(target.get_input_embeddings().weight))
     return {"curve": curve, "seconds": time.monotonic() - t0}
 
