@@ -106,10 +106,17 @@ def draft_train_head(
     out_dir: Path = typer.Argument(..., help="Output: an EAGLE-3 checkpoint (config.json, model.safetensors)"),
     train_prompts: Path = typer.Option(..., help="Training prompts (jsonl, 'prompt' field; never the benchmark set)"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
-    num_prompts: int = typer.Option(200, help="Prompts used (the file's first N)"),
-    max_tokens: int = typer.Option(96, help="Tokens per training sequence (chat template applied)"),
-    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the most frequent target tokens of the data"),
-    epochs: int = typer.Option(2), ttt_steps: int = typer.Option(3, help="Training-time test steps"),
+    num_prompts: int = typer.Option(480, help="Prompts read (the file's first N; longer ones than "
+                                     "--max-prompt-tokens are skipped)"),
+    max_prompt_tokens: int = typer.Option(160, help="Longest chat-templated prompt kept"),
+    max_new_tokens: int = typer.Option(64, help="Tokens of the target's greedy answer per prompt"),
+    data_time_budget: Optional[float] = typer.Option(None, help="Seconds of answer generation at most (the "
+                                                     "cached answers are used)"),
+    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the target's most frequent answer tokens"),
+    epochs: int = typer.Option(2), ttt_steps: int = typer.Option(4, help="Training-time test steps"),
+    lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
+    random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
+    answers_only: bool = typer.Option(False, help="Learn on the answers' positions only, not the prompts' too"),
 ):
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
@@ -122,7 +129,9 @@ def draft_train_head(
 
     quiet_transformers()
     result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
-                        max_tokens=max_tokens, draft_vocab=draft_vocab, epochs=epochs, ttt_steps=ttt_steps,
+                        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
+                        epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
+                        data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
                         progress=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result))
 

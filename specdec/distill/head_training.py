@@ -3,15 +3,17 @@ distributions, with EAGLE-3's training-time test (Li et al. 2025, "EAGLE-3: Scal
 Large Language Models via Training-Time Test"), and write it in the layout EAGLE-3's authors publish, so that
 ``specdec models export-head`` (:mod:`specdec.models.head_export`) converts it like any published head.
 
-Data: the prompt texts of the training prompts file (never the benchmark prompts), chat template applied,
-truncated to ``max_tokens``. Per sequence the target runs once (no grad): its hidden states at EAGLE-3's three
-layers (concatenated: the head's fc fuses them) and its next-token distribution at every position, restricted to
-the draft vocabulary (the ``draft_vocab`` most frequent target tokens of the data; ``d2t`` maps them back).
+Data (:mod:`specdec.distill.head_data`): the target's own greedy answers to the training prompts (never the
+benchmark prompts), chat template applied; per sequence the target runs once more (no grad) for its hidden states
+at EAGLE-3's three layers (concatenated: the head's fc fuses them) and its argmax next token at every position.
+The loss is the cross-entropy against that argmax on the answer's positions, on the draft vocabulary (the
+``draft_vocab`` tokens most often the target's argmax on the answers; ``d2t`` maps them back; an argmax outside
+it is not counted). The head starts from the target's last decoder layer, final norm and LM head rows
+(:func:`init_from_target`).
 
 Training-time test: step 0 feeds entry t = (x_{t+1}, fc(f_t)) and learns p_target(x_{t+2} | x_≤t+1); step k feeds
 (x_{t+1+k}, h^{k-1}_t), the head's own output of step k-1, attending to the step-0 entries 0..t and to its own
-entries of steps 1..k at t, as drafting does at its k-th token; the loss of step k is the cross-entropy against
-p_target(· | x_≤t+1+k) on the draft vocabulary, weighted 0.8^k as in EAGLE-3.
+entries of steps 1..k at t, as drafting does at its k-th token; the loss of step k is weighted 0.8^k as in EAGLE-3.
 """
 
 from __future__ import annotations
@@ -76,34 +78,44 @@ class TrainableHead:
         return (_rope(q, pos, theta), _rope(k, pos, theta).repeat_interleave(groups, 0),
                 v.repeat_interleave(groups, 0))
 
-    def steps(self, emb_seq, target_features, theta: float, num_steps: int):
-        """The head's logits [n - k, draft_vocab] of each TTT step k for a sequence of L tokens: ``emb_seq`` the
-        target's embeddings [L, H], ``target_features`` [L - 1, 3H] (positions 0 .. L-2), n = L - 1 entries."""
+    def steps(self, emb_seq, target_features, theta: float, num_steps: int, first: int = 0):
+        """The head's logits of each TTT step k for a sequence of L tokens: ``emb_seq`` the target's embeddings
+        [L, H], ``target_features`` [L - 1, k·H] (positions 0 .. L-2), so n = L - 1 entries. Only entries from
+        ``first`` on are drafted from (earlier ones are attended to as context): a list of (first, logits
+        [n - first - k, draft_vocab]) per step k; row r is entry first + r fed token x_{first+r+1+k}."""
         import torch
 
         w, n = self.params, target_features.shape[0]
-        feat, keys, values, outs = target_features @ w["fc.weight"].T, [], [], []
+        first = min(max(int(first), 0), n - 1)
+        fused = target_features @ w["fc.weight"].T
+        q0, k0, v0 = self._qkv(emb_seq[1: 1 + n], fused, torch.arange(n), theta)
+        keys, values, outs, feat = [k0], [v0], [], fused[first:]
+        scale = 1.0 / math.sqrt(self.d)
         for k in range(num_steps):
-            m = n - k  # entries t = 0..m-1 have token x_{t+1+k}
-            emb = emb_seq[1 + k: 1 + k + m]
-            q, kk, vv = self._qkv(emb, feat[:m], torch.arange(m) + k, theta)
-            keys.append(kk)
-            values.append(vv)
-            scale = 1.0 / math.sqrt(self.d)
-            s0 = (q @ keys[0][:, :m].transpose(1, 2)) * scale  # [H, m, m] step-0 entries, causal
-            s0 = s0.masked_fill(torch.triu(torch.ones(m, m, dtype=torch.bool), 1), float("-inf"))
+            m = n - first - k  # rows: entries first .. n-1-k
+            if m <= 0:
+                break
+            if k == 0:
+                q = q0[:, first:]
+            else:
+                emb = emb_seq[1 + k + first: 1 + k + first + m]
+                q, kk, vv = self._qkv(emb, feat[:m], torch.arange(first, first + m) + k, theta)
+                keys.append(kk)
+                values.append(vv)
+            s0 = (q @ keys[0][:, :first + m].transpose(1, 2)) * scale  # [heads, m, first + m]: causal step 0
+            future = torch.arange(first + m)[None, :] > (torch.arange(m) + first)[:, None]
+            s0 = s0.masked_fill(future, float("-inf"))
             diag = [(q * keys[j][:, :m]).sum(-1, keepdim=True) * scale for j in range(1, k + 1)]
             att = torch.cat([s0, *diag], -1).softmax(-1)
-            out = att[..., :m] @ values[0][:, :m]
+            out = att[..., :first + m] @ values[0][:, :first + m]
             for j in range(1, k + 1):
-                out = out + att[..., m + j - 1: m + j] * values[j][:, :m]
-            attn = out.transpose(0, 1).reshape(m, -1) @ w["midlayer.self_attn.o_proj.weight"].T
-            h = feat[:m] + attn
+                out = out + att[..., first + m + j - 1: first + m + j] * values[j][:, :m]
+            h = feat[:m] + out.transpose(0, 1).reshape(m, -1) @ w["midlayer.self_attn.o_proj.weight"].T
             mm = _rms(h, w["midlayer.post_attention_layernorm.weight"])
             mm = (torch.nn.functional.silu(mm @ w["midlayer.mlp.gate_proj.weight"].T)
                   * (mm @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
             h = h + mm
-            outs.append(_rms(h, w["norm.weight"]) @ w["lm_head.weight"].T)
+            outs.append((first, _rms(h, w["norm.weight"]) @ w["lm_head.weight"].T))
             feat = h
         return outs
 
@@ -114,47 +126,87 @@ def torch_cat(parts):
     return torch.cat(parts, -1)
 
 
-def _load_texts(path: Path, limit: int) -> list[str]:
-    texts = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                texts.append(str(json.loads(line)["prompt"]))
-            if len(texts) >= limit:
-                break
-    return texts
+def _common_prefix(sequences: list[list[int]]) -> int:
+    first = sequences[0] if sequences else []
+    n = len(first)
+    for seq in sequences[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], seq)) if a != b), min(n, len(seq)))
+    return n
 
 
-def _target_data(target, tok, texts: list[str], max_tokens: int, layers: list[int]):
-    """Per text: (token ids [L], concatenated features [L - 1, 3H], target probs [L, V]) (no grad)."""
+def _draft_vocab(sequences, vocab_size: int, draft_vocab: int):
+    """The ``draft_vocab`` target ids most often the target's argmax where the loss counts (ties: lowest id),
+    sorted."""
     import torch
 
-    out = []
-    for text in texts:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                       tokenize=False)
-        ids = list(tok(chat, add_special_tokens=False).input_ids)[:max_tokens]
-        if len(ids) < 4:
+    counts = torch.zeros(vocab_size)
+    for s in sequences:
+        counts += torch.bincount(s.labels[s.loss_start + 1:], minlength=vocab_size)[:vocab_size].float()
+    counts += torch.arange(vocab_size, 0, -1).float() * 1e-9  # deterministic ties
+    return torch.sort(torch.topk(counts, min(draft_vocab, vocab_size)).indices).values
+
+
+def init_from_target(head: TrainableHead, target, vocab_ids, layers: list[int]) -> None:
+    """Start the head from the target: its decoder layer from the target's last one (q/k/v read the feature
+    half of the head's input), ``fc`` picking the highest feature layer, ``norm`` and the draft vocabulary's
+    ``lm_head`` rows the target's own. The head then starts in the target's feature space instead of at random
+    (EAGLE's heads share the target's LM head for the same reason)."""
+    import torch
+
+    w, last, hidden = head.params, target.model.layers[-1], head.hidden
+    sd = {k: v.detach().float() for k, v in last.state_dict().items()}
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            p = w[f"midlayer.self_attn.{name}.weight"]
+            p.zero_()
+            p[:, hidden:] = sd[f"self_attn.{name}.weight"]
+        w["midlayer.hidden_norm.weight"].copy_(sd["input_layernorm.weight"])
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            w[f"midlayer.{name}.weight"].copy_(sd[f"{name}.weight"])
+        w["midlayer.post_attention_layernorm.weight"].copy_(sd["post_attention_layernorm.weight"])
+        w["norm.weight"].copy_(target.model.norm.weight.detach().float())
+        w["lm_head.weight"].copy_(target.lm_head.weight.detach().float()[vocab_ids])
+        top = max(range(len(layers)), key=lambda i: layers[i])
+        w["fc.weight"].zero_()
+        w["fc.weight"][:, top * hidden:(top + 1) * hidden] = torch.eye(hidden)
+
+
+def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree, seen):
+    """The TTT loss of one sequence: per step k, cross-entropy against the target's argmax from entry
+    ``s.loss_start`` on (earlier entries are context only), weighted 0.8^k; counts top-1 agreement per step."""
+    import torch
+
+    ids = torch.tensor(s.ids)
+    outs = head.steps(embed[ids], s.features.float(), theta, ttt_steps, first=s.loss_start)
+    loss = 0.0
+    for k, (begin, logits) in enumerate(outs):
+        labels = to_draft[s.labels[begin + 1 + k: begin + 1 + k + logits.shape[0]]]
+        if int((labels >= 0).sum()) == 0:
             continue
-        with torch.inference_mode():  # index i: the input of layer i; num_hidden_layers: the final normed state
-            o = target.model(torch.tensor([ids]), output_hidden_states=True)
-            states = list(o.hidden_states[: target.config.num_hidden_layers]) + [o.last_hidden_state]
-            probs = target.lm_head(o.last_hidden_state)[0].float().softmax(-1)
-        feats = torch.cat([states[i][0] for i in layers], -1)[:-1]
-        out.append((ids, feats.clone(), probs.clone()))
-    return out
+        loss = loss + 0.8 ** k * torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1)
+        agree[k] += int((logits.argmax(-1) == labels).sum())
+        seen[k] += logits.shape[0]
+    return loss
 
 
-def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 200, max_tokens: int = 96,
-               draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 3, lr: float = 3e-3,
+def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max_prompt_tokens: int = 160,
+               max_new_tokens: int = 64, draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 4,
+               lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
+               data_time_budget_s: float | None = None, prompt_positions: bool = True,
                progress: Callable[[str], None] = print) -> dict:
-    """Train an EAGLE-3 head for the HF target in ``target_dir`` on the first ``num_prompts`` prompts of
-    ``prompts_path`` (jsonl with a ``prompt`` field); write the checkpoint (config.json, model.safetensors) into
-    ``out_dir``; return the curve: per epoch the mean loss and the top-1 agreement with the target's argmax at
-    each TTT step (a proxy of greedy acceptance at draft position k + 1), and the seconds it took."""
+    """Train an EAGLE-3 head for the HF target in ``target_dir`` on its greedy answers to the first
+    ``num_prompts`` prompts of ``prompts_path`` (jsonl with a ``prompt`` field; :mod:`specdec.distill.head_data`);
+    write the checkpoint (config.json, model.safetensors, training.json) into ``out_dir``; return the curve: per
+    epoch the mean loss and the top-1 agreement with the target's argmax at each TTT step on the answers (a proxy
+    of greedy acceptance at draft position k + 1), and the seconds it took. ``data_time_budget_s`` caps the
+    answers' generation (the cached batches are used; the prompts left unanswered count as prompt-only
+    sequences); ``prompt_positions``: learn the target's argmax on the prompt's tokens too (past the chat
+    template's fixed preamble), not only on the answers."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.distill.head_data import target_answers, target_features
+    from specdec.models.head_export import embedding_sha256
 
     t0 = time.monotonic()
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -162,53 +214,76 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 200, max
     cfg = target.config
     n = cfg.num_hidden_layers
     layers = [min(2, n), n // 2, max(n - 3, 0)]  # the inputs of those layers: specdec.models.head_export's
-    data = _target_data(target, tok, _load_texts(Path(prompts_path), num_prompts), max_tokens, layers)
-    counts = torch.zeros(target.get_input_embeddings().weight.shape[0])
-    for ids, _, _ in data:
-        counts += torch.bincount(torch.tensor(ids), minlength=len(counts))[: len(counts)]
-    probs_mass = sum(p.sum(0) for _, _, p in data)
-    vocab_ids = torch.sort(torch.topk(counts + probs_mass, draft_vocab).indices).values
-    progress(f"data: {len(data)} sequences, {sum(len(d[0]) for d in data)} tokens, {time.monotonic() - t0:.0f} s")
+    data = target_answers(target, tok, target_dir, prompts_path, num_prompts, max_prompt_tokens, max_new_tokens,
+                          generate_batch_size, data_time_budget_s, progress)
+    data = target_features(target, data, layers, progress=progress)
+    preamble = _common_prefix([s.ids for s in data])  # the chat template's fixed system turn: nothing to learn
+    for s in data:  # answers: from their first token; with prompt_positions, the prompt's own tokens too
+        s.loss_start = max(min(preamble if prompt_positions else s.answer_start, s.answer_start) - 2, 0)
+    data = [s for s in data if len(s.ids) - s.loss_start > 3]
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    vocab_ids = _draft_vocab(data, vocab_size, draft_vocab)
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    answer_tokens = sum(len(s.ids) - s.answer_start for s in data)
+    loss_tokens = sum(len(s.ids) - 1 - s.loss_start for s in data)
+    progress(f"data: {len(data)} sequences, {answer_tokens} answer tokens, {loss_tokens} trained positions, "
+             f"{time.monotonic() - t0:.0f} s")
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
     head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
-                 draft_vocab)
+                         len(vocab_ids))
+    if init_from_target_layer:
+        init_from_target(head, target, vocab_ids, layers)
     embed = target.get_input_embeddings().weight.detach()
     opt = torch.optim.AdamW(head.params.values(), lr=lr, weight_decay=0.0)
+    total = max(epochs * len(data), 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50) * max(0.05, 1 - i / total))
     curve = []
     for epoch in range(epochs):
         losses, agree, seen = [], [0] * ttt_steps, [0] * ttt_steps
-        for i in torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist():
-            ids, feats, probs = data[i]
-            outs = head.steps(embed[torch.tensor(ids)], feats, theta, ttt_steps)
-            loss = 0.0
-            for k, logits in enumerate(outs):
-                p = probs[1 + k: 1 + k + logits.shape[0]][:, vocab_ids]
-                p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-                loss = loss + 0.8 ** k * -(p * logits.log_softmax(-1)).sum(-1).mean()
-                agree[k] += int((vocab_ids[logits.argmax(-1)] == probs[1 + k: 1 + k + logits.shape[0]].argmax(-1)).sum())
-                seen[k] += logits.shape[0]
+        for step, i in enumerate(torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()):
+            loss = _sequence_loss(head, embed, data[i], to_draft, theta, ttt_steps, agree, seen)
+            if not torch.is_tensor(loss):
+                continue
             opt.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.params.values(), 1.0)
             opt.step()
+            sched.step()
             losses.append(float(loss.detach()))
-        point = {"epoch": epoch + 1, "loss": sum(losses) / len(losses),
+            if step % 100 == 99:
+                progress(f"epoch {epoch + 1} step {step + 1}/{len(data)}: loss {sum(losses[-100:]) / len(losses[-100:]):.3f}"
+                         f" ({time.monotonic() - t0:.0f} s)")
+        point = {"epoch": epoch + 1, "loss": sum(losses) / max(len(losses), 1),
                  "top1_per_step": [a / max(s, 1) for a, s in zip(agree, seen)], "s": time.monotonic() - t0}
         curve.append(point)
         progress(f"epoch {epoch + 1}/{epochs}: loss {point['loss']:.3f}, top-1 agreement per draft position "
                  + ", ".join(f"{x:.3f}" for x in point["top1_per_step"]) + f" ({point['s']:.0f} s)")
-    out_dir = Path(out_dir)
+    _save(head, vocab_ids, vocab_size, cfg, theta, Path(out_dir), {"curve": curve, "prompts": str(prompts_path),
+          "sequences": len(data), "answer_tokens": answer_tokens,
+          "trained_positions": loss_tokens, "seconds": time.monotonic() - t0},
+          embedding_sha256(target.get_input_embeddings().weight))
+    return {"curve": curve, "seconds": time.monotonic() - t0}
+
+
+def _save(head: TrainableHead, vocab_ids, vocab_size: int, cfg, theta: float, out_dir: Path, report: dict,
+          embedding_sha: str | None = None) -> None:
+    """The checkpoint in EAGLE-3's published layout (float16 weights; ``target_embedding_sha256`` in its config
+    for :func:`specdec.models.head_install.install_head`'s check), and training.json."""
+    import torch
+    from safetensors.torch import save_file
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous() for k, v in head.params.items()}
-    weights["d2t"] = vocab_ids - torch.arange(draft_vocab)
-    t2d = torch.zeros(len(counts), dtype=torch.bool)
+    weights = {k: v.detach().half().contiguous() for k, v in head.params.items()}
+    weights["d2t"] = vocab_ids - torch.arange(len(vocab_ids))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[vocab_ids] = True
     weights["t2d"] = t2d
     save_file(weights, str(out_dir / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-              "intermediate_size": cfg.intermediate_size, "vocab_size": len(counts), "draft_vocab_size": draft_vocab,
+              "intermediate_size": cfg.intermediate_size, "vocab_size": vocab_size, "draft_vocab_size": len(vocab_ids),
               "rms_norm_eps": 1e-6, "rope_theta": theta, "max_position_embeddings": cfg.max_position_embeddings,
-              "num_hidden_layers": 1}
+              "num_hidden_layers": 1, "target_embedding_sha256": embedding_sha}
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    (out_dir / "training.json").write_text(json.dumps({"curve": curve, "prompts": str(prompts_path)}, indent=1))
-    return {"curve": curve, "seconds": time.monotonic() - t0}
+    (out_dir / "training.json").write_text(json.dumps(report, indent=1))

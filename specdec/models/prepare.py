@@ -11,6 +11,7 @@ from pathlib import Path
 from specdec_runtime.common.paths import COMPLETE_MARKER, ModelPaths, default_model_paths, is_complete
 
 from .gguf import prepare_target_from_gguf
+from .head_install import default_head_artefact_dir, prepare_head
 from .onnx_export import export_onnx_draft, genai_builder_available
 from .quantize import INT8_BLOCK_SIZE
 
@@ -22,7 +23,8 @@ def prepare_models(
     force: bool = False,
     progress: bool = True,
 ) -> ModelPaths:
-    """Prepare the default pair: SmolLM2-135M-Instruct target (from the GGUF) and its int8 ONNX draft.
+    """Prepare the default pair: SmolLM2-135M-Instruct target (from the GGUF) and its int8 ONNX draft, and the
+    committed draft head (:mod:`.head_install`) when the checkout has one.
 
     Idempotent: complete directories are kept unless ``force``. The first run takes about a minute on 2 CPU
     cores (dequantization, export, checks, quantization).
@@ -40,6 +42,8 @@ def prepare_models(
     if rebuild and not force:
         log.info("re-exporting %s: made by an older recipe (this one is faster)", paths.draft_dir)
     export_onnx_draft(paths.target_dir, paths.draft_dir, quantize_int8=True, progress=progress, force=rebuild)
+    if default_head_artefact_dir().is_dir():  # the trained draft head (the edge's `head`), a few seconds
+        prepare_head(cache_dir, force=force)
     return paths
 
 

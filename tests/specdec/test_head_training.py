@@ -1,48 +1,88 @@
-"""`specdec draft train-head` (specdec/distill/head_training.py): a short training on prompts the test writes
-lowers the loss, and the checkpoint it writes converts (specdec models export-head) into an ONNX head that
-computes what training optimised: the device's first draft position equals the training forward's step 0."""
+"""`specdec draft train-head` (specdec/distill/head_training.py, head_data.py): a short training on the target's
+own answers to prompts the test writes lowers the loss, and the checkpoint it writes converts (specdec models
+export-head) into a head that computes what training optimised: every training-time-test step k equals the
+device's graph drafting its (k+1)-th token with its KV cache and its own features, at the same positions."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pytest
 import torch
 
-from specdec.distill.head_training import train_head
+from specdec.distill.head_training import TrainableHead, train_head
 from specdec.models.head_export import export_head, load_head
 
 TEXTS = ["The sky is blue because of Rayleigh scattering.", "Write a haiku about the sea.",
          "List three prime numbers and explain why.", "How do I boil an egg?"]
 
 
-def test_training_lowers_the_loss_and_converts_to_the_same_head(tiny_pair, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
+@pytest.fixture(scope="module")
+def trained(tiny_pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train_head")
+    prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
     lines = []
-    result = train_head(tiny_pair.target_dir, prompts, tmp_path / "ckpt", num_prompts=4, max_tokens=24,
-                        draft_vocab=512, epochs=4, ttt_steps=2, lr=1e-2, progress=lines.append)
-    curve = result["curve"]
-    assert len(curve) == 4 and len(curve[0]["top1_per_step"]) == 2 and len(lines) == 5  # data + one per epoch
-    assert curve[-1]["loss"] < curve[0]["loss"]
-    out = export_head(tiny_pair.target_dir, tmp_path / "ckpt", tmp_path / "head")
-    loaded = load_head(tiny_pair.target_dir, tmp_path / "ckpt")
-    from specdec.distill.head_training import TrainableHead
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))  # the answers' cache
+        result = train_head(tiny_pair.target_dir, prompts, tmp / "ckpt", num_prompts=4, max_prompt_tokens=64,
+                            max_new_tokens=16, draft_vocab=512, epochs=4, ttt_steps=3, lr=1e-2,
+                            progress=lines.append)
+    return tmp, result, lines
 
+
+def test_training_on_the_targets_answers_lowers_the_loss(trained):
+    tmp, result, lines = trained
+    curve = result["curve"]
+    assert len(curve) == 4 and len(curve[0]["top1_per_step"]) == 3
+    assert any(line.startswith("answers: 4/4") for line in lines)
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert (tmp / "cache" / "head-data").is_dir()
+
+
+def test_every_ttt_step_is_what_the_device_drafts(trained, tiny_pair):
+    """Step k of the training forward, row t (entry t + k after entries 0..t of target features) must equal the
+    converted graph fed entries 0..t with the target's features, then k entries with its own features."""
+    tmp, _, _ = trained
+    export_head(tiny_pair.target_dir, tmp / "ckpt", tmp / "head")
+    loaded = load_head(tiny_pair.target_dir, tmp / "ckpt")
     from safetensors.torch import load_file
 
-    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    weights = load_file(str(tmp / "ckpt" / "model.safetensors"))
+    cfg = json.loads((tmp / "ckpt" / "config.json").read_text())
     head = TrainableHead(cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                 cfg["intermediate_size"], cfg["draft_vocab_size"])
-    head.params = {k: weights[k] for k in head.params}
-    ids = [1, 504, 6376, 314, 253, 1789]
-    feats = torch.randn(len(ids) - 1, 3 * cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
+                         cfg["intermediate_size"], cfg["draft_vocab_size"])
+    head.params = {k: weights[k].float() for k in head.params}
+    ids = [1, 504, 6376, 314, 253, 1789, 28, 9, 77]
+    n = len(ids) - 1
+    feats = torch.randn(n, 3 * cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
     embed = loaded.graph.w("embed")
+    first = 2
     with torch.inference_mode():
-        trained = head.steps(embed[torch.tensor(ids)], feats, cfg["rope_theta"], 1)[0]
+        steps = head.steps(embed[torch.tensor(ids)], feats, cfg["rope_theta"], 3, first=first)
         fused = feats @ loaded.fc_weight.float().T
         empty = torch.zeros(1, loaded.meta["num_key_value_heads"], 0, loaded.meta["head_dim"])
-        device = loaded.graph(torch.tensor([ids[1:]]), fused[None], torch.arange(len(ids) - 1)[None], empty, empty)[0][0]
-    np.testing.assert_allclose(device.numpy(), trained.numpy(), rtol=1e-4, atol=1e-4)
-    assert (out / "head.onnx").is_file()
+        for t in range(first, n - 2):
+            logits, own, key, value = loaded.graph(torch.tensor([ids[1: t + 2]]), fused[None, : t + 1],
+                                                   torch.arange(t + 1)[None], empty, empty)
+            for k, (begin, trained_logits) in enumerate(steps):
+                if k > 0:  # the k-th drafted entry: token x_{t+1+k}, the entry before's own output
+                    logits, own, key, value = loaded.graph(torch.tensor([[ids[t + 1 + k]]]), own[:, -1:],
+                                                           torch.tensor([[t + k]]), key, value)
+                np.testing.assert_allclose(logits[0, -1].numpy(), trained_logits[t - begin].numpy(),
+                                           rtol=1e-3, atol=1e-3, err_msg=f"entry {t}, step {k}")
+
+
+def test_install_converts_for_its_target_and_refuses_another_in_one_line(trained, tiny_pair):
+    """The other tiny target has the same widths: only the recorded embedding sha256 tells them apart."""
+    from specdec.models.head_export import HeadMismatchError
+    from specdec.models.head_install import install_head
+
+    tmp, _, _ = trained
+    out = install_head(tiny_pair.target_dir, tmp / "ckpt", tmp / "installed")
+    assert (out / "head.onnx").is_file() and (out / "head.json").is_file()
+    with pytest.raises(HeadMismatchError) as err:
+        install_head(tiny_pair.other_target_dir, tmp / "ckpt", tmp / "installed-other")
+    assert "another target" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp / "installed-other").exists()
