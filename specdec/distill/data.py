@@ -176,7 +176,7 @@ def _generate_shard(model: Any, tok: Any, prompts: list[str], prompt_indices: li
             input_ids[r, width - len(ids) :] = torch.tensor(ids)
             mask[r, width - len(ids) :] = 1
         for (pi, ids), (ans, ti, tv) in zip(
-            batch, _greedy_batch(model, input_ids, mask, plan["max_new_tokens"], eos, plan["topk"])
+            batch, greedy_batch(model, input_ids, mask, plan["max_new_tokens"], eos, plan["topk"])
         ):
             records.append(
                 {
@@ -190,8 +190,9 @@ def _generate_shard(model: Any, tok: Any, prompts: list[str], prompt_indices: li
     return records
 
 
-def _greedy_batch(model: Any, input_ids: Any, mask: Any, max_new_tokens: int, eos: int, topk: int) -> list:
-    """Greedy answers of a left-padded batch with the target's top-k logits at each answer position.
+def greedy_batch(model: Any, input_ids: Any, mask: Any, max_new_tokens: int, eos: int, topk: int) -> list:
+    """Greedy answers of a left-padded batch with the target's top-k logits at each answer position
+    (``input_ids``, ``mask``: [batch, prompt_len] long, left-padded; ``eos``: -1 for none).
 
     Finished rows (EOS emitted) leave the batch at once (their KV-cache rows are dropped), so no compute is
     spent on padding after an answer ends. Returns per row (answer ids incl. EOS, topk ids [n, k] long,

@@ -66,16 +66,16 @@ def _templated(tok, texts: list[str], max_prompt_tokens: int) -> list[list[int]]
 
 def _generate_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
     """Greedy answers of a batch (left padded; finished rows leave the batch: the distillation's generator,
-    :func:`specdec.distill.data._greedy_batch`), each ending at its first EOS."""
+    :func:`specdec.distill.data.greedy_batch`), each ending at its first EOS."""
     import torch
 
-    from specdec.distill.data import _greedy_batch
+    from specdec.distill.data import greedy_batch
 
     width = max(len(p) for p in prompts)
     pad = 0 if eos is None else eos
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return [answer for answer, _, _ in _greedy_batch(target, ids, mask, max_new_tokens, -1 if eos is None else eos, 1)]
+    return [answer for answer, _, _ in greedy_batch(target, ids, mask, max_new_tokens, -1 if eos is None else eos, 1)]
 
 
 def target_answers(target, tok, target_dir, prompts_path, num_prompts: int, max_prompt_tokens: int,
