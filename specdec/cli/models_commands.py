@@ -117,6 +117,9 @@ def draft_train_head(
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
     random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
     answers_only: bool = typer.Option(False, help="Learn on the answers' positions only, not the prompts' too"),
+    hard_labels: bool = typer.Option(False, help="Learn the target's argmax, not its next-token distribution"),
+    heldout_fraction: float = typer.Option(0.03, min=0.0, max=0.5, help="Sequences kept out of training to "
+                                           "measure agreement on"),
 ):
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
@@ -132,7 +135,7 @@ def draft_train_head(
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
                         epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
                         data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
-                        progress=lambda line: typer.echo(line, err=True))
+                        soft_labels=not hard_labels, heldout_fraction=heldout_fraction, progress=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result))
 
 

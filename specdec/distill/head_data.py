@@ -23,13 +23,15 @@ __all__ = ["HeadSequence", "load_prompt_texts", "target_answers", "target_featur
 class HeadSequence:
     """One training sequence: ``ids`` [L] (chat-templated prompt, then the target's greedy answer from
     ``answer_start``), ``features`` float16 [L - 1, k·H] (the target's hidden states at the head's layers,
-    positions 0 .. L-2, concatenated), ``labels`` int64 [L] (the target's argmax next token at each position);
-    ``loss_start``: the first entry the training loss counts (set by the trainer)."""
+    positions 0 .. L-2, concatenated), ``labels`` int64 [L] (the target's argmax next token at each position),
+    ``final`` float16 [L, H] (the target's final normed state: its LM head over it gives the target's next-token
+    logits, the soft labels); ``loss_start``: the first entry the training loss counts (set by the trainer)."""
 
     ids: list[int]
     answer_start: int
     features: object = None
     labels: object = None
+    final: object = None
     loss_start: int = 0
 
 
@@ -110,7 +112,7 @@ def target_answers(target, tok, target_dir, prompts_path, num_prompts: int, max_
 
 def target_features(target, sequences: list[HeadSequence], layers: list[int], batch_size: int = 16,
                     progress: Callable[[str], None] = print) -> list[HeadSequence]:
-    """Fill ``features`` and ``labels`` of each sequence with one forward pass of the target (no grad; right
+    """Fill ``features``, ``labels`` and ``final`` of each sequence with one forward pass of the target (no grad; right
     padded batches). Layer index i is the input of decoder layer i (0: the embeddings), num_hidden_layers the
     final normed state: the verifier's contract (:mod:`common.features`)."""
     import torch
@@ -131,6 +133,7 @@ def target_features(target, sequences: list[HeadSequence], layers: list[int], ba
         for j, s in enumerate(batch):
             length = len(s.ids)
             s.features, s.labels = feats[j, : length - 1].clone(), labels[j, :length].clone()
+            s.final = o.last_hidden_state[j, :length].half().clone()
         if (b // batch_size) % 10 == 0 or b + batch_size >= len(order):
             progress(f"features: {min(b + batch_size, len(order))}/{len(order)} sequences "
                      f"({time.monotonic() - t0:.0f} s)")

@@ -171,29 +171,83 @@ def init_from_target(head: TrainableHead, target, vocab_ids, layers: list[int]) 
         w["fc.weight"][:, top * hidden:(top + 1) * hidden] = torch.eye(hidden)
 
 
-def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree, seen):
-    """The TTT loss of one sequence: per step k, cross-entropy against the target's argmax from entry
-    ``s.loss_start`` on (earlier entries are context only), weighted 0.8^k; counts top-1 agreement per step."""
+def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree, seen, lm_rows=None):
+    """The TTT loss of one sequence: per step k, from entry ``s.loss_start`` on (earlier entries are context
+    only), weighted 0.8^k; counts top-1 agreement with the target's argmax per step (rows whose argmax is outside
+    the draft vocabulary count as misses: a head cannot draft them). With ``lm_rows`` (the target's LM head rows
+    of the draft vocabulary, [draft_vocab, H]) the loss is the cross-entropy against the target's next-token
+    distribution restricted to the draft vocabulary (EAGLE-3's soft labels: every position teaches the whole
+    distribution, not one token); without, against the argmax (-1 outside the draft vocabulary, not counted)."""
     import torch
 
     ids = torch.tensor(s.ids)
     outs = head.steps(embed[ids], s.features.float(), theta, ttt_steps, first=s.loss_start)
+    begin = outs[0][0] if outs else 0
+    soft = None if lm_rows is None else (s.final[begin + 1:].float() @ lm_rows.T).softmax(-1)  # [L-begin-1, V']
     loss = 0.0
     for k, (begin, logits) in enumerate(outs):
         labels = to_draft[s.labels[begin + 1 + k: begin + 1 + k + logits.shape[0]]]
-        if int((labels >= 0).sum()) == 0:
+        if soft is not None:
+            target = soft[k: k + logits.shape[0]]
+            step_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
+        elif int((labels >= 0).sum()) == 0:
             continue
-        loss = loss + 0.8 ** k * torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1)
+        else:
+            step_loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1)
+        loss = loss + 0.8 ** k * step_loss
         agree[k] += int((logits.argmax(-1) == labels).sum())
         seen[k] += logits.shape[0]
     return loss
+
+
+def _heldout_agreement(head, embed, data, to_draft, theta: float, ttt_steps: int) -> list[float]:
+    """Top-1 agreement with the target's argmax per draft position on sequences the head never trains on."""
+    import torch
+
+    agree, seen = [0] * ttt_steps, [0] * ttt_steps
+    with torch.no_grad():
+        for s in data:
+            _sequence_loss(head, embed, s, to_draft, theta, ttt_steps, agree, seen)
+    return [a / max(n, 1) for a, n in zip(agree, seen)]
+
+
+def _split_heldout(data, fraction: float):
+    """(train, held out): a fixed-seed ``fraction`` of the sequences (at least one when there are two or more)
+    kept apart to measure generalisation; none when ``fraction`` is 0."""
+    import torch
+
+    n = min(int(round(len(data) * fraction)) or (1 if fraction > 0 and len(data) > 1 else 0), len(data) - 1)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234)).tolist()
+    keep = set(order[n:])
+    return [s for i, s in enumerate(data) if i in keep], [s for i, s in enumerate(data) if i not in keep]
+
+
+def _train_epoch(head, opt, sched, data, embed, to_draft, theta, ttt_steps, epoch, lm_rows, t0, progress):
+    """One pass over ``data`` in a fixed-seed order, one optimiser step per sequence: (losses, agree, seen)."""
+    import torch
+
+    losses, agree, seen = [], [0] * ttt_steps, [0] * ttt_steps
+    for step, i in enumerate(torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()):
+        loss = _sequence_loss(head, embed, data[i], to_draft, theta, ttt_steps, agree, seen, lm_rows)
+        if not torch.is_tensor(loss):
+            continue
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.params.values(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if step % 100 == 99:
+            progress(f"epoch {epoch + 1} step {step + 1}/{len(data)}: loss {sum(losses[-100:]) / len(losses[-100:]):.3f}"
+                     f" ({time.monotonic() - t0:.0f} s)")
+    return losses, agree, seen
 
 
 def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max_prompt_tokens: int = 160,
                max_new_tokens: int = 64, draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 4,
                lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
                data_time_budget_s: float | None = None, prompt_positions: bool = True,
-               progress: Callable[[str], None] = print) -> dict:
+               soft_labels: bool = True, heldout_fraction: float = 0.03, progress: Callable[[str], None] = print) -> dict:
     """Train an EAGLE-3 head for the HF target in ``target_dir`` on its greedy answers to the first
     ``num_prompts`` prompts of ``prompts_path`` (jsonl with a ``prompt`` field; :mod:`specdec.distill.head_data`);
     write the checkpoint (config.json, model.safetensors, training.json) into ``out_dir``; return the curve: per
@@ -201,7 +255,9 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     of greedy acceptance at draft position k + 1), and the seconds it took. ``data_time_budget_s`` caps the
     answers' generation (the cached batches are used; the prompts left unanswered count as prompt-only
     sequences); ``prompt_positions``: learn the target's argmax on the prompt's tokens too (past the chat
-    template's fixed preamble), not only on the answers."""
+    template's fixed preamble), not only on the answers; ``soft_labels``: learn the target's whole next-token
+    distribution on the draft vocabulary (EAGLE-3), not its argmax; ``heldout_fraction``: sequences kept out of
+    training, on which each epoch's agreement is measured too (``heldout_top1_per_step``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -235,32 +291,26 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     if init_from_target_layer:
         init_from_target(head, target, vocab_ids, layers)
     embed = target.get_input_embeddings().weight.detach()
+    lm_rows = target.lm_head.weight.detach().float()[vocab_ids] if soft_labels else None
+    data, heldout = _split_heldout(data, heldout_fraction)
     opt = torch.optim.AdamW(head.params.values(), lr=lr, weight_decay=0.0)
     total = max(epochs * len(data), 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50) * max(0.05, 1 - i / total))
     curve = []
     for epoch in range(epochs):
-        losses, agree, seen = [], [0] * ttt_steps, [0] * ttt_steps
-        for step, i in enumerate(torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()):
-            loss = _sequence_loss(head, embed, data[i], to_draft, theta, ttt_steps, agree, seen)
-            if not torch.is_tensor(loss):
-                continue
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.params.values(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if step % 100 == 99:
-                progress(f"epoch {epoch + 1} step {step + 1}/{len(data)}: loss {sum(losses[-100:]) / len(losses[-100:]):.3f}"
-                         f" ({time.monotonic() - t0:.0f} s)")
+        losses, agree, seen = _train_epoch(head, opt, sched, data, embed, to_draft, theta, ttt_steps, epoch,
+                                           lm_rows, t0, progress)
         point = {"epoch": epoch + 1, "loss": sum(losses) / max(len(losses), 1),
-                 "top1_per_step": [a / max(s, 1) for a, s in zip(agree, seen)], "s": time.monotonic() - t0}
+                 "top1_per_step": [a / max(s, 1) for a, s in zip(agree, seen)],
+                 "heldout_top1_per_step": _heldout_agreement(head, embed, heldout, to_draft, theta, ttt_steps),
+                 "s": time.monotonic() - t0}
         curve.append(point)
         progress(f"epoch {epoch + 1}/{epochs}: loss {point['loss']:.3f}, top-1 agreement per draft position "
-                 + ", ".join(f"{x:.3f}" for x in point["top1_per_step"]) + f" ({point['s']:.0f} s)")
+                 + ", ".join(f"{x:.3f}" for x in point["top1_per_step"]) + " (held out: "
+                 + ", ".join(f"{x:.3f}" for x in point["heldout_top1_per_step"]) + f") ({point['s']:.0f} s)")
     _save(head, vocab_ids, vocab_size, cfg, theta, Path(out_dir), {"curve": curve, "prompts": str(prompts_path),
-          "sequences": len(data), "answer_tokens": answer_tokens,
+          "sequences": len(data), "heldout_sequences": len(heldout), "soft_labels": soft_labels,
+          "answer_tokens": answer_tokens,
           "trained_positions": loss_tokens, "seconds": time.monotonic() - t0},
           embedding_sha256(target.get_input_embeddings().weight))
     return {"curve": curve, "seconds": time.monotonic() - t0}

@@ -86,3 +86,51 @@ def test_install_converts_for_its_target_and_refuses_another_in_one_line(trained
         install_head(tiny_pair.other_target_dir, tmp / "ckpt", tmp / "installed-other")
     assert "another target" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp / "installed-other").exists()
+
+
+def test_soft_labels_are_the_targets_distribution_on_the_draft_vocabulary(tiny_pair):
+    """The soft loss of each TTT step k is the cross-entropy of the head's draft-vocabulary logits against the
+    target's own next-token distribution at the position that step drafts (renormalised on the draft
+    vocabulary), recomputed here from a plain forward of the target; the argmax loss is a different number."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.distill.head_data import HeadSequence, target_features
+    from specdec.distill.head_training import _sequence_loss
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_pair.target_dir), dtype=torch.float32).eval()
+    cfg = target.config
+    n = cfg.num_hidden_layers
+    layers = [min(2, n), n // 2, max(n - 3, 0)]
+    ids = [1, 504, 6376, 314, 253, 1789, 28, 9, 77, 330, 42]
+    (seq,) = target_features(target, [HeadSequence(ids, 4)], layers, progress=lambda _: None)
+    seq.loss_start = 2
+    vocab = target.config.vocab_size
+    vocab_ids = torch.arange(0, vocab, 3)
+    to_draft = torch.full((vocab,), -1, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                         len(vocab_ids), seed=3)
+    embed = target.get_input_embeddings().weight.detach()
+    lm_rows = target.lm_head.weight.detach()[vocab_ids]
+    agree, seen = [0] * 3, [0] * 3
+    with torch.no_grad():
+        soft = _sequence_loss(head, embed, seq, to_draft, 1e4, 3, agree, seen, lm_rows)
+        hard = _sequence_loss(head, embed, seq, to_draft, 1e4, 3, [0] * 3, [0] * 3)
+        target_logits = target(torch.tensor([ids])).logits[0][:, vocab_ids]  # [L, V'], the target's own
+        expected = 0.0
+        for k, (begin, logits) in enumerate(head.steps(embed[torch.tensor(ids)], seq.features.float(), 1e4, 3,
+                                                       first=2)):
+            p = target_logits[begin + 1 + k: begin + 1 + k + logits.shape[0]].softmax(-1)
+            expected += 0.8 ** k * float(-(p * logits.log_softmax(-1)).sum(-1).mean())
+    assert float(soft) == pytest.approx(expected, rel=2e-3)
+    assert abs(float(soft) - float(hard)) > 1e-3
+    assert seen == [len(ids) - 1 - 2 - k for k in range(3)]
+
+
+def test_heldout_sequences_are_measured_and_kept_out(trained):
+    tmp, result, _ = trained
+    report = json.loads((tmp / "ckpt" / "training.json").read_text())
+    assert report["heldout_sequences"] >= 1 and report["soft_labels"] is True
+    for point in result["curve"]:
+        assert len(point["heldout_top1_per_step"]) == 3
+        assert all(0.0 <= x <= 1.0 for x in point["heldout_top1_per_step"])
