@@ -290,7 +290,7 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
                          len(vocab_ids))
     if init_from_target_layer:
         init_from_target(head, target, vocab_ids, layers)
-    embed = target.get_input_embeddings().weight.detach()
+    embed = target.get_input_embeddings().weight.detach().half().float()  # as the device's graph stores it
     lm_rows = target.lm_head.weight.detach().float()[vocab_ids] if soft_labels else None
     data, heldout = _split_heldout(data, heldout_fraction)
     opt = torch.optim.AdamW(head.params.values(), lr=lr, weight_decay=0.0)

@@ -15,7 +15,9 @@ ONNX signature of ``head.onnx`` (batch 1): inputs ``input_ids`` int64 [1, T], ``
 ``position_ids`` int64 [1, T], ``past_key`` / ``past_value`` float32 [1, kv_heads, P, head_dim]; outputs
 ``logits`` float32 [1, T, draft_vocab], ``hidden`` float32 [1, T, H], ``present_key`` / ``present_value``
 [1, kv_heads, P + T, head_dim]. Rotary embeddings as Llama's (``rope_theta``; rope scaling is not applied: it
-changes acceptance only, never the output).
+changes acceptance only, never the output). The embedding is stored in float16 (the graph's largest tensor,
+[V, H]; the rows it gathers are cast to float32), so training uses the same rounded rows
+(:mod:`specdec.distill.head_training`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ class HeadGraph(nn.Module):
         self.kind, self.num_heads, self.num_kv_heads, self.head_dim = kind, num_heads, num_kv_heads, head_dim
         self.eps = float(eps)
         for name, tensor in weights.items():
-            self.register_buffer(name.replace(".", "_"), tensor.detach().float().contiguous())
+            # The embedding in float16 halves the device's largest tensor at no step cost: a gather reads T rows.
+            # The lm_head is read whole every step, so it stays float32 (a cast per step would cost more).
+            dtype = torch.float16 if name == "embed" else torch.float32
+            self.register_buffer(name.replace(".", "_"), tensor.detach().to(dtype).contiguous())
         inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv)
 
@@ -85,7 +90,7 @@ class HeadGraph(nn.Module):
         return out @ self.w("self_attn.o_proj.weight").T, key, value
 
     def forward(self, input_ids, features, position_ids, past_key, past_value):
-        emb = self.w("embed")[input_ids[0]][None]  # [1, T, H]
+        emb = self.w("embed")[input_ids[0]][None].float()  # [1, T, H]
         if self.kind == "eagle3":
             residual = features
             x = torch.cat((_rms(emb, self.w("input_layernorm.weight"), self.eps),

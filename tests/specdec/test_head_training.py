@@ -57,7 +57,7 @@ def test_every_ttt_step_is_what_the_device_drafts(trained, tiny_pair):
     ids = [1, 504, 6376, 314, 253, 1789, 28, 9, 77]
     n = len(ids) - 1
     feats = torch.randn(n, 3 * cfg["hidden_size"], generator=torch.Generator().manual_seed(0))
-    embed = loaded.graph.w("embed")
+    embed = loaded.graph.w("embed").float()
     first = 2
     with torch.inference_mode():
         steps = head.steps(embed[torch.tensor(ids)], feats, cfg["rope_theta"], 3, first=first)
