@@ -92,6 +92,8 @@ def _reply(conv, message: str, kwargs: dict) -> None:
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return False
     except user_errors() as e:
+        sys.stdout.write("\n")  # the error's line starts on its own line, not after the reply's text so far
+        sys.stdout.flush()
         fail(explain(e))
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -213,6 +213,7 @@ def _stream(client, close, prompt: str, as_json: bool, kwargs: dict) -> None:
     from specdec_runtime.edge_client.request import encode_prompt
 
     status = PrefillStatus(len(encode_prompt(client.tokenizer, prompt, chat=kwargs.get("chat", True))))
+    wrote = False
     try:
         with status:
             for delta in client.stream(prompt, **kwargs):
@@ -220,8 +221,12 @@ def _stream(client, close, prompt: str, as_json: bool, kwargs: dict) -> None:
                 if not as_json:
                     sys.stdout.write(delta)
                     sys.stdout.flush()
+                    wrote = wrote or bool(delta)
         result = client.last_result
     except user_errors() as e:
+        if wrote:  # the error's line starts on its own line, not after the text streamed so far
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         fail(explain(e))
     finally:
         close()
