@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import grpc
 
-from specdec_runtime.common.errors import SpecdecError, VerifierUnavailableError, error_for_status
+from specdec_runtime.common.errors import (
+    PreconditionError,
+    SpecdecError,
+    VerifierUnavailableError,
+    error_for_status,
+)
 from specdec_runtime.edge_client.transport.credentials import rate_limited_error
 
 __all__ = ["is_broken_stream", "map_rpc_error"]
@@ -42,7 +47,8 @@ def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
 
 def map_rpc_error(err: grpc.RpcError, address: str, closed: bool = False) -> SpecdecError:
     """The SpecdecError of a failed call to the verifier at ``address``: VerifierUnavailableError for
-    UNAVAILABLE, a broken stream, or a call cancelled because the backend was ``closed``; the tenant limit's
+    UNAVAILABLE, a broken stream, or a call cancelled because the backend was ``closed``; PreconditionError for
+    UNIMPLEMENTED (the address serves some other gRPC service, not a verifier); the tenant limit's
     RateLimitedError (with its retry hint) for RESOURCE_EXHAUSTED that carries one; else the error of the status
     code (:func:`common.errors.error_for_status`)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -53,6 +59,9 @@ def map_rpc_error(err: grpc.RpcError, address: str, closed: bool = False) -> Spe
         return VerifierUnavailableError(f"backend to {address} closed")
     if is_broken_stream(code, details):  # reset/broken stream: the connection failed, not the request
         return VerifierUnavailableError(f"verifier at {address}: broken stream ({code.name}: {details})")
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC service listens there (grpc says "Method not found!")
+        return PreconditionError(f"{address} is not a specdec verifier: it does not serve specdec's Verifier "
+                                 f"service ({details})")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a tenant limit carries its retry hint (retry-after-ms)
         limited = rate_limited_error(err, details)
         if limited is not None:

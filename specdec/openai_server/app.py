@@ -9,7 +9,7 @@ from typing import Callable
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' annotations here
 
 from .engine import Engine
-from .errors import ApiError
+from .errors import ApiError, api_error_for
 from .request import CHAT_PARAMS, COMPLETION_PARAMS, chat_request, check_body, completion_request
 from .route_field import ROUTE_FIELD, routed
 from .streaming import respond
@@ -84,6 +84,14 @@ def _add_error_handlers(app) -> None:
     async def _http_error(_request, exc):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return _error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(RecursionError)  # json.loads of a body nested thousands deep
+    async def _too_deep(_request, _exc):
+        return _error_response(ApiError(400, "the request body is nested too deeply"))
+
+    @app.exception_handler(Exception)  # anything else still answers in the error JSON (and is logged)
+    async def _internal(_request, exc):
+        return _error_response(api_error_for(exc))
 
 
 def _add_auth(app, api_keys: Callable[[str | None], bool]) -> None:
