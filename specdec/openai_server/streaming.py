@@ -138,12 +138,13 @@ class _SseEvents:
         OpenAI streams them), its finish (with the logprobs of tokens not streamed yet: held-back text, a stop
         string); then (usage,) ``[DONE]``; or an error event."""
         chat = self.chat
-        item, started, outcomes = first, set(), []
+        item, started, outcomes, logged = first, set(), [], False
         try:
             while item[0] not in ("done", "cancelled"):  # cancelled: its client is gone, nobody reads on
                 if item[0] == "error":
                     err = api_error_for(item[1])
                     log_request(self.rid, self.tenant, outcomes, "error")
+                    logged = True
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
                 index = item[1] if item[0] == "chunk" else item[1].index
@@ -160,10 +161,13 @@ class _SseEvents:
                         yield e
                 item = await next_item(job)
             log_request(self.rid, self.tenant, outcomes)
+            logged = True
             if include_usage:
                 yield self.event([], usage=usage(outcomes))
             yield "data: [DONE]\n\n"
         finally:
+            if not logged:  # the client went away mid-stream (the stream was cancelled at a send or a wait)
+                log_request(self.rid, self.tenant, outcomes, "abandoned")
             job.cancelled.set()  # a client gone mid-stream: the worker stops at the next chunk
 
     def _logprobs(self, state: "_ChoiceStream", token_ids: list[int], logprobs: list) -> dict | None:
