@@ -28,9 +28,9 @@ from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
 from specdec_runtime.cloud_verifier.batcher import Batcher
 from specdec_runtime.cloud_verifier.security.limits import TenantLimits
 from specdec_runtime.cloud_verifier.kv.prefix_cache import attach_prefix_cache
-from specdec_runtime.cloud_verifier.session.features import resolve_request, take_prompt_features
+from specdec_runtime.cloud_verifier.session.features import (check_features_from, resolve_request,
+                                                              take_prompt_features)
 from specdec_runtime.cloud_verifier.session.grammar import check_grammar, register_target
-from specdec_runtime.cloud_verifier.session.state import Session
 from specdec_runtime.cloud_verifier.session.table import SessionTable
 from specdec_runtime.cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
@@ -392,7 +392,8 @@ class Verifier:
 
         Raises:
             SessionNotFoundError: unknown or expired session, or another tenant's.
-            InvalidRequestError: malformed block (nothing committed changes).
+            InvalidRequestError: malformed block, or ``features_from`` without features or past
+                ``committed_length`` - 1 (nothing committed changes).
             PreconditionError: the session already finished.
             RateLimitedError: the tenant is over its verify rate (nothing committed changes).
             TargetOutputError: the target's logits for this block were not finite (nothing committed changes).
@@ -401,45 +402,16 @@ class Verifier:
         self._check_running()
         if block.features is not None:
             block = dataclasses.replace(block, features=resolve_request(block.features, self.target.num_layers))
+        check_features_from(block, committed_length)
         self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
-        session, answered = await self._session_for(session_id, seq, committed_length, tenant_id)
+        session, answered = await self.sessions.session_for_block(session_id, seq, committed_length, tenant_id,
+                                                                   self.busy_wait_s, block)
         if answered is not None:  # a retry of a block whose commit landed but whose answer was lost
             return answered
         checks = functools.partial(validate_block, session, seq, committed_length, block, self.info,
                                    self.valid_vocab_size)
         with self.sessions.block_in_flight(session, checks):
             return await self.batcher.verify(session, seq, committed_length, block)
-
-    async def _session_for(self, session_id: str, seq: int, committed_length: int,
-                           tenant_id: str = "") -> tuple[Session, Verdict | None]:
-        """The session a block goes to, and the verdict to answer it with when the block is a retry of one whose
-        commit landed although the store's answer was lost (None otherwise). The session: held here or resumed
-        from the store; after the previous block of the session has ended (at most ``busy_wait_s``); its
-        unanswered commit settled from the store; and resumed afresh from the store when this replica's copy
-        disagrees with the block because the store moved on without it (the session continued on another
-        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume).
-
-        Raises:
-            VerifierUnavailableError: the session has an unanswered commit and the store still does not answer.
-        """
-        session = await self.sessions.get_or_resume(session_id, tenant_id)
-        if session.busy:
-            await self.sessions.wait_idle(session, self.busy_wait_s)
-            if session.released:  # its block's commit was refused (stale copy): the store has the truth
-                session = await self.sessions.get_or_resume(session_id, tenant_id)
-        if session.unconfirmed is not None and not session.busy:
-            landed = self.sessions.settle(session)
-            if landed is not None and landed.seq == seq and \
-                    landed.committed_length - len(landed.committed_token_ids) == committed_length:
-                return session, landed
-            if session.released:
-                session = await self.sessions.get_or_resume(session_id, tenant_id)
-        r = session.record
-        if ((committed_length != r.committed_length or seq != r.last_seq + 1) and not session.busy
-                and self.sessions.is_stale(session)):
-            self.sessions.release(session_id)
-            session = await self.sessions.get_or_resume(session_id, tenant_id)
-        return session, None
 
     def _check_running(self) -> None:
         if not self.batcher.running:

@@ -196,6 +196,9 @@ class DraftBlock:
     # the target's features of the positions the verdict commits, asked for by a draft head
     # (common.features.FeatureRequest); None: not asked (nothing extra on the wire)
     features: object = None
+    # the first position whose target features the client lacks (a draft head after a failover), asked with
+    # ``features``: the verdict may carry the features a resume recomputed from there; None: not said
+    features_from: int | None = None
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)

@@ -243,6 +243,8 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
         )
     if block.features is not None:
         msg.features.CopyFrom(feature_request_to_proto(block.features))
+    if block.features_from is not None:
+        msg.features_from = int(block.features_from)
     return msg
 
 
@@ -268,8 +270,10 @@ def block_from_proto(msg: pb.DraftBlock) -> BlockRequest:
             raise InvalidRequestError(f"draft_confidence must hold one value in [0, 1] per draft token "
                                       f"({len(draft_ids)}), got {len(confidence)}")
     features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
+    features_from = int(msg.features_from) if msg.HasField("features_from") else None
     block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
-                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence, features=features)
+                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence, features=features,
+                       features_from=features_from)
     return BlockRequest(msg.session_id, int(msg.seq), int(msg.committed_length), block)
 
 

@@ -1,0 +1,118 @@
+"""A draft head across a failover gets the target's features of the positions whose verdict was lost
+(DraftBlock.features_from, cloud_verifier/session/features.py).
+
+Real verifiers (two embedded gRPC servers over the tiny target sharing a real Redis) and a tiny random EAGLE-3
+head converted as tests/e2e/test_draft_head.py does. Replica A's store hangs right after its third commit of the
+generation lands (a replica that died between its commit and its answer): the client's attempt times out, the
+retry on B is refused (the committed length moved) and its verdict is read back from the store, which keeps no
+features. B re-prefilled the session for that retry; the next block says from which position the head lacks
+features and B's verdict brings them. Output token-identical to target-only; every committed position (the lost
+ones included) holds the target's feature, equal to HF's hidden states fused by the head.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from _heads import write_eagle3
+from _reference import hf_greedy
+from specdec_runtime.cloud_verifier.store import RedisSessionStore
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
+
+PROMPT = "Tell me a story about a robot who learns to paint."
+DRAFT_VOCAB = sorted(set(range(0, 49152, 61)) | set(range(200)))
+WAIT_S = 60.0
+NEW_TOKENS = 24
+
+
+class _HangAfterCommit(RedisSessionStore):
+    """A's store: the ``hang_at``-th commit lands in Redis, then the verifier never hears back (until released)."""
+
+    hang_at = 3
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.commits, self.hung, self.released = 0, threading.Event(), threading.Event()
+
+    def append_committed(self, *a, **kw):
+        length = super().append_committed(*a, **kw)
+        self.commits += 1
+        if self.commits == self.hang_at:
+            self.hung.set()
+            self.released.wait(WAIT_S)
+        return length
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):
+    from specdec.models.head_export import export_head
+
+    root = tmp_path_factory.mktemp("head-failover")
+    ckpt = write_eagle3(root / "eagle3-ckpt", tiny_pair.target_dir, DRAFT_VOCAB)
+    return export_head(tiny_pair.target_dir, ckpt, root / "eagle3")
+
+
+def _target_features(target_dir, ids: list[int], layers) -> np.ndarray:
+    """HF's hidden states of ``ids`` at ``layers`` (-1: the final normed state), concatenated: float32 [n, width]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.model(torch.tensor([ids]), output_hidden_states=True)
+    states = list(out.hidden_states[:-1]) + [out.last_hidden_state]
+    return torch.cat([states[len(states) - 1 if i == -1 else i][0] for i in layers], dim=-1).numpy()
+
+
+def test_a_head_gets_the_lost_positions_features_after_a_failover(tiny_pair, head_dir, redis_url, caplog):
+    from specdec.embedded import EmbeddedServer
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient, encode_prompt
+    from specdec_runtime.edge_client.drafting.head import HeadDrafter
+    from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+    from specdec_runtime.edge_client.transport.failover import FailoverBackend, RetryPolicy
+
+    prefix = f"specdec-test:{uuid.uuid4().hex}:"
+    store_a = _HangAfterCommit(redis_url, prefix=prefix, ttl_s=60)
+    store_b = RedisSessionStore(redis_url, prefix=prefix, ttl_s=60)
+    servers = [EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir), store, verifier_id=vid,
+                                                max_batch_wait_ms=1.0), grace_s=1.0)
+               for store, vid in ((store_a, "replica-a"), (store_b, "replica-b"))]
+    head = OnnxHead(head_dir)
+    drafter = HeadDrafter(head)
+    try:
+        addresses = [s.start(timeout_s=WAIT_S) for s in servers]
+        policy = RetryPolicy(connect_timeout_s=2.0, budget_s=30.0, attempt_timeout_s=2.0)
+        with caplog.at_level(logging.INFO, logger="specdec_runtime.edge_client.transport.failover"), \
+                EdgeClient(FailoverBackend(addresses, policy=policy), drafter, head.tokenizer,
+                           num_speculative_tokens=4) as client:
+            result = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        assert store_a.hung.is_set()
+    finally:
+        store_a.released.set()
+        for s in servers:
+            s.stop(timeout_s=WAIT_S)
+        keys = list(store_b.client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            store_b.client.delete(*keys)
+        store_a.close()
+        store_b.close()
+    assert "verdict rebuilt from the store" in caplog.text  # a block's verdict was lost and read back
+    assert result.num_failovers >= 1
+    prompt_ids = encode_prompt(head.tokenizer, PROMPT)
+    assert result.token_ids == hf_greedy(tiny_pair.target_dir, prompt_ids, NEW_TOKENS)
+    committed = prompt_ids + list(result.token_ids)
+    # every position but the last resolved (the last verdict's features end at len - 2), all from the target
+    n = drafter._target_features_for(committed)
+    assert n == len(committed) - 1
+    assert drafter._known[:n].all(), np.flatnonzero(~drafter._known[:n])
+    want = head.fuse(_target_features(tiny_pair.target_dir, committed, head.feature_request.layers)[:n])
+    got = drafter._features[:n]
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
