@@ -1,7 +1,9 @@
 """The target's features on the wire (common/features.py, protos field 30): a client that does not ask gets the
 wire it got before features existed, field for field; a client that asks gets one vector per committed position
 (prompt at open, committed tokens with each verdict) equal to the target's own hidden states; int8 keeps each
-vector within half a step of its scale; bad requests get INVALID_ARGUMENT. Real gRPC on 127.0.0.1."""
+vector within half a step of its scale; bad requests get INVALID_ARGUMENT. A session resumed on another replica
+(two replicas sharing a real Redis) for a block that says ``features_from`` (field 56) gets the features from
+there; a block that does not say gets the wire as before. Real gRPC on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -165,10 +167,10 @@ def two_replicas(runner, redis_url):
 
 
 @pytest.mark.redis
-def test_a_resume_sends_the_features_a_block_lacks_once(two_replicas, reference):
+def test_a_resume_sends_the_features_a_block_lacks(two_replicas, reference):
     """A session opened and advanced on one replica, continued on the other by a block that lacks the features
     from position 3 on (its verdicts 'lost'): the resumed replica's verdict starts there, equal to the target's
-    hidden states; the next block that says the same gets only its own (they were sent once)."""
+    hidden states; the next block, held there, gets only its own."""
     eagle3 = FeatureRequest((0, 1, -1), FLOAT16)
     first = 3
     with GrpcBackend(two_replicas[0]) as a, GrpcBackend(two_replicas[1]) as b:
