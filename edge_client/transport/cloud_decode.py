@@ -116,13 +116,17 @@ class CloudStream:
         if on_call is not None:
             on_call()
 
-    def _one_stream(self, conn: StreamsDecode, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
-        """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.transport.errors)."""
+    def _one_stream(self, conn: StreamsDecode, seq: int, committed_length: int, max_tokens: int,
+                    features_from: int | None = None) -> Iterator[Verdict]:
+        """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.transport.errors).
+        ``features_from``: the first position whose features the caller lacks (asked with the features only)."""
         import grpc
 
         from specdec_runtime.edge_client.transport.errors import map_rpc_error
 
         asked = {} if self._features is None else {"features": self._features}
+        if asked and features_from is not None:
+            asked["features_from"] = features_from
         call = conn.decode(self.session_id, seq, committed_length, max_tokens, **asked)
         self._live = (conn, seq, False)  # (connection, first seq, answered)
         self._called()
@@ -144,9 +148,11 @@ class CloudStream:
     def _with_failover(self, backend: Reconnects, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
         """:meth:`_one_stream` on the failover backend's connection; a retryable failure is recovered from the
         store (tokens committed without their verdict) and the stream resumed on the next connection, unless it
-        was stopped."""
+        was stopped. Asking for features, the resumed stream says it lacks them from the first position whose
+        verdict did not come (a replica that resumes the session for it sends those it recomputes)."""
         policy: RetryPolicy = backend.policy
         rng, failures, first_failure, made = random.Random(0), 0, None, 0
+        lacks = None  # the first position without features since the last verdict a stream brought
         while max_tokens == 0 or made < max_tokens:
             conn = None
             try:
@@ -154,8 +160,8 @@ class CloudStream:
                 if not isinstance(conn, StreamsDecode):
                     raise PreconditionError(f"{type(conn).__name__} cannot stream cloud decode (no decode())")
                 left = 0 if max_tokens == 0 else max_tokens - made
-                for verdict in self._one_stream(conn, seq, committed_length, left):
-                    seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
+                for verdict in self._one_stream(conn, seq, committed_length, left, lacks):
+                    seq, committed_length, made, lacks = seq + 1, verdict.committed_length, made + 1, None
                     yield verdict
                 return
             except SpecdecError as e:
@@ -171,6 +177,7 @@ class CloudStream:
                 if failures >= policy.max_attempts or time.monotonic() - first_failure > policy.budget_s:
                     raise exhausted_error("Decode", failures, time.monotonic() - first_failure, e) from None
                 time.sleep(policy.backoff_s(failures - 1, rng))
+            lacks = committed_length - 1 if lacks is None else lacks
             for verdict in _from_store(backend, self.session_id, committed_length):
                 seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
                 yield verdict

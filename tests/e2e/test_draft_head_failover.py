@@ -6,8 +6,9 @@ head converted as tests/e2e/test_draft_head.py does. Replica A's store hangs rig
 generation lands (a replica that died between its commit and its answer): the client's attempt times out, the
 retry on B is refused (the committed length moved) and its verdict is read back from the store, which keeps no
 features. B re-prefilled the session for that retry; the next block says from which position the head lacks
-features and B's verdict brings them. Output token-identical to target-only; every committed position (the lost
-ones included) holds the target's feature, equal to HF's hidden states fused by the head.
+features and B's verdict brings them. The same for a cloud-decode stream (route=cloud) resumed on B after A
+stopped with a token committed unanswered. Output token-identical to target-only; every committed position (the
+lost ones included) holds the target's feature, equal to HF's hidden states fused by the head.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def _target_features(target_dir, ids: list[int], layers) -> np.ndarray:
     return torch.cat([states[len(states) - 1 if i == -1 else i][0] for i in layers], dim=-1).numpy()
 
 
-def test_a_head_gets_the_lost_positions_features_after_a_failover(tiny_pair, head_dir, redis_url, caplog):
+def _generate_across_a_failover(tiny_pair, head_dir, redis_url, caplog, stop_a: bool, **options):
+    """Generate with a head over replicas A and B (A preferred) while A's third commit lands unanswered;
+    ``stop_a``: A is then stopped (its streams cancelled), else the client's attempt times out. Returns
+    (result, drafter, prompt ids)."""
     from specdec.embedded import EmbeddedServer
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
     from specdec_runtime.cloud_verifier.verifier import Verifier
@@ -87,16 +91,22 @@ def test_a_head_gets_the_lost_positions_features_after_a_failover(tiny_pair, hea
                for store, vid in ((store_a, "replica-a"), (store_b, "replica-b"))]
     head = OnnxHead(head_dir)
     drafter = HeadDrafter(head)
+    stopper = threading.Thread(target=lambda: store_a.hung.wait(WAIT_S) and servers[0].stop(timeout_s=WAIT_S),
+                               daemon=True)
     try:
         addresses = [s.start(timeout_s=WAIT_S) for s in servers]
+        if stop_a:
+            stopper.start()
         policy = RetryPolicy(connect_timeout_s=2.0, budget_s=30.0, attempt_timeout_s=2.0)
         with caplog.at_level(logging.INFO, logger="specdec_runtime.edge_client.transport.failover"), \
                 EdgeClient(FailoverBackend(addresses, policy=policy), drafter, head.tokenizer,
                            num_speculative_tokens=4) as client:
-            result = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            result = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
         assert store_a.hung.is_set()
     finally:
         store_a.released.set()
+        if stopper.is_alive():
+            stopper.join(WAIT_S)
         for s in servers:
             s.stop(timeout_s=WAIT_S)
         keys = list(store_b.client.scan_iter(match=f"{prefix}*"))
@@ -104,15 +114,36 @@ def test_a_head_gets_the_lost_positions_features_after_a_failover(tiny_pair, hea
             store_b.client.delete(*keys)
         store_a.close()
         store_b.close()
-    assert "verdict rebuilt from the store" in caplog.text  # a block's verdict was lost and read back
     assert result.num_failovers >= 1
     prompt_ids = encode_prompt(head.tokenizer, PROMPT)
     assert result.token_ids == hf_greedy(tiny_pair.target_dir, prompt_ids, NEW_TOKENS)
-    committed = prompt_ids + list(result.token_ids)
-    # every position but the last resolved (the last verdict's features end at len - 2), all from the target
+    return result, drafter, prompt_ids
+
+
+def _assert_target_features_everywhere(tiny_pair, drafter, committed: list[int]) -> None:
+    """Every committed position but the last holds the target's feature (HF's hidden states, fused)."""
     n = drafter._target_features_for(committed)
     assert n == len(committed) - 1
     assert drafter._known[:n].all(), np.flatnonzero(~drafter._known[:n])
+    head = drafter.model
     want = head.fuse(_target_features(tiny_pair.target_dir, committed, head.feature_request.layers)[:n])
-    got = drafter._features[:n]
-    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    np.testing.assert_allclose(drafter._features[:n], want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_a_head_gets_the_lost_positions_features_after_a_failover(tiny_pair, head_dir, redis_url, caplog):
+    """Speculative blocks: the retry on B is refused (A committed it), its verdict read back from the store; the
+    next block says the head lacks features from there, and B's verdict brings them."""
+    result, drafter, prompt_ids = _generate_across_a_failover(tiny_pair, head_dir, redis_url, caplog, stop_a=False)
+    assert "verdict rebuilt from the store" in caplog.text  # a block's verdict was lost and read back
+    _assert_target_features_everywhere(tiny_pair, drafter, prompt_ids + list(result.token_ids))
+
+
+def test_a_cloud_decode_stream_resumed_elsewhere_brings_the_lost_tokens_features(tiny_pair, head_dir, redis_url,
+                                                                                 caplog):
+    """route=cloud: A's stream stops after its third token landed in the store unanswered (A is stopped while its
+    commit hangs: nothing more commits there); the token is read back from the store and the stream resumed on
+    B says from where the head lacks features: B's first verdict brings them."""
+    result, drafter, prompt_ids = _generate_across_a_failover(tiny_pair, head_dir, redis_url, caplog, stop_a=True,
+                                                              route="cloud")
+    assert result.route["tokens"]["cloud"] == NEW_TOKENS
+    _assert_target_features_everywhere(tiny_pair, drafter, prompt_ids + list(result.token_ids))
