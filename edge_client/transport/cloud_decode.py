@@ -54,7 +54,8 @@ def cloud_verdicts(backend: VerifierBackend, session_id: str, seq: int, committe
     cancels the call (the verifier stops at its next step; a step already in a forward pass is committed,
     GetSession shows it). ``on_call``: run once when the first request has been sent (the iteration starts it).
     ``features``: a common.features.FeatureRequest (a draft head's): each verdict carries the target's feature of
-    the position it commits (``Verdict.features``; none for tokens read back from the store after a failover).
+    the position it commits (``Verdict.features``; tokens read back from the store after a failover have none,
+    and the stream resumed after them asks for theirs: ``DecodeRequest.features_from``).
 
     Raises (while iterating):
         the verifier's errors (common.errors): SessionNotFoundError, InvalidRequestError, PreconditionError,

@@ -228,3 +228,9 @@ def test_bad_features_from_is_invalid_argument(runner):
                 _raw_call(ch, "VerifyBlock", block)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (features, start)
             assert "features_from" in info.value.details()
+        decode = ch.unary_stream("/specdec.v1.Verifier/Decode", request_serializer=lambda m: m.SerializeToString(),
+                                 response_deserializer=pb.Verdict.FromString)
+        with pytest.raises(grpc.RpcError) as info:  # a Decode's first step says it as a block would
+            list(decode(pb.DecodeRequest(session_id=opened.session_id, seq=1, committed_length=length,
+                                         max_tokens=1, features_from=0), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "features_from" in info.value.details()
