@@ -293,7 +293,7 @@ class Verifier:
 
     async def extend_session(self, session_id: str, committed_length: int, appended_token_ids: list[int],
                              sampling: SamplingParams | None = None, stopping: StoppingCriteria | None = None,
-                             tenant_id: str = "", features=None) -> SessionOpened:
+                             tenant_id: str = "", features=None, features_from: int | None = None) -> SessionOpened:
         """Continue a finished (or not started) session of ``tenant_id`` with the next turn of a conversation:
         append ``appended_token_ids`` to its committed ids, prefill only those (chunked, interleaved with verify
         steps; the KV cache of the conversation so far is kept), reset its stopping state (``max_new_tokens``
@@ -311,6 +311,8 @@ class Verifier:
             stopping: the new turn's stopping criteria (None: the session's).
             features: a common.features.FeatureRequest: the answer carries the features of the positions the
                 turn's prefill feeds (the last committed token, then the appended ids but the last).
+            features_from: with ``features``, the first position whose features the caller lacks (a failover):
+                a resume here keeps them, and the answer starts with them (DraftBlock.features_from).
 
         Returns:
             SessionOpened with ``committed_length`` = the new committed length and the seed the turn draws with.
@@ -320,12 +322,15 @@ class Verifier:
             ConflictError: ``committed_length`` differs from the session's (ABORTED); nothing changes.
             PreconditionError: the session is generating (FAILED_PRECONDITION), or is for another model.
             ContextLengthError: the conversation would reach the context length (OUT_OF_RANGE).
-            InvalidRequestError: no tokens, ids outside the vocabulary, bad parameters (INVALID_ARGUMENT).
+            InvalidRequestError: no tokens, ids outside the vocabulary, bad parameters or features_from
+                (INVALID_ARGUMENT).
             CapacityError: no KV budget for the longer session, or none to resume it here.
             VerifierUnavailableError: shutting down, or the store is unreachable.
         """
         self._check_running()
         appended = [int(t) for t in appended_token_ids]
+        features = resolve_request(features, self.target.num_layers)  # a resume below may keep them
+        check_features_from(features, features_from, committed_length)
         held = self.sessions.held(session_id)
         if held is None or held.record.committed_length != committed_length:
             # the store is the truth: a conflict is answered from it, without resuming (moving) the session
@@ -334,7 +339,7 @@ class Verifier:
                 raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
             if record.committed_length != committed_length:
                 raise extend_conflict(session_id, committed_length, record.committed_length)
-        session = await self.sessions.get_or_resume(session_id, tenant_id)
+        session = await self.sessions.get_or_resume(session_id, tenant_id, features, features_from)
         if session.busy:
             await self.sessions.wait_idle(session, self.busy_wait_s)
         if session.unconfirmed is not None and not session.busy:
@@ -342,7 +347,7 @@ class Verifier:
         if session.released or (committed_length != session.record.committed_length
                                  and self.sessions.is_stale(session)):
             self.sessions.release(session_id)  # the store moved on without this copy: it has the truth
-            session = await self.sessions.get_or_resume(session_id, tenant_id)
+            session = await self.sessions.get_or_resume(session_id, tenant_id, features, features_from)
         r = session.record
         sampling = sampling if sampling is not None else r.sampling
         if sampling.seed is None:
@@ -350,10 +355,9 @@ class Verifier:
         stopping = stopping if stopping is not None else r.stopping
         check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
         check_grammar(sampling.grammar, self.info.model_id, stopping)
-        features = resolve_request(features, self.target.num_layers)
         session = await self.sessions.extend(session, committed_length, appended, sampling, stopping, features)
         return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed,
-                                take_prompt_features(session))
+                                take_prompt_features(session, features_from))
 
     def get_session(self, session_id: str, tenant_id: str = "") -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
@@ -402,7 +406,7 @@ class Verifier:
         self._check_running()
         if block.features is not None:
             block = dataclasses.replace(block, features=resolve_request(block.features, self.target.num_layers))
-        check_features_from(block, committed_length)
+        check_features_from(block.features, block.features_from, committed_length)
         self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
         session, answered = await self.sessions.session_for_block(session_id, seq, committed_length, tenant_id,
                                                                    self.busy_wait_s, block)

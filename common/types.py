@@ -352,6 +352,8 @@ class ExtendRequest:
         sampling, stopping: the next turn's parameters; None = keep the session's.
         features: a :class:`common.features.FeatureRequest` (the features of the positions the turn's prefill
             feeds, in the answer) or None.
+        features_from: with ``features``, the first position whose features the caller lacks (a failover: the
+            answer may start there, :class:`DraftBlock`'s field) or None.
     """
 
     session_id: str
@@ -360,3 +362,4 @@ class ExtendRequest:
     sampling: SamplingParams | None = None
     stopping: StoppingCriteria | None = None
     features: object = None
+    features_from: int | None = None

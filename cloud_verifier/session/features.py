@@ -33,31 +33,37 @@ def resolve_request(features: FeatureRequest | None, num_hidden_layers: int) -> 
     return FeatureRequest(tuple(resolve_layers(features, num_hidden_layers)), features.encoding)
 
 
-def take_prompt_features(session) -> FeatureBlock | None:
+def take_prompt_features(session, features_from: int | None = None) -> FeatureBlock | None:
     """The features the open's prefill kept (one vector per prefilled position, in order), encoded as the
-    session asked; None when it asked for none (the open's prefill, or an ExtendSession turn's)."""
+    session asked; None when it asked for none (the open's prefill, or an ExtendSession turn's). An
+    ExtendSession that says ``features_from`` gets the session's resumed features before them, as a verdict
+    would (:func:`verdict_features`); they are dropped either way."""
     request, session.prefill_features = session.prefill_features, None
     chunks, session.prefill_hidden = sorted(session.prefill_hidden, key=lambda c: c[0]), []
+    resumed, session.resumed_features = session.resumed_features, None
     if request is None:
         return None
     vectors = np.concatenate([h for _, h in chunks]) if chunks else np.zeros((0, 1), np.float32)
-    return encode_features(vectors, chunks[0][0] if chunks else 0, request.encoding)
+    start = chunks[0][0] if chunks else 0
+    if chunks and features_from is not None:
+        vectors, start = _after_resumed(resumed, request, vectors, start)
+    return encode_features(vectors, start, request.encoding)
 
 
-def check_features_from(block, committed_length: int) -> None:
-    """A block's ``features_from`` (common.types.DraftBlock) is unset, or asked with ``features`` and within
-    0 .. ``committed_length`` − 1 (the positions before the block's own features).
+def check_features_from(features, start: int | None, committed_length: int) -> None:
+    """A request's ``features_from`` (``start``: a DraftBlock's, DecodeRequest's or ExtendSessionRequest's) is
+    unset, or asked with ``features`` (a FeatureRequest) and within 0 .. ``committed_length`` − 1 (the positions
+    before the request's own features).
 
     Raises:
         InvalidRequestError: features_from without features, or out of that range."""
-    start = block.features_from
     if start is None:
         return
-    if block.features is None:
+    if features is None:
         raise InvalidRequestError("features_from needs features (the FeatureRequest its vectors follow)")
     if not 0 <= start <= committed_length - 1:
-        raise InvalidRequestError(f"features_from {start} outside 0..{committed_length - 1} (the block's committed "
-                                  f"length - 1)")
+        raise InvalidRequestError(f"features_from {start} outside 0..{committed_length - 1} (the committed length "
+                                  f"- 1)")
 
 
 def keep_resumed_features(session, features_from: int) -> None:
@@ -85,8 +91,18 @@ def verdict_features(work, num_committed: int) -> FeatureBlock | None:
         return None
     request = work.full_block.features
     vectors, start = work.hidden[:num_committed], work.start_position
-    if resumed is not None and work.full_block.features_from is not None:
-        layers, first, kept = resumed
-        if layers == tuple(request.layers) and first + len(kept) == start and len(kept):
-            vectors, start = np.concatenate([kept, vectors]), first
+    if work.full_block.features_from is not None:
+        vectors, start = _after_resumed(resumed, request, vectors, start)
     return encode_features(vectors, start, request.encoding)
+
+
+def _after_resumed(resumed: tuple | None, request: FeatureRequest, vectors: np.ndarray,
+                   start: int) -> tuple[np.ndarray, int]:
+    """(vectors, start) preceded by the ``resumed`` features (layers, first position, float32 [n, width]) when
+    they were kept for the same layers and end right before ``start``; else as they are."""
+    if resumed is None:
+        return vectors, start
+    layers, first, kept = resumed
+    if layers != tuple(request.layers) or first + len(kept) != start or not len(kept):
+        return vectors, start
+    return np.concatenate([kept, vectors]), first

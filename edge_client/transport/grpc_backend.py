@@ -244,7 +244,8 @@ class GrpcBackend(VerifierBackend):
         ``open_timeout_s``: it prefills)."""
         self._check_open()
         message = extend_request_to_proto(request.session_id, request.committed_length, request.appended_token_ids,
-                                          request.sampling, request.stopping, request.features)
+                                          request.sampling, request.stopping, request.features,
+                                          request.features_from)
         try:
             response = self._stub.ExtendSession(message, timeout=timeout_s or self.open_timeout_s,
                                                metadata=self._metadata)
