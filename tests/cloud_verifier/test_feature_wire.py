@@ -234,3 +234,8 @@ def test_bad_features_from_is_invalid_argument(runner):
             list(decode(pb.DecodeRequest(session_id=opened.session_id, seq=1, committed_length=length,
                                          max_tokens=1, features_from=0), timeout=60))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "features_from" in info.value.details()
+        extend = pb.ExtendSessionRequest(session_id=opened.session_id, committed_length=length,
+                                         appended_token_ids=[5], features_from=0)  # no features: refused too
+        with pytest.raises(grpc.RpcError) as info:
+            _raw_call(ch, "ExtendSession", extend)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "features_from" in info.value.details()
