@@ -28,9 +28,9 @@ from specdec_runtime.cloud_verifier.drafts.ledger import AcceptanceLedger
 from specdec_runtime.cloud_verifier.batcher import Batcher
 from specdec_runtime.cloud_verifier.security.limits import TenantLimits
 from specdec_runtime.cloud_verifier.kv.prefix_cache import attach_prefix_cache
-from specdec_runtime.cloud_verifier.session.features import resolve_request, take_prompt_features
+from specdec_runtime.cloud_verifier.session.features import (check_features_from, resolve_request,
+                                                              take_prompt_features)
 from specdec_runtime.cloud_verifier.session.grammar import check_grammar, register_target
-from specdec_runtime.cloud_verifier.session.state import Session
 from specdec_runtime.cloud_verifier.session.table import SessionTable
 from specdec_runtime.cloud_verifier.store import MemorySessionStore, SessionRecord, SessionStore, extend_conflict
 from specdec_runtime.cloud_verifier.target.runner import TargetRunner
@@ -293,7 +293,7 @@ class Verifier:
 
     async def extend_session(self, session_id: str, committed_length: int, appended_token_ids: list[int],
                              sampling: SamplingParams | None = None, stopping: StoppingCriteria | None = None,
-                             tenant_id: str = "", features=None) -> SessionOpened:
+                             tenant_id: str = "", features=None, features_from: int | None = None) -> SessionOpened:
         """Continue a finished (or not started) session of ``tenant_id`` with the next turn of a conversation:
         append ``appended_token_ids`` to its committed ids, prefill only those (chunked, interleaved with verify
         steps; the KV cache of the conversation so far is kept), reset its stopping state (``max_new_tokens``
@@ -311,6 +311,8 @@ class Verifier:
             stopping: the new turn's stopping criteria (None: the session's).
             features: a common.features.FeatureRequest: the answer carries the features of the positions the
                 turn's prefill feeds (the last committed token, then the appended ids but the last).
+            features_from: with ``features``, the first position whose features the caller lacks (a failover):
+                a resume here keeps them, and the answer starts with them (DraftBlock.features_from).
 
         Returns:
             SessionOpened with ``committed_length`` = the new committed length and the seed the turn draws with.
@@ -320,12 +322,15 @@ class Verifier:
             ConflictError: ``committed_length`` differs from the session's (ABORTED); nothing changes.
             PreconditionError: the session is generating (FAILED_PRECONDITION), or is for another model.
             ContextLengthError: the conversation would reach the context length (OUT_OF_RANGE).
-            InvalidRequestError: no tokens, ids outside the vocabulary, bad parameters (INVALID_ARGUMENT).
+            InvalidRequestError: no tokens, ids outside the vocabulary, bad parameters or features_from
+                (INVALID_ARGUMENT).
             CapacityError: no KV budget for the longer session, or none to resume it here.
             VerifierUnavailableError: shutting down, or the store is unreachable.
         """
         self._check_running()
         appended = [int(t) for t in appended_token_ids]
+        features = resolve_request(features, self.target.num_layers)  # a resume below may keep them
+        check_features_from(features, features_from, committed_length)
         held = self.sessions.held(session_id)
         if held is None or held.record.committed_length != committed_length:
             # the store is the truth: a conflict is answered from it, without resuming (moving) the session
@@ -334,7 +339,7 @@ class Verifier:
                 raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
             if record.committed_length != committed_length:
                 raise extend_conflict(session_id, committed_length, record.committed_length)
-        session = await self.sessions.get_or_resume(session_id, tenant_id)
+        session = await self.sessions.get_or_resume(session_id, tenant_id, features, features_from)
         if session.busy:
             await self.sessions.wait_idle(session, self.busy_wait_s)
         if session.unconfirmed is not None and not session.busy:
@@ -342,7 +347,7 @@ class Verifier:
         if session.released or (committed_length != session.record.committed_length
                                  and self.sessions.is_stale(session)):
             self.sessions.release(session_id)  # the store moved on without this copy: it has the truth
-            session = await self.sessions.get_or_resume(session_id, tenant_id)
+            session = await self.sessions.get_or_resume(session_id, tenant_id, features, features_from)
         r = session.record
         sampling = sampling if sampling is not None else r.sampling
         if sampling.seed is None:
@@ -350,10 +355,9 @@ class Verifier:
         stopping = stopping if stopping is not None else r.stopping
         check_extend_request(r.committed_length, appended, sampling, stopping, self.info, self.valid_vocab_size)
         check_grammar(sampling.grammar, self.info.model_id, stopping)
-        features = resolve_request(features, self.target.num_layers)
         session = await self.sessions.extend(session, committed_length, appended, sampling, stopping, features)
         return SessionOpened.of(self.info, session_id, session.record.committed_length, session.record.seed,
-                                take_prompt_features(session))
+                                take_prompt_features(session, features_from))
 
     def get_session(self, session_id: str, tenant_id: str = "") -> SessionRecord:
         """The session's record (from the store: the source of truth for committed tokens).
@@ -392,7 +396,8 @@ class Verifier:
 
         Raises:
             SessionNotFoundError: unknown or expired session, or another tenant's.
-            InvalidRequestError: malformed block (nothing committed changes).
+            InvalidRequestError: malformed block, or ``features_from`` without features or past
+                ``committed_length`` - 1 (nothing committed changes).
             PreconditionError: the session already finished.
             RateLimitedError: the tenant is over its verify rate (nothing committed changes).
             TargetOutputError: the target's logits for this block were not finite (nothing committed changes).
@@ -401,45 +406,16 @@ class Verifier:
         self._check_running()
         if block.features is not None:
             block = dataclasses.replace(block, features=resolve_request(block.features, self.target.num_layers))
+        check_features_from(block.features, block.features_from, committed_length)
         self.limits.charge(tenant_id, len(block.draft_token_ids) + 1)
-        session, answered = await self._session_for(session_id, seq, committed_length, tenant_id)
+        session, answered = await self.sessions.session_for_block(session_id, seq, committed_length, tenant_id,
+                                                                   self.busy_wait_s, block)
         if answered is not None:  # a retry of a block whose commit landed but whose answer was lost
             return answered
         checks = functools.partial(validate_block, session, seq, committed_length, block, self.info,
                                    self.valid_vocab_size)
         with self.sessions.block_in_flight(session, checks):
             return await self.batcher.verify(session, seq, committed_length, block)
-
-    async def _session_for(self, session_id: str, seq: int, committed_length: int,
-                           tenant_id: str = "") -> tuple[Session, Verdict | None]:
-        """The session a block goes to, and the verdict to answer it with when the block is a retry of one whose
-        commit landed although the store's answer was lost (None otherwise). The session: held here or resumed
-        from the store; after the previous block of the session has ended (at most ``busy_wait_s``); its
-        unanswered commit settled from the store; and resumed afresh from the store when this replica's copy
-        disagrees with the block because the store moved on without it (the session continued on another
-        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume).
-
-        Raises:
-            VerifierUnavailableError: the session has an unanswered commit and the store still does not answer.
-        """
-        session = await self.sessions.get_or_resume(session_id, tenant_id)
-        if session.busy:
-            await self.sessions.wait_idle(session, self.busy_wait_s)
-            if session.released:  # its block's commit was refused (stale copy): the store has the truth
-                session = await self.sessions.get_or_resume(session_id, tenant_id)
-        if session.unconfirmed is not None and not session.busy:
-            landed = self.sessions.settle(session)
-            if landed is not None and landed.seq == seq and \
-                    landed.committed_length - len(landed.committed_token_ids) == committed_length:
-                return session, landed
-            if session.released:
-                session = await self.sessions.get_or_resume(session_id, tenant_id)
-        r = session.record
-        if ((committed_length != r.committed_length or seq != r.last_seq + 1) and not session.busy
-                and self.sessions.is_stale(session)):
-            self.sessions.release(session_id)
-            session = await self.sessions.get_or_resume(session_id, tenant_id)
-        return session, None
 
     def _check_running(self) -> None:
         if not self.batcher.running:

@@ -196,6 +196,9 @@ class DraftBlock:
     # the target's features of the positions the verdict commits, asked for by a draft head
     # (common.features.FeatureRequest); None: not asked (nothing extra on the wire)
     features: object = None
+    # the first position whose target features the client lacks (a draft head after a failover), asked with
+    # ``features``: the verdict may carry the features a resume recomputed from there; None: not said
+    features_from: int | None = None
 
     def __len__(self) -> int:
         return len(self.draft_token_ids)
@@ -349,6 +352,8 @@ class ExtendRequest:
         sampling, stopping: the next turn's parameters; None = keep the session's.
         features: a :class:`common.features.FeatureRequest` (the features of the positions the turn's prefill
             feeds, in the answer) or None.
+        features_from: with ``features``, the first position whose features the caller lacks (a failover: the
+            answer may start there, :class:`DraftBlock`'s field) or None.
     """
 
     session_id: str
@@ -357,3 +362,4 @@ class ExtendRequest:
     sampling: SamplingParams | None = None
     stopping: StoppingCriteria | None = None
     features: object = None
+    features_from: int | None = None

@@ -195,9 +195,10 @@ def extend_request_to_proto(
     sampling: SamplingParams | None = None,
     stopping: StoppingCriteria | None = None,
     features=None,
+    features_from: int | None = None,
 ) -> pb.ExtendSessionRequest:
-    """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept), and so is
-    ``features`` (a common.features.FeatureRequest) when None."""
+    """ExtendSession request; ``sampling``/``stopping`` None are left unset (the session's are kept), and so are
+    ``features`` (a common.features.FeatureRequest) and ``features_from`` (a position) when None."""
     check_int32(appended_token_ids, "appended token id")
     msg = pb.ExtendSessionRequest(session_id=session_id, committed_length=int(committed_length),
                                   appended_token_ids=[int(t) for t in appended_token_ids])
@@ -207,6 +208,8 @@ def extend_request_to_proto(
         msg.stopping.CopyFrom(stopping_to_proto(stopping))
     if features is not None:
         msg.features.CopyFrom(feature_request_to_proto(features))
+    if features_from is not None:
+        msg.features_from = int(features_from)
     return msg
 
 
@@ -215,8 +218,9 @@ def extend_request_from_proto(msg: pb.ExtendSessionRequest) -> ExtendRequest:
     sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None
     stopping = stopping_from_proto(msg.stopping) if msg.HasField("stopping") else None
     features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
+    features_from = int(msg.features_from) if msg.HasField("features_from") else None
     return ExtendRequest(msg.session_id, int(msg.committed_length), list(msg.appended_token_ids), sampling, stopping,
-                         features)
+                         features, features_from)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -243,6 +247,8 @@ def block_to_proto(session_id: str, seq: int, committed_length: int, block: Draf
         )
     if block.features is not None:
         msg.features.CopyFrom(feature_request_to_proto(block.features))
+    if block.features_from is not None:
+        msg.features_from = int(block.features_from)
     return msg
 
 
@@ -268,8 +274,10 @@ def block_from_proto(msg: pb.DraftBlock) -> BlockRequest:
             raise InvalidRequestError(f"draft_confidence must hold one value in [0, 1] per draft token "
                                       f"({len(draft_ids)}), got {len(confidence)}")
     features = feature_request_from_proto(msg.features) if msg.HasField("features") else None
+    features_from = int(msg.features_from) if msg.HasField("features_from") else None
     block = DraftBlock(draft_token_ids=draft_ids, draft_probs=draft_probs, draft_ms=float(msg.draft_ms),
-                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence, features=features)
+                       bonus_drafted=bool(msg.bonus_drafted), draft_confidence=confidence, features=features,
+                       features_from=features_from)
     return BlockRequest(msg.session_id, int(msg.seq), int(msg.committed_length), block)
 
 

@@ -187,7 +187,8 @@ class LocalBackend(VerifierBackend):
         """The verifier's ExtendSession with ``request``, waiting at most ``timeout_s`` s (None: no bound)."""
         return self._call(
             self.verifier.extend_session(request.session_id, request.committed_length, request.appended_token_ids,
-                                         request.sampling, request.stopping, features=request.features),
+                                         request.sampling, request.stopping, features=request.features,
+                                         features_from=request.features_from),
             timeout_s)
 
     def submit(self, session_id, seq, committed_length, block):

@@ -131,26 +131,32 @@ class DecodeStream:
         seq, committed_length, made = int(request.seq), int(request.committed_length), 0
         # a draft head's features: each step's empty block asks for them, as a speculative session's blocks do
         features = feature_request_from_proto(request.features) if request.HasField("features") else None
+        # the first step only: a stream resumed here after a failover gets the features it lacks with it
+        features_from = int(request.features_from) if request.HasField("features_from") else None
         key = (self.tenant_kw.get("tenant_id", ""), request.session_id, seq)
         with self.stops.running(key) as stop:
             while (request.max_tokens == 0 or made < request.max_tokens) and not stop.is_set():
                 if self.drain.is_set():
                     raise VerifierUnavailableError("verifier is shutting down")
-                verdict = await self._step(request.session_id, seq, committed_length, features)
+                verdict = await self._step(request.session_id, seq, committed_length, features, features_from)
+                features_from = None
                 yield verdict_to_proto(verdict, seq)  # a stop during the step: it is streamed, then the end
                 made += len(verdict.committed_token_ids)
                 seq, committed_length = seq + 1, verdict.committed_length
                 if verdict.finished:
                     return
 
-    async def _step(self, session_id: str, seq: int, committed_length: int, features=None) -> Verdict:
-        """One γ = 0 verify step (asking for ``features``, a common.features.FeatureRequest, when not None);
-        waits out the tenant's rate limit (up to MAX_RATE_WAIT_S in all)."""
+    async def _step(self, session_id: str, seq: int, committed_length: int, features=None,
+                    features_from: int | None = None) -> Verdict:
+        """One γ = 0 verify step (asking for ``features``, a common.features.FeatureRequest, when not None, and
+        for those from ``features_from``: DraftBlock.features_from); waits out the tenant's rate limit (up to
+        MAX_RATE_WAIT_S in all)."""
         waited_s = 0.0
         while True:
             try:
                 return await self.verifier.verify(session_id, seq, committed_length,
-                                                  DraftBlock([], features=features), **self.tenant_kw)
+                                                  DraftBlock([], features=features, features_from=features_from),
+                                                  **self.tenant_kw)
             except RateLimitedError as e:  # charged before anything runs: nothing changed, wait and go on
                 wait_s = e.retry_after_ms / 1000
                 if waited_s + wait_s > MAX_RATE_WAIT_S:

@@ -108,7 +108,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._check_serving()
         r = extend_request_from_proto(request)
         opened = await self.verifier.extend_session(r.session_id, r.committed_length, r.appended_token_ids,
-                                                    r.sampling, r.stopping, features=r.features, **_tenant_kw())
+                                                    r.sampling, r.stopping, features=r.features,
+                                                    features_from=r.features_from, **_tenant_kw())
         return self._opened(opened)
 
     def _opened(self, opened) -> pb.OpenSessionResponse:

@@ -15,7 +15,8 @@ the sessions being opened, resumed or prefilled.
   chunk through the batcher (one chunk per forward pass, interleaved with other sessions' verify steps).
 - **Resume**: a session unknown here but present in the store (its replica crashed or drained) is rebuilt by
   prefilling its committed tokens, then claimed in the store. Concurrent requests for the same session share
-  one resume (one prefill).
+  one resume (one prefill). A block that says ``features_from`` (a draft head lacking features) has the
+  re-prefill keep its features from there (:mod:`cloud_verifier.session.features`).
 - **Extend**: the next turn's tokens are prefilled after the KV cache of everything before (more pages, no
   copy), then committed to the store.
 """
@@ -31,6 +32,7 @@ from collections.abc import Awaitable, Callable
 
 from specdec_runtime.cloud_verifier import metrics
 from specdec_runtime.cloud_verifier.kv.prefix_cache import cache_prefilled, extend_session_kv, open_session_kv
+from specdec_runtime.cloud_verifier.session.features import keep_resumed_features
 from specdec_runtime.cloud_verifier.session.state import Session, owned
 from specdec_runtime.cloud_verifier.store import SessionRecord
 from specdec_runtime.common.errors import CapacityError, PreconditionError, SessionNotFoundError, StaleSessionError
@@ -109,8 +111,11 @@ class SessionAdmission:
         metrics.SESSIONS_OPENED.inc()
         return session
 
-    async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
-        """The session held here, or resumed from the store (concurrent callers share one resume).
+    async def get_or_resume(self, session_id: str, tenant_id: str | None = None, features=None,
+                            features_from: int | None = None) -> Session:
+        """The session held here, or resumed from the store (concurrent callers share one resume). A resume
+        for a block asking ``features`` (a resolved FeatureRequest) with ``features_from`` (a position) keeps
+        the re-prefill's features of positions ``features_from`` .. in ``session.resumed_features``.
 
         Raises:
             SessionNotFoundError: unknown or expired in the store, or expired while being resumed.
@@ -126,7 +131,8 @@ class SessionAdmission:
         future = asyncio.get_running_loop().create_future()
         self._resuming[session_id] = future
         try:
-            session = await self._resume(session_id, tenant_id)
+            session = await self._resume(session_id, tenant_id,
+                                         features if features_from is not None else None, features_from)
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # mark retrieved
@@ -137,7 +143,8 @@ class SessionAdmission:
         finally:
             del self._resuming[session_id]
 
-    async def _resume(self, session_id: str, tenant_id: str | None = None) -> Session:
+    async def _resume(self, session_id: str, tenant_id: str | None = None, features=None,
+                      features_from: int | None = None) -> Session:
         record = self.table.store.get(session_id)
         if record is None or (tenant_id is not None and record.tenant_id != tenant_id):  # before any prefill
             raise SessionNotFoundError(f"unknown or expired session {session_id!r}")
@@ -146,7 +153,9 @@ class SessionAdmission:
                 f"session {session_id} is for model {record.model_id}, not {self.table.info.model_id}")
         log.info("resuming session %s from the store (was on %s)", session_id, record.verifier_id)
         record.verifier_id = self.table.info.verifier_id
-        session = await self._load(record)
+        session = await self._load(record, features)
+        if features is not None:
+            keep_resumed_features(session, features_from)
         if not self.table.store.claim(session_id, self.table.info.verifier_id, time.time()):
             self.table.release(session_id)
             raise SessionNotFoundError(f"session {session_id!r} expired while being resumed")

@@ -40,6 +40,9 @@ class Session:
     # (start position, float32 [n, width]) per prefilled chunk, until the open answers
     prefill_features: object = None
     prefill_hidden: list = field(default_factory=list)
+    # features a resume's re-prefill kept for a client that lacks them (DraftBlock.features_from): (layers, first
+    # position, float32 [n, width]) until the next verdict (cloud_verifier.session.features.verdict_features)
+    resumed_features: tuple | None = None
 
     @property
     def committed(self) -> list[int]:

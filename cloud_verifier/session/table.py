@@ -110,10 +110,12 @@ class SessionTable:
         return await self.admission.open(prompt, sampling, stopping, tenant_id, num_output_tokens, features,
                                          draft_label)
 
-    async def get_or_resume(self, session_id: str, tenant_id: str | None = None) -> Session:
-        """The session held here, or resumed from the store: :meth:`SessionAdmission.get_or_resume
+    async def get_or_resume(self, session_id: str, tenant_id: str | None = None, features=None,
+                            features_from: int | None = None) -> Session:
+        """The session held here, or resumed from the store (keeping the features a block asks from
+        ``features_from``): :meth:`SessionAdmission.get_or_resume
         <cloud_verifier.session.admission.SessionAdmission.get_or_resume>`."""
-        return await self.admission.get_or_resume(session_id, tenant_id)
+        return await self.admission.get_or_resume(session_id, tenant_id, features, features_from)
 
     async def extend(self, session: Session, expected_length: int, appended: list[int], sampling: SamplingParams,
                      stopping: StoppingCriteria, features=None) -> Session:
@@ -185,6 +187,45 @@ class SessionTable:
         except asyncio.TimeoutError:
             pass
         return not session.busy
+
+    async def session_for_block(self, session_id: str, seq: int, committed_length: int, tenant_id: str,
+                                busy_wait_s: float, block=None) -> tuple[Session, Verdict | None]:
+        """The session a block goes to, and the verdict to answer it with when the block is a retry of one whose
+        commit landed although the store's answer was lost (None otherwise). The session: held here or resumed
+        from the store; after the previous block of the session has ended (at most ``busy_wait_s``, s); its
+        unanswered commit settled from the store; and resumed afresh from the store when this replica's copy
+        disagrees with the block because the store moved on without it (the session continued on another
+        replica, e.g. behind a balancer). Another tenant's session is not found (checked before any resume).
+        ``block`` (a common.types.DraftBlock, features resolved): a resume for it keeps the features it asks
+        from ``block.features_from`` (:meth:`SessionAdmission.get_or_resume
+        <cloud_verifier.session.admission.SessionAdmission.get_or_resume>`).
+
+        Raises:
+            VerifierUnavailableError: the session has an unanswered commit and the store still does not answer.
+        """
+        asks = {} if block is None else {"features": block.features, "features_from": block.features_from}
+
+        async def resume() -> Session:
+            return await self.get_or_resume(session_id, tenant_id, **asks)
+
+        session = await resume()
+        if session.busy:
+            await self.wait_idle(session, busy_wait_s)
+            if session.released:  # its block's commit was refused (stale copy): the store has the truth
+                session = await resume()
+        if session.unconfirmed is not None and not session.busy:
+            landed = self.settle(session)
+            if landed is not None and landed.seq == seq and \
+                    landed.committed_length - len(landed.committed_token_ids) == committed_length:
+                return session, landed
+            if session.released:
+                session = await resume()
+        r = session.record
+        if ((committed_length != r.committed_length or seq != r.last_seq + 1) and not session.busy
+                and self.is_stale(session)):
+            self.release(session_id)
+            session = await resume()
+        return session, None
 
     def settle(self, session: Session) -> Verdict | None:
         """Settle ``session.unconfirmed``, a verdict whose store commit got no answer, from the store: it landed

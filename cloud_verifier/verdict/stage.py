@@ -12,11 +12,11 @@ import logging
 
 import torch
 
+from specdec_runtime.cloud_verifier.session.features import verdict_features
 from specdec_runtime.cloud_verifier.verdict.numerics import verify_rows
 from specdec_runtime.cloud_verifier.verdict.row_logits import prepare_row_logits, raw_logprobs
 from specdec_runtime.cloud_verifier.verdict.sampler import VerifyRow
 from specdec_runtime.common.errors import TargetOutputError
-from specdec_runtime.common.features import encode_features
 from specdec_runtime.common.types import NO_TOKEN, Verdict
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,5 @@ def make_verdict(work, next_token_id: int, n: int, num_committed: int, committed
         # a prefix of the queued block was verified (adaptive verification): the edge knows its tail was not judged
         num_verified_positions=len(block.draft_token_ids) if full is not None and full is not block else None,
         # the target's features of the committed positions (start_position ..: the tokens fed and kept)
-        features=None if getattr(work, "hidden", None) is None else encode_features(
-            work.hidden[: len(committed)], work.start_position, full.features.encoding),
+        features=verdict_features(work, len(committed)),
     )

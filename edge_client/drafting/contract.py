@@ -191,6 +191,10 @@ class UsesFeatures(Protocol):
         """The features ``block`` (common.features.FeatureBlock or None) of an answer after which the committed
         ids are ``committed_token_ids``."""
 
+    def features_missing_from(self, committed_token_ids: list[int]) -> int | None:
+        """The first position before the last of ``committed_token_ids`` it has no target feature for, or None:
+        what a block says in ``DraftBlock.features_from`` (a replica that resumed the session sends them)."""
+
 
 _logged: set[tuple[str, str]] = set()
 _logged_lock = threading.Lock()

@@ -88,6 +88,14 @@ class HeadDrafter:
                                       np.ones(len(fused), bool)])
         self._feature_ids = [int(t) for t in committed_token_ids[: len(self._features)]]
 
+    def features_missing_from(self, committed_token_ids: list[int]) -> int | None:
+        """The first position of ``committed_token_ids`` without a resolved feature when positions before the
+        last lack theirs (a verdict read back from the store after a failover): what the next block says in
+        ``DraftBlock.features_from``, so the replica that recomputed them sends them. None when every position
+        but the last is resolved (the next verdict brings the last one's)."""
+        held = self._target_features_for([int(t) for t in committed_token_ids])
+        return held if held < len(committed_token_ids) - 1 else None
+
     def begin_turn(self, prompt_length: int, stopping: StoppingCriteria) -> None:
         """The generation about to be drafted (penalties and min_tokens count its output from there)."""
         self._turn.begin(prompt_length, stopping, getattr(self.model.tokenizer, "eos_token_id", None))

@@ -147,9 +147,12 @@ def _extend_kept(client: GenerationContext, run: Run, sampling: SamplingParams, 
     (NOT_FOUND) or cannot extend it (ABORTED, FAILED_PRECONDITION): the caller opens a new one, with the lost
     session's seed (same output), counted in ``run.num_reopens``."""
     prev, keep.opened = keep.opened, None  # consumed: whatever happens now, a later turn does not reuse it
+    lacks = None  # the turn before ended with a verdict read back from the store: a resumed replica has them
+    if feature_request(client) is not None:
+        lacks = client.drafter.features_missing_from(run.committed[: keep.committed_length])
     try:
         request = ExtendRequest(prev.session_id, keep.committed_length, run.committed[keep.committed_length:],
-                                sampling, rest, feature_request(client))
+                                sampling, rest, feature_request(client), lacks)
         opened = client.backend.extend_session(request, timeout_s=client.open_timeout_s)
     except (SessionNotFoundError, ConflictError, PreconditionError) as e:
         log.info("session %s cannot be extended (%s); re-opening it over the %d committed tokens",

@@ -114,6 +114,8 @@ def verify_session(client: GenerationContext, run: "Run", opened: SessionOpened,
         block.bonus_drafted = bool(bonus_drafted and len(block))  # an empty block is plain decoding
         if heads is not None:  # every block asks, the loop's own empty ones too: no gap in the features
             block.features = heads.feature_request
+            # positions whose verdict was read back from the store: a replica that resumed the session has them
+            block.features_from = heads.features_missing_from(committed)
         sent = SentBlock(client.backend, opened.session_id, seq, len(committed), block)
         if bet is not None and len(block) and not sent.future.done():
             # bet on full acceptance: draft the bonus guess (none after a bonus_drafted block) + the next

@@ -113,9 +113,10 @@ class StreamsDecode(Addressed, Protocol):
     can_stop_decode: bool  # False once the verifier answered StopDecode UNIMPLEMENTED (an older verifier)
 
     def decode(self, session_id: str, seq: int, committed_length: int, max_tokens: int = 0,
-               features=None) -> Iterator:
+               features=None, features_from: int | None = None) -> Iterator:
         """The Decode call: an iterator of wire Verdicts with ``cancel()``; ``features``: a
-        common.features.FeatureRequest (each verdict carries its position's) or None."""
+        common.features.FeatureRequest (each verdict carries its position's) or None; ``features_from``: the
+        first position whose features the caller lacks (the first step's ``DraftBlock.features_from``) or None."""
 
     def stop_decode(self, session_id: str, seq: int) -> None:
         """End the Decode call whose first step was ``seq`` after its step in progress (best effort)."""

@@ -54,7 +54,8 @@ def cloud_verdicts(backend: VerifierBackend, session_id: str, seq: int, committe
     cancels the call (the verifier stops at its next step; a step already in a forward pass is committed,
     GetSession shows it). ``on_call``: run once when the first request has been sent (the iteration starts it).
     ``features``: a common.features.FeatureRequest (a draft head's): each verdict carries the target's feature of
-    the position it commits (``Verdict.features``; none for tokens read back from the store after a failover).
+    the position it commits (``Verdict.features``; tokens read back from the store after a failover have none,
+    and the stream resumed after them asks for theirs: ``DecodeRequest.features_from``).
 
     Raises (while iterating):
         the verifier's errors (common.errors): SessionNotFoundError, InvalidRequestError, PreconditionError,
@@ -116,13 +117,17 @@ class CloudStream:
         if on_call is not None:
             on_call()
 
-    def _one_stream(self, conn: StreamsDecode, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
-        """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.transport.errors)."""
+    def _one_stream(self, conn: StreamsDecode, seq: int, committed_length: int, max_tokens: int,
+                    features_from: int | None = None) -> Iterator[Verdict]:
+        """One Decode call on one GrpcBackend; gRPC errors raised as common.errors (edge_client.transport.errors).
+        ``features_from``: the first position whose features the caller lacks (asked with the features only)."""
         import grpc
 
         from specdec_runtime.edge_client.transport.errors import map_rpc_error
 
         asked = {} if self._features is None else {"features": self._features}
+        if asked and features_from is not None:
+            asked["features_from"] = features_from
         call = conn.decode(self.session_id, seq, committed_length, max_tokens, **asked)
         self._live = (conn, seq, False)  # (connection, first seq, answered)
         self._called()
@@ -144,9 +149,11 @@ class CloudStream:
     def _with_failover(self, backend: Reconnects, seq: int, committed_length: int, max_tokens: int) -> Iterator[Verdict]:
         """:meth:`_one_stream` on the failover backend's connection; a retryable failure is recovered from the
         store (tokens committed without their verdict) and the stream resumed on the next connection, unless it
-        was stopped."""
+        was stopped. Asking for features, the resumed stream says it lacks them from the first position whose
+        verdict did not come (a replica that resumes the session for it sends those it recomputes)."""
         policy: RetryPolicy = backend.policy
         rng, failures, first_failure, made = random.Random(0), 0, None, 0
+        lacks = None  # the first position without features since the last verdict a stream brought
         while max_tokens == 0 or made < max_tokens:
             conn = None
             try:
@@ -154,8 +161,8 @@ class CloudStream:
                 if not isinstance(conn, StreamsDecode):
                     raise PreconditionError(f"{type(conn).__name__} cannot stream cloud decode (no decode())")
                 left = 0 if max_tokens == 0 else max_tokens - made
-                for verdict in self._one_stream(conn, seq, committed_length, left):
-                    seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
+                for verdict in self._one_stream(conn, seq, committed_length, left, lacks):
+                    seq, committed_length, made, lacks = seq + 1, verdict.committed_length, made + 1, None
                     yield verdict
                 return
             except SpecdecError as e:
@@ -171,6 +178,7 @@ class CloudStream:
                 if failures >= policy.max_attempts or time.monotonic() - first_failure > policy.budget_s:
                     raise exhausted_error("Decode", failures, time.monotonic() - first_failure, e) from None
                 time.sleep(policy.backoff_s(failures - 1, rng))
+            lacks = committed_length - 1 if lacks is None else lacks
             for verdict in _from_store(backend, self.session_id, committed_length):
                 seq, committed_length, made = seq + 1, verdict.committed_length, made + 1
                 yield verdict

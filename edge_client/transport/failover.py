@@ -91,6 +91,19 @@ def verdict_from_store(draft_token_ids: Sequence[int], committed_length: int, co
     )
 
 
+def _retry_block(call: "_Call") -> DraftBlock:
+    """The block an attempt sends: the call's; a retry of one that asks for the target's features (a draft head)
+    says it lacks them from the block's own first position (``features_from``), so the replica that resumes the
+    session keeps those its re-prefill recomputes, for the verdicts another replica may have committed unseen."""
+    block = call.block
+    if not call.failures or block.features is None:
+        return block
+    start = call.committed_length - 1
+    if block.features_from is not None:
+        start = min(start, block.features_from)
+    return dataclasses.replace(block, features_from=start)
+
+
 class _Call:
     """One verify call (a block) and its attempts."""
 
@@ -325,7 +338,7 @@ class FailoverBackend(VerifierBackend):
         timeout = self.policy.attempt_timeout_s
         if call.deadline is not None:
             timeout = max(0.1, min(timeout, call.deadline + self.policy.attempt_timeout_s - time.monotonic()))
-        inner = backend.submit(call.session_id, call.seq, call.committed_length, call.block)
+        inner = backend.submit(call.session_id, call.seq, call.committed_length, _retry_block(call))
         self._timers.at(time.monotonic() + timeout, lambda: self._timed_out(call, attempt, backend, timeout))
         inner.add_done_callback(lambda f: self._inner_done(call, attempt, backend, f))
 

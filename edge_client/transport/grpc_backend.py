@@ -244,7 +244,8 @@ class GrpcBackend(VerifierBackend):
         ``open_timeout_s``: it prefills)."""
         self._check_open()
         message = extend_request_to_proto(request.session_id, request.committed_length, request.appended_token_ids,
-                                          request.sampling, request.stopping, request.features)
+                                          request.sampling, request.stopping, request.features,
+                                          request.features_from)
         try:
             response = self._stub.ExtendSession(message, timeout=timeout_s or self.open_timeout_s,
                                                metadata=self._metadata)
@@ -302,15 +303,19 @@ class GrpcBackend(VerifierBackend):
                 return
         p.future.set_exception(VerifierUnavailableError(f"cannot open a verify stream to {self.address}"))
 
-    def decode(self, session_id: str, seq: int, committed_length: int, max_tokens: int = 0, features=None):
+    def decode(self, session_id: str, seq: int, committed_length: int, max_tokens: int = 0, features=None,
+               features_from: int | None = None):
         """Cloud decode (specdec.v1 Decode): the streaming call itself, an iterator of wire Verdicts with
         ``cancel()``; :mod:`edge_client.transport.cloud_decode` drives it (conversion, errors, failover).
-        ``features``: a common.features.FeatureRequest (each verdict carries its position's), or None."""
+        ``features``: a common.features.FeatureRequest (each verdict carries its position's), or None;
+        ``features_from``: the first position it lacks (the first step's DraftBlock.features_from), or None."""
         self._check_open()
         request = pb.DecodeRequest(session_id=session_id, seq=int(seq), committed_length=int(committed_length),
                                    max_tokens=int(max_tokens))
         if features is not None:
             request.features.CopyFrom(feature_request_to_proto(features))
+        if features_from is not None:
+            request.features_from = int(features_from)
         self.count_sent(session_id, request.ByteSize())
         return self._stub.Decode(request, metadata=self._metadata)
 
