@@ -205,13 +205,34 @@ def _close_cloud_pick(est, client, ids, new_tokens, block_samples):
     assert est.block_wall_ms > 0 and est.choose(client, new_tokens, unseen, FIRST_CLOUD_CHUNK, MAX_CLOUD_CHUNK)[0] \
         == "cloud"
     est._counts["block_wall_ms"] = block_samples
-    return est
+    return _frozen(est)
+
+
+def _frozen(est):
+    """``est`` that no longer learns from the run: the decisions under test are made on the estimates given,
+    not on this run's own timings (the machine's load would move a 10 % margin either way)."""
+    import dataclasses
+
+    from specdec_runtime.edge_client.generation.route_cost import RouteEstimates
+
+    class FrozenEstimates(RouteEstimates):
+        def observe_block(self, *args, **kwargs):
+            pass
+
+        def observe_cloud(self, *args, **kwargs):
+            pass
+
+        def observe_prefill(self, *args, **kwargs):
+            pass
+
+    return FrozenEstimates(**{f.name: getattr(est, f.name) for f in dataclasses.fields(est)})
 
 
 def test_auto_explores_a_close_cloud_pick_on_thin_estimates_and_stays_target_only(tiny_pair, served, draft):
     """The cost model picks the cloud by 10 %: on a rate measured from 3 blocks auto explores (a cloud-first
     start that hands over once the draft is ready), token-identical to target-only; on one measured from 100
-    recent blocks it stays on the cloud to the end."""
+    recent blocks it stays on the cloud to the end. Both runs decide on the estimates given (frozen: see
+    :func:`_frozen`)."""
     ids = encode_prompt(draft.tokenizer, PROMPT)
     expected = hf_greedy(tiny_pair.target_dir, ids, 48)
     with GrpcBackend(served) as backend:
