@@ -112,6 +112,8 @@ def draft_train_head(
     max_new_tokens: int = typer.Option(64, help="Tokens of the target's greedy answer per prompt"),
     data_time_budget: Optional[float] = typer.Option(None, help="Seconds of answer generation at most (the "
                                                      "cached answers are used)"),
+    generate_batch_size: int = typer.Option(16, min=1, help="Prompts answered together (a larger batch answers "
+                                            "more tokens a second on a CPU, and holds more memory)"),
     draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the target's most frequent answer tokens"),
     epochs: int = typer.Option(2), ttt_steps: int = typer.Option(4, help="Training-time test steps"),
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
@@ -135,7 +137,8 @@ def draft_train_head(
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
                         epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
                         data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
-                        soft_labels=not hard_labels, heldout_fraction=heldout_fraction, progress=lambda line: typer.echo(line, err=True))
+                        soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
+                        generate_batch_size=generate_batch_size, progress=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result))
 
 
