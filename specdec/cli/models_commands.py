@@ -120,6 +120,8 @@ def draft_train_head(
     random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
     answers_only: bool = typer.Option(False, help="Learn on the answers' positions only, not the prompts' too"),
     hard_labels: bool = typer.Option(False, help="Learn the target's argmax, not its next-token distribution"),
+    init_from: Optional[Path] = typer.Option(None, help="Go on training a checkpoint this command wrote for the "
+                                             "same target (its weights and draft vocabulary)"),
     heldout_fraction: float = typer.Option(0.03, min=0.0, max=0.5, help="Sequences kept out of training to "
                                            "measure agreement on"),
 ):
@@ -133,12 +135,16 @@ def draft_train_head(
     from specdec.models import default_model_paths
 
     quiet_transformers()
-    result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
-                        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
-                        epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
-                        data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
-                        soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
-                        generate_batch_size=generate_batch_size, progress=lambda line: typer.echo(line, err=True))
+    try:
+        result = train_head(target or default_model_paths().target_dir, train_prompts, out_dir, num_prompts=num_prompts,
+                            max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
+                            epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
+                            data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
+                            soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
+                            generate_batch_size=generate_batch_size, init_from=init_from,
+                            progress=lambda line: typer.echo(line, err=True))
+    except ValueError as e:  # --init-from: not a checkpoint of this target
+        fail(str(e))
     typer.echo(json.dumps(result))
 
 

@@ -247,7 +247,8 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
                max_new_tokens: int = 64, draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 4,
                lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
                data_time_budget_s: float | None = None, prompt_positions: bool = True,
-               soft_labels: bool = True, heldout_fraction: float = 0.03, progress: Callable[[str], None] = print) -> dict:
+               soft_labels: bool = True, heldout_fraction: float = 0.03, init_from: str | Path | None = None,
+               progress: Callable[[str], None] = print) -> dict:
     """Train an EAGLE-3 head for the HF target in ``target_dir`` on its greedy answers to the first
     ``num_prompts`` prompts of ``prompts_path`` (jsonl with a ``prompt`` field; :mod:`specdec.distill.head_data`);
     write the checkpoint (config.json, model.safetensors, training.json) into ``out_dir``; return the curve: per
@@ -257,7 +258,8 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     sequences); ``prompt_positions``: learn the target's argmax on the prompt's tokens too (past the chat
     template's fixed preamble), not only on the answers; ``soft_labels``: learn the target's whole next-token
     distribution on the draft vocabulary (EAGLE-3), not its argmax; ``heldout_fraction``: sequences kept out of
-    training, on which each epoch's agreement is measured too (``heldout_top1_per_step``)."""
+    training, on which each epoch's agreement is measured too (``heldout_top1_per_step``); ``init_from``: a
+    checkpoint this function wrote for the same target, to go on training (its weights and draft vocabulary)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -272,13 +274,16 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     layers = [min(2, n), n // 2, max(n - 3, 0)]  # the inputs of those layers: specdec.models.head_export's
     data = target_answers(target, tok, target_dir, prompts_path, num_prompts, max_prompt_tokens, max_new_tokens,
                           generate_batch_size, data_time_budget_s, progress)
+    if not prompt_positions:  # prompts left unanswered teach nothing then: no feature pass for them
+        data = [s for s in data if len(s.ids) > s.answer_start]
     data = target_features(target, data, layers, progress=progress)
     preamble = _common_prefix([s.ids for s in data])  # the chat template's fixed system turn: nothing to learn
     for s in data:  # answers: from their first token; with prompt_positions, the prompt's own tokens too
         s.loss_start = max(min(preamble if prompt_positions else s.answer_start, s.answer_start) - 2, 0)
     data = [s for s in data if len(s.ids) - s.loss_start > 3]
     vocab_size = target.get_input_embeddings().weight.shape[0]
-    vocab_ids = _draft_vocab(data, vocab_size, draft_vocab)
+    start = _load_checkpoint(Path(init_from), vocab_size) if init_from is not None else None
+    vocab_ids = start["vocab_ids"] if start is not None else _draft_vocab(data, vocab_size, draft_vocab)
     to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     answer_tokens = sum(len(s.ids) - s.answer_start for s in data)
@@ -288,7 +293,11 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
     head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
                          len(vocab_ids))
-    if init_from_target_layer:
+    if start is not None:
+        with torch.no_grad():
+            for name, p in head.params.items():
+                p.copy_(start["weights"][name].float())
+    elif init_from_target_layer:
         init_from_target(head, target, vocab_ids, layers)
     embed = target.get_input_embeddings().weight.detach().half().float()  # as the device's graph stores it
     lm_rows = target.lm_head.weight.detach().float()[vocab_ids] if soft_labels else None
@@ -314,6 +323,25 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
           "trained_positions": loss_tokens, "seconds": time.monotonic() - t0},
           embedding_sha256(target.get_input_embeddings().weight))
     return {"curve": curve, "seconds": time.monotonic() - t0}
+
+
+def _load_checkpoint(ckpt: Path, vocab_size: int) -> dict:
+    """The weights (name → tensor) and the draft vocabulary (sorted target ids) of a checkpoint :func:`_save`
+    wrote.
+
+    Raises:
+        ValueError: no such checkpoint, or one for a target with another vocabulary size.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    if not (ckpt / "model.safetensors").is_file():
+        raise ValueError(f"--init-from: no model.safetensors in {ckpt}")
+    weights = load_file(str(ckpt / "model.safetensors"))
+    if weights["t2d"].shape[0] != vocab_size:
+        raise ValueError(f"--init-from: {ckpt} is for a vocabulary of {weights['t2d'].shape[0]}, not {vocab_size}")
+    vocab_ids = torch.nonzero(weights["t2d"]).flatten()
+    return {"weights": weights, "vocab_ids": vocab_ids}
 
 
 def _save(head: TrainableHead, vocab_ids, vocab_size: int, cfg, theta: float, out_dir: Path, report: dict,

@@ -134,3 +134,25 @@ def test_heldout_sequences_are_measured_and_kept_out(trained):
     for point in result["curve"]:
         assert len(point["heldout_top1_per_step"]) == 3
         assert all(0.0 <= x <= 1.0 for x in point["heldout_top1_per_step"])
+
+
+def test_init_from_goes_on_from_a_checkpoint(trained, tiny_pair):
+    """--init-from: no training step leaves the checkpoint's weights and draft vocabulary as they were (a fresh
+    start from the target would not); a checkpoint of another vocabulary size is refused."""
+    from safetensors.torch import load_file
+
+    from specdec.distill.head_training import _load_checkpoint
+
+    tmp, _, _ = trained
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))
+        train_head(tiny_pair.target_dir, tmp / "prompts.jsonl", tmp / "again", num_prompts=4, max_prompt_tokens=64,
+                   max_new_tokens=16, draft_vocab=256, epochs=0, ttt_steps=3, init_from=tmp / "ckpt",
+                   progress=lambda _: None)
+    before, after = load_file(str(tmp / "ckpt" / "model.safetensors")), load_file(str(tmp / "again" / "model.safetensors"))
+    assert set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    vocab = json.loads((tmp / "ckpt" / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ValueError, match="vocabulary"):
+        _load_checkpoint(tmp / "ckpt", vocab + 1)
