@@ -4,11 +4,14 @@ target) into ``<cache>/smollm2-135m-instruct-head``, the device's ONNX head (:fu
 export_head`), which the edge selects by the name ``head``.
 
 The artefact's ``config.json`` records the sha256 of the embedding of the target it was trained for
-(``target_embedding_sha256``): :func:`install_head` refuses any other target in one line before exporting.
+(``target_embedding_sha256``): :func:`install_head` refuses any other target in one line before exporting. The
+install's marker records the sha256 of the artefact's weights and the export's version, so a new artefact (or a
+new export) replaces an older install instead of being shadowed by it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +24,8 @@ from .head_export import HeadMismatchError, embedding_sha256, export_head
 __all__ = ["HEAD_DIR_NAME", "default_head_artefact_dir", "install_head", "prepare_head", "check_head_target"]
 
 HEAD_DIR_NAME = "smollm2-135m-instruct-head"
+# what an install holds beyond the artefact: 2 = the embedding in float16 (specdec.models.head_graph)
+EXPORT_VERSION = 2
 
 
 def default_head_artefact_dir() -> Path:
@@ -55,13 +60,33 @@ def install_head(target_dir: str | os.PathLike, artefact_dir: str | os.PathLike,
     Raises:
         HeadMismatchError: the artefact was trained for another target (one line)."""
     out_dir = Path(out_dir)
-    if is_complete(out_dir) and not force:
+    stamp = {"artefact_sha256": _weights_sha256(Path(artefact_dir)), "export_version": EXPORT_VERSION}
+    if is_complete(out_dir) and not force and _installed_stamp(out_dir) == stamp:
         return out_dir
     check_head_target(target_dir, artefact_dir)
-    with atomic_dir(out_dir, force) as tmp:
+    with atomic_dir(out_dir, True) as tmp:  # an older install of another artefact or export is replaced
         export_head(target_dir, artefact_dir, tmp)
-        write_marker(tmp, {"artefact": str(artefact_dir), "kind": "head"})
+        write_marker(tmp, {"artefact": str(artefact_dir), "kind": "head", **stamp})
     return out_dir
+
+
+def _weights_sha256(artefact_dir: Path) -> str:
+    digest = hashlib.sha256()
+    with (artefact_dir / "model.safetensors").open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _installed_stamp(out_dir: Path) -> dict:
+    """The artefact sha256 and export version an install's marker records ({} for an install without them)."""
+    from specdec_runtime.common.paths import COMPLETE_MARKER
+
+    try:
+        marker = json.loads((out_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: marker.get(k) for k in ("artefact_sha256", "export_version")}
 
 
 def prepare_head(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:

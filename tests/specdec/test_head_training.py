@@ -156,3 +156,29 @@ def test_init_from_goes_on_from_a_checkpoint(trained, tiny_pair):
     vocab = json.loads((tmp / "ckpt" / "config.json").read_text())["vocab_size"]
     with pytest.raises(ValueError, match="vocabulary"):
         _load_checkpoint(tmp / "ckpt", vocab + 1)
+
+
+def test_a_new_artefact_replaces_an_older_install(trained, tiny_pair):
+    """The install is kept while its artefact is the same, and replaced (not shadowed) once the artefact's
+    weights change: the marker records the weights' sha256."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.head_install import install_head
+    from specdec_runtime.common.paths import COMPLETE_MARKER
+
+    tmp, _, _ = trained
+    artefact = tmp / "artefact"
+    shutil.copytree(tmp / "ckpt", artefact)
+    out = install_head(tiny_pair.target_dir, artefact, tmp / "kept")
+    first = json.loads((out / COMPLETE_MARKER).read_text())
+    graph = (out / "head.onnx").read_bytes()
+    again = json.loads((install_head(tiny_pair.target_dir, artefact, out) / COMPLETE_MARKER).read_text())
+    assert again == first  # same artefact: not exported again
+    weights = load_file(str(artefact / "model.safetensors"))
+    weights["norm.weight"] = weights["norm.weight"] * 2
+    save_file(weights, str(artefact / "model.safetensors"))
+    replaced = json.loads((install_head(tiny_pair.target_dir, artefact, out) / COMPLETE_MARKER).read_text())
+    assert replaced["artefact_sha256"] != first["artefact_sha256"]
+    assert (out / "head.onnx").read_bytes() != graph  # exported again from the new weights
