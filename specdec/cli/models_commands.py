@@ -114,8 +114,8 @@ def draft_train_head(
                                                      "cached answers are used)"),
     generate_batch_size: int = typer.Option(16, min=1, help="Prompts answered together (a larger batch answers "
                                             "more tokens a second on a CPU, and holds more memory)"),
-    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the target's most frequent answer tokens"),
-    epochs: int = typer.Option(2), ttt_steps: int = typer.Option(4, help="Training-time test steps"),
+    draft_vocab: int = typer.Option(8192, min=1, help="Draft vocabulary: the target's most frequent answer tokens"),
+    epochs: int = typer.Option(2, min=1), ttt_steps: int = typer.Option(4, min=1, help="Training-time test steps"),
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
     random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
     answers_only: bool = typer.Option(False, help="Learn on the answers' positions only, not the prompts' too"),
@@ -128,11 +128,18 @@ def draft_train_head(
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
     require_extra("tools", "specdec draft train-head")
-    check_writable_dir(out_dir, "OUT_DIR")
+    if (out_dir / "head.onnx").is_file() or (out_dir / "model.safetensors").is_file():
+        fail(f"OUT_DIR {out_dir} already holds a head: give a new directory")
     if not train_prompts.is_file():
         fail(f"--train-prompts: no file at {train_prompts}")
-    from specdec.distill.head_training import train_head
+    from specdec.distill.head_training import check_checkpoint, train_head
     from specdec.models import default_model_paths
+
+    try:  # before any answer is generated: a wrong path fails at once
+        check_checkpoint(init_from)
+    except ValueError as e:
+        fail(str(e))
+    check_writable_dir(out_dir, "OUT_DIR")
 
     quiet_transformers()
     try:
@@ -143,7 +150,7 @@ def draft_train_head(
                             soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
                             generate_batch_size=generate_batch_size, init_from=init_from,
                             progress=lambda line: typer.echo(line, err=True))
-    except ValueError as e:  # --init-from: not a checkpoint of this target
+    except ValueError as e:  # --init-from of another target; no training data
         fail(str(e))
     typer.echo(json.dumps(result))
 

@@ -134,6 +134,16 @@ def _common_prefix(sequences: list[list[int]]) -> int:
     return n
 
 
+def _with_loss_starts(data: list, prompt_positions: bool) -> list:
+    """Set each sequence's ``loss_start`` (answers: from their first token; with ``prompt_positions`` the prompt's
+    own tokens too, past the chat template's fixed system turn, which teaches nothing); drop the sequences with
+    nothing left to learn."""
+    preamble = _common_prefix([s.ids for s in data])
+    for s in data:
+        s.loss_start = max(min(preamble if prompt_positions else s.answer_start, s.answer_start) - 2, 0)
+    return [s for s in data if len(s.ids) - s.loss_start > 3]
+
+
 def _draft_vocab(sequences, vocab_size: int, draft_vocab: int):
     """The ``draft_vocab`` target ids most often the target's argmax where the loss counts (ties: lowest id),
     sorted."""
@@ -266,6 +276,7 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     from specdec.distill.head_data import target_answers, target_features
     from specdec.models.head_export import embedding_sha256
 
+    check_checkpoint(init_from)  # before the costly data, not after it
     t0 = time.monotonic()
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -276,20 +287,19 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
                           generate_batch_size, data_time_budget_s, progress)
     if not prompt_positions:  # prompts left unanswered teach nothing then: no feature pass for them
         data = [s for s in data if len(s.ids) > s.answer_start]
-    data = target_features(target, data, layers, progress=progress)
-    preamble = _common_prefix([s.ids for s in data])  # the chat template's fixed system turn: nothing to learn
-    for s in data:  # answers: from their first token; with prompt_positions, the prompt's own tokens too
-        s.loss_start = max(min(preamble if prompt_positions else s.answer_start, s.answer_start) - 2, 0)
-    data = [s for s in data if len(s.ids) - s.loss_start > 3]
+    data = _with_loss_starts(target_features(target, data, layers, progress=progress), prompt_positions)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     start = _load_checkpoint(Path(init_from), vocab_size) if init_from is not None else None
     vocab_ids = start["vocab_ids"] if start is not None else _draft_vocab(data, vocab_size, draft_vocab)
     to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    answer_tokens = sum(len(s.ids) - s.answer_start for s in data)
-    loss_tokens = sum(len(s.ids) - 1 - s.loss_start for s in data)
+    answer_tokens, loss_tokens = (sum(len(s.ids) - s.answer_start for s in data),
+                                  sum(len(s.ids) - 1 - s.loss_start for s in data))
     progress(f"data: {len(data)} sequences, {answer_tokens} answer tokens, {loss_tokens} trained positions, "
              f"{time.monotonic() - t0:.0f} s")
+    if loss_tokens <= 0:
+        raise ValueError("no training data: no prompt gave a position to learn (more --num-prompts, "
+                         "--max-prompt-tokens or --data-time-budget)")
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
     head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
                          len(vocab_ids))
@@ -325,6 +335,26 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     return {"curve": curve, "seconds": time.monotonic() - t0}
 
 
+def check_checkpoint(ckpt: str | Path | None) -> None:
+    """Raise ValueError (one line) unless ``ckpt`` holds a checkpoint :func:`train_head` wrote (an EAGLE-3
+    head's model.safetensors with its ``t2d``), without loading its weights; None passes."""
+    from safetensors import safe_open
+
+    if ckpt is None:
+        return
+    path = Path(ckpt) / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"--init-from: no model.safetensors in {ckpt} (a directory `specdec draft train-head` wrote)")
+    try:
+        with safe_open(str(path), "pt") as st:
+            names = set(st.keys())
+    except Exception as e:  # a damaged or foreign file: safetensors raises its own error types
+        raise ValueError(f"--init-from: {path} is not a safetensors file ({e})") from e
+    missing = {"t2d", "fc.weight", "midlayer.self_attn.q_proj.weight"} - names
+    if missing:
+        raise ValueError(f"--init-from: {ckpt} is not a draft head checkpoint (no {', '.join(sorted(missing))})")
+
+
 def _load_checkpoint(ckpt: Path, vocab_size: int) -> dict:
     """The weights (name → tensor) and the draft vocabulary (sorted target ids) of a checkpoint :func:`_save`
     wrote.
@@ -335,8 +365,7 @@ def _load_checkpoint(ckpt: Path, vocab_size: int) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    if not (ckpt / "model.safetensors").is_file():
-        raise ValueError(f"--init-from: no model.safetensors in {ckpt}")
+    check_checkpoint(ckpt)
     weights = load_file(str(ckpt / "model.safetensors"))
     if weights["t2d"].shape[0] != vocab_size:
         raise ValueError(f"--init-from: {ckpt} is for a vocabulary of {weights['t2d'].shape[0]}, not {vocab_size}")

@@ -182,3 +182,40 @@ def test_a_new_artefact_replaces_an_older_install(trained, tiny_pair):
     replaced = json.loads((install_head(tiny_pair.target_dir, artefact, out) / COMPLETE_MARKER).read_text())
     assert replaced["artefact_sha256"] != first["artefact_sha256"]
     assert (out / "head.onnx").read_bytes() != graph  # exported again from the new weights
+
+
+def test_train_head_refuses_bad_input_before_any_data(trained, tiny_pair, tmp_path):
+    """One line and exit 2, before any answer is generated: --init-from that is no head checkpoint (a missing
+    directory, a target's directory), an output directory that already holds a head, zero epochs; and no data
+    at all is an error, not an untrained checkpoint."""
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    tmp, _, _ = trained
+    prompts = str(tmp / "prompts.jsonl")
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(app, ["draft", "train-head", *map(str, args), "--train-prompts", prompts])
+        return result.exit_code, result.output
+
+    code, out = run(tmp_path / "a", "--init-from", tmp_path / "missing")
+    assert code == 2 and "no model.safetensors" in out and "answers:" not in out, out
+    target_like = tmp_path / "target-like"
+    target_like.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(target_like / "model.safetensors"))
+    code, out = run(tmp_path / "b", "--init-from", target_like)
+    assert code == 2 and "not a draft head checkpoint" in out and "Traceback" not in out, out
+    code, out = run(tmp / "ckpt")
+    assert code == 2 and "already holds a head" in out, out
+    code, out = run(tmp_path / "c", "--epochs", "0")
+    assert code == 2, out
+    with pytest.raises(ValueError, match="no training data"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))
+            train_head(tiny_pair.target_dir, prompts, tmp_path / "d", num_prompts=4, max_prompt_tokens=5,
+                       max_new_tokens=4, epochs=1, progress=lambda _: None)
+    assert not (tmp_path / "d" / "model.safetensors").exists()
