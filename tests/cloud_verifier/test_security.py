@@ -400,7 +400,10 @@ def _trailing(err: grpc.RpcError) -> dict:
 
 
 def test_tenant_rate_limit(runner, keys):
-    limits = TenantLimits(tokens_per_s=10.0, burst_tokens=10.0, min_burst=MAX_BLOCK + 1)
+    # the buckets' clock is the test's: refill comes only when the test moves it, never from a slow machine
+    # taking half a second between two blocks
+    clock = [0.0]
+    limits = TenantLimits(tokens_per_s=10.0, burst_tokens=10.0, min_burst=MAX_BLOCK + 1, clock=lambda: clock[0])
     served = _serve(_verifier(runner, verifier_id="rate", tenant_limits=limits),
                     ServerSecurity(None, ApiKeyStore(keys[0])))
     try:
@@ -423,7 +426,7 @@ def test_tenant_rate_limit(runner, keys):
             # another tenant has its own bucket
             sid2 = stub.OpenSession(_open_req(), timeout=WAIT_S, metadata=globex).session_id
             stub.VerifyBlock(_block(sid2, 1, 4, [5, 6, 7, 8]), timeout=WAIT_S, metadata=globex)
-            time.sleep(retry_ms / 1000 + 0.05)
+            clock[0] += retry_ms / 1000 + 0.05
             v = stub.VerifyBlock(_block(sid, seq + 1, length, [5, 6, 7, 8]), timeout=WAIT_S, metadata=acme)
             assert v.committed_length > length
             # the SDK surfaces the hint (RateLimitedError, a CapacityError, with retry_after_ms)
