@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -52,18 +53,19 @@ def models_export_head(
 ):
     """Convert a published EAGLE-3 / EAGLE-1 draft head, with its target, into the device's ONNX head."""
     require_extra("tools", "specdec models export-head")
-    check_writable_dir(out, "OUT")
     from specdec.models.head_export import HeadMismatchError, export_head
 
     if not (target / "config.json").is_file():
         fail(f"{target}: not a model directory (no config.json)")
+    made = not out.exists()
+    check_writable_dir(out, "OUT")
     quiet_transformers()
     try:
         export_head(target, head, out)
-    except OSError as e:
-        fail(os_error_line(e, str(e.filename or out)))
-    except (HeadMismatchError, *user_errors()) as e:
-        fail(str(e))
+    except (HeadMismatchError, OSError, *user_errors()) as e:  # a head for another target, a TARGET no causal LM
+        if made:  # nothing half-made is left behind for the next run to trip on
+            shutil.rmtree(out, ignore_errors=True)
+        fail(os_error_line(e, str(e.filename or out)) if isinstance(e, OSError) else str(e))
     typer.echo(f"head: {out}")
 
 
