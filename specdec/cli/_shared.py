@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -27,6 +27,13 @@ DEFAULT_MIN_CONFIDENCE = 0.1
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 NumSpeculativeTokens = Annotated[int, typer.Option(
     "--num-speculative-tokens", "-g", help="γ: draft tokens per block (with adaptive γ: the most a block may have)")]
+
+# --draft: one declaration for generate, chat and edge-serve (bench says more: its modes differ); the value is turned
+# into a directory by checks.resolve_draft_option before anything loads. Use: `draft: DraftOption = None`.
+DRAFT_HELP = ("Draft: a prepared draft's name, int8 (`specdec models prepare`), distilled (`specdec draft install`) or "
+              "head (`specdec models prepare`), or a directory: an ONNX draft, or a draft head (head.json, `specdec "
+              "models export-head`) (default: the prepared int8 draft)")
+DraftOption = Annotated[Optional[str], typer.Option("--draft", help=DRAFT_HELP)]
 
 # Plain (click-style) help: typer's rich panels print a "<bool>" type column for every on/off flag (--help
 # included), where click's layout shows a flag by its name alone.

@@ -14,6 +14,7 @@ from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROMPTS, DEVICE_HELP, DTYPE_HELP,
     NumSpeculativeTokens, check_device, fail, user_errors, app, require_extra,
 )
+from specdec.cli.checks import resolve_draft_option
 from specdec.cli.processing import (
     FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, PRESENCE_PENALTY, REPETITION_PENALTY, processing_options,
 )
@@ -193,21 +194,6 @@ def _processing(other_mode: bool, **flags) -> dict:
     return processing
 
 
-def _named_draft(draft: Optional[str]) -> Optional[Path]:
-    """``--draft``: a draft name (int8, distilled, head: specdec.models.named_drafts) or a directory; one line
-    when a named draft is not prepared."""
-    if draft is None:
-        return None
-    from specdec.models.named_drafts import DRAFT_NAMES, resolve_named_draft
-
-    if draft not in DRAFT_NAMES:
-        return Path(draft)
-    try:
-        return resolve_named_draft(draft)
-    except user_errors() as e:
-        fail(str(e))
-
-
 def _run_wan(prompts, wan, route, **kwargs) -> None:
     """`bench --wan`: the routes side by side behind the WAN proxy, one JSON object on stdout (or one line on a
     bad option)."""
@@ -280,14 +266,15 @@ def bench(
         return _run_drafts(prompts, drafts, (draft, wan, clients, gamma_sweep, edge_cloud, json_schema, chaos,
                                              temperature or None), as_json=as_json, device=device, dtype=dtype,
                            limit=limit, target=target, max_new_tokens=max_new_tokens, gamma=num_speculative_tokens)
+    draft_dir = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
     if chaos:  # its own mode: specdec/bench/chaos/ (--chaos in the help of its options)
         return _run_chaos((wan, clients, gamma_sweep, edge_cloud, json_schema), store, sessions, duration_s, seed,
-                          target, _named_draft(draft), replicas, kv_tokens, plot)
+                          target, draft_dir, replicas, kv_tokens, plot)
     if wan is not None:  # its own mode: specdec/bench/wan.py
         return _run_wan(prompts, wan, route, draft_slowdown=draft_slowdown, repeats=wan_repeats, limit=limit, plot=plot,
                         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                         jitter_ms=jitter_ms, bandwidth_kbps=bandwidth_kbps, target=target, device=device,
-                        draft=_named_draft(draft))
+                        draft=draft_dir)
     client_counts = _check_bench_options(temperature, clients, gamma_sweep, edge_cloud, plot, replay, duration_s,
                                          device, dtype, json_schema, verify_policy)
     try:
@@ -297,7 +284,7 @@ def bench(
                 cloud_replay="cloud" in (route or "").split(","), json_schema=json_schema, edge_cloud=edge_cloud,
                 verify_policies=verify_policy, delays_ms=delays_ms, adaptive=adaptive, min_confidence=min_confidence,
                 pin=pin, plot=plot, limit=limit, max_new_tokens=max_new_tokens, target=target, no_hf=no_hf,
-                draft=_named_draft(draft), num_speculative_tokens=num_speculative_tokens, progress=not as_json,
+                draft=draft_dir, num_speculative_tokens=num_speculative_tokens, progress=not as_json,
                 sampling=SamplingParams(temperature, top_k, top_p, seed, **processing))
     except (*user_errors(), FileNotFoundError, ImportError, bench_mod.VerifierProcessError) as e:
         fail(str(e))

@@ -13,10 +13,12 @@ from specdec_runtime.common.types import SamplingParams, StoppingCriteria
 from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
-from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
+from specdec.cli._shared import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+)
 from specdec.cli.checks import (
     check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, check_prompt_fits,
-    fail_no_chat_input,
+    fail_no_chat_input, resolve_draft_option,
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import build_edge_client
@@ -148,7 +150,7 @@ def chat(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY", show_envvar=True,
                                           help="--server: API key of the verifier (authorization: Bearer)"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
-    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    draft: DraftOption = None,
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
@@ -184,6 +186,7 @@ def chat(
         fail(str(e))
     check_min_tokens(min_tokens, max_new_tokens)
     check_num_speculative_tokens(num_speculative_tokens)
+    draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
     check_logit_bias_vocabulary(processing, target, draft)
     if system and not server:  # the one prompt known at start: a system message no context holds
         check_prompt_fits([{"role": "system", "content": system}], raw=False, target=target, draft=draft)

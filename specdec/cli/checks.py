@@ -38,18 +38,47 @@ def check_device_names(device: str, dtype: str) -> None:
         fail(f"unknown dtype {dtype!r}: use {', '.join(_DTYPES)}")
 
 
+def resolve_draft_option(draft: str | os.PathLike | None) -> Path | None:
+    """The directory ``--draft`` names (every command that drafts): a prepared draft's name (int8, distilled,
+    head) or a directory (an ONNX draft or a draft head), through
+    :func:`specdec.models.named_drafts.resolve_named_draft`; None without the flag. Exits with one line: an unknown
+    name or a draft that is not prepared (naming the command that prepares it), a directory with no draft."""
+    if draft is None:
+        return None
+    from specdec_runtime.common.paths import ModelNotFoundError
+
+    from specdec.models.named_drafts import resolve_named_draft
+
+    try:
+        return resolve_named_draft(str(draft))
+    except ModelNotFoundError as e:
+        fail(f"--draft: {e}")
+
+
 def check_model_dirs(target: Path | None, draft: Path | None) -> None:
     """Exit when ``--target`` is not an HF model directory or ``--draft`` holds no ONNX draft or draft head (given
     ones only)."""
     from specdec_runtime.common.paths import ModelNotFoundError, resolve_draft_dir, resolve_target_dir
 
+    from specdec.models.named_drafts import is_head_dir
+
     try:
         if target is not None:
             resolve_target_dir(target)
         if draft is not None:  # an ONNX draft, or a draft head (`specdec models export-head`: head.json)
-            check_draft_tokenizer(Path(draft) if (Path(draft) / "head.json").is_file() else resolve_draft_dir(draft))
+            check_draft_tokenizer(Path(draft) if is_head_dir(draft) else resolve_draft_dir(draft))
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
+
+
+def check_fallback_draft(fallback: str, draft: Path | None) -> None:
+    """Exit when ``--fallback device`` comes with a draft head: the device decodes with a draft alone, and a head
+    drafts only from the verifier's features."""
+    from specdec.models.named_drafts import is_head_dir
+
+    if fallback == "device" and draft is not None and is_head_dir(draft):
+        fail(f"--fallback device needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
+             "verifier's features): give an ONNX draft, or set EdgeClient(device_drafter=...) beside the head")
 
 
 def check_draft_tokenizer(draft_dir: Path) -> None:

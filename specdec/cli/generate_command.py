@@ -15,10 +15,12 @@ from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEVICE_HELP, DTYPE_HELP, check_device, explain, fail, user_errors, app,
 )
 from specdec.cli.checks import (
-    check_device_names, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs, check_num_speculative_tokens,
-    check_prompt_fits, check_server,
+    check_device_names, check_fallback_draft, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs,
+    check_num_speculative_tokens, check_prompt_fits, check_server, resolve_draft_option,
 )
-from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
+from specdec.cli._shared import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+)
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 from specdec.cli.progress import PrefillStatus, timing_summary
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
@@ -60,9 +62,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
         fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
-    if fallback == "device" and draft is not None and (Path(draft) / "head.json").is_file():
-        fail(f"--fallback device needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
-             "verifier's features): give an ONNX draft, or set EdgeClient(device_drafter=...) beside the head")
+    check_fallback_draft(fallback, draft)
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:
@@ -146,7 +146,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
-    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    draft: DraftOption = None,
     server: Optional[str] = SERVER,
     fallback: str = FALLBACK,
     reconnect_interval_s: float = RECONNECT_INTERVAL_S,
@@ -181,6 +181,7 @@ def generate(
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p,
         logprobs=logprobs)
     processing.update(grammar_options(json_schema, regex, grammar))  # structured output
+    draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
     security = _check_generate_options(
         prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -52,18 +53,19 @@ def models_export_head(
 ):
     """Convert a published EAGLE-3 / EAGLE-1 draft head, with its target, into the device's ONNX head."""
     require_extra("tools", "specdec models export-head")
-    check_writable_dir(out, "OUT")
     from specdec.models.head_export import HeadMismatchError, export_head
 
     if not (target / "config.json").is_file():
         fail(f"{target}: not a model directory (no config.json)")
+    made = not out.exists()
+    check_writable_dir(out, "OUT")
     quiet_transformers()
     try:
         export_head(target, head, out)
-    except OSError as e:
-        fail(os_error_line(e, str(e.filename or out)))
-    except (HeadMismatchError, *user_errors()) as e:
-        fail(str(e))
+    except (HeadMismatchError, OSError, *user_errors()) as e:  # a head for another target, a TARGET no causal LM
+        if made:  # nothing half-made is left behind for the next run to trip on
+            shutil.rmtree(out, ignore_errors=True)
+        fail(os_error_line(e, str(e.filename or out)) if isinstance(e, OSError) else str(e))
     typer.echo(f"head: {out}")
 
 
@@ -114,7 +116,9 @@ def draft_train_head(
                                                      "cached answers are used)"),
     generate_batch_size: int = typer.Option(16, min=1, help="Prompts answered together (a larger batch answers "
                                             "more tokens a second on a CPU, and holds more memory)"),
-    draft_vocab: int = typer.Option(8192, min=1, help="Draft vocabulary: the target's most frequent answer tokens"),
+    draft_vocab: Optional[int] = typer.Option(None, min=1, help="Draft vocabulary: the target's N most frequent "
+                                              "answer tokens (default 8192; with --init-from the checkpoint's, "
+                                              "and another N is refused)"),
     epochs: int = typer.Option(2, min=1), ttt_steps: int = typer.Option(4, min=1, help="Training-time test steps"),
     lr: float = typer.Option(1e-3, help="AdamW learning rate (warm-up, then linear decay)"),
     random_init: bool = typer.Option(False, help="Start from random weights, not the target's last layer"),
@@ -122,8 +126,9 @@ def draft_train_head(
     hard_labels: bool = typer.Option(False, help="Learn the target's argmax, not its next-token distribution"),
     init_from: Optional[Path] = typer.Option(None, help="Go on training a checkpoint this command wrote for the "
                                              "same target (its weights and draft vocabulary)"),
-    heldout_fraction: float = typer.Option(0.03, min=0.0, max=0.5, help="Sequences kept out of training to "
-                                           "measure agreement on"),
+    heldout_fraction: float = typer.Option(0.03, min=0.0, max=0.5, help="Fraction of the N sequences kept out of "
+                                           "training to measure agreement on: floor(N × fraction), so none below "
+                                           "1/fraction sequences (34 at 0.03; the held-out agreement is null then)"),
 ):
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
@@ -135,11 +140,13 @@ def draft_train_head(
     from specdec.distill.head_training import check_checkpoint, train_head
     from specdec.models import default_model_paths
 
-    try:  # before any answer is generated: a wrong path fails at once
-        check_checkpoint(init_from)
+    try:  # before any answer is generated: a wrong path or a --draft-vocab it does not have fails at once
+        check_checkpoint(init_from, draft_vocab)
     except ValueError as e:
         fail(str(e))
+    made = not out_dir.exists()
     check_writable_dir(out_dir, "OUT_DIR")
+    existed = None if made else {p.name for p in out_dir.iterdir()}
 
     quiet_transformers()
     try:
@@ -152,7 +159,28 @@ def draft_train_head(
                             progress=lambda line: typer.echo(line, err=True))
     except ValueError as e:  # --init-from of another target; no training data
         fail(str(e))
+    except KeyboardInterrupt:
+        _interrupted(out_dir, existed)
     typer.echo(json.dumps(result))
+
+
+def _interrupted(out_dir: Path, existed: set[str] | None) -> None:
+    """Ctrl-C in `draft train-head`: unless the checkpoint is complete (training.json, written last), take away
+    what this run wrote, OUT_DIR itself when this run made it (``existed`` None), so that the next run may use
+    it; exit 130 with one line."""
+    from specdec.distill.head_training import CHECKPOINT_FILES
+
+    if (out_dir / CHECKPOINT_FILES[-1]).is_file():
+        said = f"{out_dir} holds the complete checkpoint"
+    elif existed is None:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        said = f"removed {out_dir} (nothing complete was written)"
+    else:
+        for name in set(CHECKPOINT_FILES) - existed:
+            (out_dir / name).unlink(missing_ok=True)
+        said = f"{out_dir} is as it was (nothing complete was written)"
+    typer.echo(f"error: interrupted: {said}", err=True)
+    raise typer.Exit(130)
 
 
 @draft_app.command("install")

@@ -10,7 +10,9 @@ from specdec_runtime.common.types import DEFAULT_DRAFT_TOP_K
 from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, check_device, explain, fail, quiet_transformers, user_errors,
 )
-from specdec.cli.checks import check_device_names, check_model_dirs, check_num_speculative_tokens, check_server
+from specdec.cli.checks import (
+    check_device_names, check_fallback_draft, check_model_dirs, check_num_speculative_tokens, check_server,
+)
 
 
 def delivery_needed(target: Path | None, draft: Path | None, *, server: str | None, target_only: bool,
@@ -289,6 +291,7 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and target_only:
         fail("--fallback device needs the draft model (not --target-only)")
+    check_fallback_draft(fallback, draft)
     check_server(server)
     check_model_dirs(target, None if target_only else draft)
     security = None

@@ -13,8 +13,10 @@ from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, check_device, fail, quiet_transformers, user_errors,
     app,
 )
-from specdec.cli.checks import check_device_names, check_port_free, check_readable
-from specdec.cli._shared import DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, NumSpeculativeTokens, check_route
+from specdec.cli.checks import check_device_names, check_port_free, check_readable, resolve_draft_option
+from specdec.cli._shared import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+)
 from specdec.cli.pipeline import build_edge_client, retry_policy
 
 
@@ -41,7 +43,7 @@ def edge_serve(
     max_conversations: int = typer.Option(8, help="Conversations kept for reuse (LRU); 0 = off"),
     num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
-    draft: Optional[Path] = typer.Option(None, help="ONNX draft directory (default: prepared draft)"),
+    draft: DraftOption = None,
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
@@ -65,6 +67,7 @@ def edge_serve(
     policy = retry_policy(retry_budget_s, retry_max_attempts)
     check_readable(api_keys_file, "--api-keys-file")
     check_readable(ca_cert, "--ca-cert")
+    draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
     check_port_free(host, port)  # before the models load: a used port is one line at once, not uvicorn's
     from specdec.openai_server import Engine, key_checker, serve as serve_http
 

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["TrainableHead", "train_head"]
+__all__ = ["CHECKPOINT_FILES", "DEFAULT_DRAFT_VOCAB", "TrainableHead", "check_checkpoint", "train_head"]
+
+DEFAULT_DRAFT_VOCAB = 8192  # the target's most frequent answer tokens the head drafts (q = 0 outside them)
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "training.json")  # as _save writes them: the last one last
 
 
 def _rms(x, w, eps=1e-6):
@@ -210,10 +213,13 @@ def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree
     return loss
 
 
-def _heldout_agreement(head, embed, data, to_draft, theta: float, ttt_steps: int) -> list[float]:
-    """Top-1 agreement with the target's argmax per draft position on sequences the head never trains on."""
+def _heldout_agreement(head, embed, data, to_draft, theta: float, ttt_steps: int) -> list[float] | None:
+    """Top-1 agreement with the target's argmax per draft position on sequences the head never trains on; None
+    when none is held out."""
     import torch
 
+    if not data:
+        return None
     agree, seen = [0] * ttt_steps, [0] * ttt_steps
     with torch.no_grad():
         for s in data:
@@ -222,11 +228,12 @@ def _heldout_agreement(head, embed, data, to_draft, theta: float, ttt_steps: int
 
 
 def _split_heldout(data, fraction: float):
-    """(train, held out): a fixed-seed ``fraction`` of the sequences (at least one when there are two or more)
-    kept apart to measure generalisation; none when ``fraction`` is 0."""
+    """(train, held out): floor(N × ``fraction``) of the N sequences, chosen with a fixed seed, kept apart to
+    measure generalisation. None below 1/``fraction`` sequences (34 at 0.03): a handful of sequences all train,
+    rather than one of them measuring agreement alone; none when ``fraction`` is 0."""
     import torch
 
-    n = min(int(round(len(data) * fraction)) or (1 if fraction > 0 and len(data) > 1 else 0), len(data) - 1)
+    n = max(min(int(len(data) * fraction + 1e-9), len(data) - 1), 0)  # the epsilon: 0.29 × 100 is 28.999...
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234)).tolist()
     keep = set(order[n:])
     return [s for i, s in enumerate(data) if i in keep], [s for i, s in enumerate(data) if i not in keep]
@@ -253,8 +260,38 @@ def _train_epoch(head, opt, sched, data, embed, to_draft, theta, ttt_steps, epoc
     return losses, agree, seen
 
 
+def _initial_head(target, vocab_ids, layers: list[int], start: dict | None, from_target_layer: bool) -> TrainableHead:
+    """The head training starts from: the checkpoint ``start`` (:func:`_load_checkpoint`) when given, else the
+    target's last layer (:func:`init_from_target`) with ``from_target_layer``, else random weights."""
+    import torch
+
+    cfg = target.config
+    head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                         len(vocab_ids))
+    if start is not None:
+        with torch.no_grad():
+            for name, p in head.params.items():
+                p.copy_(start["weights"][name].float())
+    elif from_target_layer:
+        init_from_target(head, target, vocab_ids, layers)
+    return head
+
+
+def _epoch_point(epoch: int, epochs: int, losses: list, top1: list, heldout_top1: list | None, t0: float,
+                 progress: Callable[[str], None]) -> dict:
+    """One point of the curve, also reported on ``progress``: the epoch's mean loss, the top-1 agreement per
+    draft position on the training data and on the held-out sequences (None: none held out), seconds since t0."""
+    point = {"epoch": epoch + 1, "loss": sum(losses) / max(len(losses), 1), "top1_per_step": top1,
+             "heldout_top1_per_step": heldout_top1, "s": time.monotonic() - t0}
+    held = ("none held out" if heldout_top1 is None
+            else "held out: " + ", ".join(f"{x:.3f}" for x in heldout_top1))
+    progress(f"epoch {epoch + 1}/{epochs}: loss {point['loss']:.3f}, top-1 agreement per draft position "
+             + ", ".join(f"{x:.3f}" for x in top1) + f" ({held}) ({point['s']:.0f} s)")
+    return point
+
+
 def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max_prompt_tokens: int = 160,
-               max_new_tokens: int = 64, draft_vocab: int = 8192, epochs: int = 2, ttt_steps: int = 4,
+               max_new_tokens: int = 64, draft_vocab: int | None = None, epochs: int = 2, ttt_steps: int = 4,
                lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
                data_time_budget_s: float | None = None, prompt_positions: bool = True,
                soft_labels: bool = True, heldout_fraction: float = 0.03, init_from: str | Path | None = None,
@@ -268,15 +305,21 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     sequences); ``prompt_positions``: learn the target's argmax on the prompt's tokens too (past the chat
     template's fixed preamble), not only on the answers; ``soft_labels``: learn the target's whole next-token
     distribution on the draft vocabulary (EAGLE-3), not its argmax; ``heldout_fraction``: sequences kept out of
-    training, on which each epoch's agreement is measured too (``heldout_top1_per_step``); ``init_from``: a
-    checkpoint this function wrote for the same target, to go on training (its weights and draft vocabulary)."""
+    training, on which each epoch's agreement is measured too (``heldout_top1_per_step``; None when none is held
+    out, :func:`_split_heldout`); ``init_from``: a checkpoint this function wrote for the same target, to go on
+    training (its weights and draft vocabulary); ``draft_vocab``: the draft vocabulary's size (None: 8192, or the
+    checkpoint's with ``init_from``).
+
+    Raises:
+        ValueError: one line: ``init_from`` is no checkpoint of this function, or its draft vocabulary is not
+            ``draft_vocab``; a checkpoint for another vocabulary size; no training data."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.distill.head_data import target_answers, target_features
     from specdec.models.head_export import embedding_sha256
 
-    check_checkpoint(init_from)  # before the costly data, not after it
+    check_checkpoint(init_from, draft_vocab)  # before the costly data, not after it
     t0 = time.monotonic()
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -290,7 +333,8 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     data = _with_loss_starts(target_features(target, data, layers, progress=progress), prompt_positions)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     start = _load_checkpoint(Path(init_from), vocab_size) if init_from is not None else None
-    vocab_ids = start["vocab_ids"] if start is not None else _draft_vocab(data, vocab_size, draft_vocab)
+    vocab_ids = (start["vocab_ids"] if start is not None
+                 else _draft_vocab(data, vocab_size, DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab))
     to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     answer_tokens, loss_tokens = (sum(len(s.ids) - s.answer_start for s in data),
@@ -301,14 +345,7 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
         raise ValueError("no training data: no prompt gave a position to learn (more --num-prompts, "
                          "--max-prompt-tokens or --data-time-budget)")
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
-    head = TrainableHead(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
-                         len(vocab_ids))
-    if start is not None:
-        with torch.no_grad():
-            for name, p in head.params.items():
-                p.copy_(start["weights"][name].float())
-    elif init_from_target_layer:
-        init_from_target(head, target, vocab_ids, layers)
+    head = _initial_head(target, vocab_ids, layers, start, init_from_target_layer)
     embed = target.get_input_embeddings().weight.detach().half().float()  # as the device's graph stores it
     lm_rows = target.lm_head.weight.detach().float()[vocab_ids] if soft_labels else None
     data, heldout = _split_heldout(data, heldout_fraction)
@@ -319,14 +356,9 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     for epoch in range(epochs):
         losses, agree, seen = _train_epoch(head, opt, sched, data, embed, to_draft, theta, ttt_steps, epoch,
                                            lm_rows, t0, progress)
-        point = {"epoch": epoch + 1, "loss": sum(losses) / max(len(losses), 1),
-                 "top1_per_step": [a / max(s, 1) for a, s in zip(agree, seen)],
-                 "heldout_top1_per_step": _heldout_agreement(head, embed, heldout, to_draft, theta, ttt_steps),
-                 "s": time.monotonic() - t0}
-        curve.append(point)
-        progress(f"epoch {epoch + 1}/{epochs}: loss {point['loss']:.3f}, top-1 agreement per draft position "
-                 + ", ".join(f"{x:.3f}" for x in point["top1_per_step"]) + " (held out: "
-                 + ", ".join(f"{x:.3f}" for x in point["heldout_top1_per_step"]) + f") ({point['s']:.0f} s)")
+        held = _heldout_agreement(head, embed, heldout, to_draft, theta, ttt_steps)
+        curve.append(_epoch_point(epoch, epochs, losses, [a / max(n, 1) for a, n in zip(agree, seen)], held, t0,
+                                  progress))
     _save(head, vocab_ids, vocab_size, cfg, theta, Path(out_dir), {"curve": curve, "prompts": str(prompts_path),
           "sequences": len(data), "heldout_sequences": len(heldout), "soft_labels": soft_labels,
           "answer_tokens": answer_tokens,
@@ -335,24 +367,33 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     return {"curve": curve, "seconds": time.monotonic() - t0}
 
 
-def check_checkpoint(ckpt: str | Path | None) -> None:
-    """Raise ValueError (one line) unless ``ckpt`` holds a checkpoint :func:`train_head` wrote (an EAGLE-3
-    head's model.safetensors with its ``t2d``), without loading its weights; None passes."""
+def check_checkpoint(ckpt: str | Path | None, draft_vocab: int | None = None) -> int | None:
+    """The draft vocabulary's size of ``ckpt`` (None without one), read without loading its weights.
+
+    Raises:
+        ValueError: one line: ``ckpt`` holds no checkpoint :func:`train_head` wrote (an EAGLE-3 head's
+            model.safetensors with its ``t2d``), or ``draft_vocab`` (None: any) is not its draft vocabulary's size.
+    """
     from safetensors import safe_open
 
     if ckpt is None:
-        return
+        return None
     path = Path(ckpt) / "model.safetensors"
     if not path.is_file():
         raise ValueError(f"--init-from: no model.safetensors in {ckpt} (a directory `specdec draft train-head` wrote)")
     try:
         with safe_open(str(path), "pt") as st:
             names = set(st.keys())
+            size = int(st.get_tensor("t2d").sum()) if "t2d" in names else None
     except Exception as e:  # a damaged or foreign file: safetensors raises its own error types
         raise ValueError(f"--init-from: {path} is not a safetensors file ({e})") from e
     missing = {"t2d", "fc.weight", "midlayer.self_attn.q_proj.weight"} - names
     if missing:
         raise ValueError(f"--init-from: {ckpt} is not a draft head checkpoint (no {', '.join(sorted(missing))})")
+    if draft_vocab is not None and draft_vocab != size:
+        raise ValueError(f"--draft-vocab {draft_vocab} disagrees with --init-from {ckpt}, whose draft vocabulary is "
+                         f"{size} tokens: leave --draft-vocab out (or give {size})")
+    return size
 
 
 def _load_checkpoint(ckpt: Path, vocab_size: int) -> dict:
@@ -386,11 +427,12 @@ def _save(head: TrainableHead, vocab_ids, vocab_size: int, cfg, theta: float, ou
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[vocab_ids] = True
     weights["t2d"] = t2d
-    save_file(weights, str(out_dir / "model.safetensors"))
+    weights_file, config_file, report_file = CHECKPOINT_FILES
+    save_file(weights, str(out_dir / weights_file))
     config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
               "intermediate_size": cfg.intermediate_size, "vocab_size": vocab_size, "draft_vocab_size": len(vocab_ids),
               "rms_norm_eps": 1e-6, "rope_theta": theta, "max_position_embeddings": cfg.max_position_embeddings,
               "num_hidden_layers": 1, "target_embedding_sha256": embedding_sha}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    (out_dir / "training.json").write_text(json.dumps(report, indent=1))
+    (out_dir / config_file).write_text(json.dumps(config, indent=1))
+    (out_dir / report_file).write_text(json.dumps(report, indent=1))  # last: the checkpoint is complete

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["HeadMismatchError", "LoadedHead", "load_head", "export_head", "embedding_sha256", "HEAD_FORMAT"]
+__all__ = ["HeadMismatchError", "LoadedHead", "load_head", "load_target", "export_head", "embedding_sha256",
+           "HEAD_FORMAT"]
 
 HEAD_FORMAT = "specdec-head/1"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -61,6 +62,50 @@ def _load_weights(head_dir: Path) -> dict:
     if binary.is_file():
         return torch.load(str(binary), map_location="cpu", weights_only=True)
     raise HeadMismatchError(f"{head_dir}: no *.safetensors or pytorch_model.bin")
+
+
+def _is_head_checkpoint(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a draft head checkpoint (EAGLE-3's config, or an ``fc`` in its safetensors)
+    rather than a causal LM: read from config.json and the safetensors' names, no weights loaded."""
+    from safetensors import safe_open
+
+    config_path = model_dir / "config.json"
+    cfg = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if "draft_vocab_size" in cfg or any("eagle" in str(a).lower() for a in cfg.get("architectures") or ()):
+        return True
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                if "fc.weight" in st.keys():
+                    return True
+        except Exception:  # a damaged file: transformers' load says what is wrong with it
+            return False
+    return False
+
+
+def load_target(target_dir: str | Path):
+    """The HF causal LM in ``target_dir`` (float32, eval) a head is converted for.
+
+    Raises:
+        ModelNotFoundError: one line: ``target_dir`` holds a draft head checkpoint (the arguments swapped), or
+            no causal LM transformers can load (no config.json, an unknown model type, no weights).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec_runtime.common.paths import ModelNotFoundError
+
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").is_file():
+        raise ModelNotFoundError(f"{target_dir}: not a model directory (no config.json)")
+    if _is_head_checkpoint(target_dir):
+        raise ModelNotFoundError(f"{target_dir} is a draft head checkpoint, not the target model: give the "
+                                 "target's HF directory first, then the head's (TARGET HEAD OUT)")
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' errors for a directory it cannot load
+        reason = next(iter(str(e).strip().splitlines()), "") or type(e).__name__
+        raise ModelNotFoundError(f"{target_dir}: not a causal LM transformers can load ({reason})") from e
 
 
 def _check_target(kind: str, cfg: dict, weights: dict, target) -> None:
@@ -114,10 +159,8 @@ def load_head(target_dir: str | Path, head_dir: str | Path) -> LoadedHead:
 
     Raises:
         HeadMismatchError: a head trained for another target, or a layout this does not read (one line).
+        ModelNotFoundError: ``target_dir`` is no causal LM (:func:`load_target`; one line).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from specdec.models.head_graph import HeadGraph
 
     head_dir = Path(head_dir)
@@ -129,7 +172,7 @@ def load_head(target_dir: str | Path, head_dir: str | Path) -> LoadedHead:
     kind = "eagle3" if "draft_vocab_size" in cfg or "midlayer.self_attn.q_proj.weight" in weights else "eagle1"
     if "fc.weight" not in weights or ("layers.0.self_attn.q_proj.weight" not in weights and kind == "eagle1"):
         raise HeadMismatchError(f"{head_dir}: not an EAGLE-3 or EAGLE-1 checkpoint (no fc / midlayer / layers.0)")
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    target = load_target(target_dir)
     _check_target(kind, cfg, weights, target)
     graph_weights, d2t = _graph_weights(kind, weights, target)
     hidden = int(cfg["hidden_size"])
@@ -157,6 +200,7 @@ def export_head(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
 
     Raises:
         HeadMismatchError: a head trained for another target, or a layout this does not read (one line).
+        ModelNotFoundError: ``target_dir`` is no causal LM (:func:`load_target`; one line).
     """
     from specdec.models.head_graph import export_fuse_onnx, export_head_onnx
 

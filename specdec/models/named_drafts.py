@@ -1,5 +1,6 @@
-"""The prepared drafts of the default target by name (``specdec bench --drafts int8,distilled,head``,
-``--draft NAME``), and the one place that turns a draft directory into a drafter.
+"""The prepared drafts of the default target by name (``specdec bench --drafts int8,distilled,head``, and
+``--draft NAME`` of generate, chat, edge-serve and bench: :func:`specdec.cli.checks.resolve_draft_option`), and the
+one place that turns a draft directory into a drafter.
 
 Three kinds of pair for the same target (docs/models.md, "The three kinds of pair"):
 
@@ -18,7 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from specdec_runtime.common.paths import DRAFT_DIR_NAME, ModelNotFoundError, default_cache_dir, resolve_draft_dir
+from specdec_runtime.common.paths import (
+    DRAFT_DIR_NAME, ONNX_FILE, ModelNotFoundError, default_cache_dir, resolve_draft_dir,
+)
 
 __all__ = ["DRAFT_NAMES", "HEAD_DIR_NAME", "HEAD_META", "drafter_for", "is_head_dir", "load_draft_model",
            "resolve_named_draft"]
@@ -47,11 +50,14 @@ def is_head_dir(path: str | os.PathLike) -> bool:
 
 
 def resolve_named_draft(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The directory of the draft called ``name`` (a :data:`DRAFT_NAMES` key, or a directory path).
+    """The directory of the draft called ``name``: a :data:`DRAFT_NAMES` key (looked up in ``cache_dir``,
+    default: the model cache; a name wins over a directory of that name in the working directory: give ``./head``
+    for that), or the path of an ONNX draft or a draft head directory.
 
     Raises:
-        ModelNotFoundError: one line: the named draft is not prepared (naming the command that prepares it), or
-            ``name`` is neither a known name nor a draft directory.
+        ModelNotFoundError: one line: the named draft is not prepared (naming the command that prepares it),
+            ``name`` is neither a known name nor a directory (naming each name and the command that prepares it),
+            or the directory holds neither an ONNX draft nor a head.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if name in DRAFT_NAMES:
@@ -64,9 +70,18 @@ def resolve_named_draft(name: str, cache_dir: str | os.PathLike | None = None) -
         except ModelNotFoundError:
             raise ModelNotFoundError(f"draft {name!r} is not prepared (no {path}): run `{command}`") from None
     path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ModelNotFoundError(f"unknown draft {name!r}: give {', '.join(DRAFT_NAMES)} or a draft directory")
-    return path.resolve() if is_head_dir(path) else resolve_draft_dir(path)
+    if not path.is_dir() and not (path.is_file() and path.suffix == ".onnx"):  # model.onnx names its directory
+        if "/" in name or os.sep in name:  # meant as a path: no list of names
+            raise ModelNotFoundError(f"no ONNX draft ({ONNX_FILE}) or draft head ({HEAD_META}) at {name}: no such directory")
+        known = ", ".join(f"{n} (`{command}`)" for n, (_, command) in DRAFT_NAMES.items())
+        raise ModelNotFoundError(f"unknown draft {name!r}: give a draft directory or the name of a prepared draft: "
+                                 f"{known}")
+    if is_head_dir(path):
+        return path.resolve()
+    if path.is_dir() and not (path / ONNX_FILE).is_file():
+        raise ModelNotFoundError(f"{name}: no ONNX draft ({ONNX_FILE}) and no draft head ({HEAD_META}) in this "
+                                 "directory")
+    return resolve_draft_dir(path)
 
 
 def load_draft_model(draft_dir: str | os.PathLike, intra_op_num_threads: int | None = None) -> Any:

@@ -28,7 +28,7 @@ def trained(tiny_pair, tmp_path_factory):
         mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))  # the answers' cache
         result = train_head(tiny_pair.target_dir, prompts, tmp / "ckpt", num_prompts=4, max_prompt_tokens=64,
                             max_new_tokens=16, draft_vocab=512, epochs=4, ttt_steps=3, lr=1e-2,
-                            progress=lines.append)
+                            heldout_fraction=0.25, progress=lines.append)  # 4 sequences: one held out
     return tmp, result, lines
 
 
@@ -130,7 +130,7 @@ def test_soft_labels_are_the_targets_distribution_on_the_draft_vocabulary(tiny_p
 def test_heldout_sequences_are_measured_and_kept_out(trained):
     tmp, result, _ = trained
     report = json.loads((tmp / "ckpt" / "training.json").read_text())
-    assert report["heldout_sequences"] >= 1 and report["soft_labels"] is True
+    assert report["heldout_sequences"] == 1 and report["sequences"] == 3 and report["soft_labels"] is True
     for point in result["curve"]:
         assert len(point["heldout_top1_per_step"]) == 3
         assert all(0.0 <= x <= 1.0 for x in point["heldout_top1_per_step"])
@@ -138,7 +138,8 @@ def test_heldout_sequences_are_measured_and_kept_out(trained):
 
 def test_init_from_goes_on_from_a_checkpoint(trained, tiny_pair):
     """--init-from: no training step leaves the checkpoint's weights and draft vocabulary as they were (a fresh
-    start from the target would not); a checkpoint of another vocabulary size is refused."""
+    start from the target would not); a checkpoint of another vocabulary size is refused, and so is a draft
+    vocabulary other than the checkpoint's (before any data)."""
     from safetensors.torch import load_file
 
     from specdec.distill.head_training import _load_checkpoint
@@ -147,7 +148,7 @@ def test_init_from_goes_on_from_a_checkpoint(trained, tiny_pair):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))
         train_head(tiny_pair.target_dir, tmp / "prompts.jsonl", tmp / "again", num_prompts=4, max_prompt_tokens=64,
-                   max_new_tokens=16, draft_vocab=256, epochs=0, ttt_steps=3, init_from=tmp / "ckpt",
+                   max_new_tokens=16, epochs=0, ttt_steps=3, init_from=tmp / "ckpt",
                    progress=lambda _: None)
     before, after = load_file(str(tmp / "ckpt" / "model.safetensors")), load_file(str(tmp / "again" / "model.safetensors"))
     assert set(before) == set(after)
@@ -156,6 +157,10 @@ def test_init_from_goes_on_from_a_checkpoint(trained, tiny_pair):
     vocab = json.loads((tmp / "ckpt" / "config.json").read_text())["vocab_size"]
     with pytest.raises(ValueError, match="vocabulary"):
         _load_checkpoint(tmp / "ckpt", vocab + 1)
+    with pytest.raises(ValueError, match="--draft-vocab 256 disagrees .* 512 tokens"):
+        train_head(tiny_pair.target_dir, tmp / "prompts.jsonl", tmp / "other", draft_vocab=256, init_from=tmp / "ckpt",
+                   progress=lambda _: None)
+    assert not (tmp / "other").exists()
 
 
 def test_a_new_artefact_replaces_an_older_install(trained, tiny_pair):
