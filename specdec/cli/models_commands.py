@@ -129,6 +129,8 @@ def draft_train_head(
     heldout_fraction: float = typer.Option(0.03, min=0.0, max=0.5, help="Fraction of the N sequences kept out of "
                                            "training to measure agreement on: floor(N × fraction), so none below "
                                            "1/fraction sequences (34 at 0.03; the held-out agreement is null then)"),
+    device: str = typer.Option("auto", help="Where the target answers and the head trains: auto (a GPU when "
+                               "there is one), cpu, cuda, cuda:N"),
 ):
     """Train an EAGLE-3 draft head on the target's features (training-time test); convert it with
     `specdec models export-head`."""
@@ -139,9 +141,11 @@ def draft_train_head(
         fail(f"--train-prompts: no file at {train_prompts}")
     from specdec.distill.head_training import check_checkpoint, train_head
     from specdec.models import default_model_paths
+    from specdec_runtime.cloud_verifier.target.runner import resolve_device
 
-    try:  # before any answer is generated: a wrong path or a --draft-vocab it does not have fails at once
+    try:  # before any answer is generated: a wrong path, a --draft-vocab it does not have, no GPU fail at once
         check_checkpoint(init_from, draft_vocab)
+        resolve_device(device)
     except ValueError as e:
         fail(str(e))
     made = not out_dir.exists()
@@ -155,7 +159,7 @@ def draft_train_head(
                             epochs=epochs, ttt_steps=ttt_steps, lr=lr, init_from_target_layer=not random_init,
                             data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
                             soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
-                            generate_batch_size=generate_batch_size, init_from=init_from,
+                            generate_batch_size=generate_batch_size, init_from=init_from, device=device,
                             progress=lambda line: typer.echo(line, err=True))
     except ValueError as e:  # --init-from of another target; no training data
         fail(str(e))

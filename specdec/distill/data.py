@@ -201,7 +201,7 @@ def greedy_batch(model: Any, input_ids: Any, mask: Any, max_new_tokens: int, eos
     import torch
     from transformers import DynamicCache
 
-    b = input_ids.shape[0]
+    b, dev = input_ids.shape[0], input_ids.device
     answers: list[list[int]] = [[] for _ in range(b)]
     tids: list[list[Any]] = [[] for _ in range(b)]
     tvals: list[list[Any]] = [[] for _ in range(b)]
@@ -218,22 +218,21 @@ def greedy_batch(model: Any, input_ids: Any, mask: Any, max_new_tokens: int, eos
             v, i = logits.topk(topk, dim=-1)
             nxt = i[:, 0]
             keep = []
-            for r in range(len(alive)):
-                row = int(alive[r])
-                answers[row].append(int(nxt[r]))
+            for r, (row, token) in enumerate(zip(alive.tolist(), nxt.tolist())):  # one device sync per step
+                answers[row].append(token)
                 tids[row].append(i[r])
                 tvals[row].append(v[r])
-                if int(nxt[r]) != eos:
+                if token != eos:
                     keep.append(r)
             if not keep or step + 1 == max_new_tokens:
                 break
             if len(keep) < len(alive):
-                idx = torch.tensor(keep)
+                idx = torch.tensor(keep, device=dev)
                 for layer in cache.layers:
                     layer.keys = layer.keys.index_select(0, idx)
                     layer.values = layer.values.index_select(0, idx)
-                alive, nxt, mask, pos = alive[idx], nxt[idx], mask[idx], pos[idx]
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype)], dim=1)
+                alive, nxt, mask, pos = alive[idx.cpu()], nxt[idx], mask[idx], pos[idx]
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], dim=1)
             pos = pos[:, -1:] + 1
             cur = nxt[:, None]
     return [(answers[r], torch.stack(tids[r]), torch.stack(tvals[r])) for r in range(b)]

@@ -75,8 +75,9 @@ def _generate_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: 
 
     width = max(len(p) for p in prompts)
     pad = 0 if eos is None else eos
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    dev = target.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
     return [answer for answer, _, _ in greedy_batch(target, ids, mask, max_new_tokens, -1 if eos is None else eos, 1)]
 
 
@@ -123,17 +124,19 @@ def target_features(target, sequences: list[HeadSequence], layers: list[int], ba
     for b in range(0, len(order), batch_size):
         batch = [sequences[i] for i in order[b: b + batch_size]]
         width = max(len(s.ids) for s in batch)
-        ids = torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in batch])
-        mask = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in batch])
+        ids = torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in batch], device=target.device)
+        mask = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in batch], device=target.device)
         with torch.inference_mode():
             o = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
             states = list(o.hidden_states[:n]) + [o.last_hidden_state]
             labels = target.lm_head(o.last_hidden_state).argmax(-1)
-            feats = torch.cat([states[i] for i in layers], -1).half()
+            # kept in host memory (float16), whatever the target's device: the whole data set outgrows a GPU's
+            feats = torch.cat([states[i] for i in layers], -1).half().cpu()
+            final, labels = o.last_hidden_state.half().cpu(), labels.cpu()
         for j, s in enumerate(batch):
             length = len(s.ids)
             s.features, s.labels = feats[j, : length - 1].clone(), labels[j, :length].clone()
-            s.final = o.last_hidden_state[j, :length].half().clone()
+            s.final = final[j, :length].clone()
         if (b // batch_size) % 10 == 0 or b + batch_size >= len(order):
             progress(f"features: {min(b + batch_size, len(order))}/{len(order)} sequences "
                      f"({time.monotonic() - t0:.0f} s)")

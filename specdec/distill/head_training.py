@@ -9,7 +9,7 @@ at EAGLE-3's three layers (concatenated: the head's fc fuses them) and its argma
 The loss is the cross-entropy against that argmax on the answer's positions, on the draft vocabulary (the
 ``draft_vocab`` tokens most often the target's argmax on the answers; ``d2t`` maps them back; an argmax outside
 it is not counted). The head starts from the target's last decoder layer, final norm and LM head rows
-(:func:`init_from_target`).
+(:func:`specdec.distill.head_net.init_from_target`).
 
 Training-time test: step 0 feeds entry t = (x_{t+1}, fc(f_t)) and learns p_target(x_{t+2} | x_≤t+1); step k feeds
 (x_{t+1+k}, h^{k-1}_t), the head's own output of step k-1, attending to the step-0 entries 0..t and to its own
@@ -19,114 +19,16 @@ entries of steps 1..k at t, as drafting does at its k-th token; the loss of step
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Callable
+
+from specdec.distill.head_net import TrainableHead, init_from_target
 
 __all__ = ["CHECKPOINT_FILES", "DEFAULT_DRAFT_VOCAB", "TrainableHead", "check_checkpoint", "train_head"]
 
 DEFAULT_DRAFT_VOCAB = 8192  # the target's most frequent answer tokens the head drafts (q = 0 outside them)
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "training.json")  # as _save writes them: the last one last
-
-
-def _rms(x, w, eps=1e-6):
-    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w
-
-
-def _rope(x, pos, theta):
-    import torch
-
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = pos.float()[:, None] * inv[None]
-    emb = torch.cat((ang, ang), -1)
-    half = d // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * emb.cos() + rot * emb.sin()
-
-
-class TrainableHead:
-    """The trainable EAGLE-3 head (parameters named as the published checkpoints) and its TTT forward."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, draft_vocab: int, seed: int = 0):
-        import torch
-
-        g = torch.Generator().manual_seed(seed)
-        d = hidden // heads
-        self.hidden, self.heads, self.kv_heads, self.d = hidden, heads, kv_heads, d
-
-        def p(*shape, scale=0.02):
-            return torch.nn.Parameter(torch.randn(*shape, generator=g) * scale)
-        self.params = {
-            "fc.weight": p(hidden, 3 * hidden), "midlayer.self_attn.q_proj.weight": p(heads * d, 2 * hidden),
-            "midlayer.self_attn.k_proj.weight": p(kv_heads * d, 2 * hidden),
-            "midlayer.self_attn.v_proj.weight": p(kv_heads * d, 2 * hidden),
-            "midlayer.self_attn.o_proj.weight": p(hidden, heads * d),
-            "midlayer.mlp.gate_proj.weight": p(inter, hidden), "midlayer.mlp.up_proj.weight": p(inter, hidden),
-            "midlayer.mlp.down_proj.weight": p(hidden, inter),
-            "midlayer.input_layernorm.weight": torch.nn.Parameter(torch.ones(hidden)),
-            "midlayer.hidden_norm.weight": torch.nn.Parameter(torch.ones(hidden)),
-            "midlayer.post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(hidden)),
-            "norm.weight": torch.nn.Parameter(torch.ones(hidden)), "lm_head.weight": p(draft_vocab, hidden)}
-
-    def _qkv(self, emb, feat, pos, theta):
-        w = self.params
-        x = torch_cat((_rms(emb, w["midlayer.input_layernorm.weight"]), _rms(feat, w["midlayer.hidden_norm.weight"])))
-        t = x.shape[0]
-        q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(t, self.heads, self.d).transpose(0, 1)
-        k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(t, self.kv_heads, self.d).transpose(0, 1)
-        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(t, self.kv_heads, self.d).transpose(0, 1)
-        groups = self.heads // self.kv_heads
-        return (_rope(q, pos, theta), _rope(k, pos, theta).repeat_interleave(groups, 0),
-                v.repeat_interleave(groups, 0))
-
-    def steps(self, emb_seq, target_features, theta: float, num_steps: int, first: int = 0):
-        """The head's logits of each TTT step k for a sequence of L tokens: ``emb_seq`` the target's embeddings
-        [L, H], ``target_features`` [L - 1, k·H] (positions 0 .. L-2), so n = L - 1 entries. Only entries from
-        ``first`` on are drafted from (earlier ones are attended to as context): a list of (first, logits
-        [n - first - k, draft_vocab]) per step k; row r is entry first + r fed token x_{first+r+1+k}."""
-        import torch
-
-        w, n = self.params, target_features.shape[0]
-        first = min(max(int(first), 0), n - 1)
-        fused = target_features @ w["fc.weight"].T
-        q0, k0, v0 = self._qkv(emb_seq[1: 1 + n], fused, torch.arange(n), theta)
-        keys, values, outs, feat = [k0], [v0], [], fused[first:]
-        scale = 1.0 / math.sqrt(self.d)
-        for k in range(num_steps):
-            m = n - first - k  # rows: entries first .. n-1-k
-            if m <= 0:
-                break
-            if k == 0:
-                q = q0[:, first:]
-            else:
-                emb = emb_seq[1 + k + first: 1 + k + first + m]
-                q, kk, vv = self._qkv(emb, feat[:m], torch.arange(first, first + m) + k, theta)
-                keys.append(kk)
-                values.append(vv)
-            s0 = (q @ keys[0][:, :first + m].transpose(1, 2)) * scale  # [heads, m, first + m]: causal step 0
-            future = torch.arange(first + m)[None, :] > (torch.arange(m) + first)[:, None]
-            s0 = s0.masked_fill(future, float("-inf"))
-            diag = [(q * keys[j][:, :m]).sum(-1, keepdim=True) * scale for j in range(1, k + 1)]
-            att = torch.cat([s0, *diag], -1).softmax(-1)
-            out = att[..., :first + m] @ values[0][:, :first + m]
-            for j in range(1, k + 1):
-                out = out + att[..., first + m + j - 1: first + m + j] * values[j][:, :m]
-            h = feat[:m] + out.transpose(0, 1).reshape(m, -1) @ w["midlayer.self_attn.o_proj.weight"].T
-            mm = _rms(h, w["midlayer.post_attention_layernorm.weight"])
-            mm = (torch.nn.functional.silu(mm @ w["midlayer.mlp.gate_proj.weight"].T)
-                  * (mm @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
-            h = h + mm
-            outs.append((first, _rms(h, w["norm.weight"]) @ w["lm_head.weight"].T))
-            feat = h
-        return outs
-
-
-def torch_cat(parts):
-    import torch
-
-    return torch.cat(parts, -1)
 
 
 def _common_prefix(sequences: list[list[int]]) -> int:
@@ -159,31 +61,6 @@ def _draft_vocab(sequences, vocab_size: int, draft_vocab: int):
     return torch.sort(torch.topk(counts, min(draft_vocab, vocab_size)).indices).values
 
 
-def init_from_target(head: TrainableHead, target, vocab_ids, layers: list[int]) -> None:
-    """Start the head from the target: its decoder layer from the target's last one (q/k/v read the feature
-    half of the head's input), ``fc`` picking the highest feature layer, ``norm`` and the draft vocabulary's
-    ``lm_head`` rows the target's own. The head then starts in the target's feature space instead of at random
-    (EAGLE's heads share the target's LM head for the same reason)."""
-    import torch
-
-    w, last, hidden = head.params, target.model.layers[-1], head.hidden
-    sd = {k: v.detach().float() for k, v in last.state_dict().items()}
-    with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            p = w[f"midlayer.self_attn.{name}.weight"]
-            p.zero_()
-            p[:, hidden:] = sd[f"self_attn.{name}.weight"]
-        w["midlayer.hidden_norm.weight"].copy_(sd["input_layernorm.weight"])
-        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            w[f"midlayer.{name}.weight"].copy_(sd[f"{name}.weight"])
-        w["midlayer.post_attention_layernorm.weight"].copy_(sd["post_attention_layernorm.weight"])
-        w["norm.weight"].copy_(target.model.norm.weight.detach().float())
-        w["lm_head.weight"].copy_(target.lm_head.weight.detach().float()[vocab_ids])
-        top = max(range(len(layers)), key=lambda i: layers[i])
-        w["fc.weight"].zero_()
-        w["fc.weight"][:, top * hidden:(top + 1) * hidden] = torch.eye(hidden)
-
-
 def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree, seen, lm_rows=None):
     """The TTT loss of one sequence: per step k, from entry ``s.loss_start`` on (earlier entries are context
     only), weighted 0.8^k; counts top-1 agreement with the target's argmax per step (rows whose argmax is outside
@@ -193,13 +70,15 @@ def _sequence_loss(head, embed, s, to_draft, theta: float, ttt_steps: int, agree
     distribution, not one token); without, against the argmax (-1 outside the draft vocabulary, not counted)."""
     import torch
 
-    ids = torch.tensor(s.ids)
-    outs = head.steps(embed[ids], s.features.float(), theta, ttt_steps, first=s.loss_start)
+    dev = embed.device  # the sequence's tensors wait in host memory; the step runs where the head is
+    ids = torch.tensor(s.ids, device=dev)
+    outs = head.steps(embed[ids], s.features.to(dev).float(), theta, ttt_steps, first=s.loss_start)
     begin = outs[0][0] if outs else 0
-    soft = None if lm_rows is None else (s.final[begin + 1:].float() @ lm_rows.T).softmax(-1)  # [L-begin-1, V']
+    soft = None if lm_rows is None else (s.final[begin + 1:].to(dev).float() @ lm_rows.T).softmax(-1)  # [L-begin-1, V']
+    labels_all = s.labels.to(dev)
     loss = 0.0
     for k, (begin, logits) in enumerate(outs):
-        labels = to_draft[s.labels[begin + 1 + k: begin + 1 + k + logits.shape[0]]]
+        labels = to_draft[labels_all[begin + 1 + k: begin + 1 + k + logits.shape[0]]]
         if soft is not None:
             target = soft[k: k + logits.shape[0]]
             step_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
@@ -260,6 +139,19 @@ def _train_epoch(head, opt, sched, data, embed, to_draft, theta, ttt_steps, epoc
     return losses, agree, seen
 
 
+def _vocabulary(data, vocab_size: int, start: dict | None, draft_vocab: int | None, dev):
+    """(vocab_ids, to_draft): the draft vocabulary (sorted target ids, on the CPU: the checkpoint's when going
+    on from one, else the data's most frequent) and the map target id → draft index (-1 outside it) [V] on
+    ``dev``."""
+    import torch
+
+    vocab_ids = (start["vocab_ids"] if start is not None
+                 else _draft_vocab(data, vocab_size, DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab))
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    return vocab_ids, to_draft.to(dev)
+
+
 def _initial_head(target, vocab_ids, layers: list[int], start: dict | None, from_target_layer: bool) -> TrainableHead:
     """The head training starts from: the checkpoint ``start`` (:func:`_load_checkpoint`) when given, else the
     target's last layer (:func:`init_from_target`) with ``from_target_layer``, else random weights."""
@@ -295,7 +187,7 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
                lr: float = 1e-3, init_from_target_layer: bool = True, generate_batch_size: int = 16,
                data_time_budget_s: float | None = None, prompt_positions: bool = True,
                soft_labels: bool = True, heldout_fraction: float = 0.03, init_from: str | Path | None = None,
-               progress: Callable[[str], None] = print) -> dict:
+               device: str = "auto", progress: Callable[[str], None] = print) -> dict:
     """Train an EAGLE-3 head for the HF target in ``target_dir`` on its greedy answers to the first
     ``num_prompts`` prompts of ``prompts_path`` (jsonl with a ``prompt`` field; :mod:`specdec.distill.head_data`);
     write the checkpoint (config.json, model.safetensors, training.json) into ``out_dir``; return the curve: per
@@ -308,20 +200,26 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     training, on which each epoch's agreement is measured too (``heldout_top1_per_step``; None when none is held
     out, :func:`_split_heldout`); ``init_from``: a checkpoint this function wrote for the same target, to go on
     training (its weights and draft vocabulary); ``draft_vocab``: the draft vocabulary's size (None: 8192, or the
-    checkpoint's with ``init_from``).
+    checkpoint's with ``init_from``); ``device``: where the target answers and the head trains (``auto``: CUDA
+    when there is a GPU, else the CPU; ``cpu``, ``cuda``, ``cuda:N``): the sequences' features wait in host
+    memory (float16) and go to the device one sequence at a time, so the data set is not bounded by the GPU's.
 
     Raises:
         ValueError: one line: ``init_from`` is no checkpoint of this function, or its draft vocabulary is not
-            ``draft_vocab``; a checkpoint for another vocabulary size; no training data."""
+            ``draft_vocab``; a checkpoint for another vocabulary size; no training data; an unknown ``device``
+            or CUDA asked for where there is none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.distill.head_data import target_answers, target_features
     from specdec.models.head_export import embedding_sha256
+    from specdec_runtime.cloud_verifier.target.runner import resolve_device
 
     check_checkpoint(init_from, draft_vocab)  # before the costly data, not after it
+    dev = resolve_device(device)
     t0 = time.monotonic()
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval().to(dev)
+    progress(f"device: {dev}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     cfg = target.config
     n = cfg.num_hidden_layers
@@ -333,10 +231,7 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
     data = _with_loss_starts(target_features(target, data, layers, progress=progress), prompt_positions)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     start = _load_checkpoint(Path(init_from), vocab_size) if init_from is not None else None
-    vocab_ids = (start["vocab_ids"] if start is not None
-                 else _draft_vocab(data, vocab_size, DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab))
-    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
-    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    vocab_ids, to_draft = _vocabulary(data, vocab_size, start, draft_vocab, dev)
     answer_tokens, loss_tokens = (sum(len(s.ids) - s.answer_start for s in data),
                                   sum(len(s.ids) - 1 - s.loss_start for s in data))
     progress(f"data: {len(data)} sequences, {answer_tokens} answer tokens, {loss_tokens} trained positions, "
@@ -345,9 +240,9 @@ def train_head(target_dir, prompts_path, out_dir, *, num_prompts: int = 480, max
         raise ValueError("no training data: no prompt gave a position to learn (more --num-prompts, "
                          "--max-prompt-tokens or --data-time-budget)")
     theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
-    head = _initial_head(target, vocab_ids, layers, start, init_from_target_layer)
+    head = _initial_head(target, vocab_ids, layers, start, init_from_target_layer).to(dev)
     embed = target.get_input_embeddings().weight.detach().half().float()  # as the device's graph stores it
-    lm_rows = target.lm_head.weight.detach().float()[vocab_ids] if soft_labels else None
+    lm_rows = target.lm_head.weight.detach().float()[vocab_ids.to(dev)] if soft_labels else None
     data, heldout = _split_heldout(data, heldout_fraction)
     opt = torch.optim.AdamW(head.params.values(), lr=lr, weight_decay=0.0)
     total = max(epochs * len(data), 1)
@@ -422,7 +317,7 @@ def _save(head: TrainableHead, vocab_ids, vocab_size: int, cfg, theta: float, ou
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().half().contiguous() for k, v in head.params.items()}
+    weights = {k: v.detach().half().cpu().contiguous() for k, v in head.params.items()}
     weights["d2t"] = vocab_ids - torch.arange(len(vocab_ids))
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[vocab_ids] = True

@@ -224,3 +224,31 @@ def test_train_head_refuses_bad_input_before_any_data(trained, tiny_pair, tmp_pa
             train_head(tiny_pair.target_dir, prompts, tmp_path / "d", num_prompts=4, max_prompt_tokens=5,
                        max_new_tokens=4, epochs=1, progress=lambda _: None)
     assert not (tmp_path / "d" / "model.safetensors").exists()
+
+
+def test_device_is_where_training_runs_and_cuda_without_a_gpu_is_one_line(trained, tiny_pair, tmp_path):
+    """--device: the default (auto) on this machine trains on the CPU and says so; ``device="cpu"`` given
+    explicitly writes the same checkpoint, bit for bit (the same seeded start, the same steps); CUDA asked for
+    where torch has none is refused in one line before any data, and an unknown name too."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    tmp, _, lines = trained
+    expected = "device: cuda" if torch.cuda.is_available() else "device: cpu"
+    assert expected in lines, lines[:3]
+    if not torch.cuda.is_available():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECDEC_CACHE_DIR", str(tmp / "cache"))
+            train_head(tiny_pair.target_dir, tmp / "prompts.jsonl", tmp_path / "cpu", num_prompts=4,
+                       max_prompt_tokens=64, max_new_tokens=16, draft_vocab=512, epochs=4, ttt_steps=3, lr=1e-2,
+                       heldout_fraction=0.25, device="cpu", progress=lambda _: None)
+        a, b = load_file(str(tmp / "ckpt" / "model.safetensors")), load_file(str(tmp_path / "cpu" / "model.safetensors"))
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+        runner = CliRunner()
+        for device, why in (("cuda", "CUDA is not available"), ("tpu", "unknown device")):
+            result = runner.invoke(app, ["draft", "train-head", str(tmp_path / device), "--device", device,
+                                         "--train-prompts", str(tmp / "prompts.jsonl")])
+            assert result.exit_code == 2 and why in result.output and "answers:" not in result.output, result.output
+            assert "Traceback" not in result.output and not (tmp_path / device).exists()
