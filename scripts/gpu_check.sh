@@ -16,6 +16,8 @@
 #      the verify forward eager vs CUDA graphs / torch.compile (`python -m specdec.bench.compile_bench`);
 #   5. tensor parallel: with >= 2 GPUs TP=2 on NCCL against TP=1 (step time, all-reduce share, token identity:
 #      scripts/tensor_parallel_bench.py); with one GPU it says so and runs TP=1.
+#   6. the draft head's training on the GPU (`specdec draft train-head --device cuda`, 96 prompts, one epoch),
+#      when the training prompts are there (../shared/prompts/train_prompts.jsonl or SPECDEC_TRAIN_PROMPTS).
 # Each step has a time budget, and the whole run is kept under SPECDEC_GPU_CHECK_BUDGET_S (default 470 s): a step
 # that would not fit is skipped and reported. Exit status 0 when every step that ran passed.
 #
@@ -112,6 +114,15 @@ if [ "$DEVICE" != none ]; then
       --prompts 3 --new-tokens 64 --sessions 4
     step bench 90 specdec bench --limit 4 --max-new-tokens 64 --no-hf --device cuda --json
     step replay 200 specdec bench --replay --clients 1,16,64 --duration-s 10 --limit 8 --device cuda --json
+    # the draft head's training on the GPU: the target's answers, its features and one epoch over 96 training
+    # prompts (`specdec draft train-head --device cuda`); the seconds it prints scale to a full run
+    TRAIN_PROMPTS="${SPECDEC_TRAIN_PROMPTS:-../shared/prompts/train_prompts.jsonl}"
+    if [ -f "$TRAIN_PROMPTS" ]; then
+      step train_head 90 specdec draft train-head "$OUT/head" --train-prompts "$TRAIN_PROMPTS" --num-prompts 96 \
+        --generate-batch-size 48 --max-prompt-tokens 256 --epochs 1 --device cuda
+    else
+      log "train_head: no training prompts at $TRAIN_PROMPTS (SPECDEC_TRAIN_PROMPTS): not run"
+    fi
   else  # smoke test on the CPU: the same steps, tiny sizes
     step tests 240 env SPECDEC_GPU_CHECK_ALLOW_CPU=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" "${TESTS[@]}"
@@ -212,6 +223,7 @@ if r:
 attention = last_json("attention")  # paged one-call attention vs the per-row loop, per KV page size
 compiled = {m: last_json(f"compile_{m}") for m in ("graphs", "torch")}  # eager vs compiled forward
 tensor_parallel = last_json("tensor_parallel")  # TP=2 on NCCL vs TP=1 (TP=1 only with one GPU)
+train_head = last_json("train_head")  # the head's training on the GPU: {"curve": [...], "seconds": s}
 
 ran = [s for s in steps.values() if s["rc"] != "skipped"]
 ok = (device != "none" and all(s["rc"] == 0 for s in ran)
@@ -227,7 +239,7 @@ if any(s["rc"] == "skipped" for s in steps.values()):
     notes.append(f"steps skipped: the run's budget of {budget} s was spent")
 print(json.dumps({"ok": ok, "device": device, "elapsed_s": elapsed, "budget_s": budget, "environment": env,
                   "steps": steps, "tests": tests, "bench": bench, "replay": replay, "attention": attention, "compiled": compiled,
-                  "tensor_parallel": tensor_parallel,
+                  "tensor_parallel": tensor_parallel, "train_head": train_head,
                   "outputs": str(out),
                   "notes": notes}))
 sys.exit(0 if ok else 1)

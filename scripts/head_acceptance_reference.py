@@ -5,7 +5,8 @@ features). Equal per-position numbers mean the features, positions and KV cache 
 
     python scripts/head_acceptance_reference.py HEAD_DIR [NUM_PROMPTS] [MAX_NEW_TOKENS]
 
-Prompts: the first turns of specdec/data/spec_bench_dev.jsonl; γ = 4; prints one JSON line per path.
+Prompts: the first turns of specdec/data/spec_bench_dev.jsonl, taken as `specdec bench --limit N` takes them
+(round-robin across categories); γ = 4; prints one JSON line per path.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def offline(hf, head, prompt_ids: list[int], gold: list[int]) -> tuple[np.ndarra
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
+    from specdec.bench.prompts import load_prompts
     from specdec.embedded import EmbeddedServer
     from specdec.models import default_model_paths
     from specdec_runtime.cloud_verifier.target.runner import TargetRunner
@@ -68,7 +70,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = OnnxHead(head_dir)
     data = Path(__file__).resolve().parents[1] / "specdec" / "data" / "spec_bench_dev.jsonl"
-    prompts = [json.loads(line)["turns"][0] for line in data.read_text().splitlines()[:num_prompts]]
+    prompts = [q.prompt for q in load_prompts(data, limit=num_prompts)]  # bench's pick: round-robin by category
     per, blocks, golds = np.zeros(GAMMA), 0, []
     for prompt in prompts:
         ids = encode_prompt(head.tokenizer, prompt)
