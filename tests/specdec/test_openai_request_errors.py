@@ -1,7 +1,8 @@
 """`specdec edge-serve` given request bodies a new user's client may send, each answered as OpenAI answers it:
 a lone UTF-16 surrogate in a prompt or message (JSON may escape one; no tokenizer encodes it), NaN and Infinity
 for a number (Python's json reads them), a body whose Content-Type is not application/json: each a 400
-``invalid_request_error`` naming the field in ``param``.
+``invalid_request_error`` naming the field in ``param``. And a required tool call cut off by ``max_tokens``:
+``finish_reason: "length"``, no half call as a tool call or as content, streamed and not.
 
 One edge-serve subprocess over the tiny pair (embedded verifier); raw bodies over http.client (the official
 client cannot send them), the rest through the official `openai` client."""
@@ -21,6 +22,10 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(600)
 
 KEY = "sk-edge-test-" + "r" * 16
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# no arguments: the grammar forces the whole call, so a tiny random model writes it in a known number of tokens
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +92,30 @@ def test_a_body_that_is_not_declared_json_is_a_400(endpoint):
     for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON", None):
         status, answer = _post(url, "/v1/completions", body, content_type)
         assert status == 200 and answer["usage"]["completion_tokens"] <= 2, (content_type, answer)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_tool_call_cut_by_max_tokens_is_length_without_the_half_call(endpoint, tool_choice):
+    _, c, model = endpoint
+    kw = dict(model=model, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice, temperature=0,
+              max_tokens=6)  # '<tool_call>\n{"name": "get_weather", "arguments": {}}...' is cut inside
+    out = c.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert out.usage.completion_tokens == 6
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls and choice.message.content is None, choice.message
+    finish, deltas = None, []
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            deltas.append(ch.delta)
+    assert finish == "length"
+    assert not any(d.tool_calls for d in deltas) and "".join(d.content or "" for d in deltas) == "", deltas
+    # with room, one call is whole; parallel calls cut by the limit keep the calls that closed, still "length"
+    whole = c.chat.completions.create(**{**kw, "max_tokens": 64, "parallel_tool_calls": False})
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls] == [
+        ("get_weather", "{}")]
+    many = c.chat.completions.create(**{**kw, "max_tokens": 64}).choices[0]
+    calls = [(t.function.name, t.function.arguments) for t in many.message.tool_calls or []]
+    assert calls and set(calls) == {("get_weather", "{}")} and many.message.content is None, many
