@@ -132,12 +132,12 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 
 
 def start_preflight(addresses: list[str], security, *, unreachable_is_error: bool) -> Future:
-    """A background probe of the verifier addresses (:func:`edge_client.transport.probe.diagnose`) while models load:
-    its result is the one-line reason none can serve, or None."""
-    from specdec_runtime.edge_client.transport.probe import diagnose
+    """A background probe of the verifier addresses (:func:`edge_client.transport.probe.diagnose_error`) while
+    models load: its result is the error (one line) of why none can serve, or None."""
+    from specdec_runtime.edge_client.transport.probe import diagnose_error
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-preflight")
-    future = pool.submit(diagnose, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
+    future = pool.submit(diagnose_error, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
     pool.shutdown(wait=False)
     return future
 

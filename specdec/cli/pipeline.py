@@ -136,18 +136,16 @@ def _load_draft(draft: Path | None, defaults, wanted: bool):
 
 
 def _raise_preflight(preflight, wait_s: float | None) -> None:
-    """Raise VerifierUnavailableError with the probe's reason once it has one (waiting ``wait_s`` s at most;
-    None = until it ends)."""
+    """Raise the probe's error once it has one (waiting ``wait_s`` s at most; None = until it ends):
+    VerifierUnavailableError, or PreconditionError for a peer that is not a specdec verifier."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from specdec_runtime.common.errors import VerifierUnavailableError
-
     try:
-        reason = preflight.result(timeout=wait_s)
+        error = preflight.result(timeout=wait_s)
     except FutureTimeout:
         return
-    if reason:
-        raise VerifierUnavailableError(reason)
+    if error is not None:
+        raise error
 
 
 def _preflight(server: str | None, security, fallback: str, connect: bool | None):
