@@ -88,10 +88,17 @@ def fail(message: str) -> None:
 
 def explain(e: BaseException) -> str:
     """The one line of a user error, with what to do where the error alone does not say it."""
-    from specdec_runtime.common.errors import UnauthenticatedError
+    from specdec_runtime.common.errors import UnauthenticatedError, UnsupportedByDrafterError
 
     if isinstance(e, UnauthenticatedError):
         return f"{e}: pass the verifier's key with --api-key KEY (or $SPECDEC_API_KEY)"
+    if isinstance(e, UnsupportedByDrafterError) and e.capability == "DecodesAlone" and "draft head" in str(e):
+        # a head that reached the device (a delivered one): the SDK's remedy (device_drafter) is not the CLI's
+        from specdec.cli.checks import head_on_device_remedy
+
+        what = str(e).split("): ", 1)[0] + ")"
+        where = "--route device" if what.startswith("route=device") else "--fallback device"
+        return f"{where}{what[what.index(' needs'):]}: {head_on_device_remedy(where)}"
     return str(e)
 
 

@@ -71,14 +71,17 @@ def check_model_dirs(target: Path | None, draft: Path | None) -> None:
         fail(str(e))
 
 
-def check_fallback_draft(fallback: str, draft: Path | None) -> None:
-    """Exit when ``--fallback device`` comes with a draft head: the device decodes with a draft alone, and a head
-    drafts only from the verifier's features."""
+def check_head_on_device(draft: Path | None, route: str, fallback: str) -> None:
+    """Exit with one line when ``draft`` is a draft head (it drafts from the verifier's features) and the device
+    must decode alone: ``--route device`` or ``--fallback device``."""
     from specdec.models.named_drafts import is_head_dir
 
-    if fallback == "device" and draft is not None and is_head_dir(draft):
-        fail(f"--fallback device needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
-             "verifier's features): give an ONNX draft, or set EdgeClient(device_drafter=...) beside the head")
+    if draft is None or not is_head_dir(draft):
+        return
+    for where, on in (("--route device", route == "device"), ("--fallback device", fallback == "device")):
+        if on:
+            fail(f"{where} needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
+                 f"verifier's features): {head_on_device_remedy(where)}")
 
 
 def check_draft_tokenizer(draft_dir: Path) -> None:
@@ -140,6 +143,15 @@ def start_preflight(addresses: list[str], security, *, unreachable_is_error: boo
     future = pool.submit(diagnose_error, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
     pool.shutdown(wait=False)
     return future
+
+
+def head_on_device_remedy(where: str) -> str:
+    """What to do when ``where`` (``--route device``, ``--fallback device``) meets a draft head: the CLI runs one
+    draft, and a head cannot decode alone (no standalone draft beside it here: that is the SDK's
+    ``EdgeClient(device_drafter=...)``)."""
+    other = "use another --route" if where.startswith("--route") else "drop --fallback device"
+    return (f"give --draft an ONNX draft that decodes alone instead (or leave --draft out: the prepared default "
+            f"draft), or {other}")
 
 
 def check_num_speculative_tokens(num_speculative_tokens: int) -> None:
