@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from specdec.cli._shared import fail
+from specdec.cli._shared import fail, head_on_device_remedy
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -143,15 +143,6 @@ def start_preflight(addresses: list[str], security, *, unreachable_is_error: boo
     future = pool.submit(diagnose_error, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
     pool.shutdown(wait=False)
     return future
-
-
-def head_on_device_remedy(where: str) -> str:
-    """What to do when ``where`` (``--route device``, ``--fallback device``) meets a draft head: the CLI runs one
-    draft, and a head cannot decode alone (no standalone draft beside it here: that is the SDK's
-    ``EdgeClient(device_drafter=...)``)."""
-    other = "use another --route" if where.startswith("--route") else "drop --fallback device"
-    return (f"give --draft an ONNX draft that decodes alone instead (or leave --draft out: the prepared default "
-            f"draft), or {other}")
 
 
 def check_num_speculative_tokens(num_speculative_tokens: int) -> None:
