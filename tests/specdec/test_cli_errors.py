@@ -137,7 +137,8 @@ def test_nothing_listens(tiny_pair):
 
 
 def test_a_peer_that_is_not_a_verifier_is_named(tiny_pair, redis_url):
-    """An HTTP/1.1 server or Redis at --server: the peer answered, so not "no connection within 10 s"."""
+    """An HTTP/1.1 server or Redis at --server: the peer answered, so not "no connection within 10 s"; edge-serve
+    (which starts while no verifier answers, and with --fallback device) does not start on it."""
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
     from threading import Thread
     from urllib.parse import urlsplit
@@ -150,6 +151,9 @@ def test_a_peer_that_is_not_a_verifier_is_named(tiny_pair, redis_url):
             line = _one_error(["generate", "--server", address, "--draft", str(tiny_pair.draft_dir), "hi"],
                               f"error: {address} is not a specdec verifier: ", models_may_load=True)
             assert "no connection within" not in line
+            _one_error(["edge-serve", "--port", "0", "--server", address, "--fallback", "device", "--draft",
+                        str(tiny_pair.draft_dir)], f"error: {address} is not a specdec verifier: ",
+                       models_may_load=True)
     finally:
         http.shutdown()
         http.server_close()
