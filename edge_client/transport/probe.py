@@ -90,11 +90,17 @@ def _not_grpc_probe(sock: socket.socket, address: str) -> tuple[bool, str | None
     TLS probe judges that one)."""
     from specdec_runtime.edge_client.transport.errors import not_a_verifier
 
+    data = b""
     try:
         sock.sendall(_H2_PREFACE)
-        data = sock.recv(512)
+        while len(data) < 9:  # a whole frame header, however the peer's first bytes are split
+            more = sock.recv(512)
+            if not more:
+                break
+            data += more
     except OSError:
-        return False, _OK
+        if len(data) < 9:
+            return False, _OK
     if len(data) >= 4 and data[3] == _H2_SETTINGS:  # a frame header: 3 bytes of length, then the type
         return True, _OK
     if not data or data[0] in (0x15, 0x16):  # nothing, or a TLS alert/handshake record
