@@ -104,7 +104,8 @@ def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog, tiny_pair
 
 def test_the_log_line_names_a_draft_head(tiny_pair, tmp_path_factory, caplog):
     """A head (drafts from the verifier's features) is named in the request's log line by its directory, as a
-    local ONNX draft is."""
+    local ONNX draft is; a request for route device, which a head cannot serve, is a 400 naming ``route`` with
+    the endpoint's remedy."""
     import logging
 
     from fastapi.testclient import TestClient
@@ -130,8 +131,12 @@ def test_the_log_line_names_a_draft_head(tiny_pair, tmp_path_factory, caplog):
                         max_conversations=0)
         with TestClient(create_app(engine)) as http, caplog.at_level(logging.INFO, logger="specdec.edge_serve"):
             r = _completion(http)
+            device = _completion(http, route="device")  # a head cannot decode alone: the operator's remedy
         engine.close()
+    assert device.status_code == 400 and device.json()["error"]["param"] == "route", device.text
+    assert "--draft" in device.json()["error"]["message"] and "EdgeClient" not in device.text
     assert r.status_code == 200, r.text
     assert r.json()["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0  # the head drafted
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
-    assert len(lines) == 1 and " route=speculative draft=tiny-eagle3-head " in lines[0], lines
+    assert len(lines) == 2 and " route=speculative draft=tiny-eagle3-head " in lines[0], lines
+    assert lines[1].endswith(" finish=error"), lines  # the refused route=device request
