@@ -91,8 +91,8 @@ def head_on_device_remedy(where: str) -> str:
     draft, and a head cannot decode alone (no standalone draft beside it here: that is the SDK's
     ``EdgeClient(device_drafter=...)``)."""
     other = "use another --route" if where.startswith("--route") else "drop --fallback device"
-    return (f"give --draft an ONNX draft that decodes alone instead (or leave --draft out: the prepared default "
-            f"draft), or {other}")
+    return (f"give --draft a draft that decodes alone instead (int8, distilled or an ONNX draft directory; without "
+            f"--draft: int8), or {other}")
 
 
 def explain(e: BaseException) -> str:

@@ -114,7 +114,7 @@ def test_cli_device_with_a_head_only_is_one_line_with_the_clis_remedy(head_dir, 
     err = result.stderr.strip()
     assert err.startswith(f"error: {' '.join(flag)} needs a draft that decodes alone") and "\n" not in err, err
     assert f"{head_dir} is a draft head" in err, err  # said before any model loads, naming the directory
-    assert "give --draft an ONNX draft" in err and "EdgeClient" not in err, err
+    assert "give --draft a draft that decodes alone instead (int8, distilled" in err and "EdgeClient" not in err, err
 
 
 def test_a_head_refused_on_the_device_at_run_time_gets_the_clis_remedy(head_dir):
@@ -133,4 +133,5 @@ def test_a_head_refused_on_the_device_at_run_time_gets_the_clis_remedy(head_dir)
             check_request(HeadDrafter(OnnxHead(head_dir)), SamplingParams(), route, fallback)
         line = explain(e.value)
         assert line.startswith(f"{flag} needs a draft that decodes alone;") and "is a draft head" in line, line
-        assert "give --draft an ONNX draft" in line and "EdgeClient" not in line, line
+        assert "give --draft a draft that decodes alone instead (int8, distilled" in line, line
+        assert "EdgeClient" not in line, line
