@@ -123,7 +123,8 @@ class PickFirstConnections:
                 self._index, self._backend = i, backend
                 return backend
             if n == 1:
-                raise errors[0] if isinstance(errors[0], PreconditionError) else VerifierUnavailableError(str(errors[0]))
+                first = errors[0]
+                raise first if isinstance(first, PreconditionError) else VerifierUnavailableError(str(first))
             raise VerifierUnavailableError(f"cannot reach any of {n} verifiers: " + "; ".join(map(str, errors)))
 
     def drop(self, backend: VerifierBackend | None) -> None:
