@@ -13,7 +13,8 @@ import socket
 import threading
 from typing import Callable, Sequence
 
-from specdec_runtime.common.errors import InvalidRequestError, SpecdecError, VerifierUnavailableError
+from specdec_runtime.common.errors import (InvalidRequestError, PreconditionError, SpecdecError,
+                                           VerifierUnavailableError)
 from specdec_runtime.edge_client.transport.backend import ChecksHealth, CountsWire, VerifierBackend, WireLedger
 from specdec_runtime.edge_client.stats import WireStats
 
@@ -116,14 +117,15 @@ class PickFirstConnections:
                 i = (self._index + k) % n
                 try:
                     backend = self._connect_one(self.addresses[i])
-                except VerifierUnavailableError as e:
-                    errors.append(str(e))
+                except (VerifierUnavailableError, PreconditionError) as e:  # the latter: not a verifier there
+                    errors.append(e)
                     continue
                 self._index, self._backend = i, backend
                 return backend
             if n == 1:
-                raise VerifierUnavailableError(errors[0])
-            raise VerifierUnavailableError(f"cannot reach any of {n} verifiers: " + "; ".join(errors))
+                first = errors[0]
+                raise first if isinstance(first, PreconditionError) else VerifierUnavailableError(str(first))
+            raise VerifierUnavailableError(f"cannot reach any of {n} verifiers: " + "; ".join(map(str, errors)))
 
     def drop(self, backend: VerifierBackend | None) -> None:
         """Give up ``backend`` after a failure on it (closing its stream: a replica still working on a block of

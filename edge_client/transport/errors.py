@@ -15,7 +15,7 @@ from specdec_runtime.common.errors import (
 )
 from specdec_runtime.edge_client.transport.credentials import rate_limited_error
 
-__all__ = ["is_broken_stream", "map_rpc_error"]
+__all__ = ["is_broken_stream", "map_rpc_error", "not_a_verifier"]
 
 # Details of INTERNAL/UNKNOWN statuses that are a broken transport, not the verifier's answer: a stream reset by
 # the peer or a proxy (nginx answers RST_STREAM when its upstream replica dies), a connection closed under it.
@@ -45,6 +45,12 @@ def is_broken_stream(code: grpc.StatusCode, details: str) -> bool:
     return False
 
 
+def not_a_verifier(address: str, why: str) -> PreconditionError:
+    """The error of a peer at ``address`` that answered but is not a specdec verifier (``why``: what it is or
+    said): a wrong address, not a verifier down, so it is not retried."""
+    return PreconditionError(f"{address} is not a specdec verifier: {why}")
+
+
 def map_rpc_error(err: grpc.RpcError, address: str, closed: bool = False) -> SpecdecError:
     """The SpecdecError of a failed call to the verifier at ``address``: VerifierUnavailableError for
     UNAVAILABLE, a broken stream, or a call cancelled because the backend was ``closed``; PreconditionError for
@@ -60,8 +66,7 @@ def map_rpc_error(err: grpc.RpcError, address: str, closed: bool = False) -> Spe
     if is_broken_stream(code, details):  # reset/broken stream: the connection failed, not the request
         return VerifierUnavailableError(f"verifier at {address}: broken stream ({code.name}: {details})")
     if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC service listens there (grpc says "Method not found!")
-        return PreconditionError(f"{address} is not a specdec verifier: it does not serve specdec's Verifier "
-                                 f"service ({details})")
+        return not_a_verifier(address, f"it does not serve specdec's Verifier service ({details})")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a tenant limit carries its retry hint (retry-after-ms)
         limited = rate_limited_error(err, details)
         if limited is not None:

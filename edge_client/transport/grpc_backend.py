@@ -33,7 +33,7 @@ from concurrent.futures import Future
 
 import grpc
 
-from specdec_runtime.common.errors import SpecdecError, VerifierUnavailableError
+from specdec_runtime.common.errors import PreconditionError, SpecdecError, VerifierUnavailableError
 from specdec_runtime.common.feature_wire import feature_request_to_proto
 from specdec_runtime.common.keepalive import client_keepalive_options
 from specdec_runtime.common.types import DraftBlock, ExtendRequest, OpenRequest, SessionOpened, Verdict
@@ -91,6 +91,8 @@ class GrpcBackend(VerifierBackend):
     Raises:
         VerifierUnavailableError: the verifier cannot be reached within ``connect_timeout_s`` (also: a TLS
             handshake that fails, e.g. a plaintext server, or a certificate the roots do not sign).
+        PreconditionError: the peer answered a plaintext channel, but not in HTTP/2: not a specdec verifier
+            (an HTTP/1.x server, Redis; :func:`edge_client.transport.probe.probe_address`).
         ValueError: a certificate file unreadable or not PEM; an API key gRPC metadata cannot carry.
     """
 
@@ -131,7 +133,7 @@ class GrpcBackend(VerifierBackend):
             raise VerifierUnavailableError(
                 f"cannot reach verifier at {address}: no connection within {connect_timeout_s:g} s"
             ) from None
-        except VerifierUnavailableError:
+        except (VerifierUnavailableError, PreconditionError):
             self._channel.close()
             raise
         except Exception as e:
@@ -148,7 +150,8 @@ class GrpcBackend(VerifierBackend):
 
     def _wait_ready(self, address: str, connect_timeout_s: float) -> None:
         """Wait for the channel; after a second without it, probe the address (:mod:`edge_client.transport.probe`): a TLS
-        mismatch (gRPC would retry it until the timeout) raises VerifierUnavailableError naming it at once.
+        mismatch (gRPC would retry it until the timeout) raises VerifierUnavailableError naming it at once, a peer
+        that is not a gRPC server PreconditionError.
         Raises grpc.FutureTimeoutError when nothing connects within ``connect_timeout_s`` s."""
         from specdec_runtime.edge_client.transport.probe import probe_address
 
@@ -164,6 +167,9 @@ class GrpcBackend(VerifierBackend):
         if state == "tls":
             ready.cancel()
             raise VerifierUnavailableError(f"cannot reach verifier at {address}: {why}")
+        if state == "not_verifier":  # the peer answered, in something other than HTTP/2 (an HTTP/1.x server, Redis)
+            ready.cancel()
+            raise PreconditionError(why)
         ready.result(timeout=max(0.0, deadline - time.monotonic()))
     def _entry(self, session_id: str) -> WireStats:
         st = self._stats.get(session_id)

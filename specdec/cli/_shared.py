@@ -86,12 +86,26 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def head_on_device_remedy(where: str) -> str:
+    """What to do when ``where`` (``--route device``, ``--fallback device``) meets a draft head: the CLI runs one
+    draft, and a head cannot decode alone (no standalone draft beside it here: that is the SDK's
+    ``EdgeClient(device_drafter=...)``)."""
+    other = "use another --route" if where.startswith("--route") else "drop --fallback device"
+    return (f"give --draft a draft that decodes alone instead (int8, distilled or an ONNX draft directory; without "
+            f"--draft: int8), or {other}")
+
+
 def explain(e: BaseException) -> str:
     """The one line of a user error, with what to do where the error alone does not say it."""
-    from specdec_runtime.common.errors import UnauthenticatedError
+    from specdec_runtime.common.errors import UnauthenticatedError, UnsupportedByDrafterError
 
     if isinstance(e, UnauthenticatedError):
         return f"{e}: pass the verifier's key with --api-key KEY (or $SPECDEC_API_KEY)"
+    if isinstance(e, UnsupportedByDrafterError) and e.capability == "DecodesAlone" and "draft head" in str(e):
+        # a head that reached the device (a delivered one): the SDK's remedy (device_drafter) is not the CLI's
+        what = str(e).split("): ", 1)[0] + ")"
+        where = "--route device" if what.startswith("route=device") else "--fallback device"
+        return f"{where}{what[what.index(' needs'):]}: {head_on_device_remedy(where)}"
     return str(e)
 
 

@@ -193,7 +193,7 @@ def chat(
     client, close = build_edge_client(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
-        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+        num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype, route=route,
         before_load=check_chat_input)  # nothing to read: say so now, not after the models load
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   **processing)

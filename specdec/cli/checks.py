@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from specdec.cli._shared import fail
+from specdec.cli._shared import fail, head_on_device_remedy
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,14 +71,17 @@ def check_model_dirs(target: Path | None, draft: Path | None) -> None:
         fail(str(e))
 
 
-def check_fallback_draft(fallback: str, draft: Path | None) -> None:
-    """Exit when ``--fallback device`` comes with a draft head: the device decodes with a draft alone, and a head
-    drafts only from the verifier's features."""
+def check_head_on_device(draft: Path | None, route: str, fallback: str) -> None:
+    """Exit with one line when ``draft`` is a draft head (it drafts from the verifier's features) and the device
+    must decode alone: ``--route device`` or ``--fallback device``."""
     from specdec.models.named_drafts import is_head_dir
 
-    if fallback == "device" and draft is not None and is_head_dir(draft):
-        fail(f"--fallback device needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
-             "verifier's features): give an ONNX draft, or set EdgeClient(device_drafter=...) beside the head")
+    if draft is None or not is_head_dir(draft):
+        return
+    for where, on in (("--route device", route == "device"), ("--fallback device", fallback == "device")):
+        if on:
+            fail(f"{where} needs a draft that decodes alone; {draft} is a draft head (it drafts from the "
+                 f"verifier's features): {head_on_device_remedy(where)}")
 
 
 def check_draft_tokenizer(draft_dir: Path) -> None:
@@ -132,12 +135,12 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 
 
 def start_preflight(addresses: list[str], security, *, unreachable_is_error: bool) -> Future:
-    """A background probe of the verifier addresses (:func:`edge_client.transport.probe.diagnose`) while models load:
-    its result is the one-line reason none can serve, or None."""
-    from specdec_runtime.edge_client.transport.probe import diagnose
+    """A background probe of the verifier addresses (:func:`edge_client.transport.probe.diagnose_error`) while
+    models load: its result is the error (one line) of why none can serve, or None."""
+    from specdec_runtime.edge_client.transport.probe import diagnose_error
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-preflight")
-    future = pool.submit(diagnose, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
+    future = pool.submit(diagnose_error, addresses, security, 2.0, unreachable_is_error=unreachable_is_error)
     pool.shutdown(wait=False)
     return future
 

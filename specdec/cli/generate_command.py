@@ -15,7 +15,7 @@ from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, DEVICE_HELP, DTYPE_HELP, check_device, explain, fail, user_errors, app,
 )
 from specdec.cli.checks import (
-    check_device_names, check_fallback_draft, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs,
+    check_device_names, check_head_on_device, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs,
     check_num_speculative_tokens, check_prompt_fits, check_server, resolve_draft_option,
 )
 from specdec.cli._shared import (
@@ -33,7 +33,8 @@ from specdec.cli.processing import (
 def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_tokens, stop, ignore_eos,
                             num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
                             dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
-                            client_cert, client_key, target=None, draft=None, processing=None, raw=False):
+                            client_cert, client_key, target=None, draft=None, processing=None, raw=False,
+                            route="speculative"):
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
     first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
@@ -62,7 +63,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
         fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
-    check_fallback_draft(fallback, draft)
+    check_head_on_device(draft, route, fallback)
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:
@@ -188,7 +189,8 @@ def generate(
         network_delay_ms=network_delay_ms, draft_top_k=draft_top_k, min_confidence=min_confidence, server=server,
         device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
-        client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing, raw=raw)
+        client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing, raw=raw,
+        route=route)
     if ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter) and not server:
         check_prompt_fits(prompt, raw=raw, target=target, draft=draft)  # first use: the tokenizer exists only now
     try:

@@ -11,7 +11,7 @@ from specdec.cli._shared import (
     DEFAULT_MIN_CONFIDENCE, check_device, explain, fail, quiet_transformers, user_errors,
 )
 from specdec.cli.checks import (
-    check_device_names, check_fallback_draft, check_model_dirs, check_num_speculative_tokens, check_server,
+    check_device_names, check_head_on_device, check_model_dirs, check_num_speculative_tokens, check_server,
 )
 
 
@@ -136,18 +136,16 @@ def _load_draft(draft: Path | None, defaults, wanted: bool):
 
 
 def _raise_preflight(preflight, wait_s: float | None) -> None:
-    """Raise VerifierUnavailableError with the probe's reason once it has one (waiting ``wait_s`` s at most;
-    None = until it ends)."""
+    """Raise the probe's error once it has one (waiting ``wait_s`` s at most; None = until it ends):
+    VerifierUnavailableError, or PreconditionError for a peer that is not a specdec verifier."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from specdec_runtime.common.errors import VerifierUnavailableError
-
     try:
-        reason = preflight.result(timeout=wait_s)
+        error = preflight.result(timeout=wait_s)
     except FutureTimeout:
         return
-    if reason:
-        raise VerifierUnavailableError(reason)
+    if error is not None:
+        raise error
 
 
 def _preflight(server: str | None, security, fallback: str, connect: bool | None):
@@ -280,10 +278,12 @@ def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: i
 
 
 def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
-                 num_speculative_tokens, device, dtype, connect=None, before_load=None, retry_policy=None):
+                 num_speculative_tokens, device, dtype, connect=None, before_load=None, retry_policy=None,
+                 route="speculative"):
     """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
     line on a bad option or a model/verifier error. ``before_load``: called once the options are checked, before
-    any model loads (the command's own last checks). ``retry_policy``: as :func:`build_pipeline`'s."""
+    any model loads (the command's own last checks). ``retry_policy``: as :func:`build_pipeline`'s. ``route``:
+    the command's --route, checked against the draft (a head cannot serve route device)."""
     check_num_speculative_tokens(num_speculative_tokens)
     if fallback not in ("none", "device"):
         fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
@@ -291,7 +291,7 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and target_only:
         fail("--fallback device needs the draft model (not --target-only)")
-    check_fallback_draft(fallback, draft)
+    check_head_on_device(draft, route, fallback)
     check_server(server)
     check_model_dirs(target, None if target_only else draft)
     security = None

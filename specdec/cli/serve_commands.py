@@ -75,7 +75,7 @@ def edge_serve(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
-        retry_policy=policy,
+        retry_policy=policy, route=route,
         connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
     client.route = route  # edge_client.generation.routing; a request's 'route' field wins
     if model_name is None:

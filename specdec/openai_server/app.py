@@ -10,7 +10,8 @@ from starlette.requests import Request  # module level: FastAPI resolves the han
 
 from .engine import Engine
 from .errors import ApiError, api_error_for
-from .request import CHAT_PARAMS, COMPLETION_PARAMS, chat_request, check_body, completion_request
+from .request import (CHAT_PARAMS, COMPLETION_PARAMS, chat_request, check_body, check_content_type,
+                      completion_request)
 from .route_field import ROUTE_FIELD, routed
 from .streaming import respond
 
@@ -29,6 +30,7 @@ def create_app(engine: Engine, api_keys: Callable[[str | None], bool] | None = N
         _add_auth(app, api_keys)
 
     async def read_body(request: Request, supported: set[str]) -> dict:
+        check_content_type(request.headers.get("content-type"))
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):

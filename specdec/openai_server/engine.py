@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from specdec_runtime.common.errors import CapacityError
@@ -38,10 +39,29 @@ class Outcome:
     # vLLM's per-request "metrics" object and the edge-cloud fields (.spec_metrics)
     metrics: dict = field(default_factory=dict)
     timing: tuple = (None, None)  # (time to first token s, decode tokens/s), for the request's log line
+    draft: str | None = None  # the draft's name in the request's log line (:func:`draft_name`)
 
 
 def _finish_reason(reason: FinishReason | None) -> str:
     return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
+
+
+def draft_name(client) -> str | None:
+    """The name of ``client``'s draft: ``name@version`` of a draft the verifier delivered, else the directory
+    name of the local draft model or head (``model_dir``), ``"ngram"`` for n-gram drafting; None without a
+    draft (target-only decoding) or when the drafter names no directory."""
+    name, version = getattr(client, "draft_version", None) or ("", "")
+    if name:
+        return f"{name}@{version}"
+    drafter = getattr(client, "drafter", None)
+    if drafter is None:
+        return None
+    model_dir = getattr(getattr(drafter, "model", None), "model_dir", None)
+    if model_dir is not None:
+        return Path(model_dir).name
+    from specdec_runtime.edge_client.drafting.ngram import NgramDrafter
+
+    return "ngram" if isinstance(drafter, NgramDrafter) else None
 
 
 def _outcome(result, num_prompt_tokens: int, reused: bool, index: int = 0, client=None) -> Outcome:
@@ -55,6 +75,7 @@ def _outcome(result, num_prompt_tokens: int, reused: bool, index: int = 0, clien
     return Outcome(
         metrics=metrics,
         timing=(s.ttft_s, s.decode_tokens_per_s if s.num_decode_tokens else None),
+        draft=draft_name(client),
         index=index,
         token_ids=list(result.token_ids),
         logprobs=result.logprobs,

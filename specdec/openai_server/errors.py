@@ -12,6 +12,7 @@ from specdec_runtime.common.errors import (
     RateLimitedError,
     SpecdecError,
     UnauthenticatedError,
+    UnsupportedByDrafterError,
     VerifierUnavailableError,
 )
 
@@ -35,6 +36,12 @@ def api_error_for(e: BaseException) -> ApiError:
     """The HTTP error for an exception of a generation (see the module docstring for the mapping)."""
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, UnsupportedByDrafterError) and e.capability == "DecodesAlone" and "draft head" in str(e):
+        # a head cannot decode alone, and the SDK's remedy in its message means nothing to an HTTP client
+        return ApiError(400, "route 'device' needs a draft that decodes alone, and this endpoint drafts with a "
+                        "draft head (it drafts from the verifier's features): ask for another route, or start "
+                        "edge-serve with a --draft that decodes alone (int8, distilled or an ONNX draft directory)",
+                        param="route")
     if isinstance(e, InvalidRequestError):
         return ApiError(400, str(e))
     if isinstance(e, RateLimitedError):

@@ -3,6 +3,7 @@ turned into prompt token ids and the generation's keyword arguments."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,6 +92,8 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
                        param=name)
+    if not math.isfinite(value):  # Python's json reads NaN and Infinity; NaN passes every range comparison
+        raise ApiError(400, f"'{name}' must be a finite number, got {value!r}", param=name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ApiError(400, f"'{name}' must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}",
                        param=name)
@@ -252,14 +255,60 @@ def render_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in render(tokenizer, messages, add_generation_prompt=True)]
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in the JSON value ``value`` (keys included) holds a lone UTF-16 surrogate."""
+    todo = [value]
+    while todo:  # a loop, not recursion: bodies may nest deeply
+        v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
+
+
+def _check_text(body: dict) -> None:
+    """JSON may escape a lone surrogate ("\\ud800"), which is no Unicode text: no tokenizer encodes it."""
+    why = "a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): it is not valid Unicode text"
+    for name, value in body.items():
+        if _has_lone_surrogate(name):  # never echoed: the error JSON could not encode it either
+            raise ApiError(400, f"a parameter name holds {why}")
+        if _has_lone_surrogate(value):
+            raise ApiError(400, f"'{name}' holds {why}", param=name)
+
+
+def check_content_type(header: str | None) -> None:
+    """A request body must be declared JSON, as OpenAI's API requires: ``application/json`` with or without
+    parameters (``; charset=utf-8``). A request without the header is read as JSON (curl -d sends its own form
+    type, but simple clients send none; the official clients send application/json).
+
+    Raises:
+        ApiError(400): another media type (e.g. text/plain, application/x-www-form-urlencoded).
+    """
+    if header is None:
+        return
+    media_type = header.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(400, f"Content-Type {header.strip()[:100]!r} is not supported: send the body as "
+                       "application/json")
+
+
 def check_body(body: Any, supported: set[str], model_id: str) -> dict:
     """``body`` when it is a JSON object of supported (or neutral) parameters naming the served model.
 
     Raises:
-        ApiError: 400 (not an object, a parameter refused, no model), 404 (another model).
+        ApiError: 400 (not an object, a parameter refused, no model, a string that is not valid Unicode: a lone
+            surrogate, param the top-level field holding it), 404 (another model).
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_text(body)
     _check_params(body, supported)
     model = body.get("model")
     if not isinstance(model, str) or not model:

@@ -86,8 +86,9 @@ def merge(metrics: list[dict]) -> dict:
 
 
 def log_request(request_id: str, tenant: str, outcomes: list, finish: str | None = None) -> None:
-    """The one line per request: id, tenant, route, draft version, prompt and output tokens, time to first
-    token, decode tokens/s, acceptance, finish reason (no prompt or text: docs/security.md, "Logs")."""
+    """The one line per request: id, tenant, route, draft (``Outcome.draft``: a delivered draft's name@version,
+    a local draft's or head's directory name), prompt and output tokens, time to first token, decode tokens/s,
+    acceptance, finish reason (no prompt or text: docs/security.md, "Logs")."""
     if not outcomes:
         log.info("request %s tenant=%s finish=%s", request_id, tenant or "-", finish or "error")
         return
@@ -98,7 +99,7 @@ def log_request(request_id: str, tenant: str, outcomes: list, finish: str | None
     rate = spec["draft_acceptance_rate"]
     log.info("request %s tenant=%s route=%s draft=%s prompt_tokens=%d output_tokens=%d ttft_ms=%s tok_s=%s "
              "acceptance=%s mean_accepted_length=%s finish=%s", request_id, tenant or "-", ec["route"],
-             ec["draft_version"] or "-", first.num_prompt_tokens, sum(o.num_completion_tokens for o in outcomes),
+             first.draft or "-", first.num_prompt_tokens, sum(o.num_completion_tokens for o in outcomes),
              "-" if ttft is None else f"{ttft * 1000:.0f}", "-" if tps is None else f"{tps:.1f}",
              "-" if rate is None else f"{rate:.3f}",
              "-" if spec["mean_acceptance_length"] is None else f"{spec['mean_acceptance_length']:.2f}",

@@ -66,10 +66,20 @@ def structured_request(body: dict, tokenizer) -> tuple[dict, ToolRequest, list]:
 
 def chat_message(text: str, finish_reason: str, tools: ToolRequest | None) -> tuple[dict, str]:
     """The assistant message of a finished answer and its finish_reason: with tools offered, the call blocks
-    become ``tool_calls`` (finish_reason "tool_calls"); ``parallel_tool_calls: false`` keeps the first call."""
+    become ``tool_calls`` (finish_reason "tool_calls"); ``parallel_tool_calls: false`` keeps the first call.
+
+    A required call (``tool_choice`` "required" or a named function) cut off by the max tokens: finish_reason
+    "length", content null, and only the calls that closed before the cut as ``tool_calls`` (none when the first
+    was cut). The half call is dropped: it is neither a call (its arguments do not parse) nor an answer (the
+    grammar allows nothing but call markup), so neither ``tool_calls`` nor content may carry it; "length" tells
+    the client why there is no call, as OpenAI's finish_reason does for any answer cut by the limit."""
     if tools is None or not tools.in_prompt:
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = parse_tool_calls(text)
+    if tools.constrained and finish_reason == "length":
+        message = {"role": "assistant", "content": None}
+        calls = calls if tools.parallel else calls[:1]
+        return ({**message, "tool_calls": calls} if calls else message), "length"
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     if not tools.parallel:
@@ -84,6 +94,7 @@ class ChoiceDeltas:
     def __init__(self, tools: ToolRequest | None) -> None:
         self._streamer = ToolCallStreamer() if tools is not None and tools.in_prompt else None
         self._parallel = tools.parallel if tools is not None else True
+        self._constrained = tools is not None and tools.constrained
 
     def feed(self, text: str) -> list[dict]:
         if self._streamer is None:
@@ -91,10 +102,13 @@ class ChoiceDeltas:
         return self._keep(self._streamer.feed(text))
 
     def finish(self, finish_reason: str) -> tuple[list[dict], str]:
-        """The held-back deltas and the choice's finish_reason ("tool_calls" when a call was streamed)."""
+        """The held-back deltas and the choice's finish_reason ("tool_calls" when a call was streamed); a required
+        call cut off by the max tokens: "length", its held-back half dropped (as :func:`chat_message`)."""
         if self._streamer is None:
             return [], finish_reason
         rest = self._keep(self._streamer.finish())
+        if self._constrained and finish_reason == "length":
+            return [], "length"
         return rest, ("tool_calls" if self._streamer.num_calls else finish_reason)
 
     def _keep(self, deltas: list[dict]) -> list[dict]:

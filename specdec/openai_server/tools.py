@@ -12,7 +12,8 @@ is rendered as the calls in that format. ``tool_choice``:
   ``tool_calls`` (``finish_reason: "tool_calls"``), the rest stays content. Not constrained.
 - ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: constrained by :func:`tool_grammar`: the
   answer is one call (``parallel_tool_calls: false``) or one or more calls (true, OpenAI's default), each of a
-  tool allowed, its ``arguments`` matching the tool's ``parameters`` schema.
+  tool allowed, its ``arguments`` matching the tool's ``parameters`` schema. Cut off by the max tokens, such an
+  answer has ``finish_reason: "length"``, content null and no half call (:func:`.structured.chat_message`).
 """
 
 from __future__ import annotations

@@ -101,12 +101,37 @@ def test_cli_drafts_errors_are_one_line(tmp_path, monkeypatch):
         assert err.startswith("error:") and needle in err and "\n" not in err, err
 
 
-def test_cli_device_fallback_with_a_head_only_is_one_line(head_dir):
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["edge-serve", "--port", "0"]])
+@pytest.mark.parametrize("flag", [["--fallback", "device"], ["--route", "device"]])
+def test_cli_device_with_a_head_only_is_one_line_with_the_clis_remedy(head_dir, command, flag):
+    """A head cannot decode alone: the remedy named is the CLI's (--draft an ONNX draft), not the SDK's."""
     from typer.testing import CliRunner
 
     from specdec.cli import app
 
-    result = CliRunner().invoke(app, ["generate", "--draft", str(head_dir), "--fallback", "device", "hi"])
+    result = CliRunner().invoke(app, [command[0], "--draft", str(head_dir), *flag, *command[1:]], input="")
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
-    assert err.startswith("error:") and "is a draft head" in err and "\n" not in err, err
+    assert err.startswith(f"error: {' '.join(flag)} needs a draft that decodes alone") and "\n" not in err, err
+    assert f"{head_dir} is a draft head" in err, err  # said before any model loads, naming the directory
+    assert "give --draft a draft that decodes alone instead (int8, distilled" in err and "EdgeClient" not in err, err
+
+
+def test_a_head_refused_on_the_device_at_run_time_gets_the_clis_remedy(head_dir):
+    """A head the CLI did not see as a --draft directory (a delivered one) is refused by the drafter contract;
+    the CLI's line gives its own remedy."""
+    from specdec.cli._shared import explain
+    from specdec_runtime.common.errors import UnsupportedByDrafterError
+    from specdec_runtime.common.types import SamplingParams
+    from specdec_runtime.edge_client.drafting.contract import check_request
+    from specdec_runtime.edge_client.drafting.head import HeadDrafter
+    from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+
+    for route, fallback, flag in (("device", "none", "--route device"), ("speculative", "device",
+                                                                          "--fallback device")):
+        with pytest.raises(UnsupportedByDrafterError) as e:
+            check_request(HeadDrafter(OnnxHead(head_dir)), SamplingParams(), route, fallback)
+        line = explain(e.value)
+        assert line.startswith(f"{flag} needs a draft that decodes alone;") and "is a draft head" in line, line
+        assert "give --draft a draft that decodes alone instead (int8, distilled" in line, line
+        assert "EdgeClient" not in line, line

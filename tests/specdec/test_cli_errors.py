@@ -136,6 +136,29 @@ def test_nothing_listens(tiny_pair):
                "cannot reach verifier at 127.0.0.1:1: connection refused")
 
 
+def test_a_peer_that_is_not_a_verifier_is_named(tiny_pair, redis_url):
+    """An HTTP/1.1 server or Redis at --server: the peer answered, so not "no connection within 10 s"; edge-serve
+    (which starts while no verifier answers, and with --fallback device) does not start on it."""
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+    from urllib.parse import urlsplit
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    Thread(target=http.serve_forever, daemon=True).start()
+    redis = urlsplit(redis_url)
+    try:
+        for address in (f"127.0.0.1:{http.server_address[1]}", f"{redis.hostname}:{redis.port or 6379}"):
+            line = _one_error(["generate", "--server", address, "--draft", str(tiny_pair.draft_dir), "hi"],
+                              f"error: {address} is not a specdec verifier: ", models_may_load=True)
+            assert "no connection within" not in line
+            _one_error(["edge-serve", "--port", "0", "--server", address, "--fallback", "device", "--draft",
+                        str(tiny_pair.draft_dir)], f"error: {address} is not a specdec verifier: ",
+                       models_may_load=True)
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
 @pytest.fixture(scope="module")
 def tls_servers(tmp_path_factory):
     """(pki, TLS address, plaintext address) of a bare gRPC server (no services)."""

@@ -1,6 +1,8 @@
 """edge-serve's ``route`` extension field (specdec/openai_server/route_field.py): the request's route is the one the
 generation runs on (reported in the client's last result), absent it is the server's default, a bad value is a 400
-naming ``route``. In process: the endpoint's app over an EdgeClient of the tiny pair and a real gRPC verifier."""
+naming ``route``; the metrics of a response and its one log line, which names the draft (a local draft or head by
+its directory). In process: the endpoint's app over an EdgeClient of the tiny pair (or a tiny random EAGLE-3
+head) and a real gRPC verifier."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _read_vllm_spec_metrics(body: dict) -> dict:
     return spec
 
 
-def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog):
+def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog, tiny_pair):
     import json
     import logging
 
@@ -87,7 +89,8 @@ def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog):
                        "target_forward_ms", "num_unjudged_draft_tokens", "num_unverified_tokens", "num_sessions",
                        "num_failovers", "draft_version"}
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
-    assert len(lines) == 1 and lines[0].startswith(f"request {body['id']} tenant=- route=speculative draft=- "
+    assert len(lines) == 1 and lines[0].startswith(f"request {body['id']} tenant=- route=speculative "
+                                                   f"draft={tiny_pair.draft_dir.name} "
                                                    f"prompt_tokens={body['usage']['prompt_tokens']} output_tokens=12")
     assert "finish=length" in lines[0] and f"acceptance={spec['draft_acceptance_rate']:.3f}" in lines[0]
     # streamed: the finishing chunk carries them, as vLLM's last chunk does
@@ -97,3 +100,43 @@ def test_vllm_shaped_spec_metrics_and_one_log_line(app_client, caplog):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     finishing = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert len(finishing) == 1 and _read_vllm_spec_metrics(finishing[0]) == spec  # greedy: the same steps
+
+
+def test_the_log_line_names_a_draft_head(tiny_pair, tmp_path_factory, caplog):
+    """A head (drafts from the verifier's features) is named in the request's log line by its directory, as a
+    local ONNX draft is; a request for route device, which a head cannot serve, is a 400 naming ``route`` with
+    the endpoint's remedy."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from _heads import write_eagle3
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+    from specdec_runtime.edge_client.client import EdgeClient
+    from specdec_runtime.edge_client.drafting.head import HeadDrafter
+    from specdec_runtime.edge_client.drafting.head_model import OnnxHead
+    from specdec_runtime.edge_client.transport.grpc_backend import GrpcBackend
+    from specdec.embedded import EmbeddedServer
+    from specdec.models.head_export import export_head
+    from specdec.openai_server import Engine, create_app
+
+    root = tmp_path_factory.mktemp("log-head")
+    vocab = sorted(set(range(0, 49152, 61)) | set(range(200)))
+    head = OnnxHead(export_head(tiny_pair.target_dir, write_eagle3(root / "ckpt", tiny_pair.target_dir, vocab),
+                                root / "tiny-eagle3-head"))
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0) as address, \
+            GrpcBackend(address) as backend:
+        engine = Engine(EdgeClient(backend, HeadDrafter(head), head.tokenizer, num_speculative_tokens=3), "tiny",
+                        max_conversations=0)
+        with TestClient(create_app(engine)) as http, caplog.at_level(logging.INFO, logger="specdec.edge_serve"):
+            r = _completion(http)
+            device = _completion(http, route="device")  # a head cannot decode alone: the operator's remedy
+        engine.close()
+    assert device.status_code == 400 and device.json()["error"]["param"] == "route", device.text
+    assert "--draft" in device.json()["error"]["message"] and "EdgeClient" not in device.text
+    assert r.status_code == 200, r.text
+    assert r.json()["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0  # the head drafted
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
+    assert len(lines) == 2 and " route=speculative draft=tiny-eagle3-head " in lines[0], lines
+    assert lines[1].endswith(" finish=error"), lines  # the refused route=device request
