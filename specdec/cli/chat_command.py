@@ -14,11 +14,11 @@ from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
 from specdec.cli._shared import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DeviceDraftOption, DraftOption, NumSpeculativeTokens, check_route,
 )
 from specdec.cli.checks import (
     check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, check_prompt_fits,
-    fail_no_chat_input, resolve_draft_option,
+    fail_no_chat_input, resolve_device_draft, resolve_draft_option,
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import build_edge_client
@@ -151,6 +151,7 @@ def chat(
                                           help="--server: API key of the verifier (authorization: Bearer)"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: DraftOption = None,
+    device_draft: DeviceDraftOption = None,
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
@@ -173,8 +174,6 @@ def chat(
     every reply is constrained to it (docs/structured-output.md)."""
     logging.basicConfig(level=logging.WARNING)
     check_route(route)
-    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
-
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
@@ -187,6 +186,7 @@ def chat(
     check_min_tokens(min_tokens, max_new_tokens)
     check_num_speculative_tokens(num_speculative_tokens)
     draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
+    device_draft = resolve_device_draft(device_draft, target_only=target_only)
     check_logit_bias_vocabulary(processing, target, draft)
     if system and not server:  # the one prompt known at start: a system message no context holds
         check_prompt_fits([{"role": "system", "content": system}], raw=False, target=target, draft=draft)
@@ -194,7 +194,7 @@ def chat(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype, route=route,
-        before_load=check_chat_input)  # nothing to read: say so now, not after the models load
+        device_draft=device_draft, before_load=check_chat_input)  # nothing to read: said before the models load
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   **processing)
     client.route = route  # edge_client.generation.routing

@@ -1,0 +1,106 @@
+"""`--device-draft` (generate, chat, edge-serve): a standalone draft that decodes on the device beside a draft head
+(tiny target, a tiny random EAGLE-3 head, the tiny pair's second ONNX draft as the device draft; real embedded
+verifier over gRPC, or a --server nobody listens on). What the device decodes is unverified, so it is compared with
+what the device draft alone decodes (`--draft DEVICE_DRAFT` on the same route), not with the target."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from _heads import write_eagle3
+from _reference import hf_greedy
+from specdec.cli import app
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "Name three colors."
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):
+    from specdec.models.head_export import export_head
+
+    root = tmp_path_factory.mktemp("device-draft-head")
+    ckpt = write_eagle3(root / "ckpt", tiny_pair.target_dir, sorted(set(range(0, 49152, 61)) | set(range(200))))
+    return export_head(tiny_pair.target_dir, ckpt, root / "head")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generate(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["generate", PROMPT, "--json", "--max-new-tokens", str(MAX_NEW), "--ignore-eos",
+                                      *args])
+    assert result.exit_code == 0, (result.output, result.stderr)
+    return json.loads([line for line in result.stdout.splitlines() if line.strip()][-1])
+
+
+def _one_line_error(result, needle: str) -> str:
+    assert result.exit_code == 2, (result.output, result.stderr)
+    err = result.stderr.strip()
+    assert err.startswith("error:") and needle in err and "\n" not in err, err
+    return err
+
+
+def test_route_device_beside_a_head_decodes_with_the_device_draft(tiny_pair, head_dir):
+    from transformers import AutoTokenizer
+
+    from specdec_runtime.edge_client.client import encode_prompt
+
+    target = ["--target", str(tiny_pair.target_dir)]
+    device_alone = _generate(*target, "--draft", str(tiny_pair.other_draft_dir), "--route", "device")
+    beside = _generate(*target, "--draft", str(head_dir), "--device-draft", str(tiny_pair.other_draft_dir),
+                       "--route", "device")
+    assert beside["num_unverified_tokens"] == MAX_NEW and len(beside["token_ids"]) == MAX_NEW
+    assert beside["token_ids"] == device_alone["token_ids"]
+    # the device draft is not the target (a second random model): its unverified tokens are its own
+    tok = AutoTokenizer.from_pretrained(tiny_pair.target_dir)
+    assert beside["token_ids"] != hf_greedy(tiny_pair.target_dir, encode_prompt(tok, PROMPT), MAX_NEW)
+    # beside another draft, the device decodes with --device-draft instead of --draft
+    instead = _generate(*target, "--draft", str(tiny_pair.draft_dir), "--device-draft",
+                        str(tiny_pair.other_draft_dir), "--route", "device")
+    assert instead["token_ids"] == device_alone["token_ids"]
+
+
+def test_fallback_device_beside_a_head_when_no_verifier_answers(tiny_pair, head_dir):
+    server = ["--server", f"127.0.0.1:{_free_port()}", "--fallback", "device", "--reconnect-interval-s", "30"]
+    device_alone = _generate(*server, "--draft", str(tiny_pair.other_draft_dir))
+    beside = _generate(*server, "--draft", str(head_dir), "--device-draft", str(tiny_pair.other_draft_dir))
+    assert beside["num_unverified_tokens"] == MAX_NEW and device_alone["num_unverified_tokens"] == MAX_NEW
+    assert beside["token_ids"] == device_alone["token_ids"]
+
+
+def test_chat_route_device_beside_a_head(tiny_pair, head_dir):
+    """chat (and edge-serve: the same build_edge_client) pass --device-draft to the client (a real subprocess:
+    chat reads its pipe)."""
+    def reply(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--max-new-tokens", "6", "--route",
+                               "device", "--target", str(tiny_pair.target_dir), *args],
+                              input="Hello there\n", capture_output=True, text=True, timeout=250)
+        assert proc.returncode == 0 and "6 tokens unverified" in proc.stderr, proc.stderr
+        return proc.stdout
+
+    alone = reply("--draft", str(tiny_pair.other_draft_dir))
+    assert alone.strip() and reply("--draft", str(head_dir), "--device-draft", str(tiny_pair.other_draft_dir)) == alone
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["edge-serve", "--port", "0"]])
+def test_a_head_or_no_draft_model_with_device_draft_is_one_line(tiny_pair, head_dir, command):
+    runner = CliRunner()
+    err = _one_line_error(runner.invoke(app, [*command, "--device-draft", str(head_dir), "--route", "device"],
+                                        input=""), f"--device-draft {head_dir} is a draft head")
+    assert "cannot decode alone" in err and "int8, distilled or an ONNX draft directory" in err, err
+    _one_line_error(runner.invoke(app, [*command, "--device-draft", str(tiny_pair.other_draft_dir), "--target-only"],
+                                  input=""), "--device-draft goes with a draft model")
+    _one_line_error(runner.invoke(app, [*command, "--device-draft", "nope"], input=""),
+                    "--device-draft: unknown draft 'nope'")
