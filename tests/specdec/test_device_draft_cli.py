@@ -104,3 +104,19 @@ def test_a_head_or_no_draft_model_with_device_draft_is_one_line(tiny_pair, head_
                                   input=""), "--device-draft goes with a draft model")
     _one_line_error(runner.invoke(app, [*command, "--device-draft", "nope"], input=""),
                     "--device-draft: unknown draft 'nope'")
+
+
+def test_a_device_draft_of_another_vocabulary_is_one_line(tiny_pair, head_dir, tmp_path):
+    """The device draft's tokens are decoded with the client's tokenizer: one token more in its vocabulary is
+    refused before anything is generated, naming the flag."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    other = shutil.copytree(tiny_pair.other_draft_dir, tmp_path / "one-token-more")
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<device_only_token>"])
+    tok.save_pretrained(other)
+    result = CliRunner().invoke(app, ["generate", PROMPT, "--target", str(tiny_pair.target_dir), "--draft",
+                                      str(head_dir), "--device-draft", str(other), "--route", "device"])
+    _one_line_error(result, f"--device-draft {other}: draft and target vocabularies differ at token id 49152")
