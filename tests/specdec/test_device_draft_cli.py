@@ -120,3 +120,23 @@ def test_a_device_draft_of_another_vocabulary_is_one_line(tiny_pair, head_dir, t
     result = CliRunner().invoke(app, ["generate", PROMPT, "--target", str(tiny_pair.target_dir), "--draft",
                                       str(head_dir), "--device-draft", str(other), "--route", "device"])
     _one_line_error(result, f"--device-draft {other}: draft and target vocabularies differ at token id 49152")
+
+
+def test_edge_serve_a_request_for_route_device_beside_a_head(tiny_pair, head_dir):
+    """edge-serve (a real subprocess, the official openai client): with --device-draft, a request's route device
+    is served beside the head (200, unverified) with the device draft's own tokens, where a head alone is a 400."""
+    import openai
+
+    from test_openai_server import _edge_serve
+
+    def device_reply(*args: str) -> tuple[str, dict]:
+        with _edge_serve("--target", str(tiny_pair.target_dir), "--model-name", "tiny", *args) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=MAX_NEW, temperature=0, extra_body={"route": "device"})
+        return r.choices[0].message.content, r.model_extra["specdec"]
+
+    alone, alone_stats = device_reply("--draft", str(tiny_pair.other_draft_dir))
+    beside, stats = device_reply("--draft", str(head_dir), "--device-draft", str(tiny_pair.other_draft_dir))
+    assert stats["num_unverified_tokens"] == alone_stats["num_unverified_tokens"] > 0, stats
+    assert alone and beside == alone
