@@ -140,3 +140,26 @@ def test_edge_serve_a_request_for_route_device_beside_a_head(tiny_pair, head_dir
     beside, stats = device_reply("--draft", str(head_dir), "--device-draft", str(tiny_pair.other_draft_dir))
     assert stats["num_unverified_tokens"] == alone_stats["num_unverified_tokens"] > 0, stats
     assert alone and beside == alone
+
+
+def test_a_delivered_head_with_a_device_draft_decodes_on_the_device(tiny_pair, head_dir, tmp_path, monkeypatch):
+    """generate --server with no draft here fetches the verifier's draft (a head, published like a draft); with
+    --device-draft, route device decodes with that draft beside the delivered head."""
+    from specdec.embedded import EmbeddedServer
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, publish_draft
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+
+    publish_draft(head_dir, tmp_path / "drafts", "head", "1")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "empty-cache"))  # no default draft: delivery
+    catalog = DraftCatalog(tmp_path / "drafts", rescan_interval_s=0.0)
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0,
+                        drafts=catalog) as address:
+        server = ["--server", address, "--route", "device"]
+        alone = _generate(*server, "--draft", str(tiny_pair.other_draft_dir))
+        result = CliRunner().invoke(app, ["generate", PROMPT, "--json", "--max-new-tokens", str(MAX_NEW),
+                                          "--ignore-eos", *server, "--device-draft", str(tiny_pair.other_draft_dir)])
+    assert result.exit_code == 0, (result.output, result.stderr)
+    assert "draft: head@1 from the verifier, fetched" in result.stderr, result.stderr  # the head came
+    beside = json.loads([line for line in result.stdout.splitlines() if line.strip()][-1])
+    assert beside["num_unverified_tokens"] == MAX_NEW and beside["token_ids"] == alone["token_ids"]
