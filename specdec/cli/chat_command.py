@@ -73,7 +73,7 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     context) prints one line and keeps the conversation; so does Ctrl-C, which stops the reply (the turn is
     dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is). Returns False when the
     turn was refused."""
-    from specdec_runtime.common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError, UnsupportedByDrafterError
 
     chunks = conv.send(message, **kwargs)
     status = PrefillStatus()  # the turn's new tokens (a kept session prefills only those), on a terminal
@@ -90,6 +90,10 @@ def _reply(conv, message: str, kwargs: dict) -> None:
         typer.echo("[reply stopped: this turn is dropped, the conversation goes on; Ctrl-C again or Ctrl-D quits]",
                    err=True)
         return
+    except UnsupportedByDrafterError as e:  # the chat's settings, not this turn (a delivered head on the device)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        fail(explain(e))  # every turn would be refused: the CLI's remedy, not /reset
     except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return False

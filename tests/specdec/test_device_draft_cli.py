@@ -163,3 +163,27 @@ def test_a_delivered_head_with_a_device_draft_decodes_on_the_device(tiny_pair, h
     assert "draft: head@1 from the verifier, fetched" in result.stderr, result.stderr  # the head came
     beside = json.loads([line for line in result.stdout.splitlines() if line.strip()][-1])
     assert beside["num_unverified_tokens"] == MAX_NEW and beside["token_ids"] == alone["token_ids"]
+
+
+def test_chat_with_a_delivered_head_on_the_device_names_device_draft(tiny_pair, head_dir, tmp_path):
+    """Without --device-draft, chat's turn with a delivered head on route device is refused by the drafter
+    contract: one line with the CLI's remedy (--device-draft), not the SDK's, nor '/reset' (no turn would do)."""
+    import os
+
+    from specdec.embedded import EmbeddedServer
+    from specdec_runtime.cloud_verifier.drafts.catalog import DraftCatalog, publish_draft
+    from specdec_runtime.cloud_verifier.target.runner import TargetRunner
+    from specdec_runtime.cloud_verifier.verifier import Verifier
+
+    publish_draft(head_dir, tmp_path / "drafts", "head", "1")
+    env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path / "empty-cache")}  # no default draft: delivery
+    with EmbeddedServer(verifier=Verifier(TargetRunner(tiny_pair.target_dir)), grace_s=1.0,
+                        drafts=DraftCatalog(tmp_path / "drafts", rescan_interval_s=0.0)) as address:
+        proc = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--server", address, "--route", "device",
+                               "--max-new-tokens", "4"], input="Hello\nAgain\n", capture_output=True, text=True,
+                              timeout=250, env=env)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: --route device needs a draft that decodes alone;"), errors
+    assert "give --device-draft a draft that decodes alone" in errors[0] and "EdgeClient" not in proc.stderr, errors
+    assert "/reset" not in proc.stderr, proc.stderr
