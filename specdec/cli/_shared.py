@@ -35,6 +35,17 @@ DRAFT_HELP = ("Draft: a prepared draft's name, int8 (`specdec models prepare`), 
               "models export-head`) (default: the prepared int8 draft)")
 DraftOption = Annotated[Optional[str], typer.Option("--draft", help=DRAFT_HELP)]
 
+# --device-draft: the standalone draft that decodes on the device (--route device, --fallback device; edge-serve:
+# a request's route device) instead of --draft, as the SDK's EdgeClient(device_drafter=...). Needed beside a draft
+# head, which cannot decode alone; beside a draft that can, the device decodes with this one instead (e.g. a larger
+# draft for unverified text). Resolved and checked by checks.resolve_device_draft. Use:
+# `device_draft: DeviceDraftOption = None`.
+DEVICE_DRAFT_HELP = ("Draft that decodes on the device (--route device, --fallback device) instead of --draft: "
+                     "int8, distilled, or an ONNX draft directory (not a head: it cannot decode alone). Needed "
+                     "for the device beside a draft head; beside another draft, the device decodes with this one "
+                     "(default: --draft itself)")
+DeviceDraftOption = Annotated[Optional[str], typer.Option("--device-draft", help=DEVICE_DRAFT_HELP)]
+
 # Plain (click-style) help: typer's rich panels print a "<bool>" type column for every on/off flag (--help
 # included), where click's layout shows a flag by its name alone.
 HELP_STYLE = dict(rich_markup_mode=None, pretty_exceptions_enable=False)
@@ -87,12 +98,13 @@ def fail(message: str) -> None:
 
 
 def head_on_device_remedy(where: str) -> str:
-    """What to do when ``where`` (``--route device``, ``--fallback device``) meets a draft head: the CLI runs one
-    draft, and a head cannot decode alone (no standalone draft beside it here: that is the SDK's
-    ``EdgeClient(device_drafter=...)``)."""
+    """What to do when ``where`` (``--route device``, ``--fallback device``) meets a draft head without
+    ``--device-draft``: a head cannot decode alone, so the device needs a standalone draft beside it (the CLI's
+    ``--device-draft``, the SDK's ``EdgeClient(device_drafter=...)``), or a draft that decodes alone as --draft."""
     other = "use another --route" if where.startswith("--route") else "drop --fallback device"
-    return (f"give --draft a draft that decodes alone instead (int8, distilled or an ONNX draft directory; without "
-            f"--draft: int8), or {other}")
+    return (f"give --device-draft a draft that decodes alone (int8, distilled or an ONNX draft directory) to "
+            f"decode on the device beside the head, or give --draft such a draft instead (without --draft: int8), "
+            f"or {other}")
 
 
 def explain(e: BaseException) -> str:

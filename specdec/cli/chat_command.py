@@ -14,11 +14,11 @@ from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, explain, fail, user_errors, app,
 )
 from specdec.cli._shared import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DeviceDraftOption, DraftOption, NumSpeculativeTokens, check_route,
 )
 from specdec.cli.checks import (
     check_chat_input, check_logit_bias_vocabulary, check_min_tokens, check_num_speculative_tokens, check_prompt_fits,
-    fail_no_chat_input, resolve_draft_option,
+    fail_no_chat_input, resolve_device_draft, resolve_draft_option,
 )
 from specdec.cli.grammar_flags import GRAMMAR, JSON_SCHEMA, REGEX, grammar_options
 from specdec.cli.pipeline import build_edge_client
@@ -73,7 +73,7 @@ def _reply(conv, message: str, kwargs: dict) -> None:
     context) prints one line and keeps the conversation; so does Ctrl-C, which stops the reply (the turn is
     dropped, as an interrupted turn of :class:`edge_client.conversation.Conversation` is). Returns False when the
     turn was refused."""
-    from specdec_runtime.common.errors import InvalidRequestError
+    from specdec_runtime.common.errors import InvalidRequestError, UnsupportedByDrafterError
 
     chunks = conv.send(message, **kwargs)
     status = PrefillStatus()  # the turn's new tokens (a kept session prefills only those), on a terminal
@@ -90,6 +90,10 @@ def _reply(conv, message: str, kwargs: dict) -> None:
         typer.echo("[reply stopped: this turn is dropped, the conversation goes on; Ctrl-C again or Ctrl-D quits]",
                    err=True)
         return
+    except UnsupportedByDrafterError as e:  # the chat's settings, not this turn (a delivered head on the device)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        fail(explain(e))  # every turn would be refused: the CLI's remedy, not /reset
     except InvalidRequestError as e:  # e.g. the conversation outgrew the context: start over
         typer.echo(f"\nerror: {e} (use /reset)", err=True)
         return False
@@ -151,6 +155,7 @@ def chat(
                                           help="--server: API key of the verifier (authorization: Bearer)"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: DraftOption = None,
+    device_draft: DeviceDraftOption = None,
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
@@ -173,8 +178,6 @@ def chat(
     every reply is constrained to it (docs/structured-output.md)."""
     logging.basicConfig(level=logging.WARNING)
     check_route(route)
-    from specdec_runtime.common.types import SamplingParams, StoppingCriteria
-
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=None)
@@ -187,6 +190,7 @@ def chat(
     check_min_tokens(min_tokens, max_new_tokens)
     check_num_speculative_tokens(num_speculative_tokens)
     draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
+    device_draft = resolve_device_draft(device_draft, target_only=target_only)
     check_logit_bias_vocabulary(processing, target, draft)
     if system and not server:  # the one prompt known at start: a system message no context holds
         check_prompt_fits([{"role": "system", "content": system}], raw=False, target=target, draft=draft)
@@ -194,7 +198,7 @@ def chat(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype, route=route,
-        before_load=check_chat_input)  # nothing to read: say so now, not after the models load
+        device_draft=device_draft, before_load=check_chat_input)  # nothing to read: said before the models load
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   **processing)
     client.route = route  # edge_client.generation.routing

@@ -38,9 +38,9 @@ def check_device_names(device: str, dtype: str) -> None:
         fail(f"unknown dtype {dtype!r}: use {', '.join(_DTYPES)}")
 
 
-def resolve_draft_option(draft: str | os.PathLike | None) -> Path | None:
-    """The directory ``--draft`` names (every command that drafts): a prepared draft's name (int8, distilled,
-    head) or a directory (an ONNX draft or a draft head), through
+def resolve_draft_option(draft: str | os.PathLike | None, flag: str = "--draft") -> Path | None:
+    """The directory ``--draft`` (or ``flag``: ``--device-draft``) names (every command that drafts): a prepared
+    draft's name (int8, distilled, head) or a directory (an ONNX draft or a draft head), through
     :func:`specdec.models.named_drafts.resolve_named_draft`; None without the flag. Exits with one line: an unknown
     name or a draft that is not prepared (naming the command that prepares it), a directory with no draft."""
     if draft is None:
@@ -52,7 +52,26 @@ def resolve_draft_option(draft: str | os.PathLike | None) -> Path | None:
     try:
         return resolve_named_draft(str(draft))
     except ModelNotFoundError as e:
-        fail(f"--draft: {e}")
+        fail(f"{flag}: {e}")
+
+
+def resolve_device_draft(device_draft: str | os.PathLike | None, *, target_only: bool,
+                         drafter: str = "model") -> Path | None:
+    """The ONNX draft directory ``--device-draft`` names (as :func:`resolve_draft_option`), None without it; its
+    tokenizer is read. Exits with one line: a draft head (it cannot decode alone), --target-only or --drafter
+    ngram (no draft model drafts, so none decodes beside one), or what :func:`resolve_draft_option` refuses."""
+    path = resolve_draft_option(device_draft, "--device-draft")
+    if path is None:
+        return None
+    from specdec.models.named_drafts import is_head_dir
+
+    if is_head_dir(path):
+        fail(f"--device-draft {path} is a draft head (it drafts from the verifier's features and cannot decode "
+             "alone): give --device-draft a draft that decodes alone (int8, distilled or an ONNX draft directory)")
+    if target_only or drafter != "model":
+        fail("--device-draft goes with a draft model (not --target-only or --drafter ngram)")
+    check_draft_tokenizer(path)  # not a head: resolve_named_draft gave the ONNX draft's directory
+    return path
 
 
 def check_model_dirs(target: Path | None, draft: Path | None) -> None:
@@ -71,12 +90,13 @@ def check_model_dirs(target: Path | None, draft: Path | None) -> None:
         fail(str(e))
 
 
-def check_head_on_device(draft: Path | None, route: str, fallback: str) -> None:
+def check_head_on_device(draft: Path | None, route: str, fallback: str, device_draft: Path | None = None) -> None:
     """Exit with one line when ``draft`` is a draft head (it drafts from the verifier's features) and the device
-    must decode alone: ``--route device`` or ``--fallback device``."""
+    must decode alone (``--route device`` or ``--fallback device``) with no ``device_draft`` (``--device-draft``)
+    to decode there beside it."""
     from specdec.models.named_drafts import is_head_dir
 
-    if draft is None or not is_head_dir(draft):
+    if draft is None or device_draft is not None or not is_head_dir(draft):
         return
     for where, on in (("--route device", route == "device"), ("--fallback device", fallback == "device")):
         if on:

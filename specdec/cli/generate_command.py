@@ -16,10 +16,10 @@ from specdec.cli._shared import (
 )
 from specdec.cli.checks import (
     check_device_names, check_head_on_device, check_logit_bias_vocabulary, check_min_tokens, check_model_dirs,
-    check_num_speculative_tokens, check_prompt_fits, check_server, resolve_draft_option,
+    check_num_speculative_tokens, check_prompt_fits, check_server, resolve_device_draft, resolve_draft_option,
 )
 from specdec.cli._shared import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DeviceDraftOption, DraftOption, NumSpeculativeTokens, check_route,
 )
 from specdec.cli.pipeline import build_pipeline, ensure_default_models
 from specdec.cli.progress import PrefillStatus, timing_summary
@@ -34,7 +34,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
                             num_speculative_tokens, network_delay_ms, draft_top_k, min_confidence, server, device,
                             dtype, fallback, reconnect_interval_s, target_only, drafter, tls, ca_cert, api_key,
                             client_cert, client_key, target=None, draft=None, processing=None, raw=False,
-                            route="speculative"):
+                            route="speculative", device_draft=None):
     """The channel security of ``server`` (None without it), or exit with one line on a bad option: cheap checks
     first, a typo should not cost a model load (nor torch's import: the CUDA check comes last)."""
     if not prompt.strip():
@@ -63,7 +63,7 @@ def _check_generate_options(*, prompt, temperature, top_k, top_p, seed, max_new_
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and (target_only or drafter != "model"):
         fail("--fallback device needs the draft model (not --target-only or --drafter ngram)")
-    check_head_on_device(draft, route, fallback)
+    check_head_on_device(draft, route, fallback, device_draft)
     check_model_dirs(target, draft if drafter == "model" and not target_only else None)
     check_logit_bias_vocabulary(processing or {}, target, draft)
     if not server:
@@ -148,6 +148,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Do not stop at EOS"),
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: DraftOption = None,
+    device_draft: DeviceDraftOption = None,
     server: Optional[str] = SERVER,
     fallback: str = FALLBACK,
     reconnect_interval_s: float = RECONNECT_INTERVAL_S,
@@ -179,10 +180,10 @@ def generate(
     check_route(route)
     processing = processing_options(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p,
-        logprobs=logprobs)
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens, min_p=min_p, logprobs=logprobs)
     processing.update(grammar_options(json_schema, regex, grammar))  # structured output
     draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
+    device_draft = resolve_device_draft(device_draft, target_only=target_only, drafter=drafter)
     security = _check_generate_options(
         prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         stop=stop, ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens,
@@ -190,7 +191,7 @@ def generate(
         device=device, dtype=dtype, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         target_only=target_only, drafter=drafter, tls=tls, ca_cert=ca_cert, api_key=api_key,
         client_cert=client_cert, client_key=client_key, target=target, draft=draft, processing=processing, raw=raw,
-        route=route)
+        route=route, device_draft=device_draft)
     if ensure_default_models(target, draft, server=server, target_only=target_only, drafter=drafter) and not server:
         check_prompt_fits(prompt, raw=raw, target=target, draft=draft)  # first use: the tokenizer exists only now
     try:
@@ -199,8 +200,7 @@ def generate(
             draft_top_k=draft_top_k, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
             adaptive=adaptive, min_confidence=min_confidence, proactive=proactive, network_delay_ms=network_delay_ms,
             fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
-            device=device, dtype=dtype, route=route,
-        )
+            device=device, dtype=dtype, route=route, device_draft=device_draft)
     except user_errors() as e:
         fail(explain(e))
     client.route = route  # edge_client.generation.routing

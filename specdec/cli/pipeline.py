@@ -122,6 +122,27 @@ def _make_proposer(drafter: str, draft_model, *, target_only: bool, draft_top_k:
                        prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
 
 
+def _device_drafter(device_draft: Path | None, tokenizer, draft_top_k: int):
+    """The ModelDrafter of ``--device-draft`` (an ONNX draft directory; None without it): the standalone draft
+    that decodes on the device (``EdgeClient(device_drafter=...)``). Raises VocabMismatchError (one line, naming
+    the flag) when its vocabulary is not the one of ``tokenizer`` (the client's: the text is decoded with it)."""
+    if device_draft is None:
+        return None
+    from specdec_runtime.common.vocab import VocabMismatchError, check_vocab_compatible
+    from specdec_runtime.edge_client.drafting.onnx_draft import OnnxDraftModel
+    from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
+
+    from specdec.models.named_drafts import drafter_for
+
+    model = OnnxDraftModel(device_draft)
+    try:  # decoding alone it needs no target logits: its own width is the only one to check
+        valid = check_vocab_compatible(model.tokenizer, tokenizer, model.vocab_size, model.vocab_size)
+    except VocabMismatchError as e:
+        raise VocabMismatchError(f"--device-draft {device_draft}: {e}") from None
+    return drafter_for(model, draft_top_k=draft_top_k, valid_vocab_size=valid,
+                       prefix_cache_mb=DEFAULT_DRAFT_PREFIX_CACHE_MB)
+
+
 def _load_draft(draft: Path | None, defaults, wanted: bool):
     """The ONNX draft model (``draft`` or the default one), a draft head when ``draft`` holds one (head.json,
     ``specdec models export-head``), or None when not ``wanted``."""
@@ -167,8 +188,11 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
                    adaptive: bool = True, min_confidence: float = 0.0, proactive: bool = False,
                    network_delay_ms: float = 0.0, fallback: str = "none", reconnect_interval_s: float = 5.0,
                    security=None, device: str = "auto", dtype: str = "auto", connect: bool | None = None,
-                   retry_policy=None, route: str = "speculative"):
+                   retry_policy=None, route: str = "speculative", device_draft: Path | None = None):
     """(EdgeClient, cleanup callable) for the CLI's generate/bench. Raises the user errors of user_errors().
+
+    ``device_draft``: the ONNX draft directory of ``--device-draft`` (:func:`specdec.cli.checks.resolve_device_draft`):
+    it decodes on the device (route device, the device fallback) instead of the draft; None = the draft does.
 
     ``connect``: with ``server``, reach a verifier now (VerifierUnavailableError when none answers) or at the
     first call; None = now unless ``fallback`` is "device".
@@ -192,7 +216,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
         kw = dict(num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, min_confidence=min_confidence,
                   proactive=proactive, fallback=fallback, reconnect_interval_s=reconnect_interval_s)
         return _delivered_pipeline(server, security, target_only, draft_top_k, drafter, route, retry_policy,
-                                   connect, kw, network_delay_ms)
+                                   connect, kw, network_delay_ms, device_draft)
     defaults = default_model_paths()
     draft_model = _load_draft(draft, defaults, (drafter == "model" and not target_only) or draft is not None)
     tokenizer = None if draft_model is None else draft_model.tokenizer
@@ -227,7 +251,7 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
     client = EdgeClient(
         backend, proposer, tokenizer, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
         min_confidence=min_confidence, proactive=proactive, fallback=fallback,
-        reconnect_interval_s=reconnect_interval_s,
+        reconnect_interval_s=reconnect_interval_s, device_drafter=_device_drafter(device_draft, tokenizer, draft_top_k),
     )
 
     def close():
@@ -239,9 +263,9 @@ def build_pipeline(target: Path | None, draft: Path | None, *, server: str | Non
 
 
 def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: int, drafter: str, route: str,
-                        retry_policy, connect, client_kw: dict, network_delay_ms: float):
+                        retry_policy, connect, client_kw: dict, network_delay_ms: float, device_draft: Path | None):
     """(EdgeClient, close) whose draft (or only its tokenizer: target-only, n-gram, the cloud route) the verifier
-    delivered."""
+    delivered; ``device_draft`` (a local ONNX draft, or None) decodes on the device beside it."""
     from specdec_runtime.edge_client.client import EdgeClient
     from specdec_runtime.edge_client.delivery import connect_delivery
     from specdec_runtime.edge_client.drafting.prefix_cache import DEFAULT_DRAFT_PREFIX_CACHE_MB
@@ -272,18 +296,20 @@ def _delivered_pipeline(server: str, security, target_only: bool, draft_top_k: i
         from specdec_runtime.edge_client.transport.netsim import DelayedBackend
 
         backend = DelayedBackend(backend, network_delay_ms)
-    client = EdgeClient(backend, None if target_only else proposer, parts.tokenizer, **client_kw)
+    client = EdgeClient(backend, None if target_only else proposer, parts.tokenizer,
+                        device_drafter=_device_drafter(device_draft, parts.tokenizer, draft_top_k), **client_kw)
     client.delivered = delivered
     return client, client.close
 
 
 def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, tls, ca_cert, api_key, target_only,
                  num_speculative_tokens, device, dtype, connect=None, before_load=None, retry_policy=None,
-                 route="speculative"):
+                 route="speculative", device_draft=None):
     """(EdgeClient, close) for `chat` and `edge-serve` (the settings of `generate`'s defaults), or exit with one
     line on a bad option or a model/verifier error. ``before_load``: called once the options are checked, before
     any model loads (the command's own last checks). ``retry_policy``: as :func:`build_pipeline`'s. ``route``:
-    the command's --route, checked against the draft (a head cannot serve route device)."""
+    the command's --route, checked against the draft (a head cannot serve route device without ``device_draft``,
+    the ``--device-draft`` directory, :func:`build_pipeline`'s)."""
     check_num_speculative_tokens(num_speculative_tokens)
     if fallback not in ("none", "device"):
         fail(f"--fallback must be 'none' or 'device', got {fallback!r}")
@@ -291,7 +317,7 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
         fail(f"--reconnect-interval-s must be > 0, got {reconnect_interval_s}")
     if fallback == "device" and target_only:
         fail("--fallback device needs the draft model (not --target-only)")
-    check_head_on_device(draft, route, fallback)
+    check_head_on_device(draft, route, fallback, device_draft)
     check_server(server)
     check_model_dirs(target, None if target_only else draft)
     security = None
@@ -315,7 +341,7 @@ def build_edge_client(*, target, draft, server, fallback, reconnect_interval_s, 
             target, draft, server=server, in_process=False, target_only=target_only, draft_top_k=DEFAULT_DRAFT_TOP_K,
             num_speculative_tokens=num_speculative_tokens, adaptive=True, min_confidence=DEFAULT_MIN_CONFIDENCE,
             proactive=True, fallback=fallback, reconnect_interval_s=reconnect_interval_s, security=security,
-            device=device, dtype=dtype, connect=connect, retry_policy=retry_policy,
+            device=device, dtype=dtype, connect=connect, retry_policy=retry_policy, device_draft=device_draft,
         )
     except user_errors() as e:
         fail(explain(e))

@@ -13,9 +13,11 @@ from specdec.cli._shared import (
     DEVICE_HELP, DTYPE_HELP, FALLBACK_HELP, SERVER_HELP, check_device, fail, quiet_transformers, user_errors,
     app,
 )
-from specdec.cli.checks import check_device_names, check_port_free, check_readable, resolve_draft_option
+from specdec.cli.checks import (
+    check_device_names, check_port_free, check_readable, resolve_device_draft, resolve_draft_option,
+)
 from specdec.cli._shared import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DraftOption, NumSpeculativeTokens, check_route,
+    DEFAULT_NUM_SPECULATIVE_TOKENS, ROUTE_HELP, DeviceDraftOption, DraftOption, NumSpeculativeTokens, check_route,
 )
 from specdec.cli.pipeline import build_edge_client, retry_policy
 
@@ -44,6 +46,7 @@ def edge_serve(
     num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
     target: Optional[Path] = typer.Option(None, help="Target HF directory (default: prepared SmolLM2)"),
     draft: DraftOption = None,
+    device_draft: DeviceDraftOption = None,
     target_only: bool = typer.Option(False, "--target-only", help="Plain autoregressive decoding on the target"),
     device: str = typer.Option("auto", help=f"Target device of the embedded verifier: {DEVICE_HELP}"),
     dtype: str = typer.Option("auto", help=f"Target dtype of the embedded verifier: {DTYPE_HELP}"),
@@ -68,6 +71,7 @@ def edge_serve(
     check_readable(api_keys_file, "--api-keys-file")
     check_readable(ca_cert, "--ca-cert")
     draft = resolve_draft_option(draft)  # a name (int8, distilled, head) or a directory: a directory from here on
+    device_draft = resolve_device_draft(device_draft, target_only=target_only)
     check_port_free(host, port)  # before the models load: a used port is one line at once, not uvicorn's
     from specdec.openai_server import Engine, key_checker, serve as serve_http
 
@@ -75,7 +79,7 @@ def edge_serve(
         target=target, draft=draft, server=server, fallback=fallback, reconnect_interval_s=reconnect_interval_s,
         tls=tls, ca_cert=ca_cert, api_key=verifier_api_key, target_only=target_only,
         num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
-        retry_policy=policy, route=route,
+        retry_policy=policy, route=route, device_draft=device_draft,
         connect=False)  # the endpoint starts while the cloud is down: requests get 503 until it answers
     client.route = route  # edge_client.generation.routing; a request's 'route' field wins
     if model_name is None:

@@ -40,8 +40,8 @@ def api_error_for(e: BaseException) -> ApiError:
         # a head cannot decode alone, and the SDK's remedy in its message means nothing to an HTTP client
         return ApiError(400, "route 'device' needs a draft that decodes alone, and this endpoint drafts with a "
                         "draft head (it drafts from the verifier's features): ask for another route, or start "
-                        "edge-serve with a --draft that decodes alone (int8, distilled or an ONNX draft directory)",
-                        param="route")
+                        "edge-serve with --device-draft, a draft that decodes alone (int8, distilled or an ONNX "
+                        "draft directory), beside the head (or with such a --draft instead)", param="route")
     if isinstance(e, InvalidRequestError):
         return ApiError(400, str(e))
     if isinstance(e, RateLimitedError):

@@ -104,7 +104,8 @@ def test_cli_drafts_errors_are_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["edge-serve", "--port", "0"]])
 @pytest.mark.parametrize("flag", [["--fallback", "device"], ["--route", "device"]])
 def test_cli_device_with_a_head_only_is_one_line_with_the_clis_remedy(head_dir, command, flag):
-    """A head cannot decode alone: the remedy named is the CLI's (--draft an ONNX draft), not the SDK's."""
+    """A head cannot decode alone: the remedy named is the CLI's (--device-draft beside it, or --draft an ONNX
+    draft instead), not the SDK's."""
     from typer.testing import CliRunner
 
     from specdec.cli import app
@@ -114,7 +115,7 @@ def test_cli_device_with_a_head_only_is_one_line_with_the_clis_remedy(head_dir, 
     err = result.stderr.strip()
     assert err.startswith(f"error: {' '.join(flag)} needs a draft that decodes alone") and "\n" not in err, err
     assert f"{head_dir} is a draft head" in err, err  # said before any model loads, naming the directory
-    assert "give --draft a draft that decodes alone instead (int8, distilled" in err and "EdgeClient" not in err, err
+    assert "give --device-draft a draft that decodes alone (int8, distilled" in err and "EdgeClient" not in err, err
 
 
 def test_a_head_refused_on_the_device_at_run_time_gets_the_clis_remedy(head_dir):
@@ -133,5 +134,5 @@ def test_a_head_refused_on_the_device_at_run_time_gets_the_clis_remedy(head_dir)
             check_request(HeadDrafter(OnnxHead(head_dir)), SamplingParams(), route, fallback)
         line = explain(e.value)
         assert line.startswith(f"{flag} needs a draft that decodes alone;") and "is a draft head" in line, line
-        assert "give --draft a draft that decodes alone instead (int8, distilled" in line, line
+        assert "give --device-draft a draft that decodes alone (int8, distilled" in line, line
         assert "EdgeClient" not in line, line

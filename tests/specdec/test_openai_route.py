@@ -134,7 +134,7 @@ def test_the_log_line_names_a_draft_head(tiny_pair, tmp_path_factory, caplog):
             device = _completion(http, route="device")  # a head cannot decode alone: the operator's remedy
         engine.close()
     assert device.status_code == 400 and device.json()["error"]["param"] == "route", device.text
-    assert "--draft" in device.json()["error"]["message"] and "EdgeClient" not in device.text
+    assert "--device-draft" in device.json()["error"]["message"] and "EdgeClient" not in device.text
     assert r.status_code == 200, r.text
     assert r.json()["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0  # the head drafted
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec.edge_serve"]
