@@ -160,37 +160,12 @@ def draft_train_head(
                             data_time_budget_s=data_time_budget, prompt_positions=not answers_only,
                             soft_labels=not hard_labels, heldout_fraction=heldout_fraction,
                             generate_batch_size=generate_batch_size, init_from=init_from, device=device,
-                            progress=_progress_that_sees_ctrl_c())
+                            progress=lambda line: typer.echo(line, err=True))
     except ValueError as e:  # --init-from of another target; no training data
         fail(str(e))
     except KeyboardInterrupt:
         _interrupted(out_dir, existed)
     typer.echo(json.dumps(result))
-
-
-def _progress_that_sees_ctrl_c():
-    """train-head's progress callback (a line to stderr), made to notice a Ctrl-C that Python lost: the signal
-    handler runs wherever the interpreter next checks, and a KeyboardInterrupt raised inside a finaliser
-    (``__del__``, e.g. of a stream wrapper) is printed as "Exception ignored" and dropped. So SIGINT also sets a
-    flag (unless SIGINT is ignored, as in a background job), and the next progress line raises it where it
-    propagates: training reports at least once an epoch, answers once a batch."""
-    import signal
-    import threading
-
-    pressed = threading.Event()
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        def on_sigint(signum, frame):
-            pressed.set()
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGINT, on_sigint)
-
-    def progress(line: str) -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-        typer.echo(line, err=True)
-
-    return progress
 
 
 def _interrupted(out_dir: Path, existed: set[str] | None) -> None:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -163,24 +162,3 @@ def test_ctrl_c_leaves_no_output_directory_behind(tiny_pair, tmp_path):
             assert not out.exists()
         else:
             assert out.is_dir() and not any(out.iterdir())
-
-
-def test_a_ctrl_c_lost_on_the_way_is_raised_by_the_next_progress_line():
-    """A KeyboardInterrupt that Python drops (raised inside a finaliser, printed as "Exception ignored") must not
-    lose the Ctrl-C: train-head's progress callback raises it at its next line."""
-    from specdec.cli.models_commands import _progress_that_sees_ctrl_c
-
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        progress = _progress_that_sees_ctrl_c()
-        progress("a line before any Ctrl-C")
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the handler runs here, at once
-        except KeyboardInterrupt:
-            pass  # what a finaliser does with it
-        with pytest.raises(KeyboardInterrupt):
-            progress("the next line")
-    finally:
-        signal.signal(signal.SIGINT, previous)
