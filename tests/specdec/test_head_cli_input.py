@@ -108,13 +108,8 @@ def test_two_sequences_all_train_and_the_heldout_agreement_is_absent(tiny_pair, 
 
 def _interrupt_training(tiny_pair, tmp_path: Path, out: Path) -> tuple[int, list[str]]:
     """Run `draft train-head` (endless epochs) in a real process, send SIGINT once it prints its data line
-    (training has begun), and return (exit status, stderr lines).
-
-    Ctrl-C is pressed again after 30 s without an exit, as a user would: once in a loaded CI run a first SIGINT
-    did not end the process within 120 s (not reproduced since, in a dozen tries). A process that outlives two
-    is made to print every thread's stack (faulthandler, on SIGABRT) into the lines the test fails with."""
-    env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path / "cache"), OMP_WAIT_POLICY="PASSIVE",
-               PYTHONFAULTHANDLER="1")
+    (training has begun), and return (exit status, stderr lines)."""
+    env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path / "cache"), OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "draft", "train-head", str(out), "--train-prompts",
          str(_prompts(tmp_path / "p")), "--target", str(tiny_pair.target_dir), "--num-prompts", "4",
@@ -127,17 +122,8 @@ def _interrupt_training(tiny_pair, tmp_path: Path, out: Path) -> tuple[int, list
     try:
         while not any(line.startswith("data:") for line in seen):
             seen.append(lines.get(timeout=240))  # bounded: a run that never gets there fails here
-        code = None
-        for attempt in range(2):
-            proc.send_signal(signal.SIGINT)
-            try:
-                code = proc.wait(timeout=30)
-                break
-            except subprocess.TimeoutExpired:
-                print(f"train-head still running 30 s after Ctrl-C number {attempt + 1}")
-        if code is None:
-            proc.send_signal(signal.SIGABRT)  # faulthandler: the stacks, then the process ends
-            proc.wait(timeout=30)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
