@@ -23,7 +23,15 @@ def _start(tiny_pair, server: str | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "chat", *where, "--draft", str(tiny_pair.draft_dir),
          "--max-new-tokens", "300", "-g", "1"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0,
+        preexec_fn=_sigint_as_from_a_terminal)
+
+
+def _sigint_as_from_a_terminal() -> None:
+    """In the child: SIGINT back to its default, so Python turns it into KeyboardInterrupt. A test run started
+    as a background job of a non-interactive shell ignores SIGINT, and children inherit that (Python then never
+    installs its handler): the Ctrl-C would be lost, as it is for a background job, not a terminal's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

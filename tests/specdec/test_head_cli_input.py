@@ -114,7 +114,10 @@ def _interrupt_training(tiny_pair, tmp_path: Path, out: Path) -> tuple[int, list
         [sys.executable, "-m", "specdec.cli", "draft", "train-head", str(out), "--train-prompts",
          str(_prompts(tmp_path / "p")), "--target", str(tiny_pair.target_dir), "--num-prompts", "4",
          "--max-prompt-tokens", "64", "--max-new-tokens", "8", "--draft-vocab", "256", "--epochs", "1000000"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # a test run started as a background job of a non-interactive shell ignores SIGINT and the child would
+        # inherit that (no KeyboardInterrupt ever): SIGINT as a terminal delivers it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line.rstrip("\n")) for line in proc.stderr], daemon=True)
     reader.start()
