@@ -24,11 +24,14 @@ class UnsupportedByDrafterError(InvalidRequestError):
     """The request needs something the edge's drafter cannot do (decoding alone for route=device or device
     fallback, a grammar or penalties while decoding alone, a fresh state for a seeded sampled generation):
     raised on the edge before anything is sent. ``capability`` names the missing one (the protocol's name in
-    edge_client.drafting.contract). INVALID_ARGUMENT, as any request the client's setup cannot serve."""
+    edge_client.drafting.contract). INVALID_ARGUMENT, as any request the client's setup cannot serve.
+    ``head_on_device``: "route" or "fallback" when the drafter is a draft head that the device would need to
+    decode alone there (a front end words its own remedy from it), else ""."""
 
-    def __init__(self, message: str, capability: str = "") -> None:
+    def __init__(self, message: str, capability: str = "", head_on_device: str = "") -> None:
         super().__init__(message)
         self.capability = capability
+        self.head_on_device = head_on_device
 
 
 class SessionNotFoundError(SpecdecError, KeyError):

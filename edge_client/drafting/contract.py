@@ -231,7 +231,7 @@ def check_request(drafter: object, sampling: SamplingParams, route: str, fallbac
         raise UnsupportedByDrafterError(
             f"{where} needs a draft that decodes alone; {_name(drafter)} is a draft head (it drafts from the "
             "verifier's features): configure a standalone draft beside it (EdgeClient(device_drafter=...))",
-            DecodesAlone.__name__)
+            DecodesAlone.__name__, head_on_device="route" if route == "device" else "fallback")
     if on_device:
         drafter = drafter if device_drafter is None else device_drafter
         needs = [(DecodesAlone, True, "decodes alone (a draft model; not n-gram drafting or none)"),

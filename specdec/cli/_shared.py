@@ -113,11 +113,11 @@ def explain(e: BaseException) -> str:
 
     if isinstance(e, UnauthenticatedError):
         return f"{e}: pass the verifier's key with --api-key KEY (or $SPECDEC_API_KEY)"
-    if isinstance(e, UnsupportedByDrafterError) and e.capability == "DecodesAlone" and "draft head" in str(e):
+    if isinstance(e, UnsupportedByDrafterError) and e.head_on_device:
         # a head that reached the device (a delivered one): the SDK's remedy (device_drafter) is not the CLI's
-        what = str(e).split("): ", 1)[0] + ")"
-        where = "--route device" if what.startswith("route=device") else "--fallback device"
-        return f"{where}{what[what.index(' needs'):]}: {head_on_device_remedy(where)}"
+        where = "--route device" if e.head_on_device == "route" else "--fallback device"
+        return (f"{where} needs a draft that decodes alone; the draft is a draft head (it drafts from the "
+                f"verifier's features): {head_on_device_remedy(where)}")
     return str(e)
 
 

@@ -36,7 +36,7 @@ def api_error_for(e: BaseException) -> ApiError:
     """The HTTP error for an exception of a generation (see the module docstring for the mapping)."""
     if isinstance(e, ApiError):
         return e
-    if isinstance(e, UnsupportedByDrafterError) and e.capability == "DecodesAlone" and "draft head" in str(e):
+    if isinstance(e, UnsupportedByDrafterError) and e.head_on_device:
         # a head cannot decode alone, and the SDK's remedy in its message means nothing to an HTTP client
         return ApiError(400, "route 'device' needs a draft that decodes alone, and this endpoint drafts with a "
                         "draft head (it drafts from the verifier's features): ask for another route, or start "
