@@ -139,6 +139,12 @@ def draft_train_head(
         fail(f"OUT_DIR {out_dir} already holds a head: give a new directory")
     if not train_prompts.is_file():
         fail(f"--train-prompts: no file at {train_prompts}")
+    from specdec.distill.head_data import load_prompt_texts
+
+    try:  # the file read before anything loads or OUT_DIR is made: the prompts train_head will read
+        load_prompt_texts(train_prompts, num_prompts)
+    except (ValueError, UnicodeDecodeError) as e:
+        fail(f"--train-prompts: {e}")
     from specdec.distill.head_training import check_checkpoint, train_head
     from specdec.models import default_model_paths
     from specdec_runtime.cloud_verifier.target.runner import resolve_device

@@ -42,14 +42,29 @@ def data_cache_dir() -> Path:
 
 
 def load_prompt_texts(path: Path, limit: int) -> list[str]:
-    """The first ``limit`` ``prompt`` fields of a jsonl file."""
+    """The first ``limit`` ``prompt`` fields of a jsonl file (blank lines skipped).
+
+    Raises:
+        ValueError: one line naming the file and line: a line that is not a JSON object with a non-empty
+            string ``prompt``; a file with no prompt at all.
+    """
     texts = []
     with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                texts.append(str(json.loads(line)["prompt"]))
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            prompt = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}:{lineno}: no \"prompt\" text (each line: {{\"prompt\": \"...\"}})")
+            texts.append(prompt)
             if len(texts) >= limit:
                 break
+    if not texts:
+        raise ValueError(f"{path}: no prompts (each line: {{\"prompt\": \"...\"}})")
     return texts
 
 

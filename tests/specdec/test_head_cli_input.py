@@ -151,3 +151,21 @@ def test_ctrl_c_leaves_no_output_directory_behind(tiny_pair, tmp_path):
             assert not out.exists()
         else:
             assert out.is_dir() and not any(out.iterdir())
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"text": "x"}\n', ':1: no "prompt" text'),
+    ('{"prompt": "ok"}\nnot json\n', ":2: not JSON"),
+    ("\n", "no prompts"),
+])
+def test_a_prompts_file_without_prompts_is_one_line_before_anything_loads(tiny_pair, tmp_path, content, needle):
+    """A training prompts file that is not JSONL of {"prompt": ...}: one line naming the file and line, exit 2,
+    before the target loads (no "device:" line) and with no OUT_DIR made."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["draft", "train-head", str(out), "--train-prompts", str(prompts),
+                                      "--target", str(tiny_pair.target_dir)])
+    line = _one_line(result, needle)
+    assert str(prompts) in line and "device:" not in result.output, result.output
+    assert not out.exists()
